@@ -1,0 +1,1 @@
+"""Code shared by the three services: errors, gRPC bootstrap, logging, the shared KV pool, model files."""

@@ -1,0 +1,128 @@
+"""One gRPC server bootstrap for every service: error mapping, health, reflection, graceful stop."""
+
+import signal
+import threading
+from collections.abc import Callable, Iterable
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.errors import PagedServeError
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception, method: str, log) -> None:
+    if isinstance(exc, PagedServeError):
+        log.info("rpc_refused", method=method, code=exc.code.name, error=str(exc))
+        context.abort(exc.code, str(exc))
+    log.exception("rpc_failed", method=method)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")
+
+
+class _ErrorInterceptor(grpc.ServerInterceptor):
+    """Turns typed errors into their status codes and anything else into INTERNAL, logged once."""
+
+    def __init__(self, log) -> None:
+        self._log = log
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method, log = handler_call_details.method, self._log
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            def unary(request, context):
+                try:
+                    return inner(request, context)
+                except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                    _abort(context, exc, method, log)
+
+            return handler._replace(unary_unary=unary)
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            def stream(request, context):
+                try:
+                    yield from inner_stream(request, context)
+                except Exception as exc:  # noqa: BLE001
+                    _abort(context, exc, method, log)
+
+            return handler._replace(unary_stream=stream)
+        return handler
+
+
+class Server:
+    """A started gRPC server with the health service; `wait()` blocks until SIGINT/SIGTERM."""
+
+    def __init__(self, server: grpc.Server, health_servicer: health.HealthServicer, port: int) -> None:
+        self.grpc_server = server
+        self.health = health_servicer
+        self.port = port
+        self._stopped = threading.Event()
+
+    def set_serving(self, service: str, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set(service, status)
+        self.health.set("", status)
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.grpc_server.stop(grace).wait()
+        self._stopped.set()
+
+    def wait(self, on_stop: Callable[[], None] | None = None) -> None:
+        def handle(signum, frame):
+            threading.Thread(target=self.stop, daemon=True).start()
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+        while not self._stopped.wait(0.5):
+            pass
+        if on_stop is not None:
+            on_stop()
+
+
+def serve(
+    services: Iterable[tuple[Callable, object, str]],
+    host: str,
+    port: int,
+    log,
+    serving: bool = True,
+    max_workers: int = 64,
+) -> Server:
+    """Starts a server for (add_servicer_fn, servicer, full service name) triples on host:port."""
+    services = list(services)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=[_ErrorInterceptor(log)],
+        options=CHANNEL_OPTIONS,
+    )
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+    for add, servicer, name in services:
+        add(servicer, server)
+        names.append(name)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}: is another server using this port?")
+    server.start()
+    result = Server(server, health_servicer, bound)
+    for _, _, name in services:
+        result.set_serving(name, serving)
+    log.info("listening", address=f"{host}:{bound}")
+    return result
+
+
+def channel(target: str) -> grpc.Channel:
+    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)

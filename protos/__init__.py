@@ -1,0 +1,1 @@
+"""The pagedserve.v1 gRPC contracts and their generated Python modules."""

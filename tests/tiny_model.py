@@ -1,0 +1,31 @@
+"""A small random-weight Llama saved as a Hugging Face directory, for fast tests."""
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    params = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    params.update(overrides)
+    return LlamaConfig(**params)
+
+
+def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**overrides))
+    model.save_pretrained(path, safe_serialization=True)
+    return path

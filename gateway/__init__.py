@@ -1,0 +1,1 @@
+"""The public face of pagedserve: API, tokenization, continuous batching, streaming, SDK and CLI."""

@@ -1,0 +1,140 @@
+"""The Python SDK: `Client(target).generate(...)` or `.stream(...)`; one client may serve many threads."""
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.server import channel
+from protos import common_pb2, generation_pb2, generation_pb2_grpc
+
+_FINISH_REASONS = {
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_STOP: "stop",
+}
+
+
+class GenerationError(Exception):
+    """A refused or failed request; `code` is the gRPC status, `details` says what to change."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed response: the new tokens and text; the last one has finish_reason and usage."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass
+class Completion:
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+def build_request(
+    prompt: str | None = None,
+    token_ids: Sequence[int] | None = None,
+    messages: Sequence[dict] | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int = 0,
+    seed: int | None = None,
+    ignore_eos: bool = False,
+    stop_token_ids: Sequence[int] = (),
+    request_id: str = "",
+) -> generation_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(top_k=top_k, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("seed", seed),
+    ):
+        if value is not None:
+            setattr(sampling, name, value)
+    return generation_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt=prompt or "",
+        token_ids=token_ids or (),
+        messages=[generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
+        sampling=sampling,
+    )
+
+
+def to_chunk(response: generation_pb2.GenerateResponse) -> Chunk:
+    usage = None
+    if response.HasField("usage"):
+        u = response.usage
+        usage = Usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+    return Chunk(
+        request_id=response.request_id,
+        token_ids=list(response.token_ids),
+        text=response.text,
+        finish_reason=_FINISH_REASONS.get(response.finish_reason),
+        usage=usage,
+    )
+
+
+class Client:
+    """Unset sampling fields take the server's defaults: max_tokens 16, temperature 1.0, top_p 1.0."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+        self._channel = channel(target)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self.timeout = timeout
+
+    def stream(self, prompt: str | None = None, **kwargs) -> Iterator[Chunk]:
+        """Yields chunks as the server produces them; GenerationError on a refused or failed request."""
+        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout)
+        try:
+            for response in call:
+                yield to_chunk(response)
+        except grpc.RpcError as err:
+            raise GenerationError(err.code(), err.details()) from None
+        finally:
+            call.cancel()
+
+    def generate(self, prompt: str | None = None, **kwargs) -> Completion:
+        """The whole completion at once: token_ids, text, finish_reason, usage."""
+        result = Completion()
+        for chunk in self.stream(prompt, **kwargs):
+            result.request_id = chunk.request_id
+            result.token_ids.extend(chunk.token_ids)
+            result.text += chunk.text
+            result.finish_reason, result.usage = chunk.finish_reason, chunk.usage
+        return result
+
+    def info(self) -> generation_pb2.GetInfoResponse:
+        try:
+            return self._stub.GetInfo(generation_pb2.GetInfoRequest(), timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise GenerationError(err.code(), err.details()) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

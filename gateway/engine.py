@@ -1,0 +1,228 @@
+"""The serving loop: start-up handshake, then one step = (Free) + Allocate/Extend + one Compute.Forward."""
+
+import threading
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import structlog
+
+from common.errors import PagedServeError, from_rpc_error
+from common.server import channel
+from gateway.scheduler import Scheduler, Step
+from gateway.sequence import Sequence
+from protos import cache_pb2, cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
+
+log = structlog.get_logger()
+HANDSHAKE_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    cache_target: str
+    compute_target: str
+    block_size: int = 16
+    max_batched_tokens: int = 4096
+    max_seqs: int = 64
+    rpc_timeout_s: float = 120.0
+
+
+@dataclass(slots=True)
+class Output:
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._cache = cache_pb2_grpc.CacheStub(channel(config.cache_target))
+        self._compute = compute_pb2_grpc.ComputeStub(channel(config.compute_target))
+        self._cond = threading.Condition()
+        self._intake: list[Sequence] = []
+        self._aborts: set[str] = set()
+        self._stopped = False
+        self._by_id: dict[str, Sequence] = {}
+        self.model_info: compute_pb2.ModelInfo | None = None
+        self.handle: common_pb2.PoolHandle | None = None
+        self.scheduler: Scheduler | None = None
+
+    # start-up
+    def handshake(self) -> None:
+        """Model info from compute, a pool sized for it from cache, the pool attached to compute."""
+        info = self._compute.GetModelInfo(
+            compute_pb2.GetModelInfoRequest(), wait_for_ready=True, timeout=HANDSHAKE_TIMEOUT_S
+        )
+        geometry = cache_pb2.PoolGeometry(
+            num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim
+        )
+        handle = self._cache.CreatePool(
+            cache_pb2.CreatePoolRequest(
+                geometry=geometry, block_size=self.config.block_size, kv_dtype=info.dtype
+            ),
+            wait_for_ready=True,
+            timeout=HANDSHAKE_TIMEOUT_S,
+        )
+        self._compute.AttachPool(handle, timeout=self.config.rpc_timeout_s)
+        self.model_info, self.handle = info, handle
+        num_blocks = handle.shape[2]
+        self.scheduler = Scheduler(
+            self.config.block_size, num_blocks, self.config.max_batched_tokens, self.config.max_seqs
+        )
+        log.info("attached", model=info.model, dtype=info.dtype, num_blocks=num_blocks, epoch=handle.epoch)
+
+    @property
+    def max_len(self) -> int:
+        """Longest sequence servable: the model's limit, or the whole pool if that is smaller."""
+        return min(self.model_info.max_model_len, self.scheduler.num_blocks * self.config.block_size)
+
+    # requests
+    def submit(self, seq: Sequence) -> None:
+        with self._cond:
+            self._intake.append(seq)
+            self._cond.notify()
+
+    def abort(self, seq_id: str) -> None:
+        with self._cond:
+            self._aborts.add(seq_id)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    # loop
+    def run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopped or self._intake or self._aborts or self.scheduler.has_work()):
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                intake, self._intake = self._intake, []
+                aborts, self._aborts = self._aborts, set()
+            for seq in intake:
+                self._by_id[seq.seq_id] = seq
+                self.scheduler.add(seq)
+            self._abort_now(aborts)
+            step = self.scheduler.schedule()
+            if step is not None:
+                self._run_step(step)
+
+    def _abort_now(self, seq_ids: set[str]) -> None:
+        seqs = [self._by_id[s] for s in seq_ids if s in self._by_id]
+        if seqs:
+            self._release(seqs)
+            log.info("aborted", seq_ids=[s.seq_id for s in seqs])
+
+    def _run_step(self, step: Step) -> None:
+        try:
+            if step.preempted:
+                self._free(step.preempted)
+                log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
+            self._reserve(step)
+            reply = self._compute.Forward(self._forward_request(step), timeout=self.config.rpc_timeout_s)
+        except grpc.RpcError as err:
+            self._fail(step.seqs, from_rpc_error(err))
+            return
+        self._advance(step, list(reply.token_ids))
+
+    def _reserve(self, step: Step) -> None:
+        """Allocates tables for a prefill or grows the tables that need a block for a decode."""
+        requests = [
+            cache_pb2.SequenceRequest(seq_id=seq.seq_id, num_tokens=seq.num_tokens)
+            for seq in step.seqs
+            if step.is_prefill or self.scheduler.blocks_needed(seq)
+        ]
+        if not requests:
+            return
+        if step.is_prefill:
+            reply = self._cache.Allocate(
+                cache_pb2.AllocateRequest(sequences=requests), timeout=self.config.rpc_timeout_s
+            )
+        else:
+            reply = self._cache.Extend(
+                cache_pb2.ExtendRequest(sequences=requests), timeout=self.config.rpc_timeout_s
+            )
+        for table in reply.tables:
+            seq = self._by_id[table.seq_id]
+            seq.block_table = list(table.block_ids)
+            if step.is_prefill:
+                seq.cached_tokens = table.cached_tokens
+                seq.num_computed = max(seq.num_computed, table.cached_tokens)
+        self.scheduler.free_blocks = reply.free_blocks
+
+    def _forward_request(self, step: Step) -> compute_pb2.ForwardRequest:
+        bs = self.config.block_size
+        seqs = step.seqs
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = np.full((len(seqs), width), -1, dtype=np.int64)
+        token_ids, positions, slots, q_lens = [], [], [], []
+        for i, seq in enumerate(seqs):
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            tables[i, : len(table)] = table
+            pos = np.arange(seq.num_computed, seq.num_tokens, dtype=np.int64)
+            token_ids.extend(seq.token_ids[seq.num_computed :])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            q_lens.append(len(pos))
+        return compute_pb2.ForwardRequest(
+            pool_epoch=self.handle.epoch,
+            token_ids=token_ids,
+            positions=np.concatenate(positions).tolist(),
+            cu_seqlens_q=np.concatenate([[0], np.cumsum(q_lens)]).tolist(),
+            context_lens=[seq.num_tokens for seq in seqs],
+            block_tables=tables.ravel().tolist(),
+            block_table_width=width,
+            slot_mapping=np.concatenate(slots).tolist(),
+            sample=[True] * len(seqs),
+            sampling=[_sampling_proto(seq) for seq in seqs],
+        )
+
+    def _advance(self, step: Step, tokens: list[int]) -> None:
+        eos = frozenset(self.model_info.eos_token_ids)
+        finished = []
+        for seq, token in zip(step.seqs, tokens, strict=True):
+            seq.num_computed = seq.num_tokens
+            seq.output_ids.append(token)
+            seq.finish_reason = seq.stop_reason(eos)
+            if seq.finish_reason:
+                finished.append(seq)
+        # NOTE: blocks are back in the pool before the client hears that its request ended.
+        self._release(finished)
+        for seq, token in zip(step.seqs, tokens, strict=True):
+            seq.outbox.put(Output([token], seq.finish_reason))
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.scheduler.remove(seq)
+            del self._by_id[seq.seq_id]
+        held = [seq for seq in seqs if seq.block_table]
+        if held:
+            try:
+                self._free(held)
+            except grpc.RpcError as err:
+                log.error("free_failed", seq_ids=[s.seq_id for s in held], error=err.details())
+
+    def _free(self, seqs: list[Sequence]) -> None:
+        reply = self._cache.Free(
+            cache_pb2.FreeRequest(seq_ids=[s.seq_id for s in seqs]), timeout=self.config.rpc_timeout_s
+        )
+        self.scheduler.free_blocks = reply.free_blocks
+        for seq in seqs:
+            seq.block_table = []
+
+    def _fail(self, seqs: list[Sequence], error: PagedServeError) -> None:
+        log.error("step_failed", seq_ids=[s.seq_id for s in seqs], code=error.code.name, error=str(error))
+        self._release(seqs)
+        for seq in seqs:
+            seq.outbox.put(error)
+
+
+def _sampling_proto(seq: Sequence) -> common_pb2.SamplingParams:
+    s = seq.sampling
+    proto = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    if s.seed is not None:
+        proto.seed = s.seed
+    return proto

@@ -1,0 +1,60 @@
+"""One request's state as it moves through the scheduler."""
+
+import enum
+import queue
+import time
+from dataclasses import dataclass, field
+
+
+class Status(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(slots=True, frozen=True)
+class Sampling:
+    """A request's sampling and stopping controls with every default resolved."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    ignore_eos: bool
+    stop_token_ids: frozenset[int]
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    max_len: int
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V is written in the block table's blocks.
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    # What the engine hands to the RPC thread: (new token ids, finish reason or None), or an exception.
+    outbox: queue.Queue = field(default_factory=queue.Queue)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def stop_reason(self, eos_ids: frozenset[int]) -> str | None:
+        """Why the sequence ends after its latest token, or None to go on."""
+        last = self.output_ids[-1]
+        if last in self.sampling.stop_token_ids or (not self.sampling.ignore_eos and last in eos_ids):
+            return "stop"
+        if len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= self.max_len:
+            return "length"
+        return None

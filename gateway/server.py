@@ -1,0 +1,178 @@
+"""The public Generation service: validates requests, feeds the engine, streams its outputs."""
+
+import argparse
+import threading
+import uuid
+
+import grpc
+import structlog
+
+from common import logging as pslogging
+from common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from common.model_files import DEFAULT_MODEL, local_copy
+from common.server import serve
+from gateway import tokenizer as tok
+from gateway.engine import Engine, EngineConfig, Output
+from gateway.sequence import Sampling, Sequence
+from protos import common_pb2, generation_pb2, generation_pb2_grpc
+
+log = structlog.get_logger()
+SERVICE = "pagedserve.v1.Generation"
+FINISH_REASONS = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP}
+
+
+def resolve_sampling(params: common_pb2.SamplingParams, vocab_size: int) -> Sampling:
+    """Defaults filled in and every value checked; InvalidArgument names the field to fix."""
+    max_tokens = params.max_tokens if params.HasField("max_tokens") else 16
+    temperature = params.temperature if params.HasField("temperature") else 1.0
+    top_p = params.top_p if params.HasField("top_p") else 1.0
+    if max_tokens <= 0:
+        raise InvalidArgument(f"sampling.max_tokens must be > 0, got {max_tokens}")
+    if temperature < 0:
+        raise InvalidArgument(f"sampling.temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {top_p}")
+    if params.top_k < 0:
+        raise InvalidArgument(f"sampling.top_k must be >= 0 (0 turns it off), got {params.top_k}")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(
+            f"sampling.stop_token_ids has {bad[0]}, outside the vocabulary [0, {vocab_size})"
+        )
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=params.top_k,
+        seed=params.seed if params.HasField("seed") else None,
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=frozenset(params.stop_token_ids),
+    )
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: Engine, tokenizer) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+
+    def _attached_model(self):
+        if self._engine.model_info is None:
+            raise Unavailable(
+                "the gateway is still attaching to the cache and compute services; retry shortly"
+            )
+        return self._engine.model_info
+
+    def _new_sequence(self, request: generation_pb2.GenerateRequest) -> Sequence:
+        info = self._attached_model()
+        prompt_ids = tok.encode(self._tokenizer, request, info.vocab_size)
+        sampling = resolve_sampling(request.sampling, info.vocab_size)
+        max_len = self._engine.max_len
+        if len(prompt_ids) >= info.max_model_len:
+            raise InvalidArgument(
+                f"prompt has {len(prompt_ids)} tokens; the model takes at most {info.max_model_len - 1} "
+                "so that one can be generated"
+            )
+        if len(prompt_ids) >= max_len:
+            raise ResourceExhausted(
+                f"prompt has {len(prompt_ids)} tokens; the KV cache holds at most {max_len} tokens"
+                " per sequence: give the cache service more memory (--kv-memory/--kv-blocks)"
+            )
+        return Sequence(seq_id=uuid.uuid4().hex, prompt_ids=prompt_ids, sampling=sampling, max_len=max_len)
+
+    def Generate(self, request, context):
+        request_id = request.request_id or uuid.uuid4().hex
+        seq = self._new_sequence(request)
+        detokenizer = tok.Detokenizer(self._tokenizer)
+        log.info("request", request_id=request_id, prompt_tokens=len(seq.prompt_ids))
+        self._engine.submit(seq)
+        context.add_callback(lambda: self._engine.abort(seq.seq_id))
+        while True:
+            item = seq.outbox.get()
+            if isinstance(item, Exception):
+                raise item
+            yield self._response(seq, item, detokenizer, request_id)
+            if item.finish_reason:
+                return
+
+    def _response(
+        self, seq: Sequence, item: Output, detokenizer, request_id: str
+    ) -> generation_pb2.GenerateResponse:
+        text = detokenizer.step(item.token_ids)
+        if not item.finish_reason:
+            return generation_pb2.GenerateResponse(request_id=request_id, token_ids=item.token_ids, text=text)
+        usage = generation_pb2.Usage(
+            prompt_tokens=len(seq.prompt_ids),
+            cached_tokens=seq.cached_tokens,
+            completion_tokens=len(seq.output_ids),
+        )
+        return generation_pb2.GenerateResponse(
+            request_id=request_id,
+            token_ids=item.token_ids,
+            text=text + detokenizer.flush(),
+            finish_reason=FINISH_REASONS[item.finish_reason],
+            usage=usage,
+        )
+
+    def GetInfo(self, request, context):
+        info = self._attached_model()
+        return generation_pb2.GetInfoResponse(
+            model=info.model,
+            dtype=info.dtype,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            block_size=self._engine.config.block_size,
+            num_blocks=self._engine.scheduler.num_blocks,
+            eos_token_ids=info.eos_token_ids,
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway", description="pagedserve gateway: the public API"
+    )
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="model whose tokenizer to use (as given to compute)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--cache-target", default="127.0.0.1:50052")
+    parser.add_argument("--compute-target", default="127.0.0.1:50053")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-batched-tokens", type=int, default=4096)
+    parser.add_argument("--max-seqs", type=int, default=64)
+    parser.add_argument("--log-format", choices=("console", "json"), default="console")
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logger = pslogging.configure("gateway", args.log_format, args.log_level)
+    tokenizer = tok.load(str(local_copy(args.model).path))
+    engine = Engine(
+        EngineConfig(
+            cache_target=args.cache_target,
+            compute_target=args.compute_target,
+            block_size=args.block_size,
+            max_batched_tokens=args.max_batched_tokens,
+            max_seqs=args.max_seqs,
+        )
+    )
+    servicer = GenerationServicer(engine, tokenizer)
+    server = serve(
+        [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE)],
+        args.host,
+        args.port,
+        logger,
+        serving=False,
+    )
+    try:
+        engine.handshake()
+    except grpc.RpcError as err:
+        logger.error("handshake_failed", code=err.code().name, error=err.details())
+        server.stop(0)
+        raise SystemExit(1) from err
+    loop = threading.Thread(target=engine.run, name="engine", daemon=True)
+    loop.start()
+    server.set_serving(SERVICE, True)
+    server.wait(on_stop=engine.stop)

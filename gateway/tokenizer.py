@@ -1,0 +1,87 @@
+"""Prompt encoding (text, token ids or chat messages) and incremental detokenization."""
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from common.errors import InvalidArgument
+from protos import generation_pb2
+
+
+def load(path: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path)
+
+
+def encode(
+    tokenizer: PreTrainedTokenizerBase, request: generation_pb2.GenerateRequest, vocab_size: int
+) -> list[int]:
+    """The prompt's token ids; InvalidArgument unless exactly one of prompt, token_ids, messages is given."""
+    given = [
+        name
+        for name, present in (
+            ("prompt", bool(request.prompt)),
+            ("token_ids", bool(request.token_ids)),
+            ("messages", bool(request.messages)),
+        )
+        if present
+    ]
+    if not given:
+        raise InvalidArgument("empty prompt: set one of prompt, token_ids or messages")
+    if len(given) > 1:
+        raise InvalidArgument(f"set exactly one of prompt, token_ids or messages, got {' and '.join(given)}")
+    if request.token_ids:
+        ids = list(request.token_ids)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        return ids
+    if request.messages:
+        return _render_chat(tokenizer, request.messages)
+    return tokenizer.encode(request.prompt, add_special_tokens=True)
+
+
+def _render_chat(tokenizer: PreTrainedTokenizerBase, messages) -> list[int]:
+    if tokenizer.chat_template is None:
+        raise InvalidArgument("this model has no chat template: send prompt or token_ids instead of messages")
+    for i, message in enumerate(messages):
+        if not message.role:
+            raise InvalidArgument(f"messages[{i}] has no role (use system, user or assistant)")
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - template errors are the caller's to fix
+        raise InvalidArgument(f"cannot render messages with the chat template: {exc}") from exc
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas whose concatenation equals decoding them all.
+
+    NOTE: text is only released once it no longer ends in U+FFFD, so a multi-byte character split
+    across tokens comes out whole, and the surrounding window keeps spaces that depend on neighbours.
+    """
+
+    __slots__ = ("_tokenizer", "_ids", "_prefix_offset", "_read_offset")
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def step(self, new_ids: list[int]) -> str:
+        self._ids.extend(new_ids)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """What is still held back at the end of the generation."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full_text[len(prefix_text) :]

@@ -1,0 +1,48 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.model_files import local_copy
+from tests.e2e.stack import start_stack
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    return local_copy("smollm2").path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def stack_fp32(model_dir, logs):
+    stack = start_stack(logs, "--dtype", "float32", "--kv-blocks", "512")
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def stack_bf16(model_dir, logs):
+    stack = start_stack(logs, "--dtype", "bfloat16", "--kv-blocks", "512")
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_models(model_dir):
+    """The same weights in plain transformers, per dtype, loaded once."""
+    loaded = {}
+
+    def get(dtype: torch.dtype):
+        if dtype not in loaded:
+            loaded[dtype] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        return loaded[dtype]
+
+    return get

@@ -1,0 +1,107 @@
+"""`pagedserve up` and `pagedserve generate` as a user runs them, on a deliberately small KV pool."""
+
+import re
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gateway.client import GenerationError
+from tests import helpers
+from tests.e2e.prompts import prompt_ids
+from tests.e2e.stack import PAGEDSERVE, start_stack
+
+pytestmark = pytest.mark.e2e
+KV_BLOCKS = 24
+
+
+@pytest.fixture(scope="module")
+def small_stack(model_dir, logs):
+    stack = start_stack(
+        logs, "--dtype", "float32", "--kv-blocks", str(KV_BLOCKS), "--max-batched-tokens", "512"
+    )
+    yield stack
+    assert stack.stop() == 0
+
+
+def _segments() -> set[Path]:
+    return set(Path("/dev/shm").glob("pagedserve-kv-*"))
+
+
+def test_generate_command_streams_to_stdout(small_stack):
+    out = subprocess.run(
+        [PAGEDSERVE, "generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
+         "--target", small_stack.target],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert re.search(r"\[(length|stop): 5 prompt tokens \(0 cached\), \d+ generated\]", out.stderr)
+
+
+def test_generate_command_reports_errors(small_stack):
+    out = subprocess.run(
+        [PAGEDSERVE, "generate", "hi", "--max-tokens", "0", "--target", small_stack.target],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert "INVALID_ARGUMENT" in out.stderr and "max_tokens must be > 0" in out.stderr
+
+
+def test_prompt_larger_than_the_pool_is_resource_exhausted(small_stack, tokenizer):
+    (ids,) = prompt_ids(tokenizer, [KV_BLOCKS * 16 + 10])
+    with small_stack.client() as client, pytest.raises(GenerationError) as err:
+        client.generate(token_ids=ids, max_tokens=4)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--kv-memory" in err.value.details
+    assert small_stack.stats().used_blocks == 0
+
+
+def test_running_out_of_blocks_preempts_instead_of_failing(small_stack, tokenizer):
+    # 6 prompts of 90 tokens + 40 new need 6 * 9 = 54 blocks at the end; the pool has 24.
+    prompts = prompt_ids(tokenizer, [90] * 6)
+    with small_stack.client() as client:
+        alone = [
+            client.generate(token_ids=p, max_tokens=40, temperature=0.0, ignore_eos=True) for p in prompts[:2]
+        ]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(
+                pool.map(
+                    lambda p: client.generate(token_ids=p, max_tokens=40, temperature=0.0, ignore_eos=True),
+                    prompts,
+                )
+            )
+    assert [r.token_ids for r in together[:2]] == [r.token_ids for r in alone]
+    assert all(len(r.token_ids) == 40 for r in together)
+    assert "preempted" in Path(small_stack.proc.log_path).read_text()
+    assert small_stack.stats().used_blocks == 0
+
+
+def test_up_prints_ready_and_cleans_up_on_sigint(model_dir, logs):
+    before = _segments()
+    port = helpers.free_port()
+    proc = subprocess.Popen(
+        [PAGEDSERVE, "up", "--port", str(port), "--cache-port", str(helpers.free_port()),
+         "--compute-port", str(helpers.free_port()), "--kv-blocks", "32"],
+        cwd=helpers.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "pagedserve up exited before it was ready:\n" + "".join(lines[-30:])
+            lines.append(line)
+            if "pagedserve ready" in line:
+                break
+        assert f"127.0.0.1:{port}" in lines[-1]
+        assert len(_segments() - before) == 1, "the cache service maps one pool segment"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        helpers.stop(proc)
+    assert _segments() == before, "the pool segment is removed on shutdown"

@@ -1,0 +1,78 @@
+"""Bad input gets INVALID_ARGUMENT with an actionable message and leaves no block used."""
+
+import grpc
+import pytest
+
+from gateway.client import GenerationError
+from protos import cache_pb2, common_pb2, compute_pb2
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(prompt=""), "empty prompt"),
+        (dict(token_ids=[1, 2, 49152]), "token id 49152 is outside the vocabulary"),
+        (dict(token_ids=[5, -1]), "token id -1 is outside the vocabulary"),
+        (dict(prompt="hi", max_tokens=0), "max_tokens must be > 0"),
+        (dict(prompt="hi", max_tokens=-3), "max_tokens must be > 0"),
+        (dict(prompt="hi", temperature=-1.0), "temperature must be >= 0"),
+        (dict(prompt="hi", top_p=1.5), "top_p must be in (0, 1]"),
+        (dict(prompt="hi", top_k=-1), "top_k must be >= 0"),
+        (dict(prompt="hi", token_ids=[1, 2]), "exactly one of prompt, token_ids or messages"),
+        (dict(token_ids=[42] * 8192), "the model takes at most 8191"),
+        (dict(messages=[{"role": "", "content": "hi"}]), "messages[0] has no role"),
+    ],
+)
+def test_bad_requests_are_refused_without_leaking(stack_fp32, kwargs, message):
+    with stack_fp32.client() as client, pytest.raises(GenerationError) as err:
+        client.generate(**kwargs)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details
+    stats = stack_fp32.stats()
+    assert stats.used_blocks == 0
+    assert stats.num_sequences == 0
+
+
+def _forward(stack, **overrides) -> compute_pb2.ForwardRequest:
+    epoch = stack.stats().pool_epoch
+    request = dict(
+        pool_epoch=epoch,
+        token_ids=[1, 2, 3],
+        positions=[0, 1, 2],
+        cu_seqlens_q=[0, 3],
+        context_lens=[3],
+        block_tables=[0],
+        block_table_width=1,
+        slot_mapping=[0, 1, 2],
+        sample=[True],
+        sampling=[common_pb2.SamplingParams(temperature=0.0)],
+    )
+    request.update(overrides)
+    return compute_pb2.ForwardRequest(**request)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(block_tables=[512], slot_mapping=[8192, 8193, 8194]), "block"),
+        (dict(block_tables=[-7], slot_mapping=[-112, -111, -110]), "block"),
+        (dict(slot_mapping=[0, 1, 5]), "slot"),
+        (dict(token_ids=[1, 2, 10**6]), "token"),
+    ],
+)
+def test_compute_refuses_forward_outside_the_pool(stack_fp32, overrides, message):
+    before = stack_fp32.cache().ReadBlock(cache_pb2.ReadBlockRequest(block_id=0, layer=0, include_data=True))
+    with pytest.raises(grpc.RpcError) as err:
+        stack_fp32.compute().Forward(_forward(stack_fp32, **overrides), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details().lower()
+    after = stack_fp32.cache().ReadBlock(cache_pb2.ReadBlockRequest(block_id=0, layer=0, include_data=True))
+    assert after.data == before.data
+
+
+def test_compute_refuses_a_stale_pool_epoch(stack_fp32):
+    with pytest.raises(grpc.RpcError) as err:
+        stack_fp32.compute().Forward(_forward(stack_fp32, pool_epoch="not-the-epoch"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

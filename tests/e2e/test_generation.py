@@ -1,0 +1,124 @@
+"""The whole stack serves the real model: greedy parity with transformers, streaming, stopping, stats."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from tests.e2e.prompts import prompt_ids
+
+pytestmark = pytest.mark.e2e
+
+LENGTHS = [5, 600, 17, 64, 250, 33, 128, 400]
+NEW_TOKENS = 32
+
+
+def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), generation_config=config)
+    return out[0, len(ids) :].tolist()
+
+
+def concurrent_greedy(stack, prompts: list[list[int]], new_tokens: int):
+    with stack.client() as client, ThreadPoolExecutor(len(prompts)) as pool:
+        jobs = [
+            pool.submit(client.generate, token_ids=p, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+            for p in prompts
+        ]
+        return [job.result() for job in jobs]
+
+
+@pytest.mark.parametrize(
+    ("stack_name", "dtype"), [("stack_fp32", torch.float32), ("stack_bf16", torch.bfloat16)]
+)
+def test_greedy_parity_with_transformers(request, stack_name, dtype, tokenizer, hf_models):
+    stack = request.getfixturevalue(stack_name)
+    prompts = prompt_ids(tokenizer, LENGTHS)
+    results = concurrent_greedy(stack, prompts, NEW_TOKENS)
+    model = hf_models(dtype)
+    for ids, result in zip(prompts, results, strict=True):
+        assert result.token_ids == hf_greedy(model, ids, NEW_TOKENS), f"prompt of {len(ids)} tokens diverged"
+        assert result.finish_reason == "length"
+        assert result.usage.prompt_tokens == len(ids)
+        assert result.usage.completion_tokens == NEW_TOKENS
+    assert stack.stats().used_blocks == 0
+
+
+def test_stream_text_deltas_concatenate_to_the_decoded_tokens(stack_fp32, tokenizer):
+    with stack_fp32.client() as client:
+        chunks = list(client.stream("Write a short poem about the sea.", max_tokens=40, temperature=0.0))
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert len(chunks) == len(tokens) == 40, "one response per generated token"
+    assert "".join(c.text for c in chunks) == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert [c.finish_reason for c in chunks[:-1]] == [None] * 39
+    assert chunks[-1].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 40
+
+
+def test_chat_messages_use_the_chat_template(stack_fp32, tokenizer, hf_models):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with stack_fp32.client() as client:
+        result = client.generate(messages=messages, max_tokens=24, temperature=0.0)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert result.usage.prompt_tokens == len(ids)
+    expected = hf_greedy(hf_models(torch.float32), ids, 24)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if eos in expected:
+        expected = expected[: expected.index(eos) + 1]
+    assert result.token_ids == expected
+    assert "Paris" in result.text
+
+
+def test_stops_at_eos_and_at_stop_token_ids(stack_fp32, tokenizer):
+    messages = [{"role": "user", "content": "Say hello."}]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with stack_fp32.client() as client:
+        stopped = client.generate(messages=messages, max_tokens=200, temperature=0.0)
+        assert stopped.finish_reason == "stop"
+        assert stopped.token_ids[-1] == eos
+        assert eos not in stopped.token_ids[:-1]
+        # Stop at the second generated token by naming it as a stop token.
+        first_two = stopped.token_ids[:2]
+        cut = client.generate(
+            messages=messages, max_tokens=200, temperature=0.0, stop_token_ids=[first_two[1]]
+        )
+        assert cut.token_ids == first_two
+        assert cut.finish_reason == "stop"
+        ignored = client.generate(messages=messages, max_tokens=len(stopped.token_ids) + 5, temperature=0.0,
+                                  ignore_eos=True)  # fmt: skip
+        assert ignored.finish_reason == "length"
+        assert len(ignored.token_ids) == len(stopped.token_ids) + 5
+    assert stack_fp32.stats().used_blocks == 0
+
+
+def test_seeded_sampling_is_reproducible(stack_fp32):
+    kwargs = dict(prompt="Once upon a time", max_tokens=24, temperature=1.0, top_p=0.95, top_k=50)
+    with stack_fp32.client() as client, ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(lambda s: client.generate(seed=s, **kwargs).token_ids, [7, 7, 8, 8]))
+    assert runs[0] == runs[1]
+    assert runs[2] == runs[3]
+    assert runs[0] != runs[2]
+
+
+def test_many_threads_share_one_client(stack_fp32):
+    with stack_fp32.client() as client, ThreadPoolExecutor(12) as pool:
+        prompts = [f"Count to {i}:" for i in range(12)]
+        results = list(pool.map(lambda p: client.generate(prompt=p, max_tokens=8, temperature=0.0), prompts))
+        alone = client.generate(prompt="Count to 5:", max_tokens=8, temperature=0.0)
+    assert all(len(r.token_ids) == 8 for r in results)
+    assert results[5].token_ids == alone.token_ids
+    assert stack_fp32.stats().used_blocks == 0
+
+
+def test_info_describes_the_model_and_pool(stack_fp32):
+    with stack_fp32.client() as client:
+        info = client.info()
+    assert info.model == "SmolLM2-135M-Instruct"
+    assert info.dtype == "float32"
+    assert info.vocab_size == 49152
+    assert info.block_size == 16
+    assert info.num_blocks == 512
+    assert 2 in info.eos_token_ids

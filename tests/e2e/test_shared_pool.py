@@ -1,0 +1,58 @@
+"""The pool is one memory: K/V written by the compute process are read back through the cache process."""
+
+import numpy as np
+import pytest
+import torch
+
+from protos import cache_pb2, common_pb2, compute_pb2
+
+pytestmark = pytest.mark.e2e
+
+
+def _read(stack, block: int, layer: int) -> torch.Tensor:
+    reply = stack.cache().ReadBlock(
+        cache_pb2.ReadBlockRequest(block_id=block, layer=layer, include_data=True)
+    )
+    assert reply.dtype == "float32"
+    return torch.from_numpy(np.frombuffer(reply.data, dtype=np.float32).copy()).view(*reply.shape)
+
+
+def test_values_written_by_compute_are_read_by_cache(stack_fp32, hf_models):
+    cache, compute = stack_fp32.cache(), stack_fp32.compute()
+    tokens = [504, 3575, 282, 4649, 314]
+    table = cache.Allocate(
+        cache_pb2.AllocateRequest(
+            sequences=[cache_pb2.SequenceRequest(seq_id="shared-pool-test", num_tokens=5)]
+        )
+    ).tables[0]
+    try:
+        (block,) = table.block_ids
+        before = _read(stack_fp32, block, layer=0)
+        compute.Forward(
+            compute_pb2.ForwardRequest(
+                pool_epoch=stack_fp32.stats().pool_epoch,
+                token_ids=tokens,
+                positions=range(5),
+                cu_seqlens_q=[0, 5],
+                context_lens=[5],
+                block_tables=[block],
+                block_table_width=1,
+                slot_mapping=[block * 16 + i for i in range(5)],
+                sample=[True],
+                sampling=[common_pb2.SamplingParams(temperature=0.0)],
+            ),
+            timeout=60,
+        )
+        after = _read(stack_fp32, block, layer=0)
+    finally:
+        cache.Free(cache_pb2.FreeRequest(seq_ids=["shared-pool-test"]))
+    model = hf_models(torch.float32)
+    layer = model.model.layers[0]
+    with torch.inference_mode():
+        hidden = layer.input_layernorm(model.model.embed_tokens(torch.tensor(tokens)))
+        values = layer.self_attn.v_proj(hidden).view(5, 3, 64)
+    # [K/V, slot, kv head, head dim]: the five written slots hold this prompt's values, the rest is untouched.
+    torch.testing.assert_close(after[1, :5], values, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(after[0, :5], before[0, :5])
+    assert torch.equal(after[:, 5:], before[:, 5:])
+    assert stack_fp32.stats().used_blocks == 0

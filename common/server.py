@@ -70,7 +70,9 @@ class Server:
         self._stopped = threading.Event()
 
     def set_serving(self, service: str, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         self.health.set(service, status)
         self.health.set("", status)
 

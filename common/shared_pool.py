@@ -86,7 +86,9 @@ def create(spec: PoolSpec, shm_dir: Path = SHM_DIR) -> tuple[torch.Tensor, commo
             "lower --kv-memory/--kv-blocks or enlarge the shared memory (docker: shm_size)"
         ) from exc
     os.close(fd)
-    pool = torch.from_file(str(path), shared=True, size=math.prod(spec.shape), dtype=spec.dtype).view(spec.shape)
+    pool = torch.from_file(str(path), shared=True, size=math.prod(spec.shape), dtype=spec.dtype).view(
+        spec.shape
+    )
     handle = common_pb2.PoolHandle(
         device="cpu",
         shape=spec.shape,
@@ -106,7 +108,9 @@ def release(handle: common_pb2.PoolHandle) -> None:
 def open_pool(handle: common_pb2.PoolHandle) -> torch.Tensor:
     """Maps a pool from its handle after checking the handle against the segment it names."""
     if handle.device != "cpu" or handle.WhichOneof("payload") != "shm":
-        raise InvalidArgument(f"this compute service maps cpu shared-memory pools, got device {handle.device!r}")
+        raise InvalidArgument(
+            f"this compute service maps cpu shared-memory pools, got device {handle.device!r}"
+        )
     if len(handle.shape) != 6:
         raise InvalidArgument(f"pool shape must have 6 dimensions, got {list(handle.shape)}")
     dtype = dtype_from_name(handle.dtype)
@@ -119,7 +123,9 @@ def open_pool(handle: common_pb2.PoolHandle) -> torch.Tensor:
     try:
         size = path.stat().st_size
     except FileNotFoundError as exc:
-        raise FailedPrecondition(f"pool segment {path} is gone: the cache service restarted; re-attach") from exc
+        raise FailedPrecondition(
+            f"pool segment {path} is gone: the cache service restarted; re-attach"
+        ) from exc
     if size != handle.shm.nbytes:
         raise FailedPrecondition(f"pool segment {path} holds {size} bytes, handle says {handle.shm.nbytes}")
     pool = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(tuple(handle.shape))

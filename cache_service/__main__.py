@@ -1,0 +1,3 @@
+from cache_service.server import main
+
+main()

@@ -1,0 +1,1 @@
+"""Physical block allocators, chosen by name from `registry`."""

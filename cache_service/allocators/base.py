@@ -1,0 +1,45 @@
+"""The interface every block allocator implements: which physical blocks are free, and handing them out."""
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+
+class BlockAllocator(ABC):
+    """Hands out block ids in [0, num_total); knows nothing about sequences or refcounts.
+
+    The caller checks `num_free` before `allocate`; an allocator never fails for lack of blocks.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, num_blocks: int) -> None:
+        assert num_blocks > 0, num_blocks
+        self._num_total = num_blocks
+
+    @property
+    def num_total(self) -> int:
+        return self._num_total
+
+    @property
+    @abstractmethod
+    def num_free(self) -> int: ...
+
+    @abstractmethod
+    def is_free(self, block_id: int) -> bool:
+        """Whether `block_id` (assumed in range) is free."""
+
+    @abstractmethod
+    def allocate(self, n: int, hint: Sequence[int] = ()) -> list[int]:
+        """Returns n distinct free block ids, now used. Requires n <= num_free.
+
+        `hint` lists the blocks the sequence already holds, so an allocator may place new ones near them.
+        """
+
+    @abstractmethod
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Returns used blocks to the free set; all or nothing.
+
+        Raises InvalidArgument for an id out of range, FailedPrecondition for one already free
+        (or listed twice).
+        """

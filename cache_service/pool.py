@@ -1,0 +1,91 @@
+"""The KV pool the service owns: its spec from a CreatePool request, shared tensor and block manager."""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from cache_service.allocators import registry
+from cache_service.block_manager import BlockManager
+from common import shared_pool
+from common.errors import InvalidArgument, ResourceExhausted
+from common.shared_pool import PoolSpec
+from protos import cache_pb2, common_pb2
+
+MAX_BLOCK_SIZE = 1024
+MAX_BLOCKS = 2**31 - 1  # block ids travel as int32
+
+
+def spec_from_request(
+    request: cache_pb2.CreatePoolRequest, default_blocks: int, default_memory: int
+) -> PoolSpec:
+    """The pool a CreatePool asks for; its budget is the request's if set, else the service's defaults.
+
+    Raises InvalidArgument for a bad geometry, block size, dtype or budget, and ResourceExhausted when the
+    budget holds no block.
+    """
+    geometry = request.geometry
+    for name in ("num_layers", "num_kv_heads", "head_dim"):
+        if getattr(geometry, name) <= 0:
+            raise InvalidArgument(f"geometry.{name} must be > 0, got {getattr(geometry, name)}")
+    if not 0 < request.block_size <= MAX_BLOCK_SIZE:
+        raise InvalidArgument(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {request.block_size}")
+    dtype = shared_pool.dtype_from_name(request.kv_dtype)
+    if request.num_blocks < 0 or request.memory_bytes < 0:
+        raise InvalidArgument(
+            f"budget must be >= 0, got num_blocks={request.num_blocks} memory_bytes={request.memory_bytes}"
+        )
+    if request.num_blocks and request.memory_bytes:
+        raise InvalidArgument("set num_blocks or memory_bytes, not both")
+    one_block = PoolSpec(
+        geometry.num_layers, 1, request.block_size, geometry.num_kv_heads, geometry.head_dim, dtype
+    )
+    if request.num_blocks or request.memory_bytes:
+        blocks, memory, source = request.num_blocks, request.memory_bytes, "memory_bytes"
+    else:
+        blocks, memory, source = default_blocks, default_memory, "the service's --kv-memory"
+    num_blocks = blocks or memory // one_block.block_bytes
+    if num_blocks < 1:
+        raise ResourceExhausted(
+            f"{source} of {memory} bytes holds no block: one block takes {one_block.block_bytes} bytes "
+            f"({geometry.num_layers} layers x K,V x {request.block_size} tokens x "
+            f"{geometry.num_kv_heads} heads x {geometry.head_dim} x {dtype.itemsize} bytes); "
+            "give more memory or a smaller block_size"
+        )
+    if num_blocks > MAX_BLOCKS:
+        raise InvalidArgument(f"{num_blocks} blocks is more than block ids can address ({MAX_BLOCKS})")
+    return replace(one_block, num_blocks=num_blocks)
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """A created pool: the owner's mapping of the segment, the handle others map it by, and its blocks."""
+
+    spec: PoolSpec
+    tensor: torch.Tensor
+    handle: common_pb2.PoolHandle
+    blocks: BlockManager
+
+    @classmethod
+    def create(cls, spec: PoolSpec, allocator: str) -> "KVPool":
+        """A new zeroed segment with a new epoch; the caller must `release` it."""
+        blocks = BlockManager(registry.create(allocator, spec.num_blocks), spec.block_size)
+        tensor, handle = shared_pool.create(spec)
+        return cls(spec, tensor, handle, blocks)
+
+    def same_layout(self, spec: PoolSpec) -> bool:
+        """Whether `spec` differs from this pool's at most in its number of blocks."""
+        return replace(spec, num_blocks=self.spec.num_blocks) == self.spec
+
+    def read_block(self, layer: int, block_id: int) -> torch.Tensor:
+        """K then V of one block in one layer, [2, block_size, num_kv_heads, head_dim], a view of the pool."""
+        if not 0 <= layer < self.spec.num_layers:
+            raise InvalidArgument(f"layer {layer} does not exist: the pool has {self.spec.num_layers} layers")
+        if not 0 <= block_id < self.spec.num_blocks:
+            raise InvalidArgument(
+                f"block {block_id} does not exist: the pool has {self.spec.num_blocks} blocks"
+            )
+        return self.tensor[layer, :, block_id]
+
+    def release(self) -> None:
+        """Unlinks the segment; mappings others hold stay valid until they drop them."""
+        shared_pool.release(self.handle)

@@ -1,0 +1,186 @@
+"""The pagedserve.v1.Cache gRPC service: one pool, one block manager, every RPC under one lock."""
+
+import argparse
+import re
+import threading
+from collections.abc import Sequence
+from fractions import Fraction
+
+import torch
+
+from cache_service.allocators import registry
+from cache_service.block_manager import BlockManager, SeqRequest
+from cache_service.pool import KVPool, spec_from_request
+from common import shared_pool
+from common.errors import FailedPrecondition
+from common.logging import configure
+from common.server import serve
+from protos import cache_pb2, cache_pb2_grpc, common_pb2
+
+SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
+DEFAULT_KV_MEMORY = 256 * 2**20
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class CacheServicer(cache_pb2_grpc.CacheServicer):
+    """Owns at most one pool; its budget defaults to the service's --kv-blocks or --kv-memory."""
+
+    def __init__(self, allocator: str, default_blocks: int, default_memory: int, log) -> None:
+        self._allocator = allocator
+        self._default_blocks = default_blocks
+        self._default_memory = default_memory
+        self._log = log
+        self._lock = threading.Lock()
+        self._pool: KVPool | None = None
+
+    def CreatePool(self, request: cache_pb2.CreatePoolRequest, context) -> common_pb2.PoolHandle:
+        with self._lock:
+            spec = spec_from_request(request, self._default_blocks, self._default_memory)
+            old = self._pool
+            if old is not None and old.same_layout(spec):
+                return old.handle
+            held = old.blocks.stats().num_sequences if old is not None else 0
+            if held:
+                raise FailedPrecondition(
+                    f"a pool with another layout holds {held} sequences: "
+                    "Free them before creating a pool with a new geometry, block_size or dtype"
+                )
+            # NOTE: create before releasing, so a failed create leaves the old pool in place.
+            self._pool = KVPool.create(spec, self._allocator)
+            if old is not None:
+                old.release()
+            self._log.info(
+                "pool_created",
+                shape=list(spec.shape),
+                dtype=self._pool.handle.dtype,
+                mib=round(spec.nbytes / 2**20, 1),
+                epoch=self._pool.handle.epoch,
+                path=self._pool.handle.shm.path,
+            )
+            return self._pool.handle
+
+    def Allocate(self, request: cache_pb2.AllocateRequest, context) -> cache_pb2.BlockTables:
+        with self._lock:
+            blocks = self._blocks()
+            requests = [SeqRequest(seq.seq_id, seq.num_tokens) for seq in request.sequences]
+            return _block_tables(requests, blocks.allocate(requests), blocks)
+
+    def Extend(self, request: cache_pb2.ExtendRequest, context) -> cache_pb2.BlockTables:
+        with self._lock:
+            blocks = self._blocks()
+            requests = [SeqRequest(seq.seq_id, seq.num_tokens) for seq in request.sequences]
+            return _block_tables(requests, blocks.extend(requests), blocks)
+
+    def Free(self, request: cache_pb2.FreeRequest, context) -> cache_pb2.FreeResponse:
+        with self._lock:
+            blocks = self._blocks()
+            freed = blocks.free(list(request.seq_ids))
+            return cache_pb2.FreeResponse(freed_blocks=freed, free_blocks=blocks.allocator.num_free)
+
+    def GetStats(self, request: cache_pb2.GetStatsRequest, context) -> cache_pb2.CacheStats:
+        with self._lock:
+            if self._pool is None:
+                return cache_pb2.CacheStats(allocator=self._allocator)
+            stats = self._pool.blocks.stats()
+            return cache_pb2.CacheStats(
+                total_blocks=stats.total_blocks,
+                used_blocks=stats.used_blocks,
+                free_blocks=stats.free_blocks,
+                cached_blocks=0,
+                num_sequences=stats.num_sequences,
+                block_size=stats.block_size,
+                usage=stats.usage,
+                allocator=self._allocator,
+                pool_epoch=self._pool.handle.epoch,
+            )
+
+    def ReadBlock(self, request: cache_pb2.ReadBlockRequest, context) -> cache_pb2.BlockContents:
+        with self._lock:
+            pool = self._require_pool()
+            data = pool.read_block(request.layer, request.block_id)
+            reply = cache_pb2.BlockContents(
+                block_id=request.block_id,
+                refcount=pool.blocks.refcount(request.block_id),
+                dtype=pool.handle.dtype,
+                shape=list(data.shape),
+            )
+            if request.include_data:
+                reply.data = data.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            return reply
+
+    def close(self) -> None:
+        """Unlinks the pool's segment; called once the server has stopped."""
+        with self._lock:
+            if self._pool is not None:
+                self._pool.release()
+                self._log.info("pool_released", path=self._pool.handle.shm.path)
+                self._pool = None
+
+    def _require_pool(self) -> KVPool:
+        if self._pool is None:
+            raise FailedPrecondition("no pool: call CreatePool first")
+        return self._pool
+
+    def _blocks(self) -> BlockManager:
+        return self._require_pool().blocks
+
+
+def _block_tables(
+    requests: Sequence[SeqRequest], tables: list[list[int]], blocks: BlockManager
+) -> cache_pb2.BlockTables:
+    return cache_pb2.BlockTables(
+        tables=[
+            cache_pb2.BlockTable(seq_id=request.seq_id, block_ids=table, cached_tokens=0)
+            for request, table in zip(requests, tables, strict=True)
+        ],
+        free_blocks=blocks.allocator.num_free,
+    )
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1073741824', '512MiB', '2GiB', '1GB', '1.5 GiB' (KB/MB/GB are powers of 1000)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: give bytes or e.g. 512MiB, 2GiB, 1GB")
+    size = int(Fraction(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return size
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m cache_service", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50052)
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--kv-blocks", type=_positive_int, help="default pool size in blocks")
+    budget.add_argument(
+        "--kv-memory", type=parse_size, help="default pool size in bytes, e.g. 512MiB, 2GiB (default: 256MiB)"
+    )
+    parser.add_argument("--allocator", default="freelist", choices=registry.available())
+    parser.add_argument("--log-format", default="console", choices=["console", "json"])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    if args.kv_blocks is None and args.kv_memory is None:
+        args.kv_memory = DEFAULT_KV_MEMORY
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    log = configure("cache", args.log_format, args.log_level)
+    removed = shared_pool.sweep_stale()
+    log.info("swept_stale_segments", count=len(removed), paths=[str(path) for path in removed])
+    servicer = CacheServicer(args.allocator, args.kv_blocks or 0, args.kv_memory or 0, log)
+    server = serve(
+        [(cache_pb2_grpc.add_CacheServicer_to_server, servicer, SERVICE_NAME)], args.host, args.port, log
+    )
+    server.wait(on_stop=servicer.close)

@@ -1,0 +1,298 @@
+"""The cache service as a real process, over gRPC: pool segment, block tables, errors, shutdown."""
+
+import os
+import stat
+import subprocess
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from common.server import channel
+from common.shared_pool import SEGMENT_PREFIX, SHM_DIR, open_pool
+from protos import cache_pb2, cache_pb2_grpc
+from tests.helpers import free_port, start, stop, wait_healthy
+
+pytestmark = pytest.mark.e2e
+
+LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 2, 16, 16, 64
+BLOCK_BYTES = LAYERS * 2 * BLOCK_SIZE * HEADS * HEAD_DIM * 4  # float32, every layer, K and V
+
+
+def pool_request(block_size: int = BLOCK_SIZE, **budget) -> cache_pb2.CreatePoolRequest:
+    geometry = cache_pb2.PoolGeometry(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM)
+    return cache_pb2.CreatePoolRequest(geometry=geometry, block_size=block_size, kv_dtype="float32", **budget)
+
+
+def seqs(*pairs: tuple[str, int]) -> list[cache_pb2.SequenceRequest]:
+    return [cache_pb2.SequenceRequest(seq_id=seq_id, num_tokens=n) for seq_id, n in pairs]
+
+
+class Service:
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.target = f"127.0.0.1:{free_port()}"
+        port = self.target.rsplit(":", 1)[1]
+        self.proc = start("cache_service", "--port", port, *args, log_path=tmp / "cache.log")
+        try:
+            wait_healthy(self.target, self.proc, timeout=60)
+        except Exception:
+            stop(self.proc)
+            raise
+        self.channel = channel(self.target)
+        self.stub = cache_pb2_grpc.CacheStub(self.channel)
+
+    def stats(self) -> cache_pb2.CacheStats:
+        return self.stub.GetStats(cache_pb2.GetStatsRequest())
+
+    def log(self) -> str:
+        return Path(self.proc.log_path).read_text()
+
+    def stop(self) -> int:
+        self.channel.close()
+        return stop(self.proc)
+
+
+def refused(call, request, code: grpc.StatusCode) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        call(request)
+    assert info.value.code() == code, info.value.details()
+    return info.value.details()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    service = Service(tmp_path_factory.mktemp("cache"), "--kv-blocks", str(NUM_BLOCKS))
+    yield service
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def handle(service):
+    return service.stub.CreatePool(pool_request())
+
+
+@pytest.fixture
+def stub(service, handle):
+    """The module's service with its pool; checks each test left no sequence behind."""
+    yield service.stub
+    assert service.stats().num_sequences == 0
+
+
+def test_create_pool_returns_a_private_fully_sized_segment(service, handle):
+    assert handle.device == "cpu"
+    assert list(handle.shape) == [LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM]
+    assert handle.dtype == "float32"
+    assert list(handle.strides) == list(torch.empty(list(handle.shape)).stride())
+    path = Path(handle.shm.path)
+    assert path.parent == SHM_DIR and path.name.startswith(f"{SEGMENT_PREFIX}{service.proc.pid}-")
+    info = path.stat()
+    assert stat.S_IMODE(info.st_mode) == 0o600
+    assert info.st_size == handle.shm.nbytes == NUM_BLOCKS * BLOCK_BYTES
+    assert info.st_blocks * 512 >= info.st_size, "the segment must be fully backed, not sparse"
+
+
+def test_create_pool_again_returns_the_same_pool(service, handle):
+    again = service.stub.CreatePool(pool_request())
+    assert again == handle
+    resized = service.stub.CreatePool(pool_request(num_blocks=8))
+    assert resized.epoch == handle.epoch, "the same layout re-attaches whatever the budget"
+    assert service.stats().total_blocks == NUM_BLOCKS
+
+
+def test_allocate_extend_free_round_trip(stub, handle, service):
+    reply = stub.Allocate(cache_pb2.AllocateRequest(sequences=seqs(("a", 1), ("b", 17), ("c", 32))))
+    assert [table.seq_id for table in reply.tables] == ["a", "b", "c"]
+    assert [len(table.block_ids) for table in reply.tables] == [1, 2, 2]
+    assert [table.cached_tokens for table in reply.tables] == [0, 0, 0]
+    held = [block_id for table in reply.tables for block_id in table.block_ids]
+    assert len(set(held)) == 5 and all(0 <= block_id < NUM_BLOCKS for block_id in held)
+    assert reply.free_blocks == NUM_BLOCKS - 5
+    a, b = list(reply.tables[0].block_ids), list(reply.tables[1].block_ids)
+
+    grown = stub.Extend(cache_pb2.ExtendRequest(sequences=seqs(("b", 33), ("a", 16))))
+    assert [table.seq_id for table in grown.tables] == ["b", "a"]
+    assert list(grown.tables[0].block_ids[:2]) == b and len(grown.tables[0].block_ids) == 3
+    assert list(grown.tables[1].block_ids) == a
+    assert grown.free_blocks == NUM_BLOCKS - 6
+
+    stats = service.stats()
+    assert (stats.total_blocks, stats.used_blocks, stats.free_blocks) == (NUM_BLOCKS, 6, NUM_BLOCKS - 6)
+    assert (stats.num_sequences, stats.block_size, stats.cached_blocks) == (3, BLOCK_SIZE, 0)
+    assert stats.usage == pytest.approx(6 / NUM_BLOCKS)
+    assert (stats.allocator, stats.pool_epoch) == ("freelist", handle.epoch)
+
+    freed = stub.Free(cache_pb2.FreeRequest(seq_ids=["a", "b", "c"]))
+    assert (freed.freed_blocks, freed.free_blocks) == (6, NUM_BLOCKS)
+    assert service.stats().used_blocks == 0
+
+
+def test_exhaustion_is_refused_with_the_numbers_and_changes_nothing(stub, service):
+    big = stub.Allocate(cache_pb2.AllocateRequest(sequences=seqs(("big", 60 * BLOCK_SIZE)))).tables[0]
+    details = refused(
+        stub.Allocate,
+        cache_pb2.AllocateRequest(sequences=seqs(("x", 1), ("y", 10 * BLOCK_SIZE))),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
+    assert "need 11 blocks, 4 free of 64" in details
+    assert service.stats().used_blocks == 60
+    refused(stub.Free, cache_pb2.FreeRequest(seq_ids=["x"]), grpc.StatusCode.NOT_FOUND)
+
+    details = refused(
+        stub.Extend,
+        cache_pb2.ExtendRequest(sequences=seqs(("big", 65 * BLOCK_SIZE))),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
+    assert "need 5 blocks, 4 free of 64" in details
+    same = stub.Extend(cache_pb2.ExtendRequest(sequences=seqs(("big", 60 * BLOCK_SIZE)))).tables[0]
+    assert same.block_ids == big.block_ids
+    assert stub.Free(cache_pb2.FreeRequest(seq_ids=["big"])).freed_blocks == 60
+
+
+@pytest.mark.parametrize(
+    ("rpc", "request_", "code", "message"),
+    [
+        ("Extend", cache_pb2.ExtendRequest(sequences=seqs(("ghost", 4))), "NOT_FOUND", "'ghost'"),
+        ("Free", cache_pb2.FreeRequest(seq_ids=["ghost"]), "NOT_FOUND", "'ghost'"),
+        (
+            "Allocate",
+            cache_pb2.AllocateRequest(sequences=seqs(("n", 0))),
+            "INVALID_ARGUMENT",
+            "num_tokens must be > 0",
+        ),
+        (
+            "Allocate",
+            cache_pb2.AllocateRequest(sequences=seqs(("n", 1), ("n", 1))),
+            "ALREADY_EXISTS",
+            "twice",
+        ),
+        ("CreatePool", cache_pb2.CreatePoolRequest(), "INVALID_ARGUMENT", "geometry.num_layers must be > 0"),
+        ("CreatePool", pool_request(block_size=2048), "INVALID_ARGUMENT", "block_size must be in 1..1024"),
+        (
+            "CreatePool",
+            pool_request(memory_bytes=100),
+            "RESOURCE_EXHAUSTED",
+            f"one block takes {BLOCK_BYTES} bytes",
+        ),
+        (
+            "ReadBlock",
+            cache_pb2.ReadBlockRequest(block_id=NUM_BLOCKS),
+            "INVALID_ARGUMENT",
+            "the pool has 64 blocks",
+        ),
+        ("ReadBlock", cache_pb2.ReadBlockRequest(layer=LAYERS), "INVALID_ARGUMENT", "the pool has 2 layers"),
+    ],
+)
+def test_errors_carry_their_status_code_and_message(stub, handle, service, rpc, request_, code, message):
+    details = refused(getattr(stub, rpc), request_, getattr(grpc.StatusCode, code))
+    assert message in details
+    assert service.stats().pool_epoch == handle.epoch
+
+
+def test_create_pool_bad_dtype_is_refused(stub):
+    request = pool_request()
+    request.kv_dtype = "int8"
+    assert "unsupported dtype 'int8'" in refused(stub.CreatePool, request, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def test_free_with_an_unknown_id_frees_nothing(stub, service):
+    stub.Allocate(cache_pb2.AllocateRequest(sequences=seqs(("keep", 20))))
+    refused(stub.Free, cache_pb2.FreeRequest(seq_ids=["keep", "ghost"]), grpc.StatusCode.NOT_FOUND)
+    assert (service.stats().used_blocks, service.stats().num_sequences) == (2, 1)
+    assert stub.Free(cache_pb2.FreeRequest(seq_ids=["keep"])).freed_blocks == 2
+
+
+def test_new_layout_is_refused_while_sequences_hold_blocks(stub, handle, service):
+    stub.Allocate(cache_pb2.AllocateRequest(sequences=seqs(("held", 1))))
+    details = refused(stub.CreatePool, pool_request(block_size=32), grpc.StatusCode.FAILED_PRECONDITION)
+    assert "holds 1 sequences" in details
+    assert (service.stats().pool_epoch, service.stats().block_size) == (handle.epoch, BLOCK_SIZE)
+    stub.Free(cache_pb2.FreeRequest(seq_ids=["held"]))
+
+
+def test_read_block_sees_what_another_process_wrote(stub, handle):
+    (table,) = stub.Allocate(cache_pb2.AllocateRequest(sequences=seqs(("r", 1)))).tables
+    block_id = table.block_ids[0]
+    shape = [2, BLOCK_SIZE, HEADS, HEAD_DIM]
+
+    fresh = stub.ReadBlock(cache_pb2.ReadBlockRequest(block_id=block_id, layer=1, include_data=True))
+    assert (fresh.block_id, fresh.refcount, fresh.dtype, list(fresh.shape)) == (block_id, 1, "float32", shape)
+    assert fresh.data == bytes(BLOCK_BYTES // LAYERS)
+
+    pool = open_pool(handle)
+    written = torch.arange(2 * BLOCK_SIZE * HEADS * HEAD_DIM, dtype=torch.float32).view(shape)
+    written[1] *= -1
+    pool[1, :, block_id] = written
+    try:
+        read = stub.ReadBlock(cache_pb2.ReadBlockRequest(block_id=block_id, layer=1, include_data=True))
+        assert torch.equal(torch.frombuffer(bytearray(read.data), dtype=torch.float32).view(shape), written)
+        other_layer = stub.ReadBlock(
+            cache_pb2.ReadBlockRequest(block_id=block_id, layer=0, include_data=True)
+        )
+        assert other_layer.data == bytes(BLOCK_BYTES // LAYERS)
+        meta = stub.ReadBlock(cache_pb2.ReadBlockRequest(block_id=block_id, layer=1))
+        assert (meta.data, meta.refcount) == (b"", 1)
+    finally:
+        pool[1, :, block_id] = 0
+        stub.Free(cache_pb2.FreeRequest(seq_ids=["r"]))
+    assert stub.ReadBlock(cache_pb2.ReadBlockRequest(block_id=block_id)).refcount == 0
+
+
+# fresh processes: start-up, the state before CreatePool, replacing the pool, shutdown
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_start_sweeps_stale_segments_and_refuses_calls_before_create_pool(tmp_path):
+    stale = SHM_DIR / f"{SEGMENT_PREFIX}{dead_pid()}-{uuid.uuid4().hex}"
+    live = SHM_DIR / f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
+    try:
+        service = Service(tmp_path)
+        try:
+            assert not stale.exists()
+            assert live.exists(), "a segment whose owner is alive must stay"
+            assert str(stale) in service.log()
+            stub = service.stub
+            for call, request in [
+                (stub.Allocate, cache_pb2.AllocateRequest(sequences=seqs(("a", 1)))),
+                (stub.Extend, cache_pb2.ExtendRequest(sequences=seqs(("a", 1)))),
+                (stub.Free, cache_pb2.FreeRequest(seq_ids=["a"])),
+                (stub.ReadBlock, cache_pb2.ReadBlockRequest()),
+            ]:
+                details = refused(call, request, grpc.StatusCode.FAILED_PRECONDITION)
+                assert details == "no pool: call CreatePool first"
+            stats = service.stats()
+            assert (stats.total_blocks, stats.pool_epoch, stats.allocator) == (0, "", "freelist")
+        finally:
+            service.stop()
+    finally:
+        stale.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
+
+
+def test_a_free_pool_is_replaced_by_a_new_layout_and_sigterm_unlinks_it(tmp_path):
+    service = Service(tmp_path, "--kv-memory", "1MiB")
+    try:
+        first = service.stub.CreatePool(pool_request(num_blocks=10))
+        assert service.stats().total_blocks == 10
+        second = service.stub.CreatePool(pool_request(block_size=32))
+        assert second.epoch != first.epoch
+        assert not Path(first.shm.path).exists()
+        assert Path(second.shm.path).exists()
+        stats = service.stats()
+        assert (stats.total_blocks, stats.block_size, stats.pool_epoch) == (
+            2**20 // (2 * BLOCK_BYTES),
+            32,
+            second.epoch,
+        )
+    finally:
+        assert service.stop() == 0
+    assert not Path(second.shm.path).exists()
+    assert "pool_released" in service.log()

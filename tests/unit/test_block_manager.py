@@ -1,0 +1,237 @@
+"""Block manager and allocators: lifecycle, all-or-nothing batches, typed errors, invariants."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cache_service.allocators import registry
+from cache_service.block_manager import BlockManager, SeqRequest
+from common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PagedServeError,
+    ResourceExhausted,
+)
+
+BLOCK_SIZE = 4
+
+
+def manager(num_blocks: int = 16, allocator: str = "freelist") -> BlockManager:
+    return BlockManager(registry.create(allocator, num_blocks), BLOCK_SIZE)
+
+
+def tables(blocks: BlockManager, seq_ids: list[str]) -> dict[str, list[int]]:
+    return {seq_id: blocks.block_table(seq_id) for seq_id in seq_ids}
+
+
+@pytest.mark.parametrize(("num_tokens", "blocks"), [(1, 1), (4, 1), (5, 2), (8, 2), (9, 3), (100, 25)])
+def test_blocks_needed_is_the_ceiling(num_tokens, blocks):
+    assert manager().blocks_needed(num_tokens) == blocks
+
+
+def test_allocate_extend_free_lifecycle():
+    blocks = manager(16)
+    a, b = blocks.allocate([SeqRequest("a", 5), SeqRequest("b", 4)])
+    assert (len(a), len(b)) == (2, 1)
+    assert len(set(a + b)) == 3
+    assert blocks.stats().free_blocks == 13
+    assert [blocks.refcount(block_id) for block_id in a + b] == [1, 1, 1]
+    blocks.check_invariants()
+
+    (a_same,) = blocks.extend([SeqRequest("a", 8)])
+    assert a_same == a
+    b_grown, a_grown = blocks.extend([SeqRequest("b", 9), SeqRequest("a", 9)])
+    assert b_grown[:1] == b and len(b_grown) == 3
+    assert a_grown[:2] == a and len(a_grown) == 3
+    assert blocks.block_table("a") == a_grown
+    stats = blocks.stats()
+    assert (stats.used_blocks, stats.free_blocks, stats.num_sequences) == (6, 10, 2)
+    assert stats.usage == pytest.approx(6 / 16)
+    blocks.check_invariants()
+
+    assert blocks.free(["a"]) == 3
+    assert [blocks.refcount(block_id) for block_id in a_grown] == [0, 0, 0]
+    with pytest.raises(NotFound):
+        blocks.block_table("a")
+    blocks.check_invariants()
+    assert blocks.free(["b"]) == 3
+    stats = blocks.stats()
+    assert (stats.used_blocks, stats.free_blocks, stats.num_sequences) == (0, 16, 0)
+    blocks.check_invariants()
+
+
+def test_exhaustion_refuses_the_whole_batch_with_the_numbers():
+    blocks = manager(8)
+    blocks.allocate([SeqRequest("a", 12), SeqRequest("b", 4)])
+    before = tables(blocks, ["a", "b"])
+
+    assert not blocks.can_allocate([SeqRequest("c", 4), SeqRequest("d", 100)])
+    with pytest.raises(ResourceExhausted, match=r"need 26 blocks, 4 free of 8"):
+        blocks.allocate([SeqRequest("c", 4), SeqRequest("d", 100)])
+    with pytest.raises(NotFound):
+        blocks.block_table("c")
+
+    # each request fits alone, the batch does not
+    assert blocks.can_extend([SeqRequest("a", 20)])
+    assert not blocks.can_extend([SeqRequest("a", 20), SeqRequest("b", 16)])
+    with pytest.raises(ResourceExhausted, match=r"need 5 blocks, 4 free of 8"):
+        blocks.extend([SeqRequest("a", 20), SeqRequest("b", 16)])
+
+    assert tables(blocks, ["a", "b"]) == before
+    assert blocks.stats().free_blocks == 4
+    blocks.check_invariants()
+    assert blocks.can_allocate([SeqRequest("c", 16)])
+    assert blocks.stats().free_blocks == 4, "a predicate must not allocate"
+
+
+@pytest.mark.parametrize(
+    ("call", "args", "error", "message"),
+    [
+        ("allocate", [("new", 4), ("a", 4)], AlreadyExists, "'a' already has a block table"),
+        ("allocate", [("new", 4), ("new", 4)], AlreadyExists, "'new' is listed twice"),
+        ("allocate", [("new", 4), ("other", 0)], InvalidArgument, "num_tokens must be > 0, got 0"),
+        ("allocate", [("new", -3)], InvalidArgument, "num_tokens must be > 0, got -3"),
+        ("allocate", [("", 4)], InvalidArgument, "seq_id must not be empty"),
+        ("extend", [("a", 12), ("ghost", 4)], NotFound, "'ghost'"),
+        ("extend", [("a", 5)], InvalidArgument, "holds 8 tokens: Extend cannot shrink it to 5"),
+        ("extend", [("a", 12), ("a", 16)], InvalidArgument, "listed twice"),
+        ("extend", [("a", 0)], InvalidArgument, "num_tokens must be > 0"),
+        ("free", ["a", "ghost"], NotFound, "'ghost'"),
+        ("free", ["a", "a"], InvalidArgument, "listed twice"),
+    ],
+)
+def test_an_invalid_batch_changes_nothing(call, args, error, message):
+    blocks = manager(16)
+    blocks.allocate([SeqRequest("a", 8), SeqRequest("b", 4)])
+    before, free_before = tables(blocks, ["a", "b"]), blocks.stats().free_blocks
+    batch = args if call == "free" else [SeqRequest(*arg) for arg in args]
+
+    with pytest.raises(error, match=message):
+        getattr(blocks, call)(batch)
+
+    assert tables(blocks, ["a", "b"]) == before
+    assert blocks.stats().free_blocks == free_before
+    assert blocks.stats().num_sequences == 2
+    blocks.check_invariants()
+
+
+def test_refcount_of_a_block_out_of_range_is_refused():
+    blocks = manager(4)
+    with pytest.raises(InvalidArgument, match="the pool has 4 blocks"):
+        blocks.refcount(4)
+    with pytest.raises(InvalidArgument):
+        blocks.refcount(-1)
+
+
+def test_check_invariants_catches_a_corrupted_refcount():
+    blocks = manager(4)
+    (table,) = blocks.allocate([SeqRequest("a", 4)])
+    blocks._refcounts[table[0]] = 2
+    with pytest.raises(AssertionError, match="refcounts differ"):
+        blocks.check_invariants()
+
+
+# allocators: every registered one must pass these
+
+
+@pytest.fixture(params=registry.available())
+def allocator(request):
+    return registry.create(request.param, 8)
+
+
+def test_allocator_hands_out_distinct_blocks_and_takes_them_back(allocator):
+    first = allocator.allocate(3)
+    second = allocator.allocate(5, hint=first)
+    assert sorted(first + second) == list(range(8))
+    assert allocator.num_free == 0 and allocator.num_total == 8
+    assert not any(allocator.is_free(block_id) for block_id in first + second)
+    allocator.free(second)
+    assert allocator.num_free == 5
+    assert all(allocator.is_free(block_id) for block_id in second)
+    assert sorted(allocator.allocate(5)) == sorted(second)
+
+
+def test_allocator_asserts_when_asked_for_more_than_is_free(allocator):
+    allocator.allocate(6)
+    with pytest.raises(AssertionError):
+        allocator.allocate(3)
+
+
+@pytest.mark.parametrize(
+    ("to_free", "error", "message"),
+    [
+        (lambda held: [held[0], 3], FailedPrecondition, "block 3 is already free"),
+        (lambda held: [held[0], held[0]], FailedPrecondition, "already free"),
+        (lambda held: [held[1], 8], InvalidArgument, "block 8 does not exist"),
+        (lambda held: [-1], InvalidArgument, "block -1 does not exist"),
+    ],
+)
+def test_allocator_refuses_double_free_and_unknown_ids_changing_nothing(allocator, to_free, error, message):
+    held = allocator.allocate(3)
+    with pytest.raises(error, match=message):
+        allocator.free(to_free(held))
+    assert allocator.num_free == 5
+    assert not any(allocator.is_free(block_id) for block_id in held)
+
+
+def test_registry_refuses_an_unknown_allocator():
+    with pytest.raises(InvalidArgument, match="unknown allocator 'buddy'; choose one of freelist"):
+        registry.create("buddy", 8)
+
+
+# property: random batches keep the invariants; refusals change nothing
+
+_batch = st.lists(st.tuples(st.integers(0, 5), st.integers(-1, 40)), max_size=4)
+_ops = st.lists(st.tuples(st.sampled_from(["allocate", "extend", "free"]), _batch), max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_ops, num_blocks=st.integers(1, 16))
+def test_random_batches_keep_invariants_and_free_everything(ops, num_blocks):
+    blocks = manager(num_blocks)
+    held: dict[str, int] = {}  # the model: seq id -> tokens it holds
+    for call, items in ops:
+        batch = [SeqRequest(f"s{index}", num_tokens) for index, num_tokens in items]
+        ids = [request.seq_id for request in batch]
+        before, free_before = tables(blocks, list(held)), blocks.stats().free_blocks
+        distinct = len(set(ids)) == len(ids)
+        if call == "allocate":
+            valid = distinct and all(r.seq_id not in held and r.num_tokens > 0 for r in batch)
+            need = sum(blocks.blocks_needed(r.num_tokens) for r in batch) if valid else 0
+        elif call == "extend":
+            valid = distinct and all(r.seq_id in held and held[r.seq_id] <= r.num_tokens for r in batch)
+            need = (
+                sum(blocks.blocks_needed(r.num_tokens) - len(before[r.seq_id]) for r in batch) if valid else 0
+            )
+        else:
+            valid, need = distinct and all(seq_id in held for seq_id in ids), 0
+
+        try:
+            result = blocks.free(ids) if call == "free" else getattr(blocks, call)(batch)
+        except PagedServeError as exc:
+            assert isinstance(exc, ResourceExhausted) == valid, f"{call} {batch} refused: {exc!r}"
+            assert not valid or need > free_before, f"{call} {batch} refused: {exc}"
+            assert tables(blocks, list(held)) == before
+            assert blocks.stats().free_blocks == free_before
+        else:
+            assert valid and need <= free_before, f"{call} {batch} accepted"
+            if call == "free":
+                assert result == sum(len(before[seq_id]) for seq_id in ids)
+                for seq_id in ids:
+                    del held[seq_id]
+            else:
+                for request, table in zip(batch, result, strict=True):
+                    assert table == blocks.block_table(request.seq_id)
+                    assert len(table) == blocks.blocks_needed(request.num_tokens)
+                    assert table[: len(before.get(request.seq_id, []))] == before.get(request.seq_id, [])
+                    held[request.seq_id] = request.num_tokens
+            assert blocks.stats().free_blocks == free_before - need + (result if call == "free" else 0)
+        assert blocks.stats().num_sequences == len(held)
+        blocks.check_invariants()
+
+    blocks.free(list(held))
+    blocks.check_invariants()
+    assert blocks.stats().free_blocks == num_blocks
+    assert blocks.stats().num_sequences == 0

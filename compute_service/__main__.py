@@ -1,0 +1,3 @@
+from compute_service.server import main
+
+main()

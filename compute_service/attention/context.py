@@ -1,0 +1,104 @@
+"""The per-step attention context: pool views and step metadata, derived once per step for every layer."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class Segment:
+    """A sequence with more than one new token (a prompt or a chunk of one), attended on its own."""
+
+    start: int
+    end: int
+    context_len: int
+    # Pool blocks holding its whole context, and which keys each query sees; both None when nothing is
+    # cached before this step, so plain causal attention over the new keys suffices.
+    blocks: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class Context:
+    k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+    v_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # [T] pool slot of each new token
+    cu_seqlens_q: torch.Tensor  # [N + 1]
+    context_lens: torch.Tensor  # [N]
+    block_tables: torch.Tensor  # [N, W], -1 padded
+    # decode: sequences with one new token, attended as one batch
+    decode_tokens: torch.Tensor  # [Nd] index of each one's token in the packed batch
+    decode_blocks: torch.Tensor  # [Nd, Wd] block ids; entries past a sequence's context point at block 0
+    decode_mask: torch.Tensor  # [Nd, 1, 1, Wd * block_size] key lies inside the sequence's context
+    # prefill
+    segments: list[Segment]
+
+
+_CONTEXT: Context | None = None
+
+
+def get_context() -> Context:
+    assert _CONTEXT is not None, "paged attention called outside a step: set_context() first"
+    return _CONTEXT
+
+
+def set_context(context: Context) -> None:
+    global _CONTEXT
+    _CONTEXT = context
+
+
+def reset_context() -> None:
+    global _CONTEXT
+    _CONTEXT = None
+
+
+def build_context(
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> Context:
+    """Derives everything the layers share; expects a validated step (see compute_service.validation)."""
+    assert block_tables.dim() == 2 and len(block_tables) == len(context_lens) == len(cu_seqlens_q) - 1
+    block_size = k_caches[0].shape[1]
+    q_lens = cu_seqlens_q.diff()
+    num_blocks = (context_lens + block_size - 1) // block_size
+    decode = q_lens == 1
+
+    # decode
+    rows = decode.nonzero().squeeze(1)
+    width = int(num_blocks[rows].max()) if len(rows) else 0
+    needed = torch.arange(width) < num_blocks[rows, None]
+    decode_blocks = torch.where(needed, block_tables[rows, :width], 0)
+    decode_mask = torch.arange(width * block_size) < context_lens[rows, None]
+
+    # prefill
+    starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    segments = [
+        _segment(starts[i], starts[i + 1], lens[i], block_tables[i], block_size)
+        for i in (~decode).nonzero().squeeze(1).tolist()
+    ]
+    return Context(
+        k_caches,
+        v_caches,
+        slot_mapping,
+        cu_seqlens_q,
+        context_lens,
+        block_tables,
+        decode_tokens=cu_seqlens_q[rows],
+        decode_blocks=decode_blocks,
+        decode_mask=decode_mask[:, None, None, :],
+        segments=segments,
+    )
+
+
+def _segment(start: int, end: int, context_len: int, block_table: torch.Tensor, block_size: int) -> Segment:
+    q_len = end - start
+    cached = context_len - q_len
+    if cached == 0:
+        return Segment(start, end, context_len, None, None)
+    blocks = block_table[: -(-context_len // block_size)]
+    mask = torch.arange(context_len)[None, :] <= cached + torch.arange(q_len)[:, None]
+    return Segment(start, end, context_len, blocks, mask)

@@ -1,0 +1,32 @@
+"""A dense, obviously correct paged attention, the yardstick every backend is tested against."""
+
+import torch
+
+
+def reference_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """query [T, H, D] of new tokens whose K/V are already in the pool -> [T, H, D], computed in float32."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    groups = query.shape[1] // num_kv_heads
+    keys, values = k_cache.reshape(-1, num_kv_heads, head_dim), v_cache.reshape(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(query)
+    for i, context_len in enumerate(context_lens.tolist()):
+        start, end = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        slots = [
+            int(block_tables[i, t // block_size]) * block_size + t % block_size for t in range(context_len)
+        ]
+        k = keys[slots].float().repeat_interleave(groups, dim=1)
+        v = values[slots].float().repeat_interleave(groups, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), k) * scale
+        cached = context_len - (end - start)
+        visible = torch.arange(context_len)[None, :] <= cached + torch.arange(end - start)[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
+    return out

@@ -1,0 +1,71 @@
+"""Loads a Hugging Face causal LM unmodified, its attention routed to a registered paged backend."""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
+
+from common.model_files import local_copy
+from common.shared_pool import dtype_name
+from compute_service.attention.registry import get_backend
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the rest of the system needs to know about the model: pool geometry and token limits."""
+
+    name: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    attention_backend: str
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+
+def register_attention(backend: str) -> str:
+    """Registers the backend with transformers; returns the `attn_implementation` name to load models with."""
+    name = f"pagedserve_{backend}"
+    AttentionInterface.register(name, get_backend(backend))
+    return name
+
+
+def load(model: str, dtype: torch.dtype, backend: str = "cpu") -> tuple[PreTrainedModel, ModelSpec]:
+    files = local_copy(model)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        files.path, dtype=dtype, attn_implementation=register_attention(backend)
+    ).eval()
+    return hf_model, model_spec(hf_model, files.name, backend)
+
+
+def model_spec(model: PreTrainedModel, name: str, backend: str) -> ModelSpec:
+    config = model.config
+    num_heads = config.num_attention_heads
+    vocab_size = model.get_input_embeddings().num_embeddings
+    assert vocab_size == model.get_output_embeddings().out_features, "input and output vocabularies differ"
+    return ModelSpec(
+        name=name,
+        num_layers=config.num_hidden_layers,
+        num_attention_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        dtype=model.dtype,
+        vocab_size=vocab_size,
+        max_model_len=config.max_position_embeddings,
+        eos_token_ids=_eos_token_ids(config.eos_token_id, model.generation_config.eos_token_id),
+        attention_backend=backend,
+    )
+
+
+def _eos_token_ids(*values: int | list[int] | None) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for value in values:
+        ids.update([value] if isinstance(value, int) else value or [])
+    return tuple(sorted(ids))

@@ -1,0 +1,129 @@
+"""The Compute gRPC service: model info, attaching the cache service's pool, and packed forward steps."""
+
+import argparse
+import threading
+import time
+
+import torch
+
+from common.errors import FailedPrecondition, InvalidArgument
+from common.logging import configure
+from common.model_files import DEFAULT_MODEL
+from common.server import serve
+from common.shared_pool import dtype_from_name, open_pool
+from compute_service.attention.registry import BACKENDS
+from compute_service.model_loader import ModelSpec, load
+from compute_service.runner import Runner, Step
+from compute_service.validation import Limits, check_step
+from protos import common_pb2, compute_pb2, compute_pb2_grpc
+
+SERVICE_NAME = compute_pb2.DESCRIPTOR.services_by_name["Compute"].full_name
+
+
+class ComputeServicer(compute_pb2_grpc.ComputeServicer):
+    """Holds no scheduling state: one attached pool and the model; steps run one at a time."""
+
+    def __init__(self, runner: Runner, spec: ModelSpec, log) -> None:
+        self.runner = runner
+        self.spec = spec
+        self.log = log
+        self._lock = threading.Lock()
+        self._epoch: str | None = None
+        self._limits: Limits | None = None
+
+    def GetModelInfo(self, request, context) -> compute_pb2.ModelInfo:
+        spec = self.spec
+        return compute_pb2.ModelInfo(
+            model=spec.name,
+            num_layers=spec.num_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype_name,
+            vocab_size=spec.vocab_size,
+            max_model_len=spec.max_model_len,
+            eos_token_ids=spec.eos_token_ids,
+            attention_backend=spec.attention_backend,
+        )
+
+    def AttachPool(self, handle: common_pb2.PoolHandle, context) -> compute_pb2.AttachPoolResponse:
+        if not handle.epoch:
+            raise InvalidArgument("pool handle has no epoch: pass the handle CreatePool returned")
+        pool = open_pool(handle)
+        self._check_geometry(handle)
+        num_blocks, block_size = pool.shape[2], pool.shape[3]
+        with self._lock:
+            self.runner.attach(pool)
+            self._epoch = handle.epoch
+            self._limits = Limits(self.spec.vocab_size, self.spec.max_model_len, num_blocks, block_size)
+        self.log.info("pool_attached", epoch=handle.epoch, num_blocks=num_blocks, block_size=block_size)
+        return compute_pb2.AttachPoolResponse(epoch=handle.epoch, num_blocks=num_blocks)
+
+    def Forward(self, request: compute_pb2.ForwardRequest, context) -> compute_pb2.ForwardResponse:
+        with self._lock:
+            start = time.perf_counter()
+            if self._epoch is None:
+                raise FailedPrecondition("no KV pool attached: the gateway must call AttachPool first")
+            if request.pool_epoch != self._epoch:
+                raise FailedPrecondition(
+                    f"stale pool epoch {request.pool_epoch!r}, attached pool is {self._epoch!r}: the cache "
+                    "service restarted; create a pool and AttachPool its handle again"
+                )
+            step = Step.from_request(request)
+            check_step(step, self._limits)
+            tokens, logprobs = self.runner.forward(step)
+            elapsed_ms = (time.perf_counter() - start) * 1e3
+        self.log.debug(
+            "forward", tokens=len(step.token_ids), seqs=len(step.context_lens), ms=round(elapsed_ms, 2)
+        )
+        return compute_pb2.ForwardResponse(
+            token_ids=tokens.tolist(), logprobs=logprobs.tolist(), forward_ms=elapsed_ms
+        )
+
+    def _check_geometry(self, handle: common_pb2.PoolHandle) -> None:
+        spec, shape = self.spec, list(handle.shape)
+        expected = [spec.num_layers, 2, shape[2], shape[3], spec.num_kv_heads, spec.head_dim]
+        if shape != expected or min(shape) < 1 or handle.dtype != spec.dtype_name:
+            raise InvalidArgument(
+                f"pool does not fit the model: expected shape [layers, 2, blocks, block_size, kv_heads, "
+                f"head_dim] = {expected} and dtype {spec.dtype_name}, got {shape} and {handle.dtype}; "
+                "create the pool with the geometry and dtype GetModelInfo reports"
+            )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m compute_service", description=__doc__)
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="'smollm2', a GGUF file or a HF model directory"
+    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--attention-backend", choices=list(BACKENDS), default="cpu")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50053)
+    parser.add_argument("--log-format", choices=["console", "json"], default="console")
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    log = configure("compute", args.log_format, args.log_level)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        model, spec = load(args.model, dtype_from_name(args.dtype), args.attention_backend)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"compute_service: {exc}") from exc
+    log.info(
+        "model_loaded",
+        model=spec.name,
+        dtype=spec.dtype_name,
+        layers=spec.num_layers,
+        threads=torch.get_num_threads(),
+    )
+    servicer = ComputeServicer(Runner(model), spec, log)
+    server = serve(
+        [(compute_pb2_grpc.add_ComputeServicer_to_server, servicer, SERVICE_NAME)], args.host, args.port, log
+    )
+    server.wait()

@@ -1,0 +1,238 @@
+"""The compute service as a real process: model info, pool attachment, paged generation, refusals."""
+
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from common import shared_pool
+from common.server import channel
+from protos import common_pb2, compute_pb2, compute_pb2_grpc
+from tests.helpers import free_port, start, stop, wait_healthy
+from tests.tiny_model import save_tiny_llama
+
+pytestmark = pytest.mark.e2e
+
+BLOCK_SIZE, NUM_BLOCKS, LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 4, 32, 2, 2, 16, 256
+PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 44, 55, 66, 77, 88, 99, 11, 12, 13], [10, 20, 30]]
+
+
+def forward_request(
+    epoch: str, new: list[list[int]], cached: list[int], tables: list[list[int]]
+) -> compute_pb2.ForwardRequest:
+    """One packed step: `new[i]` tokens of sequence i after its `cached[i]` tokens, all greedy."""
+    token_ids, positions, slots, cu, context_lens, rows = [], [], [], [0], [], []
+    for tokens, start_pos, table in zip(new, cached, tables, strict=True):
+        span = range(start_pos, start_pos + len(tokens))
+        token_ids += tokens
+        positions += span
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in span]
+        cu.append(cu[-1] + len(tokens))
+        context_lens.append(span.stop)
+        rows.append(table[: -(-span.stop // BLOCK_SIZE)])
+    width = max(map(len, rows))
+    return compute_pb2.ForwardRequest(
+        pool_epoch=epoch,
+        token_ids=token_ids,
+        positions=positions,
+        cu_seqlens_q=cu,
+        context_lens=context_lens,
+        block_tables=[b for row in rows for b in row + [-1] * (width - len(row))],
+        block_table_width=width,
+        slot_mapping=slots,
+        sample=[True] * len(new),
+        sampling=[common_pb2.SamplingParams(temperature=0)] * len(new),
+    )
+
+
+def small_step(epoch: str) -> compute_pb2.ForwardRequest:
+    """Two sequences: 6 new tokens on 2 cached ones, and a fresh 3-token prompt."""
+    return forward_request(epoch, [[1, 2, 3, 4, 5, 6], [7, 8, 9]], [2, 0], [[20, 21], [22]])
+
+
+def refusal(call, request) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call(request, timeout=30)
+    return info.value
+
+
+def make_pool(**overrides) -> tuple[torch.Tensor, common_pb2.PoolHandle]:
+    geometry = dict(
+        num_layers=LAYERS,
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=torch.float32,
+    )
+    return shared_pool.create(shared_pool.PoolSpec(**{**geometry, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def service(model_dir, tmp_path_factory):
+    port = free_port()
+    args = ["--model", str(model_dir), "--dtype", "float32", "--port", str(port), "--threads", "2"]
+    proc = start("compute_service", *args, log_path=tmp_path_factory.mktemp("logs") / "compute.log")
+    target = f"127.0.0.1:{port}"
+    try:
+        wait_healthy(target, proc, timeout=120)
+        with channel(target) as ch:
+            stub = compute_pb2_grpc.ComputeStub(ch)
+            # before any AttachPool, so it does not depend on test order
+            no_pool = refusal(stub.Forward, small_step(""))
+            yield SimpleNamespace(stub=stub, no_pool=no_pool)
+    finally:
+        assert stop(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def pool(service):
+    tensor, handle = make_pool()
+    try:
+        reply = service.stub.AttachPool(handle, timeout=30)
+        yield SimpleNamespace(tensor=tensor, handle=handle, epoch=handle.epoch, reply=reply)
+    finally:
+        shared_pool.release(handle)
+
+
+def test_model_info(service, model_dir):
+    info = service.stub.GetModelInfo(compute_pb2.GetModelInfoRequest(), timeout=30)
+    assert info.model == model_dir.name
+    assert (info.num_layers, info.num_attention_heads, info.num_kv_heads, info.head_dim) == (LAYERS, 4, 2, 16)
+    assert (info.dtype, info.vocab_size, info.max_model_len) == ("float32", VOCAB, 512)
+    assert list(info.eos_token_ids) == [2]
+    assert info.attention_backend == "cpu"
+
+
+def test_forward_before_attach_is_refused(service):
+    assert service.no_pool.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "AttachPool" in service.no_pool.details()
+
+
+def test_attach_reports_the_pool(pool):
+    assert pool.reply.epoch == pool.epoch
+    assert pool.reply.num_blocks == NUM_BLOCKS
+
+
+def test_paged_generation_matches_hugging_face_greedy(service, pool, model_dir):
+    blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
+    tables = [blocks[0:6], blocks[6:12], blocks[12:18]]
+    generated = [[] for _ in PROMPTS]
+    new, cached = PROMPTS, [0] * len(PROMPTS)
+    for _ in range(7):
+        reply = service.stub.Forward(forward_request(pool.epoch, new, cached, tables), timeout=60)
+        assert len(reply.token_ids) == len(reply.logprobs) == len(PROMPTS)
+        assert all(lp <= 0 for lp in reply.logprobs) and reply.forward_ms > 0
+        for seq, token in enumerate(reply.token_ids):
+            generated[seq].append(token)
+        cached = [c + len(n) for c, n in zip(cached, new, strict=True)]
+        new = [[token] for token in reply.token_ids]
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for seq, prompt in enumerate(PROMPTS):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=7, do_sample=False)[
+            0, len(prompt) :
+        ]
+        assert generated[seq][: len(expected)] == expected.tolist()
+
+
+def _set(field: str, index: int, value):
+    def mutate(request: compute_pb2.ForwardRequest) -> None:
+        getattr(request, field)[index] = value
+
+    return mutate
+
+
+def _outside_pool(request: compute_pb2.ForwardRequest) -> None:
+    # block 20 of sequence 0 moved past the pool, its slots moved with it, so only the block check stands
+    request.block_tables[0] = NUM_BLOCKS + 3
+    for t in range(2):
+        request.slot_mapping[t] += (NUM_BLOCKS + 3 - 20) * BLOCK_SIZE
+
+
+def _replace(field: str, values: list):
+    def mutate(request: compute_pb2.ForwardRequest) -> None:
+        del getattr(request, field)[:]
+        getattr(request, field).extend(values)
+
+    return mutate
+
+
+def _sampling(**params):
+    def mutate(request: compute_pb2.ForwardRequest) -> None:
+        request.sampling[1].CopyFrom(common_pb2.SamplingParams(**params))
+
+    return mutate
+
+
+BAD_REQUESTS = {
+    "block outside the pool": (_outside_pool, "outside the pool"),
+    "slot mismatch": (_set("slot_mapping", 3, 20 * BLOCK_SIZE), "slot_mapping[3]"),
+    "token outside vocab": (_set("token_ids", 7, VOCAB), "token_ids[7]"),
+    "cu_seqlens not increasing": (_replace("cu_seqlens_q", [0, 6, 6, 9]), "cu_seqlens_q"),
+    "cu_seqlens not ending at num tokens": (_replace("cu_seqlens_q", [0, 6, 8]), "cu_seqlens_q"),
+    "positions wrong": (_set("positions", 2, 5), "positions[2]"),
+    "context shorter than new tokens": (_set("context_lens", 1, 2), "context_lens[1]"),
+    "too few table columns": (_replace("block_tables", [20, 22]), "block_tables"),
+    "sampling count": (_replace("sample", [True, False]), "sampling entries"),
+    "negative temperature": (_sampling(temperature=-1.0), "temperature"),
+    "top_p zero": (_sampling(top_p=0.0), "top_p"),
+}
+
+
+@pytest.mark.parametrize("mutate, message", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_step_is_refused_before_touching_the_pool(service, pool, mutate, message):
+    request = small_step(pool.epoch)
+    mutate(request)
+    before = pool.tensor.clone()
+    error = refusal(service.stub.Forward, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in error.details()
+    assert torch.equal(pool.tensor, before)
+
+
+def test_valid_step_writes_exactly_its_slots(service, pool):
+    pool.tensor.zero_()
+    service.stub.Forward(small_step(pool.epoch), timeout=30)
+    written = (pool.tensor != 0).flatten(4).any(-1).any(0).any(0).flatten()  # per slot
+    assert written.nonzero().squeeze(1).tolist() == sorted(small_step("").slot_mapping)
+
+
+def test_stale_epoch_is_refused(service, pool):
+    error = refusal(service.stub.Forward, small_step("0" * 32))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "stale pool epoch" in error.details()
+
+
+@pytest.mark.parametrize(
+    "geometry", [dict(head_dim=8), dict(num_kv_heads=1), dict(num_layers=3), dict(dtype=torch.bfloat16)]
+)
+def test_attach_with_wrong_geometry_is_refused(service, pool, geometry):
+    _, handle = make_pool(**geometry)
+    try:
+        error = refusal(service.stub.AttachPool, handle)
+    finally:
+        shared_pool.release(handle)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "expected shape" in error.details()
+    service.stub.Forward(small_step(pool.epoch), timeout=30)
+
+
+def test_reattach_replaces_the_pool(service, pool):
+    tensor, handle = make_pool()
+    try:
+        assert service.stub.AttachPool(handle, timeout=30).epoch == handle.epoch
+        service.stub.Forward(small_step(handle.epoch), timeout=30)
+        assert tensor.abs().sum() > 0
+        error = refusal(service.stub.Forward, small_step(pool.epoch))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        service.stub.AttachPool(pool.handle, timeout=30)
+        shared_pool.release(handle)

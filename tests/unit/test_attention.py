@@ -1,0 +1,127 @@
+"""The cpu paged attention backend against the dense reference and plain dense SDPA of the full sequences."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compute_service.attention.context import build_context, reset_context, set_context
+from compute_service.attention.cpu import paged_attention
+from compute_service.attention.reference import reference_attention
+
+BLOCK_SIZE, NUM_BLOCKS, HEADS, KV_HEADS, HEAD_DIM = 4, 64, 6, 2, 8
+SCALE = HEAD_DIM**-0.5
+
+
+class Sequence:
+    """Full random q/k/v of a sequence, the shuffled blocks it owns, and how many tokens are in the pool."""
+
+    def __init__(self, length: int, blocks: list[int], dtype: torch.dtype) -> None:
+        self.q = torch.randn(length, HEADS, HEAD_DIM, dtype=dtype)
+        self.k = torch.randn(length, KV_HEADS, HEAD_DIM, dtype=dtype)
+        self.v = torch.randn(length, KV_HEADS, HEAD_DIM, dtype=dtype)
+        self.blocks = blocks
+        self.cached = 0
+
+    def slots(self, positions: range) -> list[int]:
+        return [self.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+
+
+def make(lengths: list[int], dtype: torch.dtype = torch.float32):
+    """Sequences over a shuffled block allocation, and a pool full of finite garbage."""
+    order = torch.randperm(NUM_BLOCKS).tolist()
+    seqs = []
+    for length in lengths:
+        count = -(-length // BLOCK_SIZE)
+        seqs.append(Sequence(length, order[:count], dtype))
+        order = order[count:]
+    shape = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    return seqs, torch.randn(shape).mul(50).to(dtype), torch.randn(shape).mul(50).to(dtype)
+
+
+def step(seqs: list[Sequence], new: list[int], k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """Runs one packed step of `new[i]` tokens per sequence through the backend; checks it on the way."""
+    spans = [range(s.cached, s.cached + n) for s, n in zip(seqs, new, strict=True)]
+    q = torch.cat([s.q[span] for s, span in zip(seqs, spans, strict=True)])
+    k = torch.cat([s.k[span] for s, span in zip(seqs, spans, strict=True)])
+    v = torch.cat([s.v[span] for s, span in zip(seqs, spans, strict=True)])
+    slots = torch.tensor([slot for s, span in zip(seqs, spans, strict=True) for slot in s.slots(span)])
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
+    context_lens = torch.tensor([span.stop for span in spans])
+    width = max(len(s.blocks) for s in seqs) + 1
+    tables = torch.tensor([s.blocks + [-1] * (width - len(s.blocks)) for s in seqs])
+
+    set_context(build_context([k_cache], [v_cache], slots, cu, context_lens, tables))
+    try:
+        out = paged_attention(
+            SimpleNamespace(layer_idx=0),
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            None,
+            scaling=SCALE,
+        )[0]
+    finally:
+        reset_context()
+    assert out.shape == (1, len(q), HEADS, HEAD_DIM)
+    out = out[0]
+
+    # the new K/V landed at their slots
+    flat_k = k_cache.view(-1, KV_HEADS, HEAD_DIM)
+    flat_v = v_cache.view(-1, KV_HEADS, HEAD_DIM)
+    assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
+
+    tol = dict(atol=1e-5, rtol=1e-4) if q.dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    reference = reference_attention(q, k_cache, v_cache, cu, context_lens, tables, SCALE)
+    torch.testing.assert_close(out, reference, **tol)
+    torch.testing.assert_close(out, dense(seqs, spans), **tol)
+    for s, n in zip(seqs, new, strict=True):
+        s.cached += n
+    return out
+
+
+def dense(seqs: list[Sequence], spans: list[range]) -> torch.Tensor:
+    """Causal SDPA over each whole sequence so far, rows of the new tokens only."""
+    rows = []
+    for s, span in zip(seqs, spans, strict=True):
+        q, k, v = (t[: span.stop].transpose(0, 1)[None].float() for t in (s.q, s.k, s.v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE, enable_gqa=True)
+        rows.append(o[0].transpose(0, 1)[span.start :])
+    return torch.cat(rows).to(seqs[0].q.dtype)
+
+
+def test_prefill_packed_sequences_with_partial_blocks():
+    seqs, k_cache, v_cache = make([5, 8, 2, 13])
+    step(seqs, [5, 8, 2, 13], k_cache, v_cache)
+
+
+def test_prefill_on_top_of_cached_blocks():
+    seqs, k_cache, v_cache = make([9, 13, 5, 13])
+    step(seqs, [4, 6, 3, 9], k_cache, v_cache)
+    step(seqs, [5, 7, 2, 4], k_cache, v_cache)
+
+
+def test_batched_decode():
+    seqs, k_cache, v_cache = make([8, 11, 4, 15])
+    step(seqs, [5, 8, 1, 12], k_cache, v_cache)
+    for _ in range(3):
+        step(seqs, [1, 1, 1, 1], k_cache, v_cache)
+
+
+def test_mixed_step_of_decodes_chunks_and_fresh_prompts():
+    seqs, k_cache, v_cache = make([8, 12, 6, 1, 9])
+    step(seqs[:2], [6, 3], k_cache, v_cache)
+    step(seqs, [1, 9, 6, 1, 2], k_cache, v_cache)
+    step(seqs[::4], [1, 7], k_cache, v_cache)
+
+
+def test_bfloat16_within_tolerance():
+    seqs, k_cache, v_cache = make([7, 11, 4], dtype=torch.bfloat16)
+    step(seqs, [6, 5, 3], k_cache, v_cache)
+    step(seqs, [1, 6, 1], k_cache, v_cache)

@@ -1,0 +1,119 @@
+"""Multi-step paged generation with a tiny random Llama equals Hugging Face greedy generation."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compute_service.model_loader import register_attention
+from compute_service.runner import Runner, Step
+from compute_service.validation import Limits, check_step
+from protos import common_pb2, compute_pb2
+from tests.tiny_model import tiny_llama_config
+
+BLOCK_SIZE, NUM_BLOCKS, DECODE_STEPS = 4, 32, 6
+PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 44, 55, 66, 77, 88, 99, 11, 12, 13], [10, 20, 30]]
+
+
+def forward_request(
+    new: list[list[int]], cached: list[int], tables: list[list[int]], sample: list[bool] | None = None
+) -> compute_pb2.ForwardRequest:
+    """One packed step: `new[i]` tokens of sequence i after its `cached[i]` tokens, greedy sampling."""
+    sample = sample or [True] * len(new)
+    token_ids, positions, slots, cu, context_lens, rows = [], [], [], [0], [], []
+    for tokens, start, table in zip(new, cached, tables, strict=True):
+        span = range(start, start + len(tokens))
+        token_ids += tokens
+        positions += span
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in span]
+        cu.append(cu[-1] + len(tokens))
+        context_lens.append(span.stop)
+        rows.append(table[: -(-span.stop // BLOCK_SIZE)])
+    width = max(map(len, rows))
+    return compute_pb2.ForwardRequest(
+        token_ids=token_ids,
+        positions=positions,
+        cu_seqlens_q=cu,
+        context_lens=context_lens,
+        block_tables=[b for row in rows for b in row + [-1] * (width - len(row))],
+        block_table_width=width,
+        slot_mapping=slots,
+        sample=sample,
+        sampling=[common_pb2.SamplingParams(temperature=0)] * sum(sample),
+    )
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(
+        tiny_llama_config(initializer_range=0.3), attn_implementation="sdpa", dtype=torch.float32
+    ).eval()
+    paged = AutoModelForCausalLM.from_config(
+        tiny_llama_config(initializer_range=0.3),
+        attn_implementation=register_attention("cpu"),
+        dtype=torch.float32,
+    ).eval()
+    paged.load_state_dict(reference.state_dict())
+    return reference, paged
+
+
+def make_runner(model) -> Runner:
+    config = model.config
+    runner = Runner(model)
+    runner.attach(torch.zeros(config.num_hidden_layers, 2, NUM_BLOCKS, BLOCK_SIZE, 2, config.head_dim))
+    return runner
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def test_paged_greedy_generation_matches_hugging_face(models):
+    reference, paged = models
+    config = paged.config
+    runner = make_runner(paged)
+    blocks = torch.randperm(NUM_BLOCKS).tolist()
+    tables = [blocks[0:6], blocks[6:12], blocks[12:18]]
+    limits = Limits(config.vocab_size, config.max_position_embeddings, NUM_BLOCKS, BLOCK_SIZE)
+
+    generated, step_logits = [[] for _ in PROMPTS], []
+    new, cached = PROMPTS, [0] * len(PROMPTS)
+    for _ in range(1 + DECODE_STEPS):
+        step = Step.from_request(forward_request(new, cached, tables))
+        check_step(step, limits)
+        logits = runner.logits(step)
+        tokens, logprobs = runner.forward(step)
+        assert torch.equal(tokens, logits.argmax(-1))
+        torch.testing.assert_close(logprobs, logits.log_softmax(-1).max(-1).values)
+        step_logits.append(logits)
+        for seq, token in enumerate(tokens.tolist()):
+            generated[seq].append(token)
+        cached = [c + len(n) for c, n in zip(cached, new, strict=True)]
+        new = [[token] for token in tokens.tolist()]
+
+    for seq, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([prompt])
+        expected = reference.generate(ids, max_new_tokens=1 + DECODE_STEPS, do_sample=False)[0, len(prompt) :]
+        assert len(set(expected.tolist())) > 1, "a degenerate model would not test attention"
+        assert generated[seq][: len(expected)] == expected.tolist()
+        expected_logits = hf_logits(reference, prompt + generated[seq])[len(prompt) - 1 : -1]
+        ours = torch.stack([logits[seq] for logits in step_logits])
+        torch.testing.assert_close(ours, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_samples_only_sequences_that_finished_their_prompt(models):
+    reference, paged = models
+    runner = make_runner(paged)
+    long, short = PROMPTS[1], PROMPTS[0]
+    tables = [[7, 3, 30], [12, 0]]
+    # the long prompt's first chunk samples nothing; the short prompt completes and samples
+    first = runner.logits(
+        Step.from_request(forward_request([long[:6], short], [0, 0], tables, [False, True]))
+    )
+    assert first.shape == (1, paged.config.vocab_size)
+    token = int(first[0].argmax())
+    torch.testing.assert_close(first[0], hf_logits(reference, short)[-1], atol=1e-4, rtol=1e-4)
+    second = runner.logits(Step.from_request(forward_request([long[6:], [token]], [6, 5], tables)))
+    torch.testing.assert_close(second[0], hf_logits(reference, long)[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(second[1], hf_logits(reference, short + [token])[-1], atol=1e-4, rtol=1e-4)

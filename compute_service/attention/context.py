@@ -19,6 +19,15 @@ class Segment:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Sequences with one new token and the same context length, attended as one batch."""
+
+    tokens: torch.Tensor  # [n] index of each one's token in the packed batch
+    blocks: torch.Tensor  # [n, ceil(context_len / block_size)] their block tables
+    context_len: int
+
+
+@dataclass(slots=True)
 class Context:
     k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
     v_caches: list[torch.Tensor]
@@ -26,10 +35,10 @@ class Context:
     cu_seqlens_q: torch.Tensor  # [N + 1]
     context_lens: torch.Tensor  # [N]
     block_tables: torch.Tensor  # [N, W], -1 padded
-    # decode: sequences with one new token, attended as one batch
-    decode_tokens: torch.Tensor  # [Nd] index of each one's token in the packed batch
-    decode_blocks: torch.Tensor  # [Nd, Wd] block ids; entries past a sequence's context point at block 0
-    decode_mask: torch.Tensor  # [Nd, 1, 1, Wd * block_size] key lies inside the sequence's context
+    # NOTE: decodes are grouped by context length so that each group attends over exactly its keys with no
+    # mask: the same SDPA kernel and reduction order as an unpaged decode, which keeps bfloat16 outputs
+    # identical to transformers' own generate (a padded, masked batch rounds differently).
+    decode_groups: list[DecodeGroup]
     # prefill
     segments: list[Segment]
 
@@ -64,15 +73,16 @@ def build_context(
     assert block_tables.dim() == 2 and len(block_tables) == len(context_lens) == len(cu_seqlens_q) - 1
     block_size = k_caches[0].shape[1]
     q_lens = cu_seqlens_q.diff()
-    num_blocks = (context_lens + block_size - 1) // block_size
     decode = q_lens == 1
 
     # decode
     rows = decode.nonzero().squeeze(1)
-    width = int(num_blocks[rows].max()) if len(rows) else 0
-    needed = torch.arange(width) < num_blocks[rows, None]
-    decode_blocks = torch.where(needed, block_tables[rows, :width], 0)
-    decode_mask = torch.arange(width * block_size) < context_lens[rows, None]
+    decode_lens = context_lens[rows]
+    decode_groups = []
+    for length in decode_lens.unique().tolist():
+        group = rows[decode_lens == length]
+        width = -(-length // block_size)
+        decode_groups.append(DecodeGroup(cu_seqlens_q[group], block_tables[group, :width], length))
 
     # prefill
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -87,9 +97,7 @@ def build_context(
         cu_seqlens_q,
         context_lens,
         block_tables,
-        decode_tokens=cu_seqlens_q[rows],
-        decode_blocks=decode_blocks,
-        decode_mask=decode_mask[:, None, None, :],
+        decode_groups=decode_groups,
         segments=segments,
     )
 

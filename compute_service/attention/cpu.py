@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from compute_service.attention.context import Segment, get_context
+from compute_service.attention.context import DecodeGroup, Segment, get_context
 
 
 def write_kv(
@@ -31,26 +31,21 @@ def paged_attention(
     k_cache, v_cache = ctx.k_caches[module.layer_idx], ctx.v_caches[module.layer_idx]
     write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping)
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
-    if len(ctx.decode_tokens):
-        q = query[0, :, ctx.decode_tokens].transpose(0, 1).unsqueeze(2)
-        out[ctx.decode_tokens] = _decode(q, k_cache, v_cache, ctx.decode_blocks, ctx.decode_mask, scaling)
+    for group in ctx.decode_groups:
+        q = query[0, :, group.tokens].transpose(0, 1).unsqueeze(2)
+        out[group.tokens] = _decode(q, k_cache, v_cache, group, scaling)
     for seg in ctx.segments:
         out[seg.start : seg.end] = _prefill(query, key, value, k_cache, v_cache, seg, scaling)
     return out.unsqueeze(0), None
 
 
 def _decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    blocks: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float | None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float | None
 ) -> torch.Tensor:
-    """q [N, H, 1, D] against whole gathered blocks [N, Hkv, W * block_size, D] -> [N, H, D]."""
-    k = k_cache[blocks].flatten(1, 2).transpose(1, 2)
-    v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, 0]
+    """q [n, H, 1, D] against the group's gathered keys [n, Hkv, context_len, D] -> [n, H, D]."""
+    k = k_cache[group.blocks].flatten(1, 2)[:, : group.context_len].transpose(1, 2)
+    v = v_cache[group.blocks].flatten(1, 2)[:, : group.context_len].transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)[:, :, 0]
 
 
 def _prefill(

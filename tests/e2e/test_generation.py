@@ -15,7 +15,8 @@ NEW_TOKENS = 32
 
 
 def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    # eos_token_id=[]: never stop early, like ignore_eos (None would fall back to the model's EOS).
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), generation_config=config)
     return out[0, len(ids) :].tolist()
@@ -48,7 +49,11 @@ def test_greedy_parity_with_transformers(request, stack_name, dtype, tokenizer, 
 
 def test_stream_text_deltas_concatenate_to_the_decoded_tokens(stack_fp32, tokenizer):
     with stack_fp32.client() as client:
-        chunks = list(client.stream("Write a short poem about the sea.", max_tokens=40, temperature=0.0))
+        chunks = list(
+            client.stream(
+                "Write a short poem about the sea.", max_tokens=40, temperature=0.0, ignore_eos=True
+            )
+        )
     tokens = [t for c in chunks for t in c.token_ids]
     assert len(chunks) == len(tokens) == 40, "one response per generated token"
     assert "".join(c.text for c in chunks) == tokenizer.decode(tokens, skip_special_tokens=True)

@@ -1,5 +1,6 @@
 """The compute service as a real process: model info, pool attachment, paged generation, refusals."""
 
+from functools import partial
 from types import SimpleNamespace
 
 import grpc
@@ -10,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from common import shared_pool
 from common.server import channel
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
+from tests.forward import forward_request as paged_forward_request
 from tests.helpers import free_port, start, stop, wait_healthy
 from tests.tiny_model import save_tiny_llama
 
@@ -19,37 +21,12 @@ BLOCK_SIZE, NUM_BLOCKS, LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 4, 32, 2, 2, 16, 256
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 44, 55, 66, 77, 88, 99, 11, 12, 13], [10, 20, 30]]
 
 
-def forward_request(
-    epoch: str, new: list[list[int]], cached: list[int], tables: list[list[int]]
-) -> compute_pb2.ForwardRequest:
-    """One packed step: `new[i]` tokens of sequence i after its `cached[i]` tokens, all greedy."""
-    token_ids, positions, slots, cu, context_lens, rows = [], [], [], [0], [], []
-    for tokens, start_pos, table in zip(new, cached, tables, strict=True):
-        span = range(start_pos, start_pos + len(tokens))
-        token_ids += tokens
-        positions += span
-        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in span]
-        cu.append(cu[-1] + len(tokens))
-        context_lens.append(span.stop)
-        rows.append(table[: -(-span.stop // BLOCK_SIZE)])
-    width = max(map(len, rows))
-    return compute_pb2.ForwardRequest(
-        pool_epoch=epoch,
-        token_ids=token_ids,
-        positions=positions,
-        cu_seqlens_q=cu,
-        context_lens=context_lens,
-        block_tables=[b for row in rows for b in row + [-1] * (width - len(row))],
-        block_table_width=width,
-        slot_mapping=slots,
-        sample=[True] * len(new),
-        sampling=[common_pb2.SamplingParams(temperature=0)] * len(new),
-    )
+forward_request = partial(paged_forward_request, block_size=BLOCK_SIZE)
 
 
 def small_step(epoch: str) -> compute_pb2.ForwardRequest:
     """Two sequences: 6 new tokens on 2 cached ones, and a fresh 3-token prompt."""
-    return forward_request(epoch, [[1, 2, 3, 4, 5, 6], [7, 8, 9]], [2, 0], [[20, 21], [22]])
+    return forward_request([[1, 2, 3, 4, 5, 6], [7, 8, 9]], [2, 0], [[20, 21], [22]], epoch=epoch)
 
 
 def refusal(call, request) -> grpc.RpcError:
@@ -127,7 +104,7 @@ def test_paged_generation_matches_hugging_face_greedy(service, pool, model_dir):
     generated = [[] for _ in PROMPTS]
     new, cached = PROMPTS, [0] * len(PROMPTS)
     for _ in range(7):
-        reply = service.stub.Forward(forward_request(pool.epoch, new, cached, tables), timeout=60)
+        reply = service.stub.Forward(forward_request(new, cached, tables, epoch=pool.epoch), timeout=60)
         assert len(reply.token_ids) == len(reply.logprobs) == len(PROMPTS)
         assert all(lp <= 0 for lp in reply.logprobs) and reply.forward_ms > 0
         for seq, token in enumerate(reply.token_ids):

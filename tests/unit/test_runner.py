@@ -1,5 +1,7 @@
 """Multi-step paged generation with a tiny random Llama equals Hugging Face greedy generation."""
 
+from functools import partial
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -7,39 +9,14 @@ from transformers import AutoModelForCausalLM
 from compute_service.model_loader import register_attention
 from compute_service.runner import Runner, Step
 from compute_service.validation import Limits, check_step
-from protos import common_pb2, compute_pb2
+from tests.forward import forward_request as paged_forward_request
 from tests.tiny_model import tiny_llama_config
 
 BLOCK_SIZE, NUM_BLOCKS, DECODE_STEPS = 4, 32, 6
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 44, 55, 66, 77, 88, 99, 11, 12, 13], [10, 20, 30]]
 
 
-def forward_request(
-    new: list[list[int]], cached: list[int], tables: list[list[int]], sample: list[bool] | None = None
-) -> compute_pb2.ForwardRequest:
-    """One packed step: `new[i]` tokens of sequence i after its `cached[i]` tokens, greedy sampling."""
-    sample = sample or [True] * len(new)
-    token_ids, positions, slots, cu, context_lens, rows = [], [], [], [0], [], []
-    for tokens, start, table in zip(new, cached, tables, strict=True):
-        span = range(start, start + len(tokens))
-        token_ids += tokens
-        positions += span
-        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in span]
-        cu.append(cu[-1] + len(tokens))
-        context_lens.append(span.stop)
-        rows.append(table[: -(-span.stop // BLOCK_SIZE)])
-    width = max(map(len, rows))
-    return compute_pb2.ForwardRequest(
-        token_ids=token_ids,
-        positions=positions,
-        cu_seqlens_q=cu,
-        context_lens=context_lens,
-        block_tables=[b for row in rows for b in row + [-1] * (width - len(row))],
-        block_table_width=width,
-        slot_mapping=slots,
-        sample=sample,
-        sampling=[common_pb2.SamplingParams(temperature=0)] * sum(sample),
-    )
+forward_request = partial(paged_forward_request, block_size=BLOCK_SIZE)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +86,7 @@ def test_chunked_prefill_samples_only_sequences_that_finished_their_prompt(model
     tables = [[7, 3, 30], [12, 0]]
     # the long prompt's first chunk samples nothing; the short prompt completes and samples
     first = runner.logits(
-        Step.from_request(forward_request([long[:6], short], [0, 0], tables, [False, True]))
+        Step.from_request(forward_request([long[:6], short], [0, 0], tables, sample=[False, True]))
     )
     assert first.shape == (1, paged.config.vocab_size)
     token = int(first[0].argmax())

@@ -7,10 +7,8 @@ import sys
 import threading
 import time
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from common.model_files import DEFAULT_MODEL
+from gateway.cli.launch import serving
 
 START_TIMEOUT_S = 900.0
 
@@ -78,15 +76,6 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     }
 
 
-def _healthy(target: str) -> bool:
-    with grpc.insecure_channel(target) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
 def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
     for proc in reversed(procs.values()):
         if proc.poll() is None:
@@ -120,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"pagedserve: {', '.join(dead)} exited; stopping the stack", file=sys.stderr)
             code = 1
             break
-        pending = {name for name in pending if not _healthy(targets[name])}
+        pending = {name for name in pending if not serving(targets[name])}
         if not pending and deadline:
             print(f"pagedserve ready on {local}:{args.port} (model {args.model}, {args.dtype})", flush=True)
             deadline = 0.0

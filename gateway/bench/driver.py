@@ -1,0 +1,100 @@
+"""Sends a workload through the public API and times every token as the client sees it."""
+
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from common.server import channel
+from gateway.bench.workloads import BenchRequest, Workload
+from gateway.client import Client
+from protos import cache_pb2, cache_pb2_grpc
+
+
+@dataclass(slots=True)
+class Trace:
+    sent: float
+    token_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class CacheSample:
+    used_blocks: int
+    num_sequences: int
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def _send(client: Client, request: BenchRequest, start: float, on_token) -> Trace:
+    time.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
+    trace = Trace(sent=time.perf_counter())
+    for chunk in client.stream(token_ids=request.prompt_ids, max_tokens=request.max_tokens, temperature=0.0,
+                               ignore_eos=True):  # fmt: skip
+        now = time.perf_counter()
+        trace.token_times.extend([now] * len(chunk.token_ids))
+        on_token(len(chunk.token_ids))
+        if chunk.usage is not None:
+            trace.prompt_tokens = chunk.usage.prompt_tokens
+            trace.cached_tokens = chunk.usage.cached_tokens
+            trace.completion_tokens = chunk.usage.completion_tokens
+    return trace
+
+
+def _sample_cache(cache_target: str, stop: threading.Event, samples: list[CacheSample]) -> None:
+    stub = cache_pb2_grpc.CacheStub(channel(cache_target))
+    while not stop.wait(0.05):
+        stats = stub.GetStats(cache_pb2.GetStatsRequest(), timeout=5)
+        samples.append(CacheSample(stats.used_blocks, stats.num_sequences))
+
+
+def run(workload: Workload, target: str, cache_target: str, on_token=lambda n: None) -> dict:
+    """Figures of one pass of the workload: throughput, TTFT and inter-token latency, cache occupancy."""
+    samples: list[CacheSample] = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sample_cache, args=(cache_target, stop, samples), daemon=True)
+    with Client(target) as client, ThreadPoolExecutor(len(workload.requests)) as pool:
+        sampler.start()
+        start = time.perf_counter()
+        traces = list(pool.map(lambda r: _send(client, r, start, on_token), workload.requests))
+    stop.set()
+    sampler.join()
+    return summarize(traces, samples)
+
+
+def summarize(traces: list[Trace], samples: list[CacheSample]) -> dict:
+    first_sent = min(t.sent for t in traces)
+    wall = max(t.token_times[-1] for t in traces) - first_sent
+    prompt = sum(t.prompt_tokens for t in traces)
+    generated = sum(t.completion_tokens for t in traces)
+    ttft = [t.token_times[0] - t.sent for t in traces]
+    itl = [b - a for t in traces for a, b in zip(t.token_times, t.token_times[1:], strict=False)]
+    prefill_span = max(t.token_times[0] for t in traces) - first_sent
+    return {
+        "requests": len(traces),
+        "wall_s": wall,
+        "tokens_per_s": (prompt + generated) / wall,
+        "generated_tokens_per_s": generated / wall,
+        "prompt_tokens_per_s": (prompt - sum(t.cached_tokens for t in traces)) / prefill_span,
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "itl_p50_ms": 1e3 * percentile(itl, 50),
+        "itl_p99_ms": 1e3 * percentile(itl, 99),
+        "prompt_tokens": prompt,
+        "cached_prompt_tokens": sum(t.cached_tokens for t in traces),
+        "generated_tokens": generated,
+        "peak_sequences": max((s.num_sequences for s in samples), default=0),
+        "peak_used_blocks": max((s.used_blocks for s in samples), default=0),
+    }
+
+
+def median_of(runs: list[dict]) -> dict:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}

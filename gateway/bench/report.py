@@ -1,0 +1,49 @@
+"""One table for a bench run: pagedserve's figures, the peers' and the ratios."""
+
+ROWS = [
+    ("tokens_per_s", "tokens/s (prompt + generated)", "{:.0f}"),
+    ("generated_tokens_per_s", "generated tokens/s", "{:.1f}"),
+    ("prompt_tokens_per_s", "prompt tokens/s computed", "{:.0f}"),
+    ("ttft_p50_ms", "TTFT p50 (ms)", "{:.0f}"),
+    ("ttft_p99_ms", "TTFT p99 (ms)", "{:.0f}"),
+    ("itl_p50_ms", "inter-token p50 (ms)", "{:.1f}"),
+    ("itl_p99_ms", "inter-token p99 (ms)", "{:.1f}"),
+    ("wall_s", "wall time (s)", "{:.1f}"),
+    ("cached_prompt_tokens", "prompt tokens from prefix cache", "{:.0f}"),
+    ("peak_sequences", "peak sequences in the cache", "{:.0f}"),
+    ("peak_used_blocks", "peak KV blocks used", "{:.0f}"),
+]
+PEERS = ("generate_batch", "generate")
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _ratio(ours, theirs, key: str) -> str:
+    if ours is None or theirs is None or not theirs:
+        return "-"
+    # Higher is better for rates, lower for times: a ratio > 1 always means pagedserve is ahead.
+    return f"{ours / theirs:.2f}x" if key.endswith("per_s") else f"{theirs / ours:.2f}x"
+
+
+def table(result: dict) -> str:
+    ours, peers = result["pagedserve"], result.get("peers", {})
+    header = ["metric", "pagedserve", *PEERS, *(f"vs {p}" for p in PEERS)]
+    lines = [header]
+    for key, label, fmt in ROWS:
+        row = [label, _cell(ours.get(key), fmt)]
+        row += [_cell(peers.get(p, {}).get(key), fmt) for p in PEERS]
+        row += [_ratio(ours.get(key), peers.get(p, {}).get(key), key) for p in PEERS]
+        lines.append(row)
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    text = [f"{result['workload']}: {result['description']}", f"({result['setup']})"]
+    for i, row in enumerate(lines):
+        text.append(
+            "  ".join(
+                c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+        if i == 0:
+            text.append("  ".join("-" * w for w in widths))
+    return "\n".join(text)

@@ -1,0 +1,84 @@
+"""The benchmark workloads: deterministic prompts, output lengths and arrival times."""
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    # Seconds after the start of the run when the request is sent.
+    arrival_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    requests: list[BenchRequest]
+    # Flags for the stack this workload runs on, when the bench starts its own.
+    stack_flags: tuple[str, ...] = ()
+
+
+def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    # Ids past the special tokens at the start of the vocabulary.
+    return [rng.randrange(100, vocab_size) for _ in range(n)]
+
+
+def throughput(rng: random.Random, vocab: int) -> Workload:
+    reqs = [BenchRequest(_tokens(rng, 256, vocab), 64) for _ in range(16)]
+    return Workload("throughput", "16 requests, 256-token prompts, 64 new tokens, all at once", reqs)
+
+
+def latency(rng: random.Random, vocab: int) -> Workload:
+    return Workload(
+        "latency",
+        "1 request, 256-token prompt, 128 new tokens",
+        [BenchRequest(_tokens(rng, 256, vocab), 128)],
+    )
+
+
+def mixed(rng: random.Random, vocab: int, rate: float = 2.0) -> Workload:
+    reqs, clock = [], 0.0
+    for _ in range(48):
+        length = round(16 * (1024 / 16) ** rng.random())
+        reqs.append(BenchRequest(_tokens(rng, length, vocab), rng.randint(16, 128), clock))
+        clock += rng.expovariate(rate)
+    return Workload(
+        "mixed", f"48 requests, prompts log-uniform in [16, 1024], 16-128 new tokens, {rate}/s arrivals", reqs
+    )
+
+
+def shared_prefix(rng: random.Random, vocab: int) -> Workload:
+    system = _tokens(rng, 512, vocab)
+    reqs = [BenchRequest(system + _tokens(rng, rng.randint(16, 64), vocab), 32) for _ in range(32)]
+    return Workload(
+        "shared-prefix", "32 requests: one 512-token system prompt + 16-64 unique tokens, 32 new", reqs
+    )
+
+
+def memory(rng: random.Random, vocab: int) -> Workload:
+    reqs = [
+        BenchRequest(_tokens(rng, round(16 * (1024 / 16) ** rng.random()), vocab), rng.randint(16, 128))
+        for _ in range(32)
+    ]
+    return Workload(
+        "memory",
+        "32 requests of mixed lengths at once on a 256-block KV budget",
+        reqs,
+        ("--kv-blocks", "256"),
+    )
+
+
+WORKLOADS = {
+    "throughput": throughput,
+    "mixed": mixed,
+    "latency": latency,
+    "shared-prefix": shared_prefix,
+    "memory": memory,
+}
+
+
+def build(name: str, vocab_size: int, seed: int = 0) -> Workload:
+    return WORKLOADS[name](random.Random(seed), vocab_size)

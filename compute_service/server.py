@@ -5,9 +5,11 @@ import threading
 import time
 
 import torch
+from prometheus_client import Histogram
 
 from common.errors import FailedPrecondition, InvalidArgument
 from common.logging import configure
+from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, serve_metrics
 from common.model_files import DEFAULT_MODEL
 from common.server import serve
 from common.shared_pool import dtype_from_name, open_pool
@@ -18,6 +20,10 @@ from compute_service.validation import Limits, check_step
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
 
 SERVICE_NAME = compute_pb2.DESCRIPTOR.services_by_name["Compute"].full_name
+FORWARD_SECONDS = Histogram(
+    "pagedserve_forward_step_duration_seconds", "Duration of one Forward step.", buckets=LATENCY_BUCKETS
+)
+STEP_TOKENS = Histogram("pagedserve_forward_step_tokens", "Tokens in one step.", buckets=TOKEN_BUCKETS)
 
 
 class ComputeServicer(compute_pb2_grpc.ComputeServicer):
@@ -73,6 +79,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             check_step(step, self._limits)
             tokens, logprobs = self.runner.forward(step)
             elapsed_ms = (time.perf_counter() - start) * 1e3
+        FORWARD_SECONDS.observe(elapsed_ms / 1e3)
+        STEP_TOKENS.observe(len(step.token_ids))
         self.log.debug(
             "forward", tokens=len(step.token_ids), seqs=len(step.context_lens), ms=round(elapsed_ms, 2)
         )
@@ -100,6 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention-backend", choices=list(BACKENDS), default="cpu")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50053)
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     parser.add_argument("--log-format", choices=["console", "json"], default="console")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -123,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         threads=torch.get_num_threads(),
     )
     servicer = ComputeServicer(Runner(model), spec, log)
+    serve_metrics(args.host, args.metrics_port, log)
     server = serve(
         [(compute_pb2_grpc.add_ComputeServicer_to_server, servicer, SERVICE_NAME)], args.host, args.port, log
     )

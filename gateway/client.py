@@ -1,11 +1,14 @@
-"""The Python SDK: `Client(target).generate(...)` or `.stream(...)`; one client may serve many threads."""
+"""The Python SDK: `Client(target).generate(...)` or `.stream(...)`; one client may serve many threads.
 
-from collections.abc import Iterator, Sequence
+`AsyncClient` has the same surface for asyncio (`await generate(...)`, `async for chunk in stream(...)`).
+"""
+
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
-from common.server import channel
+from common.server import CHANNEL_OPTIONS, channel
 from protos import common_pb2, generation_pb2, generation_pb2_grpc
 
 _FINISH_REASONS = {
@@ -95,6 +98,17 @@ def to_chunk(response: generation_pb2.GenerateResponse) -> Chunk:
     )
 
 
+def _error(err: grpc.RpcError) -> GenerationError:
+    return GenerationError(err.code(), err.details())
+
+
+def _add(result: Completion, chunk: Chunk) -> None:
+    result.request_id = chunk.request_id
+    result.token_ids.extend(chunk.token_ids)
+    result.text += chunk.text
+    result.finish_reason, result.usage = chunk.finish_reason, chunk.usage
+
+
 class Client:
     """Unset sampling fields take the server's defaults: max_tokens 16, temperature 1.0, top_p 1.0."""
 
@@ -110,7 +124,7 @@ class Client:
             for response in call:
                 yield to_chunk(response)
         except grpc.RpcError as err:
-            raise GenerationError(err.code(), err.details()) from None
+            raise _error(err) from None
         finally:
             call.cancel()
 
@@ -118,17 +132,14 @@ class Client:
         """The whole completion at once: token_ids, text, finish_reason, usage."""
         result = Completion()
         for chunk in self.stream(prompt, **kwargs):
-            result.request_id = chunk.request_id
-            result.token_ids.extend(chunk.token_ids)
-            result.text += chunk.text
-            result.finish_reason, result.usage = chunk.finish_reason, chunk.usage
+            _add(result, chunk)
         return result
 
     def info(self) -> generation_pb2.GetInfoResponse:
         try:
             return self._stub.GetInfo(generation_pb2.GetInfoRequest(), timeout=self.timeout)
         except grpc.RpcError as err:
-            raise GenerationError(err.code(), err.details()) from None
+            raise _error(err) from None
 
     def close(self) -> None:
         self._channel.close()
@@ -138,3 +149,48 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class AsyncClient:
+    """`Client` for asyncio (grpc.aio): the same methods, awaited; create it inside the running event loop.
+
+    `timeout` bounds each whole request; when it passes the request ends with DEADLINE_EXCEEDED.
+    """
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self.timeout = timeout
+
+    async def stream(self, prompt: str | None = None, **kwargs) -> AsyncIterator[Chunk]:
+        """Yields chunks as the server produces them; GenerationError on a refused or failed request."""
+        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout)
+        try:
+            async for response in call:
+                yield to_chunk(response)
+        except grpc.RpcError as err:
+            raise _error(err) from None
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: str | None = None, **kwargs) -> Completion:
+        """The whole completion at once: token_ids, text, finish_reason, usage."""
+        result = Completion()
+        async for chunk in self.stream(prompt, **kwargs):
+            _add(result, chunk)
+        return result
+
+    async def info(self) -> generation_pb2.GetInfoResponse:
+        try:
+            return await self._stub.GetInfo(generation_pb2.GetInfoRequest(), timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise _error(err) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -8,7 +8,7 @@ import numpy as np
 import structlog
 
 from common.errors import PagedServeError, from_rpc_error
-from common.server import channel
+from common.server import channel, request_metadata
 from gateway.scheduler import Scheduler, Step
 from gateway.sequence import Sequence
 from protos import cache_pb2, cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
@@ -122,7 +122,9 @@ class Engine:
                 self._free(step.preempted)
                 log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
             self._reserve(step)
-            reply = self._compute.Forward(self._forward_request(step), timeout=self.config.rpc_timeout_s)
+            reply = self._compute.Forward(
+                self._forward_request(step), timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs)
+            )
         except grpc.RpcError as err:
             self._fail(step.seqs, from_rpc_error(err))
             return
@@ -139,11 +141,15 @@ class Engine:
             return
         if step.is_prefill:
             reply = self._cache.Allocate(
-                cache_pb2.AllocateRequest(sequences=requests), timeout=self.config.rpc_timeout_s
+                cache_pb2.AllocateRequest(sequences=requests),
+                timeout=self.config.rpc_timeout_s,
+                metadata=_ids(step.seqs),
             )
         else:
             reply = self._cache.Extend(
-                cache_pb2.ExtendRequest(sequences=requests), timeout=self.config.rpc_timeout_s
+                cache_pb2.ExtendRequest(sequences=requests),
+                timeout=self.config.rpc_timeout_s,
+                metadata=_ids(step.seqs),
             )
         for table in reply.tables:
             seq = self._by_id[table.seq_id]
@@ -207,7 +213,9 @@ class Engine:
 
     def _free(self, seqs: list[Sequence]) -> None:
         reply = self._cache.Free(
-            cache_pb2.FreeRequest(seq_ids=[s.seq_id for s in seqs]), timeout=self.config.rpc_timeout_s
+            cache_pb2.FreeRequest(seq_ids=[s.seq_id for s in seqs]),
+            timeout=self.config.rpc_timeout_s,
+            metadata=_ids(seqs),
         )
         self.scheduler.free_blocks = reply.free_blocks
         for seq in seqs:
@@ -218,6 +226,10 @@ class Engine:
         self._release(seqs)
         for seq in seqs:
             seq.outbox.put(error)
+
+
+def _ids(seqs: list[Sequence]) -> tuple[tuple[str, str], ...]:
+    return request_metadata(seq.request_id for seq in seqs)
 
 
 def _sampling_proto(seq: Sequence) -> common_pb2.SamplingParams:

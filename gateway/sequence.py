@@ -31,6 +31,8 @@ class Sequence:
     prompt_ids: list[int]
     sampling: Sampling
     max_len: int
+    # The client's id for the request, sent to the cache and compute services in x-request-id metadata.
+    request_id: str = ""
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V is written in the block table's blocks.

@@ -8,11 +8,14 @@ import grpc
 import structlog
 
 from common import logging as pslogging
+from common import metrics as psmetrics
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from common.model_files import DEFAULT_MODEL, local_copy
 from common.server import serve
+from gateway import metrics
 from gateway import tokenizer as tok
 from gateway.engine import Engine, EngineConfig, Output
+from gateway.health import DownstreamWatcher
 from gateway.sequence import Sampling, Sequence
 from protos import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -62,7 +65,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         return self._engine.model_info
 
-    def _new_sequence(self, request: generation_pb2.GenerateRequest) -> Sequence:
+    def _new_sequence(self, request: generation_pb2.GenerateRequest, request_id: str) -> Sequence:
         info = self._attached_model()
         prompt_ids = tok.encode(self._tokenizer, request, info.vocab_size)
         sampling = resolve_sampling(request.sampling, info.vocab_size)
@@ -77,21 +80,38 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"prompt has {len(prompt_ids)} tokens; the KV cache holds at most {max_len} tokens"
                 " per sequence: give the cache service more memory (--kv-memory/--kv-blocks)"
             )
-        return Sequence(seq_id=uuid.uuid4().hex, prompt_ids=prompt_ids, sampling=sampling, max_len=max_len)
+        return Sequence(
+            seq_id=uuid.uuid4().hex,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            max_len=max_len,
+            request_id=request_id,
+        )
 
     def Generate(self, request, context):
-        request_id = request.request_id or uuid.uuid4().hex
-        seq = self._new_sequence(request)
+        """Streams one response per token; ends at finish, cancel or deadline.
+
+        The request id (the request's, else x-request-id metadata, else a new one) is in every
+        response and in the gateway, cache and compute logs of the steps that serve it.
+        """
+        request_id = request.request_id or structlog.contextvars.get_contextvars().get("request_id")
+        request_id = request_id or uuid.uuid4().hex
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        seq = self._new_sequence(request, request_id)
         detokenizer = tok.Detokenizer(self._tokenizer)
-        log.info("request", request_id=request_id, prompt_tokens=len(seq.prompt_ids))
+        timer = metrics.RequestTimer()
+        log.info("request", prompt_tokens=len(seq.prompt_ids), seq_id=seq.seq_id)
         self._engine.submit(seq)
         context.add_callback(lambda: self._engine.abort(seq.seq_id))
         while True:
             item = seq.outbox.get()
             if isinstance(item, Exception):
                 raise item
+            timer.token()
             yield self._response(seq, item, detokenizer, request_id)
             if item.finish_reason:
+                timer.finish(item.finish_reason, len(seq.prompt_ids))
+                log.info("finished", finish_reason=item.finish_reason, completion_tokens=len(seq.output_ids))
                 return
 
     def _response(
@@ -140,6 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-batched-tokens", type=int, default=4096)
     parser.add_argument("--max-seqs", type=int, default=64)
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     parser.add_argument("--log-format", choices=("console", "json"), default="console")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
@@ -159,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     servicer = GenerationServicer(engine, tokenizer)
+    metrics.register(lambda: engine.scheduler)
+    psmetrics.serve_metrics(args.host, args.metrics_port, logger)
     server = serve(
         [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE)],
         args.host,
@@ -174,5 +197,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from err
     loop = threading.Thread(target=engine.run, name="engine", daemon=True)
     loop.start()
-    server.set_serving(SERVICE, True)
-    server.wait(on_stop=engine.stop)
+    watcher = DownstreamWatcher(server, SERVICE, {"cache": args.cache_target, "compute": args.compute_target})
+    watcher.start()
+    server.wait(on_stop=lambda: (watcher.stop(), engine.stop()))

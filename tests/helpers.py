@@ -1,5 +1,6 @@
 """Starting real service processes for tests and waiting until they report healthy."""
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -17,6 +18,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports."""
+    while True:
+        base = free_port()
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
 
 
 def start(module: str, *args: str, log_path: Path, env: dict | None = None) -> subprocess.Popen:

@@ -1,8 +1,8 @@
-"""`pagedserve`: start the stack, generate from the terminal."""
+"""`pagedserve`: start the stack, generate, benchmark, watch and inspect it from the terminal."""
 
 import argparse
 
-from gateway.cli import bench, generate, up
+from gateway.cli import bench, generate, monitor, stats, up
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -10,7 +10,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="pagedserve", description="pagedserve: a paged-KV LLM inference server"
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in (up, generate, bench):
+    for module in (up, generate, bench, monitor, stats):
         module.add_parser(commands)
     args = parser.parse_args(argv)
     raise SystemExit(args.run(args))

@@ -11,6 +11,7 @@ from common.model_files import DEFAULT_MODEL
 from gateway.cli.launch import serving
 
 START_TIMEOUT_S = 900.0
+SERVICES = ("gateway", "cache", "compute")
 
 
 def add_parser(commands) -> None:
@@ -27,20 +28,29 @@ def add_parser(commands) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--cache-port", type=int, default=50052)
     p.add_argument("--compute-port", type=int, default=50053)
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus /metrics on BASE (gateway), BASE+1 (cache), BASE+2 (compute); 0 is off",
+    )
     p.add_argument("--log-format", choices=("console", "json"), default="console")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.set_defaults(run=run)
 
 
 def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The command line of each service, in start order."""
-    log = ["--log-format", args.log_format]
+    log = ["--log-format", args.log_format, "--log-level", args.log_level]
+    base = args.metrics_port
+    metrics = {name: ["--metrics-port", str(base + i if base else 0)] for i, name in enumerate(SERVICES)}
     budget = ["--kv-blocks", str(args.kv_blocks)] if args.kv_blocks else []
     budget += ["--kv-memory", args.kv_memory] if args.kv_memory else []
     cache = f"127.0.0.1:{args.cache_port}"
     compute = f"127.0.0.1:{args.compute_port}"
     py = [sys.executable, "-m"]
     return {
-        "cache": [*py, "cache_service", "--port", str(args.cache_port), *budget, *log],
+        "cache": [*py, "cache_service", "--port", str(args.cache_port), *budget, *metrics["cache"], *log],
         "compute": [
             *py,
             "compute_service",
@@ -50,6 +60,7 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
             args.dtype,
             "--port",
             str(args.compute_port),
+            *metrics["compute"],
             *log,
         ],
         "gateway": [
@@ -71,6 +82,7 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
             str(args.max_batched_tokens),
             "--max-seqs",
             str(args.max_seqs),
+            *metrics["gateway"],
             *log,
         ],
     }

@@ -23,7 +23,9 @@ def logs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def stack_fp32(model_dir, logs):
-    stack = start_stack(logs, "--dtype", "float32", "--kv-blocks", "512")
+    stack = start_stack(
+        logs, "--dtype", "float32", "--kv-blocks", "512", "--log-format", "json", "--log-level", "debug"
+    )
     yield stack
     stack.stop()
 

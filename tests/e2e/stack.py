@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.server import channel
+from gateway.cli.up import SERVICES
 from gateway.client import Client
 from protos import cache_pb2, cache_pb2_grpc, compute_pb2_grpc
 from tests import helpers
@@ -18,6 +19,11 @@ class Stack:
     target: str
     cache_target: str
     compute_target: str
+    metrics_base: int = 0
+
+    def metrics_url(self, service: str) -> str:
+        """The /metrics URL of 'gateway', 'cache' or 'compute' (ports BASE, BASE+1, BASE+2)."""
+        return f"http://127.0.0.1:{self.metrics_base + SERVICES.index(service)}/metrics"
 
     def client(self, timeout: float = 300.0) -> Client:
         return Client(self.target, timeout=timeout)
@@ -36,17 +42,20 @@ class Stack:
 
 
 def start_stack(log_dir: Path, *args: str) -> Stack:
-    """Runs `pagedserve up` on free ports with the given extra flags and waits until the gateway serves."""
+    """Runs `pagedserve up` on free ports (metrics too) with the given extra flags; waits until it serves."""
     port, cache_port, compute_port = helpers.free_port(), helpers.free_port(), helpers.free_port()
+    metrics_base = helpers.free_ports(len(SERVICES))
     log_path = log_dir / f"stack-{port}.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
     proc = helpers.subprocess.Popen(
         [PAGEDSERVE, "up", "--port", str(port), "--cache-port", str(cache_port),
-         "--compute-port", str(compute_port), *args],
+         "--compute-port", str(compute_port), "--metrics-port", str(metrics_base), *args],
         cwd=helpers.ROOT, stdout=log, stderr=helpers.subprocess.STDOUT,
     )  # fmt: skip
     proc.log_path = log_path
-    stack = Stack(proc, f"127.0.0.1:{port}", f"127.0.0.1:{cache_port}", f"127.0.0.1:{compute_port}")
+    stack = Stack(
+        proc, f"127.0.0.1:{port}", f"127.0.0.1:{cache_port}", f"127.0.0.1:{compute_port}", metrics_base
+    )
     try:
         helpers.wait_healthy(stack.target, proc, timeout=600, service="pagedserve.v1.Generation")
     except BaseException:

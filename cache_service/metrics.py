@@ -1,0 +1,46 @@
+"""The cache service's Prometheus metrics, read from its GetStats reply at scrape time (never stale)."""
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import REGISTRY, Collector
+
+from protos import cache_pb2
+
+# Counters exported from CacheStats fields once the service reports them; absent fields read 0.
+COUNTERS = {
+    "prefix_query_tokens": ("pagedserve_prefix_cache_queries", "Prompt tokens looked up in the prefix."),
+    "prefix_hit_tokens": ("pagedserve_prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "cow_copies": ("pagedserve_kv_cow_copies", "Blocks copied on write before a shared block was written."),
+    "evictions": ("pagedserve_kv_evictions", "Cached blocks evicted to make room for new ones."),
+}
+
+
+def _field(stats: cache_pb2.CacheStats, name: str) -> float:
+    return getattr(stats, name) if name in stats.DESCRIPTOR.fields_by_name else 0
+
+
+class StatsCollector(Collector):
+    """Turns one CacheStats snapshot per scrape into gauges and counters."""
+
+    def __init__(self, get_stats: Callable[[], cache_pb2.CacheStats]) -> None:
+        self._get_stats = get_stats
+
+    def collect(self) -> Iterator:
+        stats = self._get_stats()
+        yield GaugeMetricFamily(
+            "pagedserve_kv_cache_usage_ratio", "Used KV blocks / total KV blocks (0 to 1).", stats.usage
+        )
+        blocks = GaugeMetricFamily("pagedserve_kv_blocks", "KV blocks by state.", labels=["state"])
+        for state in ("used", "free", "cached"):
+            blocks.add_metric([state], _field(stats, f"{state}_blocks"))
+        yield blocks
+        yield GaugeMetricFamily(
+            "pagedserve_kv_sequences", "Sequences holding a block table.", stats.num_sequences
+        )
+        for field_name, (name, doc) in COUNTERS.items():
+            yield CounterMetricFamily(name, doc, _field(stats, field_name))
+
+
+def register(get_stats: Callable[[], cache_pb2.CacheStats]) -> None:
+    REGISTRY.register(StatsCollector(get_stats))

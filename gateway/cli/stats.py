@@ -1,0 +1,35 @@
+"""`pagedserve stats`: the cache service's GetStats as a table, or JSON with --json."""
+
+import argparse
+import json
+import sys
+
+import grpc
+
+from common.server import channel
+from protos import cache_pb2, cache_pb2_grpc
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser("stats", help="print the cache service's block statistics")
+    p.add_argument("--cache-target", default="127.0.0.1:50052", help="cache service address HOST:PORT")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    with channel(args.cache_target) as ch:
+        try:
+            stats = cache_pb2_grpc.CacheStub(ch).GetStats(cache_pb2.GetStatsRequest(), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    fields = {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
+    if args.json:
+        print(json.dumps(fields))
+        return 0
+    width = max(map(len, fields))
+    for name, value in fields.items():
+        print(f"{name:<{width}}  {value}")
+    return 0

@@ -1,0 +1,53 @@
+"""The gateway's health follows its downstream services: SERVING only while cache and compute both are."""
+
+import threading
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.server import Server, channel
+
+log = structlog.get_logger()
+CHECK_INTERVAL_S = 1.0
+
+
+class DownstreamWatcher:
+    """Polls grpc.health.v1 on each downstream target and flips `service` on `server` when any changes."""
+
+    def __init__(self, server: Server, service: str, targets: dict[str, str]) -> None:
+        self._server = server
+        self._service = service
+        self._stubs = {name: health_pb2_grpc.HealthStub(channel(target)) for name, target in targets.items()}
+        self._stop = threading.Event()
+        self.serving: bool | None = None
+
+    def down(self) -> list[str]:
+        """Names of the downstream services that do not answer SERVING within one interval."""
+        names = []
+        for name, stub in self._stubs.items():
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=CHECK_INTERVAL_S)
+            except grpc.RpcError:
+                names.append(name)
+                continue
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                names.append(name)
+        return names
+
+    def run(self) -> None:
+        while True:
+            down = self.down()
+            serving = not down
+            if serving != self.serving:
+                self._server.set_serving(self._service, serving)
+                (log.info if serving else log.warning)("health", serving=serving, down=down)
+                self.serving = serving
+            if self._stop.wait(CHECK_INTERVAL_S):
+                return
+
+    def start(self) -> None:
+        threading.Thread(target=self.run, name="health-watcher", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()

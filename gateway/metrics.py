@@ -1,0 +1,65 @@
+"""The gateway's Prometheus metrics: request latencies as clients see them, and the scheduler's queues."""
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import REGISTRY, Collector
+
+from common.metrics import LATENCY_BUCKETS
+from gateway.scheduler import Scheduler
+
+TTFT = Histogram(
+    "pagedserve_time_to_first_token_seconds",
+    "From a request's arrival to its first generated token.",
+    buckets=LATENCY_BUCKETS,
+)
+ITL = Histogram(
+    "pagedserve_inter_token_latency_seconds", "Between tokens of a request.", buckets=LATENCY_BUCKETS
+)
+E2E = Histogram("pagedserve_e2e_request_latency_seconds", "Arrival to last token.", buckets=LATENCY_BUCKETS)
+FINISHED = Counter("pagedserve_requests_finished", "Requests completed, by reason.", ["finish_reason"])
+PROMPT_TOKENS = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests.")
+GENERATION_TOKENS = Counter("pagedserve_generation_tokens", "Tokens generated for finished requests.")
+
+
+class RequestTimer:
+    """Observes one request's TTFT, inter-token latencies and end-to-end latency as its tokens are sent."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+        self.tokens = 0
+
+    def token(self) -> None:
+        now = time.monotonic()
+        (ITL if self.tokens else TTFT).observe(now - self.last)
+        self.last, self.tokens = now, self.tokens + 1
+
+    def finish(self, reason: str, prompt_tokens: int) -> None:
+        E2E.observe(time.monotonic() - self.start)
+        FINISHED.labels(reason).inc()
+        PROMPT_TOKENS.inc(prompt_tokens)
+        GENERATION_TOKENS.inc(self.tokens)
+
+
+class SchedulerCollector(Collector):
+    """Running and waiting requests and preemptions, read from the scheduler at scrape time."""
+
+    def __init__(self, get_scheduler: Callable[[], Scheduler | None]) -> None:
+        self._get_scheduler = get_scheduler
+
+    def collect(self) -> Iterator:
+        scheduler = self._get_scheduler()
+        running, waiting = (len(scheduler.running), len(scheduler.waiting)) if scheduler else (0, 0)
+        yield GaugeMetricFamily("pagedserve_requests_running", "Requests in the running batch.", running)
+        yield GaugeMetricFamily("pagedserve_requests_waiting", "Requests queued for a prefill.", waiting)
+        yield CounterMetricFamily(
+            "pagedserve_preemptions",
+            "Running requests preempted (blocks freed, recomputed later) for lack of KV blocks.",
+            scheduler.num_preemptions if scheduler else 0,
+        )
+
+
+def register(get_scheduler: Callable[[], Scheduler | None]) -> None:
+    REGISTRY.register(SchedulerCollector(get_scheduler))

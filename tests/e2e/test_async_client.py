@@ -1,0 +1,58 @@
+"""gateway.client.AsyncClient against the running stack: generate, stream, errors, deadlines."""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from gateway.client import AsyncClient, GenerationError
+
+pytestmark = pytest.mark.e2e
+PROMPT = "The capital of France is"
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_generate_and_stream_agree(stack_fp32):
+    async def both():
+        async with AsyncClient(stack_fp32.target, timeout=300) as client:
+            whole = await client.generate(prompt=PROMPT, max_tokens=6, temperature=0)
+            chunks = [chunk async for chunk in client.stream(prompt=PROMPT, max_tokens=6, temperature=0)]
+            info = await client.info()
+        return whole, chunks, info
+
+    whole, chunks, info = _run(both())
+    assert "Paris" in whole.text and whole.finish_reason == "length" and whole.usage.completion_tokens == 6
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+    assert info.num_blocks == 512
+
+
+def test_refused_request_raises_generation_error_with_code(stack_fp32):
+    async def refused():
+        async with AsyncClient(stack_fp32.target, timeout=60) as client:
+            await client.generate(prompt="hi", max_tokens=0)
+
+    with pytest.raises(GenerationError) as err:
+        _run(refused())
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens must be > 0" in err.value.details
+
+
+def test_deadline_ends_the_request_and_frees_its_blocks(stack_fp32):
+    async def too_slow():
+        async with AsyncClient(stack_fp32.target, timeout=1.0) as client:
+            await client.generate(prompt=PROMPT, max_tokens=200, temperature=0, ignore_eos=True)
+
+    start = time.monotonic()
+    with pytest.raises(GenerationError) as err:
+        _run(too_slow())
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 10
+    deadline = time.monotonic() + 30
+    while stack_fp32.stats().used_blocks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stack_fp32.stats().used_blocks == 0

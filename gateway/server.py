@@ -18,6 +18,7 @@ from protos import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = structlog.get_logger()
 SERVICE = "pagedserve.v1.Generation"
+MAX_SAMPLES = 16
 FINISH_REASONS = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP}
 
 
@@ -32,6 +33,9 @@ def resolve_sampling(params: common_pb2.SamplingParams, vocab_size: int) -> Samp
         raise InvalidArgument(f"sampling.temperature must be >= 0 (0 is greedy), got {temperature}")
     if not 0 < top_p <= 1:
         raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {top_p}")
+    n = params.n if params.HasField("n") else 1
+    if not 1 <= n <= MAX_SAMPLES:
+        raise InvalidArgument(f"sampling.n must be in [1, {MAX_SAMPLES}], got {n}")
     if params.top_k < 0:
         raise InvalidArgument(f"sampling.top_k must be >= 0 (0 turns it off), got {params.top_k}")
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
@@ -47,6 +51,7 @@ def resolve_sampling(params: common_pb2.SamplingParams, vocab_size: int) -> Samp
         seed=params.seed if params.HasField("seed") else None,
         ignore_eos=params.ignore_eos,
         stop_token_ids=frozenset(params.stop_token_ids),
+        n=n,
     )
 
 
@@ -77,41 +82,48 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"prompt has {len(prompt_ids)} tokens; the KV cache holds at most {max_len} tokens"
                 " per sequence: give the cache service more memory (--kv-memory/--kv-blocks)"
             )
-        return Sequence(seq_id=uuid.uuid4().hex, prompt_ids=prompt_ids, sampling=sampling, max_len=max_len)
+        return Sequence(
+            seq_id=uuid.uuid4().hex,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            max_len=max_len,
+            cache_salt=request.cache_salt,
+        )
 
     def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
         seq = self._new_sequence(request)
-        detokenizer = tok.Detokenizer(self._tokenizer)
-        log.info("request", request_id=request_id, prompt_tokens=len(seq.prompt_ids))
+        detokenizers = [tok.Detokenizer(self._tokenizer) for _ in range(seq.sampling.n)]
+        completion_tokens = [0] * seq.sampling.n
+        log.info("request", request_id=request_id, prompt_tokens=len(seq.prompt_ids), n=seq.sampling.n)
         self._engine.submit(seq)
         context.add_callback(lambda: self._engine.abort(seq.seq_id))
-        while True:
+        running = seq.sampling.n
+        while running:
             item = seq.outbox.get()
             if isinstance(item, Exception):
                 raise item
-            yield self._response(seq, item, detokenizer, request_id)
-            if item.finish_reason:
-                return
+            completion_tokens[item.index] += len(item.token_ids)
+            usage = (len(seq.prompt_ids), seq.cached_tokens, completion_tokens[item.index])
+            yield self._response(item, detokenizers[item.index], request_id, usage)
+            running -= bool(item.finish_reason)
 
     def _response(
-        self, seq: Sequence, item: Output, detokenizer, request_id: str
+        self, item: Output, detokenizer, request_id: str, usage: tuple[int, int, int]
     ) -> generation_pb2.GenerateResponse:
         text = detokenizer.step(item.token_ids)
-        if not item.finish_reason:
-            return generation_pb2.GenerateResponse(request_id=request_id, token_ids=item.token_ids, text=text)
-        usage = generation_pb2.Usage(
-            prompt_tokens=len(seq.prompt_ids),
-            cached_tokens=seq.cached_tokens,
-            completion_tokens=len(seq.output_ids),
+        reply = generation_pb2.GenerateResponse(
+            request_id=request_id, token_ids=item.token_ids, text=text, index=item.index
         )
-        return generation_pb2.GenerateResponse(
-            request_id=request_id,
-            token_ids=item.token_ids,
-            text=text + detokenizer.flush(),
-            finish_reason=FINISH_REASONS[item.finish_reason],
-            usage=usage,
-        )
+        if item.finish_reason:
+            reply.text += detokenizer.flush()
+            reply.finish_reason = FINISH_REASONS[item.finish_reason]
+            reply.usage.CopyFrom(
+                generation_pb2.Usage(
+                    prompt_tokens=usage[0], cached_tokens=usage[1], completion_tokens=usage[2]
+                )
+            )
+        return reply
 
     def GetInfo(self, request, context):
         info = self._attached_model()

@@ -2,38 +2,13 @@
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from cache_service.allocators.base import BlockAllocator
 from cache_service.block_pool import BlockPool
 from cache_service.prefix_cache import BlockHash, block_hash, root_hash
+from cache_service.sequence import SeqRequest, SeqState
 from common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-
-
-class SeqRequest(NamedTuple):
-    """A sequence, the tokens it must hold after the call, and its progress.
-
-    token_ids: on allocate the whole sequence, on extend the tokens appended since the previous call; empty
-    for a sequence that is never prefix-cached. num_computed (extend): leading tokens whose K/V is written;
-    the step that follows writes [num_computed, num_tokens).
-    """
-
-    seq_id: str
-    num_tokens: int
-    token_ids: Sequence[int] = ()
-    num_computed: int = 0
-    cache_salt: str = ""
-
-
-@dataclass(slots=True)
-class _Sequence:
-    num_tokens: int
-    root: BlockHash
-    token_ids: list[int] | None  # None: not prefix-cached
-    block_table: list[int] = field(default_factory=list)
-    hashes: list[BlockHash] = field(default_factory=list)  # of the leading full, written blocks
-    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +51,7 @@ class BlockManager:
         self.prefix_caching = prefix_caching
         self._copy_block = copy_block
         self._model = model
-        self._seqs: dict[str, _Sequence] = {}
+        self._seqs: dict[str, SeqState] = {}
         self._queried = self._hit = self._cow = 0
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -113,16 +88,16 @@ class BlockManager:
             self._grow(seq, self.blocks_needed(request.num_tokens) - len(seq.block_table))
         return [self.block_table(request.seq_id) for request in requests]
 
-    def _new_sequence(self, request: SeqRequest) -> _Sequence:
+    def _new_sequence(self, request: SeqRequest) -> SeqState:
         tokens = list(request.token_ids) if self.prefix_caching and request.token_ids else None
-        return _Sequence(request.num_tokens, root_hash(self._model, request.cache_salt), tokens)
+        return SeqState(request.num_tokens, root_hash(self._model, request.cache_salt), tokens)
 
     def _lookup(self, request: SeqRequest) -> list[tuple[int, BlockHash]]:
         if not (self.prefix_caching and request.token_ids):
             return []
         hits, parent = [], root_hash(self._model, request.cache_salt)
         for index in range((request.num_tokens - 1) // self.block_size):
-            parent = self._hash_block(parent, request.token_ids, index)
+            parent = block_hash(parent, self._block_tokens(request.token_ids, index))
             block_id = self.pool.prefix.lookup(parent)
             if block_id is None:
                 break
@@ -230,7 +205,7 @@ class BlockManager:
         parent = self._seqs[parent_id]
         for child_id in child_ids:
             tokens = list(parent.token_ids) if parent.token_ids is not None else None
-            self._seqs[child_id] = _Sequence(
+            self._seqs[child_id] = SeqState(
                 parent.num_tokens, parent.root, tokens, list(parent.block_table), list(parent.hashes)
             )
             for block_id in parent.block_table:
@@ -302,30 +277,26 @@ class BlockManager:
             for index, block_id in enumerate(table):
                 holders[block_id] += 1
                 if self.pool.prefix.is_indexed(block_id):
-                    assert self.pool.prefix.tokens(block_id) == tuple(self._block_tokens(seq, index)), (
-                        block_id
-                    )
+                    claimed = self.pool.prefix.tokens(block_id)
+                    assert claimed == tuple(self._block_tokens(seq.token_ids, index)), block_id
         self.pool.check_invariants(holders)
 
     # helpers
 
-    def _block_tokens(self, seq: _Sequence, index: int) -> list[int]:
-        return seq.token_ids[index * self.block_size : (index + 1) * self.block_size]
+    def _block_tokens(self, tokens: Sequence[int], index: int) -> Sequence[int]:
+        return tokens[index * self.block_size : (index + 1) * self.block_size]
 
-    def _hash_block(self, parent: BlockHash, token_ids: Sequence[int], index: int) -> BlockHash:
-        return block_hash(parent, token_ids[index * self.block_size : (index + 1) * self.block_size])
-
-    def _register(self, seq: _Sequence, num_computed: int) -> None:
+    def _register(self, seq: SeqState, num_computed: int) -> None:
         """Indexes the sequence's full blocks whose K/V is now written."""
         if seq.token_ids is None:
             return
         for index in range(len(seq.hashes), num_computed // self.block_size):
             parent = seq.hashes[-1] if seq.hashes else seq.root
             seq.hashes.append(
-                self.pool.register(seq.block_table[index], parent, self._block_tokens(seq, index))
+                self.pool.register(seq.block_table[index], parent, self._block_tokens(seq.token_ids, index))
             )
 
-    def _copy_on_write(self, seq: _Sequence, first_written: int) -> None:
+    def _copy_on_write(self, seq: SeqState, first_written: int) -> None:
         for index in range(first_written, len(seq.block_table)):
             old = seq.block_table[index]
             if self.pool.must_copy(old):
@@ -335,7 +306,7 @@ class BlockManager:
                 self.pool.release(old)
                 self._cow += 1
 
-    def _grow(self, seq: _Sequence, n: int) -> None:
+    def _grow(self, seq: SeqState, n: int) -> None:
         assert n >= 0, n
         seq.block_table.extend(self.pool.take(n, seq.block_table))
 

@@ -30,12 +30,12 @@ class StackAllocator(BlockAllocator):
         return block_ids
 
     def free(self, block_ids: Sequence[int]) -> None:
-        for block_id in block_ids:
+        for index, block_id in enumerate(block_ids):
             if not 0 <= block_id < self.num_total:
                 raise InvalidArgument(
                     f"block {block_id} does not exist: the pool has {self.num_total} blocks"
                 )
-        if len(set(block_ids)) != len(block_ids) or self._free.intersection(block_ids):
-            raise FailedPrecondition(f"a block of {list(block_ids)} is already free (double free)")
+            if block_id in self._free or block_id in block_ids[:index]:
+                raise FailedPrecondition(f"block {block_id} is already free (double free)")
         self._stack.extend(block_ids)
         self._free.update(block_ids)

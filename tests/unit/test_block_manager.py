@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_service.allocators import registry
-from cache_service.block_manager import BlockManager, SeqRequest
+from cache_service.block_manager import BlockManager
+from cache_service.sequence import SeqRequest
 from common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -136,7 +137,7 @@ def test_check_invariants_catches_a_corrupted_refcount():
 # allocators: every registered one must pass these
 
 
-@pytest.fixture(params=registry.available())
+@pytest.fixture(params=[*registry.available(), "tests.toy_allocator:StackAllocator"])
 def allocator(request):
     return registry.create(request.param, 8)
 

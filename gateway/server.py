@@ -104,12 +104,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if isinstance(item, Exception):
                 raise item
             completion_tokens[item.index] += len(item.token_ids)
-            usage = (len(seq.prompt_ids), seq.cached_tokens, completion_tokens[item.index])
+            usage = generation_pb2.Usage(
+                prompt_tokens=len(seq.prompt_ids),
+                cached_tokens=seq.cached_tokens,
+                completion_tokens=completion_tokens[item.index],
+            )
             yield self._response(item, detokenizers[item.index], request_id, usage)
             running -= bool(item.finish_reason)
 
     def _response(
-        self, item: Output, detokenizer, request_id: str, usage: tuple[int, int, int]
+        self, item: Output, detokenizer, request_id: str, usage: generation_pb2.Usage
     ) -> generation_pb2.GenerateResponse:
         text = detokenizer.step(item.token_ids)
         reply = generation_pb2.GenerateResponse(
@@ -118,11 +122,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if item.finish_reason:
             reply.text += detokenizer.flush()
             reply.finish_reason = FINISH_REASONS[item.finish_reason]
-            reply.usage.CopyFrom(
-                generation_pb2.Usage(
-                    prompt_tokens=usage[0], cached_tokens=usage[1], completion_tokens=usage[2]
-                )
-            )
+            reply.usage.CopyFrom(usage)
         return reply
 
     def GetInfo(self, request, context):

@@ -2,8 +2,10 @@
 
 import threading
 
+import grpc
 import pytest
 
+from gateway.client import GenerationError
 from tests.e2e.prompts import prompt_ids
 from tests.e2e.stack import start_stack
 
@@ -111,3 +113,11 @@ def test_n_samples_share_the_prompt_and_copy_on_write(stack_fp32, tokenizer):
         assert with_seed_12.token_ids == first[1]
     stats = stack_fp32.stats()
     assert stats.used_blocks == 0 and stats.num_sequences == 0
+
+
+@pytest.mark.parametrize("n", [0, 17])
+def test_n_out_of_range_is_refused(stack_fp32, n):
+    with stack_fp32.client() as client, pytest.raises(GenerationError) as err:
+        client.generate_n(prompt="hi", n=n)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.n must be in [1, 16]" in err.value.details

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from cache_service.allocators.base import BlockAllocator
 from cache_service.block_pool import BlockPool
 from cache_service.prefix_cache import BlockHash, block_hash, root_hash
-from cache_service.sequence import SeqRequest, SeqState
+from cache_service.sequence import SeqRequest, SeqState, check_request
 from common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 
 
@@ -109,7 +109,7 @@ class BlockManager:
         seen: set[str] = set()
         need, revived = 0, set()
         for request in requests:
-            self._check_request(request)
+            check_request(request)
             if request.seq_id in self._seqs:
                 raise AlreadyExists(
                     f"sequence {request.seq_id!r} already has a block table: Extend or Free it"
@@ -154,33 +154,16 @@ class BlockManager:
 
     def _check_extend(self, requests: Sequence[SeqRequest]) -> int:
         for request in requests:
-            self._check_request(request)
+            check_request(request)
         self._check_known([request.seq_id for request in requests])
         seen: set[str] = set()
         need, copied = 0, Counter()
         for request in requests:
-            seq, name = self._seqs[request.seq_id], repr(request.seq_id)
             if request.seq_id in seen:
-                raise InvalidArgument(f"sequence {name} is listed twice in one Extend")
-            if request.num_tokens < seq.num_tokens:
-                raise InvalidArgument(
-                    f"sequence {name} holds {seq.num_tokens} tokens: Extend cannot shrink it to "
-                    f"{request.num_tokens} (Free it and Allocate again)"
-                )
-            held = (
-                seq.num_tokens if seq.token_ids is not None else request.num_tokens - len(request.token_ids)
-            )
-            if held + len(request.token_ids) != request.num_tokens:
-                raise InvalidArgument(
-                    f"sequence {name}: {len(request.token_ids)} new token_ids take it from {held} to "
-                    f"{held + len(request.token_ids)} tokens, not num_tokens {request.num_tokens}"
-                )
-            if not len(seq.hashes) * self.block_size <= request.num_computed <= request.num_tokens:
-                raise InvalidArgument(
-                    f"sequence {name}: num_computed {request.num_computed} must be in "
-                    f"[{len(seq.hashes) * self.block_size}, {request.num_tokens}]"
-                )
+                raise InvalidArgument(f"sequence {request.seq_id!r} is listed twice in one Extend")
             seen.add(request.seq_id)
+            seq = self._seqs[request.seq_id]
+            seq.check_extend(request, self.block_size)
             need += self.blocks_needed(request.num_tokens) - len(seq.block_table)
             for block_id in seq.block_table[request.num_computed // self.block_size :]:
                 if self.pool.must_copy(block_id, copied[block_id]):
@@ -309,14 +292,6 @@ class BlockManager:
     def _grow(self, seq: SeqState, n: int) -> None:
         assert n >= 0, n
         seq.block_table.extend(self.pool.take(n, seq.block_table))
-
-    def _check_request(self, request: SeqRequest) -> None:
-        if not request.seq_id:
-            raise InvalidArgument("seq_id must not be empty")
-        if request.num_tokens <= 0:
-            raise InvalidArgument(
-                f"sequence {request.seq_id!r}: num_tokens must be > 0, got {request.num_tokens}"
-            )
 
     def _check_known(self, seq_ids: Sequence[str]) -> None:
         unknown = sorted({seq_id for seq_id in seq_ids if seq_id not in self._seqs})

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from cache_service.prefix_cache import BlockHash
+from common.errors import InvalidArgument
 
 
 class SeqRequest(NamedTuple):
@@ -33,3 +34,34 @@ class SeqState:
     block_table: list[int] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)
     cached_tokens: int = 0
+
+    def check_extend(self, request: SeqRequest, block_size: int) -> None:
+        """InvalidArgument unless `request` grows this sequence consistently: no shrinking, new token ids
+        (if it is prefix-cached) that add up to num_tokens, and num_computed not below its hashed blocks."""
+        name = repr(request.seq_id)
+        if request.num_tokens < self.num_tokens:
+            raise InvalidArgument(
+                f"sequence {name} holds {self.num_tokens} tokens: Extend cannot shrink it to "
+                f"{request.num_tokens} (Free it and Allocate again)"
+            )
+        new = len(request.token_ids)
+        held = self.num_tokens if self.token_ids is not None else request.num_tokens - new
+        if held + new != request.num_tokens:
+            raise InvalidArgument(
+                f"sequence {name}: {new} new token_ids take it from {held} to {held + new} tokens, "
+                f"not num_tokens {request.num_tokens}"
+            )
+        if not len(self.hashes) * block_size <= request.num_computed <= request.num_tokens:
+            raise InvalidArgument(
+                f"sequence {name}: num_computed {request.num_computed} must be in "
+                f"[{len(self.hashes) * block_size}, {request.num_tokens}]"
+            )
+
+
+def check_request(request: SeqRequest) -> None:
+    """InvalidArgument for an empty seq_id or num_tokens <= 0."""
+    if not request.seq_id:
+        raise InvalidArgument("seq_id must not be empty")
+    if request.num_tokens <= 0:
+        name, n = request.seq_id, request.num_tokens
+        raise InvalidArgument(f"sequence {name!r}: num_tokens must be > 0, got {n}")

@@ -1,34 +1,28 @@
-"""Block tables of sequences over one allocator, with a refcount per physical block."""
+"""Block tables over one allocator: refcounts, prefix sharing, fork, copy-on-write and LRU eviction."""
 
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from cache_service.allocators.base import BlockAllocator
+from cache_service.block_pool import BlockPool
+from cache_service.prefix_cache import BlockHash, block_hash, root_hash
+from cache_service.sequence import SeqRequest, SeqState, check_request
 from common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-
-
-class SeqRequest(NamedTuple):
-    """A sequence and the number of tokens it must be able to hold after the call."""
-
-    seq_id: str
-    num_tokens: int
-
-
-@dataclass(slots=True)
-class _Sequence:
-    num_tokens: int
-    block_table: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class BlockStats:
     total_blocks: int
-    used_blocks: int
-    free_blocks: int
+    used_blocks: int  # referenced by a table
+    free_blocks: int  # in the allocator
+    cached_blocks: int  # in the prefix index, unreferenced, evictable
     num_sequences: int
     block_size: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    copy_on_writes: int
+    evictions: int
 
     @property
     def usage(self) -> float:
@@ -38,15 +32,27 @@ class BlockStats:
 class BlockManager:
     """One block table per sequence id; each batch call validates the whole batch before changing anything.
 
-    NOTE: block tables are append-only: `extend` only adds blocks, and only `free` releases them.
+    Every block is free (in the allocator), used (refcount > 0) or cached (indexed, refcount 0, evictable).
+    NOTE: `copy_block(src, dst)` copies a block's K/V; it runs inside `extend`, before compute writes.
     """
 
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        copy_block: Callable[[int, int], None] = lambda src, dst: None,
+        prefix_caching: bool = True,
+        model: str = "",
+    ) -> None:
         assert block_size > 0, block_size
         self.allocator = allocator
+        self.pool = BlockPool(allocator)
         self.block_size = block_size
-        self._seqs: dict[str, _Sequence] = {}
-        self._refcounts = [0] * allocator.num_total
+        self.prefix_caching = prefix_caching
+        self._copy_block = copy_block
+        self._model = model
+        self._seqs: dict[str, SeqState] = {}
+        self._queried = self._hit = self._cow = 0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -54,93 +60,166 @@ class BlockManager:
     # allocate
 
     def can_allocate(self, requests: Sequence[SeqRequest]) -> bool:
-        """Whether the new sequences fit in the free blocks; raises like `allocate` if invalid."""
-        return self._check_allocate(requests) <= self.allocator.num_free
+        """Whether the new sequences fit; raises like `allocate` if invalid."""
+        need, revived = self._check_allocate(requests)
+        return need <= self.pool.num_available - revived
 
     def allocate(self, requests: Sequence[SeqRequest]) -> list[list[int]]:
-        """Creates the block table of each new sequence and returns them in request order; all or nothing.
+        """Creates each new sequence's table, reusing the longest cached prefix of whole blocks (never the
+        last token, whose logits are needed); returns the tables in request order; all or nothing.
 
-        Raises InvalidArgument (empty id, num_tokens <= 0), AlreadyExists (the sequence has a table or is
-        listed twice) and ResourceExhausted (not enough free blocks); on any error nothing changed.
+        Raises InvalidArgument (empty id, num_tokens <= 0, token_ids not num_tokens long), AlreadyExists
+        (the sequence has a table or is listed twice) and ResourceExhausted (not enough blocks).
         """
-        self._ensure_free(self._check_allocate(requests))
+        need, revived = self._check_allocate(requests)
+        self._ensure_available(need, revived)
+        # NOTE: every hit is referenced before any table grows, so growing never evicts a block still to hit.
         for request in requests:
-            seq = self._seqs[request.seq_id] = _Sequence(request.num_tokens)
-            self._grow(seq, self.blocks_needed(request.num_tokens))
+            seq = self._seqs[request.seq_id] = self._new_sequence(request)
+            for block_id, hash_ in self._lookup(request):
+                self.pool.reference(block_id)
+                seq.block_table.append(block_id)
+                seq.hashes.append(hash_)
+            seq.cached_tokens = len(seq.block_table) * self.block_size
+            self._queried += request.num_tokens if seq.token_ids is not None else 0
+            self._hit += seq.cached_tokens
+        for request in requests:
+            seq = self._seqs[request.seq_id]
+            self._grow(seq, self.blocks_needed(request.num_tokens) - len(seq.block_table))
         return [self.block_table(request.seq_id) for request in requests]
 
-    def _check_allocate(self, requests: Sequence[SeqRequest]) -> int:
+    def _new_sequence(self, request: SeqRequest) -> SeqState:
+        tokens = list(request.token_ids) if self.prefix_caching and request.token_ids else None
+        return SeqState(request.num_tokens, root_hash(self._model, request.cache_salt), tokens)
+
+    def _lookup(self, request: SeqRequest) -> list[tuple[int, BlockHash]]:
+        if not (self.prefix_caching and request.token_ids):
+            return []
+        hits, parent = [], root_hash(self._model, request.cache_salt)
+        for index in range((request.num_tokens - 1) // self.block_size):
+            parent = block_hash(parent, self._block_tokens(request.token_ids, index))
+            block_id = self.pool.prefix.lookup(parent)
+            if block_id is None:
+                break
+            hits.append((block_id, parent))
+        return hits
+
+    def _check_allocate(self, requests: Sequence[SeqRequest]) -> tuple[int, int]:
+        """(blocks to take, evictable blocks the batch's prefix hits revive)."""
         seen: set[str] = set()
+        need, revived = 0, set()
         for request in requests:
-            self._check_request(request)
+            check_request(request)
             if request.seq_id in self._seqs:
                 raise AlreadyExists(
                     f"sequence {request.seq_id!r} already has a block table: Extend or Free it"
                 )
             if request.seq_id in seen:
                 raise AlreadyExists(f"sequence {request.seq_id!r} is listed twice in one Allocate")
+            if request.token_ids and len(request.token_ids) != request.num_tokens:
+                raise InvalidArgument(
+                    f"sequence {request.seq_id!r}: {len(request.token_ids)} token_ids for num_tokens "
+                    f"{request.num_tokens}; give every token or none"
+                )
             seen.add(request.seq_id)
-        return sum(self.blocks_needed(request.num_tokens) for request in requests)
+            hits = [block_id for block_id, _ in self._lookup(request)]
+            revived.update(block_id for block_id in hits if self.pool.prefix.is_evictable(block_id))
+            need += self.blocks_needed(request.num_tokens) - len(hits)
+        return need, len(revived)
 
     # extend
 
     def can_extend(self, requests: Sequence[SeqRequest]) -> bool:
-        """Whether the growth of these sequences fits in the free blocks; raises like `extend` if invalid."""
-        return self._check_extend(requests) <= self.allocator.num_free
+        """Whether the growth and copies fit; raises like `extend` if invalid."""
+        return self._check_extend(requests) <= self.pool.num_available
 
     def extend(self, requests: Sequence[SeqRequest]) -> list[list[int]]:
-        """Grows each sequence's table to hold num_tokens and returns the full tables in request order.
+        """Records each sequence's new tokens and progress, indexes its newly written full blocks, copies the
+        blocks the coming step writes that are shared or indexed (copy-on-write), grows the table to hold
+        num_tokens, and returns the tables in request order; all or nothing.
 
-        Asking for the tokens a sequence already holds changes nothing. Raises NotFound (unknown sequence),
-        InvalidArgument (empty id, num_tokens <= 0 or below what the sequence holds, listed twice) and
-        ResourceExhausted (not enough free blocks); on any error nothing changed.
+        Raises NotFound (unknown sequence), InvalidArgument (bad counts or tokens, listed twice) and
+        ResourceExhausted (not enough blocks).
         """
-        self._ensure_free(self._check_extend(requests))
+        self._ensure_available(self._check_extend(requests), 0)
         for request in requests:
             seq = self._seqs[request.seq_id]
             seq.num_tokens = request.num_tokens
+            if seq.token_ids is not None:
+                seq.token_ids.extend(request.token_ids)
+            self._register(seq, request.num_computed)
+            self._copy_on_write(seq, request.num_computed // self.block_size)
             self._grow(seq, self.blocks_needed(request.num_tokens) - len(seq.block_table))
         return [self.block_table(request.seq_id) for request in requests]
 
     def _check_extend(self, requests: Sequence[SeqRequest]) -> int:
         for request in requests:
-            self._check_request(request)
+            check_request(request)
         self._check_known([request.seq_id for request in requests])
         seen: set[str] = set()
-        need = 0
+        need, copied = 0, Counter()
         for request in requests:
-            seq = self._seqs[request.seq_id]
             if request.seq_id in seen:
                 raise InvalidArgument(f"sequence {request.seq_id!r} is listed twice in one Extend")
-            if request.num_tokens < seq.num_tokens:
-                raise InvalidArgument(
-                    f"sequence {request.seq_id!r} holds {seq.num_tokens} tokens: Extend cannot shrink it to "
-                    f"{request.num_tokens} (Free it and Allocate again)"
-                )
             seen.add(request.seq_id)
+            seq = self._seqs[request.seq_id]
+            seq.check_extend(request, self.block_size)
             need += self.blocks_needed(request.num_tokens) - len(seq.block_table)
+            for block_id in seq.block_table[request.num_computed // self.block_size :]:
+                if self.pool.must_copy(block_id, copied[block_id]):
+                    need += 1
+                    copied[block_id] += 1
         return need
+
+    # fork
+
+    def fork(self, parent_id: str, child_ids: Sequence[str]) -> list[list[int]]:
+        """Gives each child a table sharing every block of the parent (and its tokens); returns the tables.
+
+        Raises NotFound (unknown parent), InvalidArgument (empty or repeated child id) and AlreadyExists
+        (a child has a table); on any error nothing changed.
+        """
+        self._check_known([parent_id])
+        if len(set(child_ids)) != len(child_ids) or not all(child_ids):
+            raise InvalidArgument(f"child ids must be distinct and non-empty, got {list(child_ids)}")
+        taken = sorted(child_id for child_id in child_ids if child_id in self._seqs)
+        if taken:
+            raise AlreadyExists(f"sequences {taken} already have block tables")
+        parent = self._seqs[parent_id]
+        for child_id in child_ids:
+            tokens = list(parent.token_ids) if parent.token_ids is not None else None
+            self._seqs[child_id] = SeqState(
+                parent.num_tokens, parent.root, tokens, list(parent.block_table), list(parent.hashes)
+            )
+            for block_id in parent.block_table:
+                self.pool.reference(block_id)
+        return [self.block_table(child_id) for child_id in child_ids]
 
     # free
 
-    def free(self, seq_ids: Sequence[str]) -> int:
-        """Drops the sequences' tables and returns how many blocks became free; all or nothing.
+    def free(self, seq_ids: Sequence[str], num_computed: Mapping[str, int] | None = None) -> int:
+        """Drops the sequences' tables and returns how many blocks left use; all or nothing.
 
-        Raises NotFound (unknown sequence) and InvalidArgument (listed twice); on any error nothing changed.
+        num_computed (optional, per sequence): its leading tokens whose K/V is written, so that its full
+        blocks stay in the prefix cache. Raises NotFound (unknown sequence) and InvalidArgument (listed
+        twice, bad num_computed); on any error nothing changed.
         """
-        self._check_known(seq_ids)
+        num_computed = num_computed or {}
+        self._check_known([*seq_ids, *num_computed])
         twice = sorted(seq_id for seq_id, count in Counter(seq_ids).items() if count > 1)
-        if twice:
-            raise InvalidArgument(f"sequences {twice} are listed twice in one Free")
-        released = []
+        if twice or set(num_computed) - set(seq_ids):
+            raise InvalidArgument(f"sequences {twice} are listed twice in one Free, or not freed")
+        for seq_id, computed in num_computed.items():
+            seq = self._seqs[seq_id]
+            if not 0 <= computed <= seq.num_tokens:
+                raise InvalidArgument(f"sequence {seq_id!r}: num_computed {computed} is out of range")
+        released = 0
         for seq_id in seq_ids:
-            for block_id in self._seqs.pop(seq_id).block_table:
-                assert self._refcounts[block_id] > 0, block_id
-                self._refcounts[block_id] -= 1
-                if self._refcounts[block_id] == 0:
-                    released.append(block_id)
-        self.allocator.free(released)
-        return len(released)
+            seq = self._seqs.pop(seq_id)
+            self._register(seq, num_computed.get(seq_id, 0))
+            # NOTE: tail blocks first, so they are evicted before the prefix blocks others may share.
+            released += sum(self.pool.release(block_id) for block_id in reversed(seq.block_table))
+        return released
 
     # queries
 
@@ -149,62 +228,80 @@ class BlockManager:
         self._check_known([seq_id])
         return list(self._seqs[seq_id].block_table)
 
+    def cached_tokens(self, seq_id: str) -> int:
+        """Leading tokens whose K/V `allocate` found in the prefix cache."""
+        self._check_known([seq_id])
+        return self._seqs[seq_id].cached_tokens
+
     def refcount(self, block_id: int) -> int:
         """How many block tables hold the block; InvalidArgument if it is out of range."""
         if not 0 <= block_id < self.allocator.num_total:
             raise InvalidArgument(
                 f"block {block_id} does not exist: the pool has {self.allocator.num_total} blocks"
             )
-        return self._refcounts[block_id]
+        return self.pool.refcounts[block_id]
 
     def stats(self) -> BlockStats:
-        free = self.allocator.num_free
-        total = self.allocator.num_total
-        return BlockStats(total, total - free, free, len(self._seqs), self.block_size)
+        free, total, cached = self.allocator.num_free, self.pool.num_total, self.pool.prefix.num_evictable
+        return BlockStats(
+            total, total - free - cached, free, cached, len(self._seqs), self.block_size,
+            self._queried, self._hit, self._cow, self.pool.prefix.num_evictions,
+        )  # fmt: skip
 
     def check_invariants(self) -> None:
-        """Asserts: refcount == tables holding the block; free + used == total; free and used are disjoint;
-        no table holds a block twice; each table has exactly the blocks its tokens need."""
-        total = self.allocator.num_total
-        holders = [0] * total
+        """Asserts: refcount == tables holding the block; free + used + cached == total, disjoint; no table
+        holds a block twice or lacks blocks for its tokens; indexed blocks hold the tokens of their hash."""
+        holders = [0] * self.pool.num_total
         for seq_id, seq in self._seqs.items():
             table = seq.block_table
             assert len(set(table)) == len(table), f"sequence {seq_id!r} holds a block twice: {table}"
             assert len(table) == self.blocks_needed(seq.num_tokens), (seq_id, seq.num_tokens, table)
-            for block_id in table:
+            assert seq.token_ids is None or len(seq.token_ids) == seq.num_tokens, seq_id
+            for index, block_id in enumerate(table):
                 holders[block_id] += 1
-        assert holders == self._refcounts, "refcounts differ from the block tables"
-        used = sum(1 for count in self._refcounts if count > 0)
-        assert used + self.allocator.num_free == total, (used, self.allocator.num_free, total)
-        both = [b for b, count in enumerate(self._refcounts) if count > 0 and self.allocator.is_free(b)]
-        assert not both, f"blocks both free and used: {both}"
+                if self.pool.prefix.is_indexed(block_id):
+                    claimed = self.pool.prefix.tokens(block_id)
+                    assert claimed == tuple(self._block_tokens(seq.token_ids, index)), block_id
+        self.pool.check_invariants(holders)
 
     # helpers
 
-    def _check_request(self, request: SeqRequest) -> None:
-        if not request.seq_id:
-            raise InvalidArgument("seq_id must not be empty")
-        if request.num_tokens <= 0:
-            raise InvalidArgument(
-                f"sequence {request.seq_id!r}: num_tokens must be > 0, got {request.num_tokens}"
+    def _block_tokens(self, tokens: Sequence[int], index: int) -> Sequence[int]:
+        return tokens[index * self.block_size : (index + 1) * self.block_size]
+
+    def _register(self, seq: SeqState, num_computed: int) -> None:
+        """Indexes the sequence's full blocks whose K/V is now written."""
+        if seq.token_ids is None:
+            return
+        for index in range(len(seq.hashes), num_computed // self.block_size):
+            parent = seq.hashes[-1] if seq.hashes else seq.root
+            seq.hashes.append(
+                self.pool.register(seq.block_table[index], parent, self._block_tokens(seq.token_ids, index))
             )
+
+    def _copy_on_write(self, seq: SeqState, first_written: int) -> None:
+        for index in range(first_written, len(seq.block_table)):
+            old = seq.block_table[index]
+            if self.pool.must_copy(old):
+                (new,) = self.pool.take(1, seq.block_table[:index])
+                self._copy_block(old, new)
+                seq.block_table[index] = new
+                self.pool.release(old)
+                self._cow += 1
+
+    def _grow(self, seq: SeqState, n: int) -> None:
+        assert n >= 0, n
+        seq.block_table.extend(self.pool.take(n, seq.block_table))
 
     def _check_known(self, seq_ids: Sequence[str]) -> None:
         unknown = sorted({seq_id for seq_id in seq_ids if seq_id not in self._seqs})
         if unknown:
             raise NotFound(f"unknown sequences {unknown}: Allocate them first (or they were freed)")
 
-    def _ensure_free(self, need: int) -> None:
-        free, total = self.allocator.num_free, self.allocator.num_total
-        if need > free:
+    def _ensure_available(self, need: int, revived: int) -> None:
+        available, total = self.pool.num_available - revived, self.pool.num_total
+        if need > available:
             raise ResourceExhausted(
-                f"need {need} blocks, {free} free of {total} (block_size {self.block_size}): "
+                f"need {need} blocks, {available} free of {total} (block_size {self.block_size}): "
                 "free or preempt sequences, or give the pool more memory"
             )
-
-    def _grow(self, seq: _Sequence, n: int) -> None:
-        block_ids = self.allocator.allocate(n, hint=seq.block_table)
-        for block_id in block_ids:
-            assert self._refcounts[block_id] == 0, block_id
-            self._refcounts[block_id] = 1
-        seq.block_table.extend(block_ids)

@@ -7,17 +7,16 @@ from prometheus_client.registry import REGISTRY, Collector
 
 from protos import cache_pb2
 
-# Counters exported from CacheStats fields once the service reports them; absent fields read 0.
+# CacheStats counter fields and the metric each one is exported as.
 COUNTERS = {
     "prefix_query_tokens": ("pagedserve_prefix_cache_queries", "Prompt tokens looked up in the prefix."),
     "prefix_hit_tokens": ("pagedserve_prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-    "cow_copies": ("pagedserve_kv_cow_copies", "Blocks copied on write before a shared block was written."),
+    "copy_on_writes": (
+        "pagedserve_kv_cow_copies",
+        "Blocks copied on write before a shared block was written.",
+    ),
     "evictions": ("pagedserve_kv_evictions", "Cached blocks evicted to make room for new ones."),
 }
-
-
-def _field(stats: cache_pb2.CacheStats, name: str) -> float:
-    return getattr(stats, name) if name in stats.DESCRIPTOR.fields_by_name else 0
 
 
 class StatsCollector(Collector):
@@ -33,13 +32,13 @@ class StatsCollector(Collector):
         )
         blocks = GaugeMetricFamily("pagedserve_kv_blocks", "KV blocks by state.", labels=["state"])
         for state in ("used", "free", "cached"):
-            blocks.add_metric([state], _field(stats, f"{state}_blocks"))
+            blocks.add_metric([state], getattr(stats, f"{state}_blocks"))
         yield blocks
         yield GaugeMetricFamily(
             "pagedserve_kv_sequences", "Sequences holding a block table.", stats.num_sequences
         )
         for field_name, (name, doc) in COUNTERS.items():
-            yield CounterMetricFamily(name, doc, _field(stats, field_name))
+            yield CounterMetricFamily(name, doc, getattr(stats, field_name))
 
 
 def register(get_stats: Callable[[], cache_pb2.CacheStats]) -> None:

@@ -61,20 +61,26 @@ class KVPool:
     """A created pool: the owner's mapping of the segment, the handle others map it by, and its blocks."""
 
     spec: PoolSpec
+    model: str
     tensor: torch.Tensor
     handle: common_pb2.PoolHandle
     blocks: BlockManager
 
     @classmethod
-    def create(cls, spec: PoolSpec, allocator: str) -> "KVPool":
+    def create(cls, spec: PoolSpec, model: str, allocator: str, prefix_caching: bool) -> "KVPool":
         """A new zeroed segment with a new epoch; the caller must `release` it."""
-        blocks = BlockManager(registry.create(allocator, spec.num_blocks), spec.block_size)
+        allocator_ = registry.create(allocator, spec.num_blocks)
         tensor, handle = shared_pool.create(spec)
-        return cls(spec, tensor, handle, blocks)
 
-    def same_layout(self, spec: PoolSpec) -> bool:
-        """Whether `spec` differs from this pool's at most in its number of blocks."""
-        return replace(spec, num_blocks=self.spec.num_blocks) == self.spec
+        def copy_block(src: int, dst: int) -> None:
+            tensor[:, :, dst].copy_(tensor[:, :, src])
+
+        blocks = BlockManager(allocator_, spec.block_size, copy_block, prefix_caching, model)
+        return cls(spec, model, tensor, handle, blocks)
+
+    def same_layout(self, spec: PoolSpec, model: str) -> bool:
+        """Whether `spec` differs from this pool's at most in its number of blocks, for the same model."""
+        return replace(spec, num_blocks=self.spec.num_blocks) == self.spec and model == self.model
 
     def read_block(self, layer: int, block_id: int) -> torch.Tensor:
         """K then V of one block in one layer, [2, block_size, num_kv_heads, head_dim], a view of the pool."""

@@ -10,10 +10,11 @@ import torch
 
 from cache_service import metrics
 from cache_service.allocators import registry
-from cache_service.block_manager import BlockManager, SeqRequest
+from cache_service.block_manager import BlockManager
 from cache_service.pool import KVPool, spec_from_request
+from cache_service.sequence import SeqRequest
 from common import shared_pool
-from common.errors import FailedPrecondition
+from common.errors import FailedPrecondition, InvalidArgument
 from common.logging import configure
 from common.metrics import serve_metrics
 from common.server import serve
@@ -28,8 +29,11 @@ _SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 class CacheServicer(cache_pb2_grpc.CacheServicer):
     """Owns at most one pool; its budget defaults to the service's --kv-blocks or --kv-memory."""
 
-    def __init__(self, allocator: str, default_blocks: int, default_memory: int, log) -> None:
+    def __init__(
+        self, allocator: str, default_blocks: int, default_memory: int, log, prefix_caching: bool = True
+    ) -> None:
         self._allocator = allocator
+        self._prefix_caching = prefix_caching
         self._default_blocks = default_blocks
         self._default_memory = default_memory
         self._log = log
@@ -40,7 +44,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         with self._lock:
             spec = spec_from_request(request, self._default_blocks, self._default_memory)
             old = self._pool
-            if old is not None and old.same_layout(spec):
+            if old is not None and old.same_layout(spec, request.model):
                 return old.handle
             held = old.blocks.stats().num_sequences if old is not None else 0
             if held:
@@ -49,7 +53,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                     "Free them before creating a pool with a new geometry, block_size or dtype"
                 )
             # NOTE: create before releasing, so a failed create leaves the old pool in place.
-            self._pool = KVPool.create(spec, self._allocator)
+            self._pool = KVPool.create(spec, request.model, self._allocator, self._prefix_caching)
             if old is not None:
                 old.release()
             self._log.info(
@@ -65,36 +69,49 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def Allocate(self, request: cache_pb2.AllocateRequest, context) -> cache_pb2.BlockTables:
         with self._lock:
             blocks = self._blocks()
-            requests = [SeqRequest(seq.seq_id, seq.num_tokens) for seq in request.sequences]
-            return _block_tables(requests, blocks.allocate(requests), blocks)
+            seq_ids = [seq.seq_id for seq in request.sequences]
+            tables = blocks.allocate([_seq_request(seq) for seq in request.sequences])
+            return _block_tables(seq_ids, tables, blocks, [blocks.cached_tokens(s) for s in seq_ids])
 
     def Extend(self, request: cache_pb2.ExtendRequest, context) -> cache_pb2.BlockTables:
         with self._lock:
             blocks = self._blocks()
-            requests = [SeqRequest(seq.seq_id, seq.num_tokens) for seq in request.sequences]
-            return _block_tables(requests, blocks.extend(requests), blocks)
+            tables = blocks.extend([_seq_request(seq) for seq in request.sequences])
+            return _block_tables([seq.seq_id for seq in request.sequences], tables, blocks)
+
+    def Fork(self, request: cache_pb2.ForkRequest, context) -> cache_pb2.BlockTables:
+        with self._lock:
+            blocks = self._blocks()
+            tables = blocks.fork(request.parent_id, list(request.child_ids))
+            return _block_tables(list(request.child_ids), tables, blocks)
 
     def Free(self, request: cache_pb2.FreeRequest, context) -> cache_pb2.FreeResponse:
         with self._lock:
             blocks = self._blocks()
-            freed = blocks.free(list(request.seq_ids))
-            return cache_pb2.FreeResponse(freed_blocks=freed, free_blocks=blocks.allocator.num_free)
+            freed = blocks.free(list(request.seq_ids), dict(request.num_computed))
+            return cache_pb2.FreeResponse(freed_blocks=freed, free_blocks=blocks.pool.num_available)
 
     def GetStats(self, request: cache_pb2.GetStatsRequest, context) -> cache_pb2.CacheStats:
         with self._lock:
             if self._pool is None:
-                return cache_pb2.CacheStats(allocator=self._allocator)
+                return cache_pb2.CacheStats(allocator=self._allocator, prefix_caching=self._prefix_caching)
             stats = self._pool.blocks.stats()
             return cache_pb2.CacheStats(
                 total_blocks=stats.total_blocks,
                 used_blocks=stats.used_blocks,
                 free_blocks=stats.free_blocks,
-                cached_blocks=0,
+                cached_blocks=stats.cached_blocks,
                 num_sequences=stats.num_sequences,
                 block_size=stats.block_size,
                 usage=stats.usage,
                 allocator=self._allocator,
                 pool_epoch=self._pool.handle.epoch,
+                prefix_caching=self._prefix_caching,
+                prefix_query_tokens=stats.prefix_query_tokens,
+                prefix_hit_tokens=stats.prefix_hit_tokens,
+                copy_on_writes=stats.copy_on_writes,
+                evictions=stats.evictions,
+                allocator_stats=self._pool.blocks.allocator.stats(),
             )
 
     def ReadBlock(self, request: cache_pb2.ReadBlockRequest, context) -> cache_pb2.BlockContents:
@@ -128,15 +145,20 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         return self._require_pool().blocks
 
 
+def _seq_request(seq: cache_pb2.SequenceRequest) -> SeqRequest:
+    return SeqRequest(seq.seq_id, seq.num_tokens, list(seq.token_ids), seq.num_computed, seq.cache_salt)
+
+
 def _block_tables(
-    requests: Sequence[SeqRequest], tables: list[list[int]], blocks: BlockManager
+    seq_ids: Sequence[str], tables: list[list[int]], blocks: BlockManager, cached: Sequence[int] = ()
 ) -> cache_pb2.BlockTables:
+    cached = cached or [0] * len(seq_ids)
     return cache_pb2.BlockTables(
         tables=[
-            cache_pb2.BlockTable(seq_id=request.seq_id, block_ids=table, cached_tokens=0)
-            for request, table in zip(requests, tables, strict=True)
+            cache_pb2.BlockTable(seq_id=seq_id, block_ids=table, cached_tokens=n)
+            for seq_id, table, n in zip(seq_ids, tables, cached, strict=True)
         ],
-        free_blocks=blocks.allocator.num_free,
+        free_blocks=blocks.pool.num_available,
     )
 
 
@@ -167,11 +189,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     budget.add_argument(
         "--kv-memory", type=parse_size, help="default pool size in bytes, e.g. 512MiB, 2GiB (default: 256MiB)"
     )
-    parser.add_argument("--allocator", default="freelist", choices=registry.available())
+    parser.add_argument(
+        "--allocator",
+        default="freelist",
+        help=f"one of {', '.join(registry.available())}, or package.module:Class (default: freelist)",
+    )
+    parser.add_argument(
+        "--no-prefix-cache", dest="prefix_cache", action="store_false", help="never share cached blocks"
+    )
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     parser.add_argument("--log-format", default="console", choices=["console", "json"])
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
+    try:
+        registry.resolve(args.allocator)
+    except InvalidArgument as err:
+        parser.error(str(err))
     if args.kv_blocks is None and args.kv_memory is None:
         args.kv_memory = DEFAULT_KV_MEMORY
     return args
@@ -182,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     log = configure("cache", args.log_format, args.log_level)
     removed = shared_pool.sweep_stale()
     log.info("swept_stale_segments", count=len(removed), paths=[str(path) for path in removed])
-    servicer = CacheServicer(args.allocator, args.kv_blocks or 0, args.kv_memory or 0, log)
+    servicer = CacheServicer(args.allocator, args.kv_blocks or 0, args.kv_memory or 0, log, args.prefix_cache)
     metrics.register(lambda: servicer.GetStats(cache_pb2.GetStatsRequest(), None))
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(

@@ -42,6 +42,8 @@ class Chunk:
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    # Which of the n samples the chunk continues.
+    index: int = 0
 
 
 @dataclass
@@ -65,6 +67,8 @@ def build_request(
     ignore_eos: bool = False,
     stop_token_ids: Sequence[int] = (),
     request_id: str = "",
+    n: int | None = None,
+    cache_salt: str = "",
 ) -> generation_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(top_k=top_k, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
     for name, value in (
@@ -72,6 +76,7 @@ def build_request(
         ("temperature", temperature),
         ("top_p", top_p),
         ("seed", seed),
+        ("n", n),
     ):
         if value is not None:
             setattr(sampling, name, value)
@@ -81,6 +86,7 @@ def build_request(
         token_ids=token_ids or (),
         messages=[generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
         sampling=sampling,
+        cache_salt=cache_salt,
     )
 
 
@@ -95,6 +101,7 @@ def to_chunk(response: generation_pb2.GenerateResponse) -> Chunk:
         text=response.text,
         finish_reason=_FINISH_REASONS.get(response.finish_reason),
         usage=usage,
+        index=response.index,
     )
 
 
@@ -130,10 +137,15 @@ class Client:
 
     def generate(self, prompt: str | None = None, **kwargs) -> Completion:
         """The whole completion at once: token_ids, text, finish_reason, usage."""
-        result = Completion()
-        for chunk in self.stream(prompt, **kwargs):
-            _add(result, chunk)
+        (result,) = self.generate_n(prompt, n=1, **kwargs)
         return result
+
+    def generate_n(self, prompt: str | None = None, n: int = 1, **kwargs) -> list[Completion]:
+        """n samples of one prompt whose KV is computed once; sample i uses seed + i when seeded."""
+        results = [Completion() for _ in range(n)]
+        for chunk in self.stream(prompt, n=n, **kwargs):
+            _add(results[chunk.index], chunk)
+        return results
 
     def info(self) -> generation_pb2.GetInfoResponse:
         try:
@@ -175,10 +187,15 @@ class AsyncClient:
 
     async def generate(self, prompt: str | None = None, **kwargs) -> Completion:
         """The whole completion at once: token_ids, text, finish_reason, usage."""
-        result = Completion()
-        async for chunk in self.stream(prompt, **kwargs):
-            _add(result, chunk)
+        (result,) = await self.generate_n(prompt, n=1, **kwargs)
         return result
+
+    async def generate_n(self, prompt: str | None = None, n: int = 1, **kwargs) -> list[Completion]:
+        """n samples of one prompt whose KV is computed once; sample i uses seed + i when seeded."""
+        results = [Completion() for _ in range(n)]
+        async for chunk in self.stream(prompt, n=n, **kwargs):
+            _add(results[chunk.index], chunk)
+        return results
 
     async def info(self) -> generation_pb2.GetInfoResponse:
         try:

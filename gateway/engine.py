@@ -1,7 +1,7 @@
 """The serving loop: start-up handshake, then one step = (Free) + Allocate/Extend + one Compute.Forward."""
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import numpy as np
@@ -31,6 +31,7 @@ class EngineConfig:
 class Output:
     token_ids: list[int]
     finish_reason: str | None
+    index: int = 0
 
 
 class Engine:
@@ -58,7 +59,7 @@ class Engine:
         )
         handle = self._cache.CreatePool(
             cache_pb2.CreatePoolRequest(
-                geometry=geometry, block_size=self.config.block_size, kv_dtype=info.dtype
+                geometry=geometry, block_size=self.config.block_size, kv_dtype=info.dtype, model=info.model
             ),
             wait_for_ready=True,
             timeout=HANDSHAKE_TIMEOUT_S,
@@ -110,8 +111,8 @@ class Engine:
             if step is not None:
                 self._run_step(step)
 
-    def _abort_now(self, seq_ids: set[str]) -> None:
-        seqs = [self._by_id[s] for s in seq_ids if s in self._by_id]
+    def _abort_now(self, group_ids: set[str]) -> None:
+        seqs = [seq for seq in self._by_id.values() if seq.group_id in group_ids] if group_ids else []
         if seqs:
             self._release(seqs)
             log.info("aborted", seq_ids=[s.seq_id for s in seqs])
@@ -125,20 +126,27 @@ class Engine:
             reply = self._compute.Forward(
                 self._forward_request(step), timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs)
             )
+            forks = [seq for seq in step.seqs if seq.sampling.n > 1 and seq.index == 0 and not seq.output_ids]
+            for seq in forks:
+                self._fork(seq)
         except grpc.RpcError as err:
             self._fail(step.seqs, from_rpc_error(err))
             return
         self._advance(step, list(reply.token_ids))
 
     def _reserve(self, step: Step) -> None:
-        """Allocates tables for a prefill or grows the tables that need a block for a decode."""
+        """Allocates tables for a prefill (looking up the prefix cache), or reports every running sequence's
+        new tokens and progress and grows its table for a decode: one cache call per step."""
         requests = [
-            cache_pb2.SequenceRequest(seq_id=seq.seq_id, num_tokens=seq.num_tokens)
+            cache_pb2.SequenceRequest(
+                seq_id=seq.seq_id,
+                num_tokens=seq.num_tokens,
+                token_ids=seq.token_ids[seq.num_synced :],
+                num_computed=seq.num_computed,
+                cache_salt=seq.cache_salt,
+            )
             for seq in step.seqs
-            if step.is_prefill or self.scheduler.blocks_needed(seq)
         ]
-        if not requests:
-            return
         if step.is_prefill:
             reply = self._cache.Allocate(
                 cache_pb2.AllocateRequest(sequences=requests),
@@ -154,9 +162,41 @@ class Engine:
         for table in reply.tables:
             seq = self._by_id[table.seq_id]
             seq.block_table = list(table.block_ids)
+            seq.num_synced, seq.shares_tail = seq.num_tokens, False
             if step.is_prefill:
                 seq.cached_tokens = table.cached_tokens
                 seq.num_computed = max(seq.num_computed, table.cached_tokens)
+        self.scheduler.free_blocks = reply.free_blocks
+
+    def _fork(self, parent: Sequence) -> None:
+        """After the prompt's prefill, samples 1..n-1 share the parent's blocks; each recomputes the last
+        prompt token (copying its block on write) to sample its own first token with seed + index."""
+        child_ids = [f"{parent.seq_id}/{index}" for index in range(1, parent.sampling.n)]
+        reply = self._cache.Fork(
+            cache_pb2.ForkRequest(parent_id=parent.seq_id, child_ids=child_ids),
+            timeout=self.config.rpc_timeout_s,
+        )
+        parent.shares_tail = True
+        seed = parent.sampling.seed
+        for index, table in enumerate(reply.tables, start=1):
+            child = Sequence(
+                seq_id=table.seq_id,
+                prompt_ids=parent.prompt_ids,
+                sampling=replace(parent.sampling, seed=None if seed is None else seed + index),
+                max_len=parent.max_len,
+                num_computed=parent.num_tokens - 1,
+                block_table=list(table.block_ids),
+                cached_tokens=parent.cached_tokens,
+                cache_salt=parent.cache_salt,
+                num_synced=parent.num_tokens,
+                shares_tail=True,
+                index=index,
+                group_id=parent.group_id,
+                status=parent.status,
+                outbox=parent.outbox,
+            )
+            self._by_id[child.seq_id] = child
+            self.scheduler.running.append(child)
         self.scheduler.free_blocks = reply.free_blocks
 
     def _forward_request(self, step: Step) -> compute_pb2.ForwardRequest:
@@ -198,7 +238,7 @@ class Engine:
         # NOTE: blocks are back in the pool before the client hears that its request ended.
         self._release(finished)
         for seq, token in zip(step.seqs, tokens, strict=True):
-            seq.outbox.put(Output([token], seq.finish_reason))
+            seq.outbox.put(Output([token], seq.finish_reason, seq.index))
 
     def _release(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -212,11 +252,11 @@ class Engine:
                 log.error("free_failed", seq_ids=[s.seq_id for s in held], error=err.details())
 
     def _free(self, seqs: list[Sequence]) -> None:
-        reply = self._cache.Free(
-            cache_pb2.FreeRequest(seq_ids=[s.seq_id for s in seqs]),
-            timeout=self.config.rpc_timeout_s,
-            metadata=_ids(seqs),
+        """Releases the sequences' blocks; their written full blocks stay in the prefix cache."""
+        request = cache_pb2.FreeRequest(
+            seq_ids=[s.seq_id for s in seqs], num_computed={s.seq_id: s.num_computed for s in seqs}
         )
+        reply = self._cache.Free(request, timeout=self.config.rpc_timeout_s, metadata=_ids(seqs))
         self.scheduler.free_blocks = reply.free_blocks
         for seq in seqs:
             seq.block_table = []
@@ -235,6 +275,7 @@ def _ids(seqs: list[Sequence]) -> tuple[tuple[str, str], ...]:
 def _sampling_proto(seq: Sequence) -> common_pb2.SamplingParams:
     s = seq.sampling
     proto = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    # NOTE: sampling.n is the gateway's business; compute samples one token per sequence.
     if s.seed is not None:
         proto.seed = s.seed
     return proto

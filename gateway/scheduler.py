@@ -37,8 +37,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def blocks_needed(self, seq: Sequence) -> int:
-        """Blocks the sequence lacks to hold all its tokens."""
-        return max(0, -(-seq.num_tokens // self.block_size) - len(seq.block_table))
+        """Blocks the sequence lacks to hold all its tokens (plus one to copy a shared block into)."""
+        return max(0, -(-seq.num_tokens // self.block_size) - len(seq.block_table)) + seq.shares_tail
 
     def schedule(self) -> Step | None:
         return self._schedule_prefill() or self._schedule_decode()
@@ -80,7 +80,7 @@ class Scheduler:
         """Preemption by recompute: drop the KV, keep the tokens, wait at the head of the queue."""
         seq.status = Status.WAITING
         seq.block_table = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_synced = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -23,6 +23,7 @@ class Sampling:
     seed: int | None
     ignore_eos: bool
     stop_token_ids: frozenset[int]
+    n: int = 1
 
 
 @dataclass(slots=True)
@@ -39,10 +40,21 @@ class Sequence:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    cache_salt: str = ""
+    # Tokens the cache service holds for this sequence (the rest go with the next Extend).
+    num_synced: int = 0
+    # Forked and not yet extended: the next write may copy a shared block, which takes one more block.
+    shares_tail: bool = False
+    # Which of the request's sampling.n samples this is; samples share the first one's seq_id as group_id.
+    index: int = 0
+    group_id: str = ""
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    # What the engine hands to the RPC thread: (new token ids, finish reason or None), or an exception.
+    # What the engine hands to the RPC thread: Outputs of every sample of the request, or an exception.
     outbox: queue.Queue = field(default_factory=queue.Queue)
+
+    def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.seq_id
 
     @property
     def token_ids(self) -> list[int]:

@@ -21,6 +21,7 @@ from protos import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = structlog.get_logger()
 SERVICE = "pagedserve.v1.Generation"
+MAX_SAMPLES = 16
 FINISH_REASONS = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP}
 
 
@@ -35,6 +36,9 @@ def resolve_sampling(params: common_pb2.SamplingParams, vocab_size: int) -> Samp
         raise InvalidArgument(f"sampling.temperature must be >= 0 (0 is greedy), got {temperature}")
     if not 0 < top_p <= 1:
         raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {top_p}")
+    n = params.n if params.HasField("n") else 1
+    if not 1 <= n <= MAX_SAMPLES:
+        raise InvalidArgument(f"sampling.n must be in [1, {MAX_SAMPLES}], got {n}")
     if params.top_k < 0:
         raise InvalidArgument(f"sampling.top_k must be >= 0 (0 turns it off), got {params.top_k}")
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
@@ -50,6 +54,7 @@ def resolve_sampling(params: common_pb2.SamplingParams, vocab_size: int) -> Samp
         seed=params.seed if params.HasField("seed") else None,
         ignore_eos=params.ignore_eos,
         stop_token_ids=frozenset(params.stop_token_ids),
+        n=n,
     )
 
 
@@ -86,10 +91,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             sampling=sampling,
             max_len=max_len,
             request_id=request_id,
+            cache_salt=request.cache_salt,
         )
 
     def Generate(self, request, context):
-        """Streams one response per token; ends at finish, cancel or deadline.
+        """Streams one response per token (of each of the n samples); ends at finish, cancel or deadline.
 
         The request id (the request's, else x-request-id metadata, else a new one) is in every
         response and in the gateway, cache and compute logs of the steps that serve it.
@@ -98,40 +104,41 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request_id = request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
         seq = self._new_sequence(request, request_id)
-        detokenizer = tok.Detokenizer(self._tokenizer)
+        detokenizers = [tok.Detokenizer(self._tokenizer) for _ in range(seq.sampling.n)]
+        completion_tokens = [0] * seq.sampling.n
         timer = metrics.RequestTimer()
-        log.info("request", prompt_tokens=len(seq.prompt_ids), seq_id=seq.seq_id)
+        log.info("request", prompt_tokens=len(seq.prompt_ids), n=seq.sampling.n, seq_id=seq.seq_id)
         self._engine.submit(seq)
         context.add_callback(lambda: self._engine.abort(seq.seq_id))
-        while True:
+        running = seq.sampling.n
+        while running:
             item = seq.outbox.get()
             if isinstance(item, Exception):
                 raise item
             timer.token()
-            yield self._response(seq, item, detokenizer, request_id)
-            if item.finish_reason:
-                timer.finish(item.finish_reason, len(seq.prompt_ids))
-                log.info("finished", finish_reason=item.finish_reason, completion_tokens=len(seq.output_ids))
-                return
+            completion_tokens[item.index] += len(item.token_ids)
+            usage = generation_pb2.Usage(
+                prompt_tokens=len(seq.prompt_ids),
+                cached_tokens=seq.cached_tokens,
+                completion_tokens=completion_tokens[item.index],
+            )
+            yield self._response(item, detokenizers[item.index], request_id, usage)
+            running -= bool(item.finish_reason)
+        timer.finish(item.finish_reason, len(seq.prompt_ids))
+        log.info("finished", finish_reason=item.finish_reason, completion_tokens=sum(completion_tokens))
 
     def _response(
-        self, seq: Sequence, item: Output, detokenizer, request_id: str
+        self, item: Output, detokenizer, request_id: str, usage: generation_pb2.Usage
     ) -> generation_pb2.GenerateResponse:
         text = detokenizer.step(item.token_ids)
-        if not item.finish_reason:
-            return generation_pb2.GenerateResponse(request_id=request_id, token_ids=item.token_ids, text=text)
-        usage = generation_pb2.Usage(
-            prompt_tokens=len(seq.prompt_ids),
-            cached_tokens=seq.cached_tokens,
-            completion_tokens=len(seq.output_ids),
+        reply = generation_pb2.GenerateResponse(
+            request_id=request_id, token_ids=item.token_ids, text=text, index=item.index
         )
-        return generation_pb2.GenerateResponse(
-            request_id=request_id,
-            token_ids=item.token_ids,
-            text=text + detokenizer.flush(),
-            finish_reason=FINISH_REASONS[item.finish_reason],
-            usage=usage,
-        )
+        if item.finish_reason:
+            reply.text += detokenizer.flush()
+            reply.finish_reason = FINISH_REASONS[item.finish_reason]
+            reply.usage.CopyFrom(usage)
+        return reply
 
     def GetInfo(self, request, context):
         info = self._attached_model()

@@ -18,26 +18,34 @@ class PoolGeometry(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
-    __slots__ = ("geometry", "block_size", "kv_dtype", "num_blocks", "memory_bytes")
+    __slots__ = ("geometry", "block_size", "kv_dtype", "num_blocks", "memory_bytes", "model")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     geometry: PoolGeometry
     block_size: int
     kv_dtype: str
     num_blocks: int
     memory_bytes: int
-    def __init__(self, geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
-    __slots__ = ("seq_id", "num_tokens")
+    __slots__ = ("seq_id", "num_tokens", "token_ids", "num_computed", "cache_salt")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     num_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed: int
+    cache_salt: str
+    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("sequences",)
@@ -50,6 +58,14 @@ class ExtendRequest(_message.Message):
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
     def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("parent_id", "child_ids")
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_IDS_FIELD_NUMBER: _ClassVar[int]
+    parent_id: str
+    child_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, parent_id: _Optional[str] = ..., child_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockTable(_message.Message):
     __slots__ = ("seq_id", "block_ids", "cached_tokens")
@@ -70,10 +86,19 @@ class BlockTables(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("seq_ids",)
+    __slots__ = ("seq_ids", "num_computed")
+    class NumComputedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_computed: _containers.ScalarMap[str, int]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_computed: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("freed_blocks", "free_blocks")
@@ -88,7 +113,14 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_sequences", "block_size", "usage", "allocator", "pool_epoch")
+    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_sequences", "block_size", "usage", "allocator", "pool_epoch", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "copy_on_writes", "evictions", "allocator_stats")
+    class AllocatorStatsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +130,12 @@ class CacheStats(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ALLOCATOR_FIELD_NUMBER: _ClassVar[int]
     POOL_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COPY_ON_WRITES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATOR_STATS_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     used_blocks: int
     free_blocks: int
@@ -107,7 +145,13 @@ class CacheStats(_message.Message):
     usage: float
     allocator: str
     pool_epoch: str
-    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., usage: _Optional[float] = ..., allocator: _Optional[str] = ..., pool_epoch: _Optional[str] = ...) -> None: ...
+    prefix_caching: bool
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    copy_on_writes: int
+    evictions: int
+    allocator_stats: _containers.ScalarMap[str, float]
+    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., usage: _Optional[float] = ..., allocator: _Optional[str] = ..., pool_epoch: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., copy_on_writes: _Optional[int] = ..., evictions: _Optional[int] = ..., allocator_stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ReadBlockRequest(_message.Message):
     __slots__ = ("block_id", "layer", "include_data")

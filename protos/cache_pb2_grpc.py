@@ -27,8 +27,10 @@ if _version_not_supported:
 
 
 class CacheStub:
-    """Owns the paged KV pool: blocks, block tables, refcounts.
+    """Owns the paged KV pool: blocks, block tables, refcounts, the prefix cache.
     Every mutating call is all-or-nothing: an error leaves no state changed.
+    A block is free, used (held by a table) or cached (its K/V is indexed by a chained hash of its tokens
+    and kept, unreferenced, until memory is needed; then the least recently used is evicted).
     """
 
     def __init__(self, channel):
@@ -52,6 +54,11 @@ class CacheStub:
                 request_serializer=protos_dot_cache__pb2.ExtendRequest.SerializeToString,
                 response_deserializer=protos_dot_cache__pb2.BlockTables.FromString,
                 _registered_method=True)
+        self.Fork = channel.unary_unary(
+                '/pagedserve.v1.Cache/Fork',
+                request_serializer=protos_dot_cache__pb2.ForkRequest.SerializeToString,
+                response_deserializer=protos_dot_cache__pb2.BlockTables.FromString,
+                _registered_method=True)
         self.Free = channel.unary_unary(
                 '/pagedserve.v1.Cache/Free',
                 request_serializer=protos_dot_cache__pb2.FreeRequest.SerializeToString,
@@ -70,8 +77,10 @@ class CacheStub:
 
 
 class CacheServicer:
-    """Owns the paged KV pool: blocks, block tables, refcounts.
+    """Owns the paged KV pool: blocks, block tables, refcounts, the prefix cache.
     Every mutating call is all-or-nothing: an error leaves no state changed.
+    A block is free, used (held by a table) or cached (its K/V is indexed by a chained hash of its tokens
+    and kept, unreferenced, until memory is needed; then the least recently used is evicted).
     """
 
     def CreatePool(self, request, context):
@@ -82,21 +91,29 @@ class CacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Allocate(self, request, context):
-        """Creates block tables for new sequences, batched.
+        """Creates block tables for new sequences, batched, reusing cached prefix blocks (see cached_tokens).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Extend(self, request, context):
-        """Grows existing block tables to hold num_tokens, batched.
+        """Records progress, indexes newly written full blocks, copies shared blocks the coming step writes
+        (copy-on-write) and grows tables to hold num_tokens, batched.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fork(self, request, context):
+        """Gives child sequences tables sharing every block of a parent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Free(self, request, context):
-        """Releases sequences and their blocks.
+        """Releases sequences; their written full blocks stay cached.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,6 +150,11 @@ def add_CacheServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_cache__pb2.ExtendRequest.FromString,
                     response_serializer=protos_dot_cache__pb2.BlockTables.SerializeToString,
             ),
+            'Fork': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=protos_dot_cache__pb2.ForkRequest.FromString,
+                    response_serializer=protos_dot_cache__pb2.BlockTables.SerializeToString,
+            ),
             'Free': grpc.unary_unary_rpc_method_handler(
                     servicer.Free,
                     request_deserializer=protos_dot_cache__pb2.FreeRequest.FromString,
@@ -157,8 +179,10 @@ def add_CacheServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Cache:
-    """Owns the paged KV pool: blocks, block tables, refcounts.
+    """Owns the paged KV pool: blocks, block tables, refcounts, the prefix cache.
     Every mutating call is all-or-nothing: an error leaves no state changed.
+    A block is free, used (held by a table) or cached (its K/V is indexed by a chained hash of its tokens
+    and kept, unreferenced, until memory is needed; then the least recently used is evicted).
     """
 
     @staticmethod
@@ -231,6 +255,33 @@ class Cache:
             target,
             '/pagedserve.v1.Cache/Extend',
             protos_dot_cache__pb2.ExtendRequest.SerializeToString,
+            protos_dot_cache__pb2.BlockTables.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Cache/Fork',
+            protos_dot_cache__pb2.ForkRequest.SerializeToString,
             protos_dot_cache__pb2.BlockTables.FromString,
             options,
             channel_credentials,

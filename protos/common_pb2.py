@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\rpagedserve.v1\"\xd7\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x97\x01\n\nPoolHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07strides\x18\x04 \x03(\x03\x12\r\n\x05\x65poch\x18\x05 \x01(\t\x12\x30\n\x03shm\x18\n \x01(\x0b\x32!.pagedserve.v1.SharedMemoryHandleH\x00\x42\t\n\x07payload\"2\n\x12SharedMemoryHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\rpagedserve.v1\"\xed\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_n\"\x97\x01\n\nPoolHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07strides\x18\x04 \x03(\x03\x12\r\n\x05\x65poch\x18\x05 \x01(\t\x12\x30\n\x03shm\x18\n \x01(\x0b\x32!.pagedserve.v1.SharedMemoryHandleH\x00\x42\t\n\x07payload\"2\n\x12SharedMemoryHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.common_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=39
-  _globals['_SAMPLINGPARAMS']._serialized_end=254
-  _globals['_POOLHANDLE']._serialized_start=257
-  _globals['_POOLHANDLE']._serialized_end=408
-  _globals['_SHAREDMEMORYHANDLE']._serialized_start=410
-  _globals['_SHAREDMEMORYHANDLE']._serialized_end=460
+  _globals['_SAMPLINGPARAMS']._serialized_end=276
+  _globals['_POOLHANDLE']._serialized_start=279
+  _globals['_POOLHANDLE']._serialized_end=430
+  _globals['_SHAREDMEMORYHANDLE']._serialized_start=432
+  _globals['_SHAREDMEMORYHANDLE']._serialized_end=482
 # @@protoc_insertion_point(module_scope)

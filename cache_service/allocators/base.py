@@ -43,3 +43,7 @@ class BlockAllocator(ABC):
         Raises InvalidArgument for an id out of range, FailedPrecondition for one already free
         (or listed twice).
         """
+
+    def stats(self) -> dict[str, float]:
+        """Allocator-specific counters for GetStats (e.g. how often placement succeeded); none by default."""
+        return {}

@@ -22,6 +22,10 @@ def add_parser(commands) -> None:
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--kv-blocks", type=int, help="KV pool size in blocks")
     budget.add_argument("--kv-memory", help="KV pool size in bytes, e.g. 512MiB (default 256MiB)")
+    p.add_argument(
+        "--allocator", default="freelist", help="block allocator: freelist, bitmap, contiguous, ..."
+    )
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-batched-tokens", type=int, default=4096)
     p.add_argument("--max-seqs", type=int, default=64)
     p.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
@@ -50,7 +54,18 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     compute = f"127.0.0.1:{args.compute_port}"
     py = [sys.executable, "-m"]
     return {
-        "cache": [*py, "cache_service", "--port", str(args.cache_port), *budget, *metrics["cache"], *log],
+        "cache": [
+            *py,
+            "cache_service",
+            "--port",
+            str(args.cache_port),
+            "--allocator",
+            args.allocator,
+            *budget,
+            *metrics["cache"],
+            *log,
+            *(["--no-prefix-cache"] if args.no_prefix_cache else []),
+        ],
         "compute": [
             *py,
             "compute_service",

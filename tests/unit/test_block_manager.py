@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_service.allocators import registry
-from cache_service.block_manager import BlockManager, SeqRequest
+from cache_service.block_manager import BlockManager
+from cache_service.sequence import SeqRequest
 from common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -128,7 +129,7 @@ def test_refcount_of_a_block_out_of_range_is_refused():
 def test_check_invariants_catches_a_corrupted_refcount():
     blocks = manager(4)
     (table,) = blocks.allocate([SeqRequest("a", 4)])
-    blocks._refcounts[table[0]] = 2
+    blocks.pool.refcounts[table[0]] = 2
     with pytest.raises(AssertionError, match="refcounts differ"):
         blocks.check_invariants()
 
@@ -136,7 +137,7 @@ def test_check_invariants_catches_a_corrupted_refcount():
 # allocators: every registered one must pass these
 
 
-@pytest.fixture(params=registry.available())
+@pytest.fixture(params=[*registry.available(), "tests.toy_allocator:StackAllocator"])
 def allocator(request):
     return registry.create(request.param, 8)
 
@@ -177,7 +178,9 @@ def test_allocator_refuses_double_free_and_unknown_ids_changing_nothing(allocato
 
 
 def test_registry_refuses_an_unknown_allocator():
-    with pytest.raises(InvalidArgument, match="unknown allocator 'buddy'; choose one of freelist"):
+    with pytest.raises(
+        InvalidArgument, match="unknown allocator .buddy.; choose one of bitmap, contiguous, freelist"
+    ):
         registry.create("buddy", 8)
 
 

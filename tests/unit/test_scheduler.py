@@ -81,3 +81,13 @@ def test_remove_takes_a_sequence_out_of_either_queue():
     scheduler.remove(b)
     assert not scheduler.has_work()
     assert a.status is b.status is Status.FINISHED
+
+
+def test_a_forked_sequence_reserves_a_block_for_its_copy_on_write():
+    scheduler = Scheduler(block_size=4, num_blocks=4, max_batched_tokens=1000, max_seqs=8)
+    parent = seq("p", 6)
+    scheduler.add(parent)
+    run_prefill(scheduler, scheduler.schedule())
+    assert scheduler.blocks_needed(parent) == 0, "7 tokens fit in its 2 blocks"
+    parent.shares_tail = True
+    assert scheduler.blocks_needed(parent) == 1, "its tail block is shared: the next write copies it"

@@ -1,0 +1,93 @@
+"""The prefix index: chained hashes of full, written blocks, and the LRU order of unreferenced ones."""
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+
+
+def root_hash(model: str, cache_salt: str) -> BlockHash:
+    """The parent key of a sequence's first block: only requests with equal model and salt share blocks."""
+    return BlockHash(hashlib.blake2b(f"{model}\0{cache_salt}".encode(), digest_size=16).digest())
+
+
+def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """hash(parent hash, the block's token ids): equal hashes mean equal whole prefixes."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return BlockHash(digest.digest())
+
+
+class PrefixCache:
+    """Maps block hashes to the physical blocks holding them; knows nothing about refcounts.
+
+    A block is either not indexed, indexed and referenced, or indexed and unreferenced (evictable, kept in
+    LRU order). NOTE: the first block registered for a hash wins; a later block with the same content stays
+    unindexed and is freed normally when released.
+    """
+
+    def __init__(self) -> None:
+        self._by_hash: dict[BlockHash, int] = {}
+        self._entry: dict[int, tuple[BlockHash, BlockHash, tuple[int, ...]]] = {}  # hash, parent, tokens
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.num_evictions = 0
+
+    @property
+    def num_indexed(self) -> int:
+        return len(self._entry)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def lookup(self, block_hash_: BlockHash) -> int | None:
+        return self._by_hash.get(block_hash_)
+
+    def is_indexed(self, block_id: int) -> bool:
+        return block_id in self._entry
+
+    def is_evictable(self, block_id: int) -> bool:
+        return block_id in self._evictable
+
+    def register(self, block_id: int, parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+        """Indexes a written, full, used block (unless its hash is indexed already); returns its hash."""
+        hash_ = block_hash(parent, token_ids)
+        if hash_ not in self._by_hash and block_id not in self._entry:
+            self._by_hash[hash_] = block_id
+            self._entry[block_id] = (hash_, parent, tuple(token_ids))
+        return hash_
+
+    def park(self, block_id: int) -> None:
+        """An indexed block lost its last reference: evictable, most recently used."""
+        assert block_id in self._entry and block_id not in self._evictable, block_id
+        self._evictable[block_id] = None
+
+    def revive(self, block_id: int) -> None:
+        """An evictable block is referenced again by a prefix hit."""
+        del self._evictable[block_id]
+
+    def evict(self, n: int) -> list[int]:
+        """Drops the n least recently used evictable blocks from the index and returns them."""
+        assert 0 <= n <= len(self._evictable), (n, len(self._evictable))
+        evicted = []
+        for _ in range(n):
+            block_id, _ = self._evictable.popitem(last=False)
+            hash_, _, _ = self._entry.pop(block_id)
+            del self._by_hash[hash_]
+            evicted.append(block_id)
+        self.num_evictions += n
+        return evicted
+
+    def tokens(self, block_id: int) -> tuple[int, ...]:
+        return self._entry[block_id][2]
+
+    def check_invariants(self) -> None:
+        """Asserts: each indexed block's hash is hash(parent, tokens); index and reverse map agree."""
+        assert len(self._by_hash) == len(self._entry)
+        for block_id, (hash_, parent, tokens) in self._entry.items():
+            assert self._by_hash[hash_] == block_id, block_id
+            assert block_hash(parent, tokens) == hash_, f"block {block_id} holds other tokens than its hash"
+        assert all(block_id in self._entry for block_id in self._evictable)

@@ -175,6 +175,7 @@ class Engine:
         reply = self._cache.Fork(
             cache_pb2.ForkRequest(parent_id=parent.seq_id, child_ids=child_ids),
             timeout=self.config.rpc_timeout_s,
+            metadata=_ids([parent]),
         )
         parent.shares_tail = True
         seed = parent.sampling.seed
@@ -188,6 +189,7 @@ class Engine:
                 block_table=list(table.block_ids),
                 cached_tokens=parent.cached_tokens,
                 cache_salt=parent.cache_salt,
+                request_id=parent.request_id,
                 num_synced=parent.num_tokens,
                 shares_tail=True,
                 index=index,

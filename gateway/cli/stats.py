@@ -25,7 +25,11 @@ def run(args: argparse.Namespace) -> int:
         except grpc.RpcError as err:
             print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
-    fields = {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
+    # Map fields (allocator_stats) become plain dicts, for JSON and a readable table alike.
+    fields = {
+        field.name: dict(value) if hasattr(value := getattr(stats, field.name), "items") else value
+        for field in stats.DESCRIPTOR.fields
+    }
     if args.json:
         print(json.dumps(fields))
         return 0

@@ -99,6 +99,7 @@ def test_stats_prints_a_table_and_json(stack_fp32):
     as_json = _pagedserve("stats", "--json", "--cache-target", stack_fp32.cache_target)
     stats = json.loads(as_json.stdout)
     assert stats["total_blocks"] == 512 and stats["allocator"] == "freelist"
+    assert isinstance(stats["allocator_stats"], dict)
 
 
 def test_one_request_id_is_followed_through_the_three_logs(stack_fp32):

@@ -3,7 +3,6 @@
 from collections.abc import Sequence
 
 from cache_service.allocators.base import BlockAllocator
-from common.errors import FailedPrecondition, InvalidArgument
 
 
 class StackAllocator(BlockAllocator):
@@ -29,13 +28,6 @@ class StackAllocator(BlockAllocator):
         self._free.difference_update(block_ids)
         return block_ids
 
-    def free(self, block_ids: Sequence[int]) -> None:
-        for index, block_id in enumerate(block_ids):
-            if not 0 <= block_id < self.num_total:
-                raise InvalidArgument(
-                    f"block {block_id} does not exist: the pool has {self.num_total} blocks"
-                )
-            if block_id in self._free or block_id in block_ids[:index]:
-                raise FailedPrecondition(f"block {block_id} is already free (double free)")
+    def _release(self, block_ids: Sequence[int]) -> None:
         self._stack.extend(block_ids)
         self._free.update(block_ids)

@@ -3,7 +3,6 @@
 from collections.abc import Sequence
 
 from cache_service.allocators.base import BlockAllocator
-from common.errors import FailedPrecondition, InvalidArgument
 
 _FREE = b"\x01"
 
@@ -33,16 +32,7 @@ class BitmapAllocator(BlockAllocator):
             block_ids.append(self._take(start))
         return block_ids
 
-    def free(self, block_ids: Sequence[int]) -> None:
-        seen: set[int] = set()
-        for block_id in block_ids:
-            if not 0 <= block_id < self.num_total:
-                raise InvalidArgument(
-                    f"block {block_id} does not exist: the pool has {self.num_total} blocks"
-                )
-            if self._bits[block_id] or block_id in seen:
-                raise FailedPrecondition(f"block {block_id} is already free (double free)")
-            seen.add(block_id)
+    def _release(self, block_ids: Sequence[int]) -> None:
         for block_id in block_ids:
             self._bits[block_id] = 1
         self._num_free += len(block_ids)

@@ -4,7 +4,6 @@ from collections import deque
 from collections.abc import Sequence
 
 from cache_service.allocators.base import BlockAllocator
-from common.errors import FailedPrecondition, InvalidArgument
 
 
 class FreeListAllocator(BlockAllocator):
@@ -32,16 +31,7 @@ class FreeListAllocator(BlockAllocator):
             self._free[block_id] = 0
         return block_ids
 
-    def free(self, block_ids: Sequence[int]) -> None:
-        seen: set[int] = set()
-        for block_id in block_ids:
-            if not 0 <= block_id < self.num_total:
-                raise InvalidArgument(
-                    f"block {block_id} does not exist: the pool has {self.num_total} blocks"
-                )
-            if self._free[block_id] or block_id in seen:
-                raise FailedPrecondition(f"block {block_id} is already free (double free)")
-            seen.add(block_id)
+    def _release(self, block_ids: Sequence[int]) -> None:
         for block_id in block_ids:
             self._free[block_id] = 1
         self._queue.extend(block_ids)

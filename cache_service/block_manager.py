@@ -65,26 +65,39 @@ class BlockManager:
         return need <= self.pool.num_available - revived
 
     def allocate(self, requests: Sequence[SeqRequest]) -> list[list[int]]:
-        """Creates each new sequence's table, reusing the longest cached prefix of whole blocks (never the
-        last token, whose logits are needed); returns the tables in request order; all or nothing.
+        """Creates each new sequence's table, reusing the longest cached prefix (never the last token, whose
+        logits are needed): whole blocks are shared, and a prefix that ends inside a block gets a copy of
+        the cached block it matches; returns the tables in request order; all or nothing.
 
         Raises InvalidArgument (empty id, num_tokens <= 0, token_ids not num_tokens long), AlreadyExists
         (the sequence has a table or is listed twice) and ResourceExhausted (not enough blocks).
         """
-        need, revived = self._check_allocate(requests)
+        # NOTE: copying a partly matched block pins it beside its copy; skipped when blocks are short.
+        need, revived = self._check_allocate(requests, partials=True)
+        use_partials = need <= self.pool.num_available - revived
+        if not use_partials:
+            need, revived = self._check_allocate(requests, partials=False)
         self._ensure_available(need, revived)
         # NOTE: every hit is referenced before any table grows, so growing never evicts a block still to hit.
+        partials = {}
         for request in requests:
             seq = self._seqs[request.seq_id] = self._new_sequence(request)
-            for block_id, hash_ in self._lookup(request):
+            hits = self._lookup(request)
+            for block_id, hash_ in hits:
                 self.pool.reference(block_id)
                 seq.block_table.append(block_id)
                 seq.hashes.append(hash_)
             seq.cached_tokens = len(seq.block_table) * self.block_size
+            partial = self._partial(request, hits) if use_partials else None
+            if partial is not None:
+                self.pool.reference(partial[0])
+                partials[request.seq_id] = partial
             self._queried += request.num_tokens if seq.token_ids is not None else 0
-            self._hit += seq.cached_tokens
         for request in requests:
             seq = self._seqs[request.seq_id]
+            if request.seq_id in partials:
+                self._copy_partial(seq, *partials[request.seq_id])
+            self._hit += seq.cached_tokens
             self._grow(seq, self.blocks_needed(request.num_tokens) - len(seq.block_table))
         return [self.block_table(request.seq_id) for request in requests]
 
@@ -104,8 +117,29 @@ class BlockManager:
             hits.append((block_id, parent))
         return hits
 
-    def _check_allocate(self, requests: Sequence[SeqRequest]) -> tuple[int, int]:
-        """(blocks to take, evictable blocks the batch's prefix hits revive)."""
+    def _partial(self, request: SeqRequest, hits: list[tuple[int, BlockHash]]) -> tuple[int, int] | None:
+        """(cached block, tokens it shares) for the block after the whole-block hits, if any."""
+        if not (self.prefix_caching and request.token_ids):
+            return None
+        start = len(hits) * self.block_size
+        limit = min(self.block_size, request.num_tokens - 1 - start)
+        if limit <= 0:
+            return None
+        parent = hits[-1][1] if hits else root_hash(self._model, request.cache_salt)
+        return self.pool.prefix.longest_partial(parent, request.token_ids[start : start + limit])
+
+    def _copy_partial(self, seq: SeqState, source: int, shared: int) -> None:
+        """The prefix ends `shared` tokens into `source`: the table gets a copy, since the rest is written."""
+        (new,) = self.pool.take(1, seq.block_table)
+        self._copy_block(source, new)
+        seq.block_table.append(new)
+        self.pool.release(source)
+        seq.cached_tokens += shared
+        self._cow += 1
+
+    def _check_allocate(self, requests: Sequence[SeqRequest], partials: bool = False) -> tuple[int, int]:
+        """(blocks to take, evictable blocks the batch's prefix hits revive), with or without the copies of
+        partly matched blocks."""
         seen: set[str] = set()
         need, revived = 0, set()
         for request in requests:
@@ -122,8 +156,10 @@ class BlockManager:
                     f"{request.num_tokens}; give every token or none"
                 )
             seen.add(request.seq_id)
-            hits = [block_id for block_id, _ in self._lookup(request)]
-            revived.update(block_id for block_id in hits if self.pool.prefix.is_evictable(block_id))
+            hits = self._lookup(request)
+            partial = self._partial(request, hits) if partials else None
+            sources = [block_id for block_id, _ in hits] + ([partial[0]] if partial else [])
+            revived.update(block_id for block_id in sources if self.pool.prefix.is_evictable(block_id))
             need += self.blocks_needed(request.num_tokens) - len(hits)
         return need, len(revived)
 

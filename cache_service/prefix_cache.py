@@ -32,6 +32,7 @@ class PrefixCache:
     def __init__(self) -> None:
         self._by_hash: dict[BlockHash, int] = {}
         self._entry: dict[int, tuple[BlockHash, BlockHash, tuple[int, ...]]] = {}  # hash, parent, tokens
+        self._children: dict[BlockHash, set[int]] = {}  # parent hash -> indexed blocks that follow it
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0
 
@@ -58,7 +59,20 @@ class PrefixCache:
         if hash_ not in self._by_hash and block_id not in self._entry:
             self._by_hash[hash_] = block_id
             self._entry[block_id] = (hash_, parent, tuple(token_ids))
+            self._children.setdefault(parent, set()).add(block_id)
         return hash_
+
+    def longest_partial(self, parent: BlockHash, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        """(block, n): the indexed block after `parent` whose tokens start with the most (n >= 1) of
+        `token_ids`, for a prompt whose cached prefix ends inside a block; None if none shares a token."""
+        best = None
+        for block_id in self._children.get(parent, ()):
+            tokens, n = self._entry[block_id][2], 0
+            while n < len(token_ids) and tokens[n] == token_ids[n]:
+                n += 1
+            if n and (best is None or n > best[1]):
+                best = (block_id, n)
+        return best
 
     def park(self, block_id: int) -> None:
         """An indexed block lost its last reference: evictable, most recently used."""
@@ -75,8 +89,12 @@ class PrefixCache:
         evicted = []
         for _ in range(n):
             block_id, _ = self._evictable.popitem(last=False)
-            hash_, _, _ = self._entry.pop(block_id)
+            hash_, parent, _ = self._entry.pop(block_id)
             del self._by_hash[hash_]
+            siblings = self._children[parent]
+            siblings.remove(block_id)
+            if not siblings:
+                del self._children[parent]
             evicted.append(block_id)
         self.num_evictions += n
         return evicted
@@ -91,3 +109,6 @@ class PrefixCache:
             assert self._by_hash[hash_] == block_id, block_id
             assert block_hash(parent, tokens) == hash_, f"block {block_id} holds other tokens than its hash"
         assert all(block_id in self._entry for block_id in self._evictable)
+        assert {(p, b) for p, blocks in self._children.items() for b in blocks} == {
+            (parent, block_id) for block_id, (_, parent, _) in self._entry.items()
+        }, "the children map disagrees with the index"

@@ -88,7 +88,9 @@ def test_sixteen_requests_share_a_system_prompt(stack_fp32, stack_uncached, toke
 
 
 def test_n_samples_share_the_prompt_and_copy_on_write(stack_fp32, tokenizer):
-    (prompt,) = prompt_ids(tokenizer, [37])  # ends inside a block: the first write of every sample copies it
+    # A text no other test starts with (a cached block of it would also serve a partial prefix hit);
+    # 37 tokens end inside a block: the first write of every sample copies it.
+    prompt = prompt_ids(tokenizer, [800])[0][750:787]
     cows = stack_fp32.stats().copy_on_writes
     with stack_fp32.client() as client:
         single = greedy(client, prompt)
@@ -121,3 +123,17 @@ def test_n_out_of_range_is_refused(stack_fp32, n):
         client.generate_n(prompt="hi", n=n)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling.n must be in [1, 16]" in err.value.details
+
+
+def test_a_prefix_ending_inside_a_block_reuses_a_copy_of_it(stack_fp32, stack_uncached, tokenizer):
+    (text,) = prompt_ids(tokenizer, [80])
+    first, second = text[40:80], text[40:64] + text[:16]  # they share 24 tokens: 1.5 blocks of 16
+    with stack_fp32.client() as client:
+        client.generate(token_ids=first, max_tokens=2, temperature=0.0, ignore_eos=True)
+        copies = stack_fp32.stats().copy_on_writes
+        result = client.generate(token_ids=second, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert result.usage.cached_tokens == 24, "one whole block shared, 8 tokens from a copy of the next"
+    assert stack_fp32.stats().copy_on_writes == copies + 1
+    with stack_uncached.client() as client:
+        assert result.token_ids == greedy(client, second)
+    assert stack_fp32.stats().used_blocks == 0

@@ -43,7 +43,7 @@ def manager(num_blocks: int = 16, allocator: str = "freelist", **kw) -> tuple[Bl
 
 @pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_a_second_prompt_reuses_written_full_blocks_but_recomputes_the_last_token(allocator):
-    blocks, _ = manager(allocator=allocator)
+    blocks, pool = manager(allocator=allocator)
     prompt = list(range(100, 110))  # 2 full blocks + 2 tokens
     (a,) = blocks.allocate([SeqRequest("a", 10, prompt)])
     assert blocks.cached_tokens("a") == 0
@@ -51,11 +51,14 @@ def test_a_second_prompt_reuses_written_full_blocks_but_recomputes_the_last_toke
     (b,) = blocks.allocate([SeqRequest("b", 10, prompt)])
     assert blocks.cached_tokens("b") == 8 and b[:2] == a[:2] and b[2] != a[2]
     (c,) = blocks.allocate([SeqRequest("c", 8, prompt[:8])])
-    assert blocks.cached_tokens("c") == 4, "a full hit still recomputes the last token"
+    assert blocks.cached_tokens("c") == 7, "a full hit still recomputes the last token"
+    assert c[0] == a[0] and c[1] != a[1], "the block the prefix ends in is copied, not shared"
+    assert pool.copies == [(a[1], c[1])], "its K/V is copied before compute writes the rest"
     blocks.allocate([SeqRequest("salted", 10, prompt, cache_salt="tenant")])
     assert blocks.cached_tokens("salted") == 0
     stats = blocks.stats()
-    assert (stats.prefix_query_tokens, stats.prefix_hit_tokens) == (38, 12)
+    assert (stats.prefix_query_tokens, stats.prefix_hit_tokens) == (38, 15)
+    assert stats.copy_on_writes == 1
     blocks.check_invariants()
     blocks.free(["a", "b", "c", "salted"])
     stats = blocks.stats()

@@ -32,6 +32,19 @@ def _segments() -> set[Path]:
     return set(Path("/dev/shm").glob("pagedserve-kv-*"))
 
 
+def _cache_pid(up: subprocess.Popen) -> int:
+    """The pid of the cache service that `pagedserve up` started: it names the pool segment."""
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc_dir / "cmdline").read_bytes()
+            ppid = int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == up.pid and b"cache_service" in cmdline:
+            return int(proc_dir.name)
+    raise AssertionError("pagedserve up started no cache service")
+
+
 def test_generate_command_streams_to_stdout(small_stack):
     out = subprocess.run(
         [PAGEDSERVE, "generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
@@ -83,6 +96,7 @@ def test_running_out_of_blocks_preempts_instead_of_failing(small_stack, tokenize
 
 def test_up_prints_ready_and_cleans_up_on_sigint(model_dir, logs):
     before = _segments()
+    ours = set()
     port = helpers.free_port()
     proc = subprocess.Popen(
         [PAGEDSERVE, "up", "--port", str(port), "--cache-port", str(helpers.free_port()),
@@ -99,9 +113,10 @@ def test_up_prints_ready_and_cleans_up_on_sigint(model_dir, logs):
             if "pagedserve ready" in line:
                 break
         assert f"127.0.0.1:{port}" in lines[-1]
-        assert len(_segments() - before) == 1, "the cache service maps one pool segment"
+        ours = {p for p in _segments() - before if p.name.startswith(f"pagedserve-kv-{_cache_pid(proc)}-")}
+        assert len(ours) == 1, "the cache service maps one pool segment"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:
         helpers.stop(proc)
-    assert _segments() == before, "the pool segment is removed on shutdown"
+    assert not ours & _segments(), "the pool segment is removed on shutdown"

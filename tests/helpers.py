@@ -8,16 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from gateway.cli.launch import free_port, serving
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def free_ports(count: int) -> int:
@@ -54,18 +47,12 @@ def log_tail(proc: subprocess.Popen, lines: int = 40) -> str:
 def wait_healthy(target: str, proc: subprocess.Popen, timeout: float = 300.0, service: str = "") -> None:
     """Polls grpc.health.v1 until SERVING; fails with the log tail if the process dies or time runs out."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{target} exited with {proc.returncode}:\n{log_tail(proc)}")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{target} exited with {proc.returncode}:\n{log_tail(proc)}")
+        if serving(target, service):
+            return
+        time.sleep(0.2)
     raise TimeoutError(f"{target} not healthy after {timeout}s:\n{log_tail(proc)}")
 
 

@@ -11,6 +11,7 @@ from common.errors import FailedPrecondition, InvalidArgument
 from common.logging import configure
 from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, serve_metrics
 from common.model_files import DEFAULT_MODEL
+from common.precision import DTYPE_CHOICES, resolve_dtype
 from common.server import serve
 from common.shared_pool import dtype_from_name, open_pool
 from compute_service.attention.registry import BACKENDS
@@ -104,7 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model", default=DEFAULT_MODEL, help="'smollm2', a GGUF file or a HF model directory"
     )
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: bfloat16 where the CPU has native bf16"
+    )
     parser.add_argument("--attention-backend", choices=list(BACKENDS), default="cpu")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50053)
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        model, spec = load(args.model, dtype_from_name(args.dtype), args.attention_backend)
+        model, spec = load(args.model, dtype_from_name(resolve_dtype(args.dtype)), args.attention_backend)
     except FileNotFoundError as exc:
         raise SystemExit(f"compute_service: {exc}") from exc
     log.info(

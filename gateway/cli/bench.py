@@ -8,6 +8,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.model_files import DEFAULT_MODEL
+from common.precision import DTYPE_CHOICES
 from gateway.bench import driver, peers, report
 from gateway.bench.workloads import WORKLOADS, build
 from gateway.cli.launch import Stack
@@ -22,7 +23,9 @@ def add_parser(commands) -> None:
     p.add_argument("--target", help="gateway HOST:PORT of a running stack (default: start one)")
     p.add_argument("--cache-target", default="127.0.0.1:50052", help="its cache service, with --target")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: bfloat16 where the CPU has native bf16"
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=1, help="passes; figures are medians")
     p.add_argument("--no-peers", action="store_true", help="skip generate_batch and generate")
@@ -38,8 +41,8 @@ def _measure(args, workload, target: str, cache_target: str) -> dict:
     return driver.median_of(runs)
 
 
-def _peers(args, workload) -> dict:
-    model = peers.load(args.model, args.dtype)
+def _peers(args, workload, dtype: str) -> dict:
+    model = peers.load(args.model, dtype)
     runs = {"generate_batch": [], "generate": []}
     for _ in tqdm(range(args.repeat), desc="peers", file=sys.stderr):
         runs["generate_batch"].append(peers.generate_batch(model, workload))
@@ -72,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         if stack is not None:
             stack.stop()
     if not args.no_peers:
-        result["peers"] = _peers(args, workload)
+        result["peers"] = _peers(args, workload, info.dtype)
     print(report.table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

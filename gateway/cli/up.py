@@ -8,6 +8,7 @@ import threading
 import time
 
 from common.model_files import DEFAULT_MODEL
+from common.precision import DTYPE_CHOICES
 from gateway.cli.launch import serving
 
 START_TIMEOUT_S = 900.0
@@ -17,7 +18,9 @@ SERVICES = ("gateway", "cache", "compute")
 def add_parser(commands) -> None:
     p = commands.add_parser("up", help="start cache, compute and gateway services and wait for Ctrl-C")
     p.add_argument("--model", default=DEFAULT_MODEL, help="GGUF file or HF directory (default: SmolLM2-135M)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: bfloat16 where the CPU has native bf16"
+    )
     p.add_argument("--block-size", type=int, default=16)
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--kv-blocks", type=int, help="KV pool size in blocks")

@@ -1,0 +1,30 @@
+"""Which dtype the model runs in when the user says `auto`."""
+
+from pathlib import Path
+
+import torch
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+# CPU flags of instructions that multiply bfloat16 natively (AVX-512 BF16, AMX).
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def resolve_dtype(name: str, flags: frozenset[str] | None = None) -> str:
+    """`auto` is bfloat16 where the hardware multiplies it natively, float32 otherwise.
+
+    NOTE: without AVX-512 BF16 or AMX, PyTorch emulates bfloat16 matrix products on the CPU; they run ~30x
+    slower than float32 there, so bfloat16 would only halve the weight bytes a decode reads while making
+    every prompt crawl.
+    """
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return "bfloat16"
+    return "bfloat16" if NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else flags) else "float32"

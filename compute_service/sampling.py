@@ -128,33 +128,34 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) 
 
 def process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The raw logits after repetition, presence and frequency penalties, logit bias and min_tokens."""
+    if not (len(batch.cu_history) or len(batch.bias_ids) or len(batch.stop_ids)):
+        return logits
+    logits = logits.clone()
     if len(batch.cu_history):
-        logits = _penalize(logits, batch)
+        _penalize_(logits, batch)
     if len(batch.bias_ids):
-        logits = logits.index_put((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
+        logits.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
     if len(batch.stop_ids):
         generated = batch.output_lens[batch.stop_rows]
         suppress = generated < batch.min_tokens[batch.stop_rows]
-        logits = logits.index_put(
-            (batch.stop_rows[suppress], batch.stop_ids[suppress]), torch.tensor(float("-inf"))
-        )
+        logits.index_put_((batch.stop_rows[suppress], batch.stop_ids[suppress]), torch.tensor(float("-inf")))
     return logits
 
 
-def _penalize(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _penalize_(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place, on the (row, token) entries the history holds only: dense [S, V] passes cost far more."""
     num_rows, vocab = logits.shape
     cu = batch.cu_history
     row_of = torch.repeat_interleave(torch.arange(num_rows), cu.diff())
     generated = torch.arange(len(batch.history)) - cu[row_of] >= batch.history_prompt_lens[row_of]
-    seen = torch.zeros(num_rows, vocab, dtype=torch.bool)
-    seen[row_of, batch.history] = True
-    penalty = batch.repetition_penalty[:, None]
-    logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-    counts = torch.zeros(num_rows, vocab)
-    counts.index_put_(
-        (row_of[generated], batch.history[generated]), torch.ones(int(generated.sum())), accumulate=True
+    entries, which = torch.unique(row_of * vocab + batch.history, return_inverse=True)
+    counts = torch.zeros(len(entries)).index_add_(0, which[generated], torch.ones(int(generated.sum())))
+    rows, flat = entries // vocab, logits.view(-1)
+    values, penalty = flat[entries], batch.repetition_penalty[rows]
+    values = torch.where(values > 0, values / penalty, values * penalty)
+    flat[entries] = (
+        values - batch.frequency_penalty[rows] * counts - batch.presence_penalty[rows] * (counts > 0)
     )
-    return logits - batch.frequency_penalty[:, None] * counts - batch.presence_penalty[:, None] * (counts > 0)
 
 
 def _filter(

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 import grpc
 import numpy as np
 import structlog
+from transformers import PreTrainedTokenizerBase
 
 from common.errors import PagedServeError, from_rpc_error
 from common.server import channel, request_metadata
@@ -41,7 +42,7 @@ class Output:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, tokenizer) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self._cache = cache_pb2_grpc.CacheStub(channel(config.cache_target))
@@ -244,8 +245,8 @@ class Engine:
             text = self._append(seq, token, eos)
             if seq.finish_reason:
                 finished.append(seq)
-            lps = None if token_logprob is None else [token_logprob]
-            outputs.append(Output([token], seq.finish_reason, seq.index, text, lps))
+            per_token = None if token_logprob is None else [token_logprob]
+            outputs.append(Output([token], seq.finish_reason, seq.index, text, per_token))
         # NOTE: blocks are back in the pool before the client hears that its request ended.
         self._release(finished)
         for seq, output in zip(step.seqs, outputs, strict=True):

@@ -6,7 +6,7 @@ import torch
 from transformers import PreTrainedModel
 
 from compute_service.attention.context import build_context, reset_context, set_context
-from compute_service.sampling import SamplingBatch, sample
+from compute_service.sampling import Sampled, SamplingBatch, sample
 from protos import compute_pb2
 
 
@@ -38,7 +38,7 @@ class Step:
             block_table_width=request.block_table_width,
             slot_mapping=ints(request.slot_mapping),
             sample=torch.tensor(request.sample, dtype=torch.bool),
-            sampling=SamplingBatch.from_params(request.sampling),
+            sampling=SamplingBatch.from_request(request),
         )
 
 
@@ -79,7 +79,7 @@ class Runner:
         last = step.cu_seqlens_q[1:][step.sample] - 1
         return self.model.lm_head(hidden[last]).float()
 
-    def forward(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token [S], logprob [S]) for each sequence with `sample` set, in order."""
+    def forward(self, step: Step) -> Sampled:
+        """The sampled token (and log-probabilities) of each sequence with `sample` set, in order."""
         # the sampled token takes the position right after the sequence's context
         return sample(self.logits(step), step.sampling, step.context_lens[step.sample])

@@ -1,4 +1,5 @@
-"""Sampling over the packed batch: greedy, temperature, top-k and top-p from one sort, per-row seeds."""
+"""Sampling over the packed batch: penalties, logit bias, min_tokens, then temperature, top-k, top-p and
+min-p from one sort, per-row seeds; log-probabilities of the raw logits."""
 
 import hashlib
 from collections.abc import Sequence
@@ -6,56 +7,162 @@ from dataclasses import dataclass
 
 import torch
 
-from protos import common_pb2
+from protos import common_pb2, compute_pb2
+
+
+def _floats(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _ints(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
 
 
 @dataclass(slots=True)
 class SamplingBatch:
-    """One row per sequence that samples this step."""
+    """One row per sequence that samples this step; the request's fields as tensors, unchecked."""
 
     temperature: torch.Tensor  # [S] float32; 0 is greedy
     top_p: torch.Tensor  # [S] float32; 1 is off
     top_k: torch.Tensor  # [S] int64; 0 is off
+    min_p: torch.Tensor  # [S] float32; 0 is off
     seeds: list[int | None]
+    repetition_penalty: torch.Tensor  # [S] float32; 1 is off
+    presence_penalty: torch.Tensor  # [S] float32
+    frequency_penalty: torch.Tensor  # [S] float32
+    wants_logprobs: torch.Tensor  # [S] bool: logprobs is set
+    logprobs: torch.Tensor  # [S] int64; top alternatives asked for (0 when unset)
+    min_tokens: torch.Tensor  # [S] int64
+    # logit_bias and min_tokens' stop ids, flattened over rows: (row, token id[, bias]) per entry
+    bias_rows: torch.Tensor
+    bias_ids: torch.Tensor
+    bias_values: torch.Tensor
+    stop_rows: torch.Tensor
+    stop_ids: torch.Tensor
+    # the penalties' token history (see ForwardRequest) and the generated counts (empty: none sent)
+    history: torch.Tensor
+    cu_history: torch.Tensor
+    history_prompt_lens: torch.Tensor
+    output_lens: torch.Tensor
 
     @classmethod
-    def from_params(cls, params: Sequence[common_pb2.SamplingParams]) -> "SamplingBatch":
+    def from_request(cls, request: compute_pb2.ForwardRequest) -> "SamplingBatch":
+        return cls.from_params(
+            request.sampling,
+            history=request.history_token_ids,
+            cu_history=request.cu_history,
+            history_prompt_lens=request.history_prompt_lens,
+            output_lens=request.output_lens,
+        )
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[common_pb2.SamplingParams],
+        *,
+        history: Sequence[int] = (),
+        cu_history: Sequence[int] = (),
+        history_prompt_lens: Sequence[int] = (),
+        output_lens: Sequence[int] = (),
+    ) -> "SamplingBatch":
+        def optional(name: str, default: float) -> list[float]:
+            return [getattr(p, name) if p.HasField(name) else default for p in params]
+
+        bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias.items()]
+        stops = [(row, t) for row, p in enumerate(params) if p.min_tokens > 0 for t in p.stop_token_ids]
         return cls(
-            temperature=torch.tensor(
-                [p.temperature if p.HasField("temperature") else 1.0 for p in params], dtype=torch.float32
-            ),
-            top_p=torch.tensor(
-                [p.top_p if p.HasField("top_p") else 1.0 for p in params], dtype=torch.float32
-            ),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            temperature=_floats(optional("temperature", 1.0)),
+            top_p=_floats(optional("top_p", 1.0)),
+            top_k=_ints([p.top_k for p in params]),
+            min_p=_floats(optional("min_p", 0.0)),
             seeds=[p.seed if p.HasField("seed") else None for p in params],
+            repetition_penalty=_floats(optional("repetition_penalty", 1.0)),
+            presence_penalty=_floats([p.presence_penalty for p in params]),
+            frequency_penalty=_floats([p.frequency_penalty for p in params]),
+            wants_logprobs=torch.tensor([p.HasField("logprobs") for p in params], dtype=torch.bool),
+            logprobs=_ints(optional("logprobs", 0)),
+            min_tokens=_ints([p.min_tokens for p in params]),
+            bias_rows=_ints([row for row, _, _ in bias]),
+            bias_ids=_ints([t for _, t, _ in bias]),
+            bias_values=_floats([b for _, _, b in bias]),
+            stop_rows=_ints([row for row, _ in stops]),
+            stop_ids=_ints([t for _, t in stops]),
+            history=_ints(history),
+            cu_history=_ints(cu_history),
+            history_prompt_lens=_ints(history_prompt_lens),
+            output_lens=_ints(output_lens),
         )
 
 
-def sample(
-    logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [S, V] float32 -> (token [S], its log-probability under the unscaled logits [S]).
+@dataclass(slots=True)
+class Sampled:
+    tokens: torch.Tensor  # [S] int64
+    logprobs: torch.Tensor  # [S] float32, of the raw logits
+    top_ids: torch.Tensor  # [rows asking for logprobs, width] int64, most likely first
+    top_logprobs: torch.Tensor  # [rows asking for logprobs, width] float32
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) -> Sampled:
+    """logits [S, V] float32 (raw model output) -> sampled tokens and log-probabilities.
 
     `positions` [S] are the positions the sampled tokens will take; a seeded row draws from a generator
     derived from (seed, position) alone, so it samples the same token whatever else is in the batch.
     """
     assert logits.dim() == 2 and len(logits) == len(batch.temperature) == len(positions) == len(batch.seeds)
+    raw_logprobs = logits.log_softmax(dim=-1)
+    logits = process(logits, batch)
     tokens = logits.argmax(dim=-1)
     rows = (batch.temperature > 0).nonzero().squeeze(1)
     if len(rows):
         scaled = logits[rows] / batch.temperature[rows, None]
-        probs = _filter(scaled, batch.top_k[rows], batch.top_p[rows]).softmax(dim=-1)
+        probs = _filter(scaled, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]).softmax(dim=-1)
         noise = _exponential_noise(
             probs.shape, [batch.seeds[r] for r in rows.tolist()], positions[rows].tolist()
         )
         tokens = tokens.index_copy(0, rows, (probs / noise).argmax(dim=-1))
-    logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return tokens, logprobs
+    asking = raw_logprobs[batch.wants_logprobs]
+    width = int(batch.logprobs[batch.wants_logprobs].max()) if len(asking) else 0
+    top = asking.topk(width, dim=-1)
+    return Sampled(tokens, raw_logprobs.gather(1, tokens[:, None]).squeeze(1), top.indices, top.values)
 
 
-def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Sets logits outside each row's top-k, then outside its top-p nucleus, to -inf."""
+def process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The raw logits after repetition, presence and frequency penalties, logit bias and min_tokens."""
+    if not (len(batch.cu_history) or len(batch.bias_ids) or len(batch.stop_ids)):
+        return logits
+    logits = logits.clone()
+    if len(batch.cu_history):
+        _penalize_(logits, batch)
+    if len(batch.bias_ids):
+        logits.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
+    if len(batch.stop_ids):
+        generated = batch.output_lens[batch.stop_rows]
+        suppress = generated < batch.min_tokens[batch.stop_rows]
+        logits.index_put_((batch.stop_rows[suppress], batch.stop_ids[suppress]), torch.tensor(float("-inf")))
+    return logits
+
+
+def _penalize_(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place, on the (row, token) entries the history holds only: dense [S, V] passes cost far more."""
+    num_rows, vocab = logits.shape
+    cu = batch.cu_history
+    row_of = torch.repeat_interleave(torch.arange(num_rows), cu.diff())
+    generated = torch.arange(len(batch.history)) - cu[row_of] >= batch.history_prompt_lens[row_of]
+    entries, which = torch.unique(row_of * vocab + batch.history, return_inverse=True)
+    counts = torch.zeros(len(entries)).index_add_(0, which[generated], torch.ones(int(generated.sum())))
+    rows, flat = entries // vocab, logits.view(-1)
+    values, penalty = flat[entries], batch.repetition_penalty[rows]
+    values = torch.where(values > 0, values / penalty, values * penalty)
+    flat[entries] = (
+        values - batch.frequency_penalty[rows] * counts - batch.presence_penalty[rows] * (counts > 0)
+    )
+
+
+def _filter(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Sets logits outside each row's top-k, then its top-p nucleus, then below min_p times the most likely
+    token's probability, to -inf."""
     vocab = logits.shape[-1]
     ordered, order = logits.sort(dim=-1, descending=True)
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
@@ -63,6 +170,8 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= (mass_before >= top_p[:, None]) & (top_p < 1)[:, None]
+    # p / p_max >= min_p, in logits; log(0) = -inf keeps everything
+    drop |= ordered < ordered[:, :1] + min_p.log()[:, None]
     return torch.empty_like(logits).scatter_(-1, order, ordered.masked_fill(drop, float("-inf")))
 
 

@@ -78,7 +78,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                 )
             step = Step.from_request(request)
             check_step(step, self._limits)
-            tokens, logprobs = self.runner.forward(step)
+            sampled = self.runner.forward(step)
             elapsed_ms = (time.perf_counter() - start) * 1e3
         FORWARD_SECONDS.observe(elapsed_ms / 1e3)
         STEP_TOKENS.observe(len(step.token_ids))
@@ -86,7 +86,12 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             "forward", tokens=len(step.token_ids), seqs=len(step.context_lens), ms=round(elapsed_ms, 2)
         )
         return compute_pb2.ForwardResponse(
-            token_ids=tokens.tolist(), logprobs=logprobs.tolist(), forward_ms=elapsed_ms
+            token_ids=sampled.tokens.tolist(),
+            logprobs=sampled.logprobs.tolist(),
+            forward_ms=elapsed_ms,
+            top_logprobs_width=sampled.top_ids.shape[1],
+            top_token_ids=sampled.top_ids.flatten().tolist(),
+            top_logprobs=sampled.top_logprobs.flatten().tolist(),
         )
 
     def _check_geometry(self, handle: common_pb2.PoolHandle) -> None:

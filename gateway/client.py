@@ -3,7 +3,7 @@
 `AsyncClient` has the same surface for asyncio (`await generate(...)`, `async for chunk in stream(...)`).
 """
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,6 +34,16 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability (raw model logits) and the `logprobs` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    # (token id, log-probability), most likely first
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed response: the new tokens and text; the last one has finish_reason and usage."""
 
@@ -44,6 +54,8 @@ class Chunk:
     usage: Usage | None = None
     # Which of the n samples the chunk continues.
     index: int = 0
+    # One per token when the request set logprobs.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -53,6 +65,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 def build_request(
@@ -69,14 +82,34 @@ def build_request(
     request_id: str = "",
     n: int | None = None,
     cache_salt: str = "",
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    logprobs: int | None = None,
+    min_tokens: int = 0,
+    stop: str | Sequence[str] = (),
 ) -> generation_pb2.GenerateRequest:
-    sampling = common_pb2.SamplingParams(top_k=top_k, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+    sampling = common_pb2.SamplingParams(
+        top_k=top_k,
+        ignore_eos=ignore_eos,
+        stop_token_ids=stop_token_ids,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        logit_bias=logit_bias or {},
+        min_tokens=min_tokens,
+        stop=[stop] if isinstance(stop, str) else stop,
+    )
     for name, value in (
         ("max_tokens", max_tokens),
         ("temperature", temperature),
         ("top_p", top_p),
         ("seed", seed),
         ("n", n),
+        ("min_p", min_p),
+        ("repetition_penalty", repetition_penalty),
+        ("logprobs", logprobs),
     ):
         if value is not None:
             setattr(sampling, name, value)
@@ -102,6 +135,11 @@ def to_chunk(response: generation_pb2.GenerateResponse) -> Chunk:
         finish_reason=_FINISH_REASONS.get(response.finish_reason),
         usage=usage,
         index=response.index,
+        logprobs=[
+            TokenLogprob(lp.token_id, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs, strict=True)))
+            for lp in response.logprobs
+        ]
+        or None,
     )
 
 
@@ -114,10 +152,17 @@ def _add(result: Completion, chunk: Chunk) -> None:
     result.token_ids.extend(chunk.token_ids)
     result.text += chunk.text
     result.finish_reason, result.usage = chunk.finish_reason, chunk.usage
+    if chunk.logprobs is not None:
+        result.logprobs = result.logprobs or []
+        result.logprobs.extend(chunk.logprobs)
 
 
 class Client:
-    """Unset sampling fields take the server's defaults: max_tokens 16, temperature 1.0, top_p 1.0."""
+    """Unset sampling fields take the server's defaults: max_tokens 16, temperature 1.0, top_p 1.0.
+
+    The keyword arguments are `build_request`'s: the prompt (prompt, token_ids or messages) and the
+    sampling controls of `pagedserve.v1.SamplingParams` (stop may be one string or several).
+    """
 
     def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
         self._channel = channel(target)

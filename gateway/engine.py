@@ -6,12 +6,16 @@ from dataclasses import dataclass, replace
 import grpc
 import numpy as np
 import structlog
+from transformers import PreTrainedTokenizerBase
 
 from common.errors import PagedServeError, from_rpc_error
 from common.server import channel, request_metadata
+from gateway.sampling import forward_sampling, token_logprobs
 from gateway.scheduler import Scheduler, Step
 from gateway.sequence import Sequence
-from protos import cache_pb2, cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
+from gateway.text_stream import TextStream
+from gateway.tokenizer import Detokenizer
+from protos import cache_pb2, cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc, generation_pb2
 
 log = structlog.get_logger()
 HANDSHAKE_TIMEOUT_S = 900.0
@@ -32,11 +36,15 @@ class Output:
     token_ids: list[int]
     finish_reason: str | None
     index: int = 0
+    # Text released by these tokens (see TextStream), and per token its logprobs when asked.
+    text: str = ""
+    logprobs: list[generation_pb2.TokenLogprobs] | None = None
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.config = config
+        self.tokenizer = tokenizer
         self._cache = cache_pb2_grpc.CacheStub(channel(config.cache_target))
         self._compute = compute_pb2_grpc.ComputeStub(channel(config.compute_target))
         self._cond = threading.Condition()
@@ -132,7 +140,7 @@ class Engine:
         except grpc.RpcError as err:
             self._fail(step.seqs, from_rpc_error(err))
             return
-        self._advance(step, list(reply.token_ids))
+        self._advance(step, reply)
 
     def _reserve(self, step: Step) -> None:
         """Allocates tables for a prefill (looking up the prefix cache), or reports every running sequence's
@@ -225,22 +233,35 @@ class Engine:
             block_table_width=width,
             slot_mapping=np.concatenate(slots).tolist(),
             sample=[True] * len(seqs),
-            sampling=[_sampling_proto(seq) for seq in seqs],
+            **forward_sampling(seqs, frozenset(self.model_info.eos_token_ids)),
         )
 
-    def _advance(self, step: Step, tokens: list[int]) -> None:
+    def _advance(self, step: Step, reply: compute_pb2.ForwardResponse) -> None:
         eos = frozenset(self.model_info.eos_token_ids)
-        finished = []
-        for seq, token in zip(step.seqs, tokens, strict=True):
+        finished, outputs = [], []
+        logprobs = token_logprobs(reply, step.seqs)
+        for seq, token, token_logprob in zip(step.seqs, reply.token_ids, logprobs, strict=True):
             seq.num_computed = seq.num_tokens
-            seq.output_ids.append(token)
-            seq.finish_reason = seq.stop_reason(eos)
+            text = self._append(seq, token, eos)
             if seq.finish_reason:
                 finished.append(seq)
+            per_token = None if token_logprob is None else [token_logprob]
+            outputs.append(Output([token], seq.finish_reason, seq.index, text, per_token))
         # NOTE: blocks are back in the pool before the client hears that its request ended.
         self._release(finished)
-        for seq, token in zip(step.seqs, tokens, strict=True):
-            seq.outbox.put(Output([token], seq.finish_reason, seq.index))
+        for seq, output in zip(step.seqs, outputs, strict=True):
+            seq.outbox.put(output)
+
+    def _append(self, seq: Sequence, token: int, eos: frozenset[int]) -> str:
+        """Adds the token, sets finish_reason (stop strings first) and returns the text it releases."""
+        seq.output_ids.append(token)
+        if seq.text is None:  # made at the first token, so forked samples get their own
+            seq.text = TextStream(Detokenizer(self.tokenizer), seq.sampling.stop)
+        text = seq.text.append([token], match=seq.reached_min_tokens)
+        seq.finish_reason = "stop" if seq.text.stopped else seq.stop_reason(eos)
+        if seq.finish_reason:
+            text += seq.text.finish(match=seq.reached_min_tokens)
+        return text
 
     def _release(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -272,12 +293,3 @@ class Engine:
 
 def _ids(seqs: list[Sequence]) -> tuple[tuple[str, str], ...]:
     return request_metadata(seq.request_id for seq in seqs)
-
-
-def _sampling_proto(seq: Sequence) -> common_pb2.SamplingParams:
-    s = seq.sampling
-    proto = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
-    # NOTE: sampling.n is the gateway's business; compute samples one token per sequence.
-    if s.seed is not None:
-        proto.seed = s.seed
-    return proto

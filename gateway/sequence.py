@@ -3,7 +3,10 @@
 import enum
 import queue
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from gateway.text_stream import TextStream
 
 
 class Status(enum.Enum):
@@ -24,6 +27,19 @@ class Sampling:
     ignore_eos: bool
     stop_token_ids: frozenset[int]
     n: int = 1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    # Top alternatives reported per token; None: no logprobs.
+    logprobs: int | None = None
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 @dataclass(slots=True)
@@ -52,6 +68,8 @@ class Sequence:
     finish_reason: str | None = None
     # What the engine hands to the RPC thread: Outputs of every sample of the request, or an exception.
     outbox: queue.Queue = field(default_factory=queue.Queue)
+    # The sample's detokenized text and stop strings; the engine creates it at the first token.
+    text: TextStream | None = None
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.seq_id
@@ -66,9 +84,15 @@ class Sequence:
 
     def stop_reason(self, eos_ids: frozenset[int]) -> str | None:
         """Why the sequence ends after its latest token, or None to go on."""
-        last = self.output_ids[-1]
-        if last in self.sampling.stop_token_ids or (not self.sampling.ignore_eos and last in eos_ids):
+        last, sampling = self.output_ids[-1], self.sampling
+        is_stop = last in sampling.stop_token_ids or (not sampling.ignore_eos and last in eos_ids)
+        if is_stop and self.reached_min_tokens:
             return "stop"
         if len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= self.max_len:
             return "length"
         return None
+
+    @property
+    def reached_min_tokens(self) -> bool:
+        """Whether EOS, stop token ids and stop strings may end the sequence now."""
+        return len(self.output_ids) >= self.sampling.min_tokens

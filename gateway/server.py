@@ -16,46 +16,13 @@ from gateway import metrics
 from gateway import tokenizer as tok
 from gateway.engine import Engine, EngineConfig, Output
 from gateway.health import DownstreamWatcher
-from gateway.sequence import Sampling, Sequence
-from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from gateway.sampling import resolve_sampling
+from gateway.sequence import Sequence
+from protos import generation_pb2, generation_pb2_grpc
 
 log = structlog.get_logger()
 SERVICE = "pagedserve.v1.Generation"
-MAX_SAMPLES = 16
 FINISH_REASONS = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP}
-
-
-def resolve_sampling(params: common_pb2.SamplingParams, vocab_size: int) -> Sampling:
-    """Defaults filled in and every value checked; InvalidArgument names the field to fix."""
-    max_tokens = params.max_tokens if params.HasField("max_tokens") else 16
-    temperature = params.temperature if params.HasField("temperature") else 1.0
-    top_p = params.top_p if params.HasField("top_p") else 1.0
-    if max_tokens <= 0:
-        raise InvalidArgument(f"sampling.max_tokens must be > 0, got {max_tokens}")
-    if temperature < 0:
-        raise InvalidArgument(f"sampling.temperature must be >= 0 (0 is greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {top_p}")
-    n = params.n if params.HasField("n") else 1
-    if not 1 <= n <= MAX_SAMPLES:
-        raise InvalidArgument(f"sampling.n must be in [1, {MAX_SAMPLES}], got {n}")
-    if params.top_k < 0:
-        raise InvalidArgument(f"sampling.top_k must be >= 0 (0 turns it off), got {params.top_k}")
-    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidArgument(
-            f"sampling.stop_token_ids has {bad[0]}, outside the vocabulary [0, {vocab_size})"
-        )
-    return Sampling(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=params.top_k,
-        seed=params.seed if params.HasField("seed") else None,
-        ignore_eos=params.ignore_eos,
-        stop_token_ids=frozenset(params.stop_token_ids),
-        n=n,
-    )
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -104,7 +71,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request_id = request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
         seq = self._new_sequence(request, request_id)
-        detokenizers = [tok.Detokenizer(self._tokenizer) for _ in range(seq.sampling.n)]
         completion_tokens = [0] * seq.sampling.n
         timer = metrics.RequestTimer()
         log.info("request", prompt_tokens=len(seq.prompt_ids), n=seq.sampling.n, seq_id=seq.seq_id)
@@ -122,20 +88,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 cached_tokens=seq.cached_tokens,
                 completion_tokens=completion_tokens[item.index],
             )
-            yield self._response(item, detokenizers[item.index], request_id, usage)
+            yield self._response(item, request_id, usage)
             running -= bool(item.finish_reason)
         timer.finish(item.finish_reason, len(seq.prompt_ids))
         log.info("finished", finish_reason=item.finish_reason, completion_tokens=sum(completion_tokens))
 
     def _response(
-        self, item: Output, detokenizer, request_id: str, usage: generation_pb2.Usage
+        self, item: Output, request_id: str, usage: generation_pb2.Usage
     ) -> generation_pb2.GenerateResponse:
-        text = detokenizer.step(item.token_ids)
         reply = generation_pb2.GenerateResponse(
-            request_id=request_id, token_ids=item.token_ids, text=text, index=item.index
+            request_id=request_id,
+            token_ids=item.token_ids,
+            text=item.text,
+            index=item.index,
+            logprobs=item.logprobs,
         )
         if item.finish_reason:
-            reply.text += detokenizer.flush()
             reply.finish_reason = FINISH_REASONS[item.finish_reason]
             reply.usage.CopyFrom(usage)
         return reply
@@ -184,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
             block_size=args.block_size,
             max_batched_tokens=args.max_batched_tokens,
             max_seqs=args.max_seqs,
-        )
+        ),
+        tokenizer,
     )
     servicer = GenerationServicer(engine, tokenizer)
     metrics.register(lambda: engine.scheduler)

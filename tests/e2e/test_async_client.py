@@ -31,6 +31,23 @@ def test_generate_and_stream_agree(stack_fp32):
     assert info.num_blocks == 512
 
 
+def test_sampling_controls_match_the_sync_client(stack_fp32):
+    controls = dict(prompt=PROMPT, max_tokens=12, temperature=0, stop=".", logprobs=3, repetition_penalty=1.3,
+                    request_id="same")  # fmt: skip
+
+    async def generate():
+        async with AsyncClient(stack_fp32.target, timeout=300) as client:
+            return await client.generate(**controls)
+
+    result = _run(generate())
+    with stack_fp32.client() as client:
+        expected = client.generate(**controls)
+    assert result == expected
+    assert result.finish_reason == "stop" and "." not in result.text
+    assert [lp.token_id for lp in result.logprobs] == result.token_ids
+    assert all(len(lp.top) == 3 for lp in result.logprobs)
+
+
 def test_refused_request_raises_generation_error_with_code(stack_fp32):
     async def refused():
         async with AsyncClient(stack_fp32.target, timeout=60) as client:

@@ -23,6 +23,19 @@ pytestmark = pytest.mark.e2e
         (dict(prompt="hi", token_ids=[1, 2]), "exactly one of prompt, token_ids or messages"),
         (dict(token_ids=[42] * 8192), "the model takes at most 8191"),
         (dict(messages=[{"role": "", "content": "hi"}]), "messages[0] has no role"),
+        (dict(prompt="hi", min_p=1.5), "min_p must be in [0, 1]"),
+        (dict(prompt="hi", repetition_penalty=0.0), "repetition_penalty must be > 0"),
+        (dict(prompt="hi", presence_penalty=2.5), "presence_penalty must be in [-2.0, 2.0]"),
+        (dict(prompt="hi", frequency_penalty=-9.0), "frequency_penalty must be in [-2.0, 2.0]"),
+        (dict(prompt="hi", logit_bias={49152: 1.0}), "logit_bias has 49152, outside the vocabulary"),
+        (
+            dict(prompt="hi", logit_bias={5: 101.0}),
+            "logit_bias[5] = 101.0: biases must be in [-100.0, 100.0]",
+        ),
+        (dict(prompt="hi", logprobs=21), "logprobs must be in [0, 20]"),
+        (dict(prompt="hi", max_tokens=4, min_tokens=5), "min_tokens must be in [0, max_tokens = 4]"),
+        (dict(prompt="hi", stop=["ok", ""]), "stop takes at most 16 non-empty strings"),
+        (dict(prompt="hi", stop=[str(i) for i in range(17)]), "stop takes at most 16 non-empty strings"),
     ],
 )
 def test_bad_requests_are_refused_without_leaking(stack_fp32, kwargs, message):
@@ -60,6 +73,8 @@ def _forward(stack, **overrides) -> compute_pb2.ForwardRequest:
         (dict(block_tables=[-7], slot_mapping=[-112, -111, -110]), "block"),
         (dict(slot_mapping=[0, 1, 5]), "slot"),
         (dict(token_ids=[1, 2, 10**6]), "token"),
+        (dict(sampling=[common_pb2.SamplingParams(logprobs=50)]), "sampling[0].logprobs = 50 is invalid"),
+        (dict(history_token_ids=[1, 99999], cu_history=[0, 2], history_prompt_lens=[1]), "history_token_ids"),
     ],
 )
 def test_compute_refuses_forward_outside_the_pool(stack_fp32, overrides, message):

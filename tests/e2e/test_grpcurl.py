@@ -45,3 +45,18 @@ def test_generate_with_a_json_body_streams_tokens(stack_fp32):
     assert all(len(m["token_ids"]) == 1 for m in messages)
     assert "Paris" in "".join(m.get("text", "") for m in messages)
     assert messages[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+
+
+def test_generate_with_stop_strings_logprobs_and_logit_bias_in_json(stack_fp32):
+    # the README's example: "," (token 28) banned, stop at the first ".", two alternatives per token
+    sampling = {"max_tokens": 16, "temperature": 0, "stop": ["."], "logprobs": 2, "logit_bias": {"28": -100}}
+    body = {"prompt": "The capital of France is", "sampling": sampling}
+    out = grpcurl("-d", json.dumps(body), stack_fp32.target, "pagedserve.v1.Generation/Generate")
+    messages = json.loads(f"[{out.replace('}' + chr(10) + '{', '},{')}]")
+    text = "".join(m.get("text", "") for m in messages)
+    assert "Paris" in text and "." not in text and "," not in text
+    assert messages[-1]["finish_reason"] == "FINISH_REASON_STOP"
+    for m in messages:
+        (lp,) = m["logprobs"]
+        assert lp["token_id"] == m["token_ids"][0] == lp["top_token_ids"][0]
+        assert len(lp["top_logprobs"]) == 2 and lp["logprob"] <= 0

@@ -60,9 +60,10 @@ def test_paged_greedy_generation_matches_hugging_face(models):
         step = Step.from_request(forward_request(new, cached, tables))
         check_step(step, limits)
         logits = runner.logits(step)
-        tokens, logprobs = runner.forward(step)
+        sampled = runner.forward(step)
+        tokens = sampled.tokens
         assert torch.equal(tokens, logits.argmax(-1))
-        torch.testing.assert_close(logprobs, logits.log_softmax(-1).max(-1).values)
+        torch.testing.assert_close(sampled.logprobs, logits.log_softmax(-1).max(-1).values)
         step_logits.append(logits)
         for seq, token in enumerate(tokens.tolist()):
             generated[seq].append(token)

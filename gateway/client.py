@@ -34,6 +34,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Timings:
+    """Seconds from the request's arrival at the gateway: until its first step, its first token, its end."""
+
+    queue_s: float
+    time_to_first_token_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed response: the new tokens and text; the last one has finish_reason and usage."""
 
@@ -44,6 +53,7 @@ class Chunk:
     usage: Usage | None = None
     # Which of the n samples the chunk continues.
     index: int = 0
+    timings: Timings | None = None
 
 
 @dataclass
@@ -53,6 +63,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     usage: Usage | None = None
+    timings: Timings | None = None
 
 
 def build_request(
@@ -69,7 +80,9 @@ def build_request(
     request_id: str = "",
     n: int | None = None,
     cache_salt: str = "",
+    priority: int = 0,
 ) -> generation_pb2.GenerateRequest:
+    """priority: lower values are served first (and preempted last); equal priorities go by arrival."""
     sampling = common_pb2.SamplingParams(top_k=top_k, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
     for name, value in (
         ("max_tokens", max_tokens),
@@ -87,6 +100,7 @@ def build_request(
         messages=[generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
         sampling=sampling,
         cache_salt=cache_salt,
+        priority=priority,
     )
 
 
@@ -95,6 +109,10 @@ def to_chunk(response: generation_pb2.GenerateResponse) -> Chunk:
     if response.HasField("usage"):
         u = response.usage
         usage = Usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+    timings = None
+    if response.HasField("timings"):
+        t = response.timings
+        timings = Timings(t.queue_s, t.time_to_first_token_s, t.total_s)
     return Chunk(
         request_id=response.request_id,
         token_ids=list(response.token_ids),
@@ -102,6 +120,7 @@ def to_chunk(response: generation_pb2.GenerateResponse) -> Chunk:
         finish_reason=_FINISH_REASONS.get(response.finish_reason),
         usage=usage,
         index=response.index,
+        timings=timings,
     )
 
 
@@ -113,7 +132,7 @@ def _add(result: Completion, chunk: Chunk) -> None:
     result.request_id = chunk.request_id
     result.token_ids.extend(chunk.token_ids)
     result.text += chunk.text
-    result.finish_reason, result.usage = chunk.finish_reason, chunk.usage
+    result.finish_reason, result.usage, result.timings = chunk.finish_reason, chunk.usage, chunk.timings
 
 
 class Client:

@@ -16,6 +16,9 @@ def add_parser(commands) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--priority", type=int, default=0, help="lower is served first, equal ones by arrival (default 0)"
+    )
     p.add_argument("--target", default="127.0.0.1:50051", help="gateway address HOST:PORT")
     p.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
     p.set_defaults(run=run)
@@ -35,17 +38,19 @@ def run(args: argparse.Namespace) -> int:
                 top_k=args.top_k,
                 seed=args.seed,
                 ignore_eos=args.ignore_eos,
+                priority=args.priority,
             ):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
         except GenerationError as err:
             print(f"\nerror: {err}", file=sys.stderr)
             return 1
-    u = chunk.usage
+    u, t = chunk.usage, chunk.timings
     print()
     print(
         f"[{chunk.finish_reason}: {u.prompt_tokens} prompt tokens ({u.cached_tokens} cached), "
-        f"{u.completion_tokens} generated]",
+        f"{u.completion_tokens} generated; queued {t.queue_s:.3f}s, "
+        f"first token {t.time_to_first_token_s:.3f}s, total {t.total_s:.3f}s]",
         file=sys.stderr,
     )
     return 0

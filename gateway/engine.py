@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import structlog
 
-from common.errors import PagedServeError, from_rpc_error
+from common.errors import Cancelled, PagedServeError, from_rpc_error
 from common.server import channel, request_metadata
 from gateway.scheduler import Scheduler, Step
 from gateway.sequence import Sequence
@@ -121,6 +121,9 @@ class Engine:
         if seqs:
             self._release(seqs)
             log.info("aborted", seq_ids=[s.seq_id for s in seqs])
+        # NOTE: wakes the RPC thread still waiting for the request's outputs, so that it ends too.
+        for outbox in {id(seq.outbox): seq.outbox for seq in seqs}.values():
+            outbox.put(Cancelled("the request was cancelled or its deadline passed"))
 
     def _run_step(self, step: Step) -> None:
         try:

@@ -39,9 +39,9 @@ def tiny_stack(tmp_path_factory, tokenizer, logs):
 
 @pytest.fixture(scope="module")
 def small_stack(model_dir, logs):
-    """The real model behind 32 blocks of 16 tokens, 64-token steps, at most 8 sequences; debug logs."""
-    stack = start_stack(logs, "--dtype", "float32", "--kv-blocks", "32", "--max-batched-tokens",
-                        str(SMALL_BUDGET), "--max-seqs", "8", "--log-format", "json",
+    """The real model behind 24 blocks of 16 tokens, 64-token steps, at most 12 sequences; debug logs."""
+    stack = start_stack(logs, "--dtype", "float32", "--kv-blocks", "24", "--max-batched-tokens",
+                        str(SMALL_BUDGET), "--max-seqs", "12", "--log-format", "json",
                         "--log-level", "debug")  # fmt: skip
     yield stack
     stack.stop()
@@ -76,30 +76,29 @@ def preemptions(stack) -> float:
     return scrape(stack.metrics_url("gateway"))[PREEMPTIONS, ()]
 
 
-def test_64_streams_over_a_small_kv_budget_all_complete_as_if_alone(tiny_stack):
-    requests = workload(64, vocab=256, seed=1)
-    before = preemptions(tiny_stack)
-    results = run_concurrently(tiny_stack, requests)
-    assert preemptions(tiny_stack) > before, "the budget is meant to force preemption"
-    stats = tiny_stack.stats()
+def streams_match_their_runs_alone(stack, count: int, vocab: int, seed: int) -> None:
+    """`count` concurrent greedy streams: preempted (counted in the gateway's metrics), all complete, all
+    blocks back, and each output equals the same request run alone afterwards."""
+    requests = workload(count, vocab, seed)
+    before = preemptions(stack)
+    results = run_concurrently(stack, requests)
+    assert preemptions(stack) > before, "the budget is meant to force preemption"
+    stats = stack.stats()
     assert (stats.used_blocks, stats.num_sequences) == (0, 0)
-    with tiny_stack.client() as client:
+    with stack.client() as client:
         # A salt of its own: computed from scratch, not from blocks the concurrent run left cached.
-        alone = [greedy(client, *r, cache_salt=f"alone-{i}") for i, r in enumerate(requests)]
+        alone = [greedy(client, *r, cache_salt=f"alone-{seed}-{i}") for i, r in enumerate(requests)]
     for i, (result, reference) in enumerate(zip(results, alone, strict=True)):
         assert result.finish_reason == "length"
         assert result.token_ids == reference.token_ids, f"request {i} diverged"
 
 
-def test_12_streams_of_the_real_model_match_transformers_despite_preemption(small_stack, hf_models):
-    requests = workload(12, vocab=49152, seed=2)
-    before = preemptions(small_stack)
-    results = run_concurrently(small_stack, requests)
-    assert preemptions(small_stack) > before
-    assert small_stack.stats().used_blocks == 0
-    model = hf_models(torch.float32)
-    for i, ((prompt, max_tokens), result) in enumerate(zip(requests, results, strict=True)):
-        assert result.token_ids == hf_greedy(model, prompt, max_tokens), f"request {i} diverged"
+def test_64_streams_over_a_small_kv_budget_all_complete_as_if_alone(tiny_stack):
+    streams_match_their_runs_alone(tiny_stack, 64, vocab=256, seed=1)
+
+
+def test_12_streams_of_the_real_model_complete_as_if_alone(small_stack):
+    streams_match_their_runs_alone(small_stack, 12, vocab=49152, seed=2)
 
 
 class Background:
@@ -152,7 +151,7 @@ def steps_of(stack, request_id: str) -> list[list[list]]:
     return steps
 
 
-def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(small_stack):
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(small_stack, hf_models):
     background = Background(small_stack, count=2, max_tokens=48, seed=3)
     background.wait_for(6)
     prompt = random_prompt(4 * SMALL_BUDGET - 20, seed=4)  # over 3 steps' budget
@@ -162,8 +161,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(small_stack):
                                cache_salt="long")  # fmt: skip
         first = next(stream)
         first_at = time.monotonic()
-        list(stream)
+        tokens = first.token_ids + [t for chunk in stream for t in chunk.token_ids]
     background.join()
+    assert tokens == hf_greedy(hf_models(torch.float32), prompt, 2), "chunked prefill computes the same"
     steps = steps_of(small_stack, "long-prompt")
     prefill = [next(c[2] for c in chunks if c[0] == "long-prompt") for chunks in steps[:-1]]
     decodes = SMALL_BUDGET - 2  # room left beside the two background decodes
@@ -201,6 +201,13 @@ def _blocks_back(stack, background: Background, sequences: int) -> int:
     return background.received(0, start, time.monotonic())
 
 
+def _handler_ended(stack, request_id: str) -> bool:
+    for line in Path(stack.proc.log_path).read_text().splitlines():
+        if request_id in line and '"rpc_refused"' in line:
+            return json.loads(line)["code"] == "CANCELLED"
+    return False
+
+
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_a_request_ended_mid_prefill_frees_its_blocks_within_a_step(small_stack, how):
     background = Background(small_stack, count=2, max_tokens=30, seed=5)
@@ -222,6 +229,7 @@ def test_a_request_ended_mid_prefill_frees_its_blocks_within_a_step(small_stack,
     assert _blocks_back(small_stack, background, sequences=2) <= 2, "freed within one step"
     background.join()
     assert small_stack.stats().used_blocks == 0
+    assert _handler_ended(small_stack, request_id), "the gateway's RPC thread for it ended too"
     with small_stack.client() as client:
         alone = [greedy(client, p, n, cache_salt=f"{how}-alone-{i}").token_ids
                  for i, (p, n) in enumerate(background.requests)]  # fmt: skip
@@ -239,7 +247,7 @@ def test_timings_are_present_and_ordered(tiny_stack):
 
 def test_more_samples_than_max_seqs_are_refused(small_stack):
     with small_stack.client() as client, pytest.raises(GenerationError) as err:
-        client.generate_n(prompt="hi", n=9, max_tokens=2)
+        client.generate_n(prompt="hi", n=13, max_tokens=2)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "at most 8 sequences at once (--max-seqs)" in err.value.details
+    assert "at most 12 sequences at once (--max-seqs)" in err.value.details
     assert small_stack.stats().used_blocks == 0

@@ -166,8 +166,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(small_stack, h
     assert tokens == hf_greedy(hf_models(torch.float32), prompt, 2), "chunked prefill computes the same"
     steps = steps_of(small_stack, "long-prompt")
     prefill = [next(c[2] for c in chunks if c[0] == "long-prompt") for chunks in steps[:-1]]
-    decodes = SMALL_BUDGET - 2  # room left beside the two background decodes
-    assert prefill == [decodes] * 3 + [len(prompt) - 3 * decodes], "chunks of the budget left by decodes"
+    room = SMALL_BUDGET - 2  # the budget left beside the two background decodes
+    assert prefill == [room] * 3 + [len(prompt) - 3 * room], "one chunk per step, as large as the budget"
     for chunks in steps[:-1]:
         assert sorted(c[2] for c in chunks)[:2] == [1, 1], (
             f"the background decodes ran in every chunk: {chunks}"

@@ -69,9 +69,12 @@ class Scheduler:
         # waiting: first chunks, in rank order; nobody overtakes a request that does not fit
         slots = sum(seq.num_slots for seq in self.running)
         for seq in sorted(self.waiting, key=lambda s: s.rank):
-            headroom = self.watermark if self.running else 0
-            n = self._chunk(seq, budget, free - headroom)
-            if n == 0 or slots + seq.num_slots > self.max_seqs:
+            room = free - (self.watermark if self.running else 0)
+            n = self._chunk(seq, budget, room)
+            # NOTE: a preempted sequence comes back only once its whole context fits, or it would take the
+            # blocks back a chunk at a time and be preempted again at once (thrashing).
+            refit = seq.num_preemptions == 0 or self.blocks_needed(seq, seq.num_tokens) <= room
+            if n == 0 or not refit or slots + seq.num_slots > self.max_seqs:
                 break
             budget, free, slots = budget - n, free - self._take(seq, n), slots + seq.num_slots
             self.waiting.remove(seq)

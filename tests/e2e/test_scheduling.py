@@ -101,6 +101,29 @@ def test_12_streams_of_the_real_model_complete_as_if_alone(small_stack):
     streams_match_their_runs_alone(small_stack, 12, vocab=49152, seed=2)
 
 
+def test_a_preempted_request_is_recomputed_from_the_blocks_it_had_written(tiny_stack):
+    """Two long requests outgrow the 48 blocks while decoding; the later one is preempted, and its written
+    blocks are cached when it is freed, so its recompute finds them."""
+    first, second = (random_prompt(300, seed=7), 200), (random_prompt(250, seed=8), 150)
+    first = ([t % 256 for t in first[0]], first[1])
+    second = ([t % 256 for t in second[0]], second[1])
+    before, hits = preemptions(tiny_stack), tiny_stack.stats().prefix_hit_tokens
+    with tiny_stack.client() as client, ThreadPoolExecutor(2) as pool:
+        stream = client.stream(token_ids=first[0], max_tokens=first[1], temperature=0.0, ignore_eos=True)
+        tokens = next(stream).token_ids
+        later = pool.submit(greedy, client, *second)
+        tokens += [t for chunk in stream for t in chunk.token_ids]
+        results = [tokens, later.result().token_ids]
+    assert preemptions(tiny_stack) > before
+    found = tiny_stack.stats().prefix_hit_tokens - hits
+    assert found >= 8 * 16, f"the recompute found only {found} tokens cached"
+    with tiny_stack.client() as client:
+        alone = [
+            greedy(client, *r, cache_salt=f"alone-long-{i}").token_ids for i, r in enumerate((first, second))
+        ]
+    assert results == alone
+
+
 class Background:
     """Greedy streams that record when each of their tokens arrived."""
 

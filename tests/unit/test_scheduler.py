@@ -109,6 +109,24 @@ def test_blocks_running_out_preempt_the_latest_arrival_keeping_its_progress():
     assert [s.seq_id for s in scheduler.schedule().seqs] == ["old"]
 
 
+def test_a_preempted_sequence_waits_until_its_whole_context_fits():
+    scheduler = Scheduler(block_size=4, num_blocks=8, max_batched_tokens=4, max_seqs=8)
+    old, new = seq("old", 12), seq("new", 8)
+    scheduler.add(old)
+    run(scheduler, scheduler.schedule())
+    scheduler.add(new)
+    while not (step := scheduler.schedule()).preempted:
+        run(scheduler, step)
+    assert step.preempted == [new]
+    run(scheduler, step)
+    room = scheduler.free_blocks - scheduler.watermark
+    assert 1 <= room < scheduler.blocks_needed(new, new.num_tokens), "a chunk of it fits, not all of it"
+    assert scheduler.schedule().seqs == [old]
+    scheduler.remove(old)
+    scheduler.free_blocks += len(old.block_table)
+    assert scheduler.schedule().seqs == [new]
+
+
 def test_the_victim_is_the_lowest_priority_even_if_it_arrived_first():
     scheduler = Scheduler(block_size=4, num_blocks=6, max_batched_tokens=1000, max_seqs=8)
     background, a, b = seq("background", 7, priority=3), seq("a", 3), seq("b", 3)

@@ -27,12 +27,26 @@ SMALL_BUDGET = 64  # --max-batched-tokens of the real-model stack
 
 
 @pytest.fixture(scope="module")
-def tiny_stack(tmp_path_factory, tokenizer, logs):
-    """The random-weight Llama (peaked logits, so greedy picks are clear) behind 48 blocks of 16 tokens."""
+def tiny_model(tmp_path_factory, tokenizer):
+    """A random-weight Llama (peaked logits, so greedy picks are clear) with the real model's tokenizer."""
     model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
     tokenizer.save_pretrained(model)
-    stack = start_stack(logs, "--model", str(model), "--dtype", "float32", "--kv-blocks", "48",
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(tiny_model, logs):
+    """The tiny model behind 48 blocks of 16 tokens."""
+    stack = start_stack(logs, "--model", str(tiny_model), "--dtype", "float32", "--kv-blocks", "48",
                         "--max-batched-tokens", "256", "--max-seqs", "64")  # fmt: skip
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def serial_stack(tiny_model, logs):
+    """The tiny model serving one sequence at a time: the queue order shows."""
+    stack = start_stack(logs, "--model", str(tiny_model), "--dtype", "float32", "--max-seqs", "1")
     yield stack
     stack.stop()
 
@@ -257,6 +271,30 @@ def test_a_request_ended_mid_prefill_frees_its_blocks_within_a_step(small_stack,
         alone = [greedy(client, p, n, cache_salt=f"{how}-alone-{i}").token_ids
                  for i, (p, n) in enumerate(background.requests)]  # fmt: skip
     assert background.tokens == alone
+
+
+def test_waiting_requests_are_served_by_priority_then_arrival(serial_stack):
+    order, lock = [], threading.Lock()
+
+    def request(name: str, priority: int) -> None:
+        with serial_stack.client() as client:
+            client.generate(token_ids=[5, 6, 7], max_tokens=4, priority=priority, ignore_eos=True)
+        with lock:
+            order.append(name)
+
+    with serial_stack.client() as client, ThreadPoolExecutor(4) as pool:
+        running = client.stream(token_ids=[9, 10, 11], max_tokens=300, ignore_eos=True)
+        next(running)
+        jobs = []
+        for name, priority in (("late", 5), ("normal-1", 0), ("urgent", -3), ("normal-2", 0)):
+            jobs.append(pool.submit(request, name, priority))
+            time.sleep(0.05)  # distinct arrivals
+        time.sleep(0.2)
+        assert (len(order), serial_stack.stats().num_sequences) == (0, 1), "all queued behind the first"
+        list(running)
+        for job in jobs:
+            job.result()
+    assert order == ["urgent", "normal-1", "normal-2", "late"]
 
 
 def test_timings_are_present_and_ordered(tiny_stack):

@@ -72,13 +72,25 @@ class BlockManager:
         Raises InvalidArgument (empty id, num_tokens <= 0, token_ids not num_tokens long), AlreadyExists
         (the sequence has a table or is listed twice) and ResourceExhausted (not enough blocks).
         """
+        return self.reserve(requests, ())
+
+    def reserve(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> list[list[int]]:
+        """One scheduler step: `allocate(new)` and `extend(running)` as one all-or-nothing call; returns the
+        tables of `new`, then those of `running`. Raises what either raises; nothing changes on an error."""
+        grow = self._check_extend(running)
         # NOTE: copying a partly matched block pins it beside its copy; skipped when blocks are short.
-        need, revived = self._check_allocate(requests, partials=True)
-        use_partials = need <= self.pool.num_available - revived
+        need, revived = self._check_allocate(new, partials=True)
+        use_partials = need + grow <= self.pool.num_available - revived
         if not use_partials:
-            need, revived = self._check_allocate(requests, partials=False)
-        self._ensure_available(need, revived)
-        # NOTE: every hit is referenced before any table grows, so growing never evicts a block still to hit.
+            need, revived = self._check_allocate(new, partials=False)
+        self._ensure_available(need + grow, revived)
+        self._allocate(new, use_partials)
+        self._extend(running)
+        return [self.block_table(request.seq_id) for request in (*new, *running)]
+
+    def _allocate(self, requests: Sequence[SeqRequest], use_partials: bool) -> None:
+        # NOTE: every hit is referenced before any table grows (theirs, or those `reserve` extends next), so
+        # growing never evicts a block still to hit.
         partials = {}
         for request in requests:
             seq = self._seqs[request.seq_id] = self._new_sequence(request)
@@ -99,7 +111,6 @@ class BlockManager:
                 self._copy_partial(seq, *partials[request.seq_id])
             self._hit += seq.cached_tokens
             self._grow(seq, self.blocks_needed(request.num_tokens) - len(seq.block_table))
-        return [self.block_table(request.seq_id) for request in requests]
 
     def _new_sequence(self, request: SeqRequest) -> SeqState:
         tokens = list(request.token_ids) if self.prefix_caching and request.token_ids else None
@@ -177,7 +188,9 @@ class BlockManager:
         Raises NotFound (unknown sequence), InvalidArgument (bad counts or tokens, listed twice) and
         ResourceExhausted (not enough blocks).
         """
-        self._ensure_available(self._check_extend(requests), 0)
+        return self.reserve((), requests)
+
+    def _extend(self, requests: Sequence[SeqRequest]) -> None:
         for request in requests:
             seq = self._seqs[request.seq_id]
             seq.num_tokens = request.num_tokens
@@ -186,7 +199,6 @@ class BlockManager:
             self._register(seq, request.num_computed)
             self._copy_on_write(seq, request.num_computed // self.block_size)
             self._grow(seq, self.blocks_needed(request.num_tokens) - len(seq.block_table))
-        return [self.block_table(request.seq_id) for request in requests]
 
     def _check_extend(self, requests: Sequence[SeqRequest]) -> int:
         for request in requests:

@@ -79,6 +79,15 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             tables = blocks.extend([_seq_request(seq) for seq in request.sequences])
             return _block_tables([seq.seq_id for seq in request.sequences], tables, blocks)
 
+    def Reserve(self, request: cache_pb2.ReserveRequest, context) -> cache_pb2.BlockTables:
+        with self._lock:
+            blocks = self._blocks()
+            new = [_seq_request(seq) for seq in request.allocate]
+            tables = blocks.reserve(new, [_seq_request(seq) for seq in request.extend])
+            seq_ids = [seq.seq_id for seq in (*request.allocate, *request.extend)]
+            cached = [blocks.cached_tokens(seq.seq_id) for seq in new] + [0] * len(request.extend)
+            return _block_tables(seq_ids, tables, blocks, cached)
+
     def Fork(self, request: cache_pb2.ForkRequest, context) -> cache_pb2.BlockTables:
         with self._lock:
             blocks = self._blocks()

@@ -33,6 +33,10 @@ class Unavailable(PagedServeError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Cancelled(PagedServeError):
+    code = grpc.StatusCode.CANCELLED
+
+
 _BY_CODE = {cls.code: cls for cls in PagedServeError.__subclasses__()}
 
 

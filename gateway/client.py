@@ -44,6 +44,15 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class Timings:
+    """Seconds from the request's arrival at the gateway: until its first step, its first token, its end."""
+
+    queue_s: float
+    time_to_first_token_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed response: the new tokens and text; the last one has finish_reason and usage."""
 
@@ -56,6 +65,7 @@ class Chunk:
     index: int = 0
     # One per token when the request set logprobs.
     logprobs: list[TokenLogprob] | None = None
+    timings: Timings | None = None
 
 
 @dataclass
@@ -66,6 +76,7 @@ class Completion:
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
+    timings: Timings | None = None
 
 
 def build_request(
@@ -90,7 +101,9 @@ def build_request(
     logprobs: int | None = None,
     min_tokens: int = 0,
     stop: str | Sequence[str] = (),
+    priority: int = 0,
 ) -> generation_pb2.GenerateRequest:
+    """priority: lower values are served first (and preempted last); equal priorities go by arrival."""
     sampling = common_pb2.SamplingParams(
         top_k=top_k,
         ignore_eos=ignore_eos,
@@ -120,6 +133,7 @@ def build_request(
         messages=[generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
         sampling=sampling,
         cache_salt=cache_salt,
+        priority=priority,
     )
 
 
@@ -128,6 +142,10 @@ def to_chunk(response: generation_pb2.GenerateResponse) -> Chunk:
     if response.HasField("usage"):
         u = response.usage
         usage = Usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+    timings = None
+    if response.HasField("timings"):
+        t = response.timings
+        timings = Timings(t.queue_s, t.time_to_first_token_s, t.total_s)
     return Chunk(
         request_id=response.request_id,
         token_ids=list(response.token_ids),
@@ -140,6 +158,7 @@ def to_chunk(response: generation_pb2.GenerateResponse) -> Chunk:
             for lp in response.logprobs
         ]
         or None,
+        timings=timings,
     )
 
 
@@ -151,7 +170,7 @@ def _add(result: Completion, chunk: Chunk) -> None:
     result.request_id = chunk.request_id
     result.token_ids.extend(chunk.token_ids)
     result.text += chunk.text
-    result.finish_reason, result.usage = chunk.finish_reason, chunk.usage
+    result.finish_reason, result.usage, result.timings = chunk.finish_reason, chunk.usage, chunk.timings
     if chunk.logprobs is not None:
         result.logprobs = result.logprobs or []
         result.logprobs.extend(chunk.logprobs)

@@ -1,6 +1,7 @@
-"""The serving loop: start-up handshake, then one step = (Free) + Allocate/Extend + one Compute.Forward."""
+"""The serving loop: start-up handshake, then one step = one Cache.Reserve + one Compute.Forward."""
 
 import threading
+import time
 from dataclasses import dataclass, replace
 
 import grpc
@@ -8,7 +9,7 @@ import numpy as np
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from common.errors import PagedServeError, from_rpc_error
+from common.errors import Cancelled, PagedServeError, from_rpc_error
 from common.server import channel, request_metadata
 from gateway.sampling import forward_sampling, token_logprobs
 from gateway.scheduler import Scheduler, Step
@@ -103,9 +104,12 @@ class Engine:
 
     # loop
     def run(self) -> None:
+        blocked = False
         while True:
             with self._cond:
-                while not (self._stopped or self._intake or self._aborts or self.scheduler.has_work()):
+                # NOTE: work that cannot be scheduled (none should exist) waits for news instead of spinning.
+                runnable = self.scheduler.has_work() and not blocked
+                while not (self._stopped or self._intake or self._aborts or runnable):
                     self._cond.wait()
                 if self._stopped:
                     return
@@ -116,6 +120,7 @@ class Engine:
                 self.scheduler.add(seq)
             self._abort_now(aborts)
             step = self.scheduler.schedule()
+            blocked = step is None
             if step is not None:
                 self._run_step(step)
 
@@ -124,56 +129,49 @@ class Engine:
         if seqs:
             self._release(seqs)
             log.info("aborted", seq_ids=[s.seq_id for s in seqs])
+        # NOTE: wakes the RPC thread still waiting for the request's outputs, so that it ends too.
+        for outbox in {id(seq.outbox): seq.outbox for seq in seqs}.values():
+            outbox.put(Cancelled("the request was cancelled or its deadline passed"))
 
     def _run_step(self, step: Step) -> None:
         try:
             if step.preempted:
                 self._free(step.preempted)
                 log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
+                return
             self._reserve(step)
+            chunks = [[s.request_id, s.index, s.chunk_end - s.num_computed] for s in step.seqs]
+            log.debug("step", chunks=chunks)
             reply = self._compute.Forward(
                 self._forward_request(step), timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs)
             )
-            forks = [seq for seq in step.seqs if seq.sampling.n > 1 and seq.index == 0 and not seq.output_ids]
-            for seq in forks:
-                self._fork(seq)
+            for seq in step.seqs:
+                if seq.sampling.n > 1 and seq.index == 0 and not seq.output_ids and seq.samples_now:
+                    self._fork(seq)
         except grpc.RpcError as err:
-            self._fail(step.seqs, from_rpc_error(err))
+            self._fail(step.seqs or step.preempted, from_rpc_error(err))
             return
         self._advance(step, reply)
 
     def _reserve(self, step: Step) -> None:
-        """Allocates tables for a prefill (looking up the prefix cache), or reports every running sequence's
-        new tokens and progress and grows its table for a decode: one cache call per step."""
-        requests = [
-            cache_pb2.SequenceRequest(
-                seq_id=seq.seq_id,
-                num_tokens=seq.num_tokens,
-                token_ids=seq.token_ids[seq.num_synced :],
-                num_computed=seq.num_computed,
-                cache_salt=seq.cache_salt,
-            )
-            for seq in step.seqs
-        ]
-        if step.is_prefill:
-            reply = self._cache.Allocate(
-                cache_pb2.AllocateRequest(sequences=requests),
-                timeout=self.config.rpc_timeout_s,
-                metadata=_ids(step.seqs),
-            )
-        else:
-            reply = self._cache.Extend(
-                cache_pb2.ExtendRequest(sequences=requests),
-                timeout=self.config.rpc_timeout_s,
-                metadata=_ids(step.seqs),
-            )
-        for table in reply.tables:
-            seq = self._by_id[table.seq_id]
+        """One cache call per step: allocates tables for sequences that have none (looking up the prefix
+        cache over their first chunk), and reports every other sequence's new tokens and progress and grows
+        its table to hold its chunk."""
+        now = time.monotonic()
+        new = [seq for seq in step.seqs if not seq.block_table]
+        running = [seq for seq in step.seqs if seq.block_table]
+        request = cache_pb2.ReserveRequest(
+            allocate=[_seq_request(seq, seq.token_ids[: seq.chunk_end]) for seq in new],
+            extend=[_seq_request(seq, seq.token_ids[seq.num_synced : seq.chunk_end]) for seq in running],
+        )
+        reply = self._cache.Reserve(request, timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs))
+        for seq, table in zip((*new, *running), reply.tables, strict=True):
+            assert seq.seq_id == table.seq_id, (seq.seq_id, table.seq_id)
             seq.block_table = list(table.block_ids)
-            seq.num_synced, seq.shares_tail = seq.num_tokens, False
-            if step.is_prefill:
-                seq.cached_tokens = table.cached_tokens
-                seq.num_computed = max(seq.num_computed, table.cached_tokens)
+            seq.num_synced, seq.shares_tail = seq.chunk_end, False
+            seq.num_computed = max(seq.num_computed, table.cached_tokens)
+            if seq.scheduled_at is None:
+                seq.scheduled_at, seq.cached_tokens = now, table.cached_tokens
         self.scheduler.free_blocks = reply.free_blocks
 
     def _fork(self, parent: Sequence) -> None:
@@ -198,6 +196,9 @@ class Engine:
                 cached_tokens=parent.cached_tokens,
                 cache_salt=parent.cache_salt,
                 request_id=parent.request_id,
+                priority=parent.priority,
+                arrival=parent.arrival,
+                scheduled_at=parent.scheduled_at,
                 num_synced=parent.num_tokens,
                 shares_tail=True,
                 index=index,
@@ -218,8 +219,8 @@ class Engine:
         for i, seq in enumerate(seqs):
             table = np.asarray(seq.block_table, dtype=np.int64)
             tables[i, : len(table)] = table
-            pos = np.arange(seq.num_computed, seq.num_tokens, dtype=np.int64)
-            token_ids.extend(seq.token_ids[seq.num_computed :])
+            pos = np.arange(seq.num_computed, seq.chunk_end, dtype=np.int64)
+            token_ids.extend(seq.token_ids[seq.num_computed : seq.chunk_end])
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             q_lens.append(len(pos))
@@ -228,20 +229,24 @@ class Engine:
             token_ids=token_ids,
             positions=np.concatenate(positions).tolist(),
             cu_seqlens_q=np.concatenate([[0], np.cumsum(q_lens)]).tolist(),
-            context_lens=[seq.num_tokens for seq in seqs],
+            context_lens=[seq.chunk_end for seq in seqs],
             block_tables=tables.ravel().tolist(),
             block_table_width=width,
             slot_mapping=np.concatenate(slots).tolist(),
-            sample=[True] * len(seqs),
-            **forward_sampling(seqs, frozenset(self.model_info.eos_token_ids)),
+            sample=[seq.samples_now for seq in seqs],
+            **forward_sampling(
+                [seq for seq in seqs if seq.samples_now], frozenset(self.model_info.eos_token_ids)
+            ),
         )
 
     def _advance(self, step: Step, reply: compute_pb2.ForwardResponse) -> None:
         eos = frozenset(self.model_info.eos_token_ids)
+        sampled = [seq for seq in step.seqs if seq.samples_now]
+        for seq in step.seqs:
+            seq.num_computed = seq.chunk_end
         finished, outputs = [], []
-        logprobs = token_logprobs(reply, step.seqs)
-        for seq, token, token_logprob in zip(step.seqs, reply.token_ids, logprobs, strict=True):
-            seq.num_computed = seq.num_tokens
+        logprobs = token_logprobs(reply, sampled)
+        for seq, token, token_logprob in zip(sampled, reply.token_ids, logprobs, strict=True):
             text = self._append(seq, token, eos)
             if seq.finish_reason:
                 finished.append(seq)
@@ -249,7 +254,7 @@ class Engine:
             outputs.append(Output([token], seq.finish_reason, seq.index, text, per_token))
         # NOTE: blocks are back in the pool before the client hears that its request ended.
         self._release(finished)
-        for seq, output in zip(step.seqs, outputs, strict=True):
+        for seq, output in zip(sampled, outputs, strict=True):
             seq.outbox.put(output)
 
     def _append(self, seq: Sequence, token: int, eos: frozenset[int]) -> str:
@@ -282,7 +287,7 @@ class Engine:
         reply = self._cache.Free(request, timeout=self.config.rpc_timeout_s, metadata=_ids(seqs))
         self.scheduler.free_blocks = reply.free_blocks
         for seq in seqs:
-            seq.block_table = []
+            seq.drop_kv()
 
     def _fail(self, seqs: list[Sequence], error: PagedServeError) -> None:
         log.error("step_failed", seq_ids=[s.seq_id for s in seqs], code=error.code.name, error=str(error))
@@ -293,3 +298,13 @@ class Engine:
 
 def _ids(seqs: list[Sequence]) -> tuple[tuple[str, str], ...]:
     return request_metadata(seq.request_id for seq in seqs)
+
+
+def _seq_request(seq: Sequence, new_tokens: list[int]) -> cache_pb2.SequenceRequest:
+    return cache_pb2.SequenceRequest(
+        seq_id=seq.seq_id,
+        num_tokens=seq.chunk_end,
+        token_ids=new_tokens,
+        num_computed=seq.num_computed,
+        cache_salt=seq.cache_salt,
+    )

@@ -18,6 +18,11 @@ TTFT = Histogram(
 ITL = Histogram(
     "pagedserve_inter_token_latency_seconds", "Between tokens of a request.", buckets=LATENCY_BUCKETS
 )
+QUEUE = Histogram(
+    "pagedserve_request_queue_time_seconds",
+    "From a request's arrival to its first scheduled step.",
+    buckets=LATENCY_BUCKETS,
+)
 E2E = Histogram("pagedserve_e2e_request_latency_seconds", "Arrival to last token.", buckets=LATENCY_BUCKETS)
 FINISHED = Counter("pagedserve_requests_finished", "Requests completed, by reason.", ["finish_reason"])
 PROMPT_TOKENS = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests.")
@@ -31,13 +36,16 @@ class RequestTimer:
         self.start = self.last = time.monotonic()
         self.tokens = 0
 
-    def token(self) -> None:
+    def token(self) -> float:
+        """Observes a token sent now; returns now."""
         now = time.monotonic()
         (ITL if self.tokens else TTFT).observe(now - self.last)
         self.last, self.tokens = now, self.tokens + 1
+        return now
 
-    def finish(self, reason: str, prompt_tokens: int) -> None:
+    def finish(self, reason: str, prompt_tokens: int, queue_s: float) -> None:
         E2E.observe(time.monotonic() - self.start)
+        QUEUE.observe(queue_s)
         FINISHED.labels(reason).inc()
         PROMPT_TOKENS.inc(prompt_tokens)
         GENERATION_TOKENS.inc(self.tokens)

@@ -1,6 +1,6 @@
-"""Continuous batching: which sequences run in the next step, and who is preempted when blocks run out."""
+"""Continuous batching with chunked prefill: which sequences run in the next step, and how many of their
+tokens; who is preempted when blocks run out."""
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from gateway.sequence import Sequence, Status
@@ -8,16 +8,21 @@ from gateway.sequence import Sequence, Status
 
 @dataclass(slots=True)
 class Step:
-    is_prefill: bool
-    seqs: list[Sequence]
-    # Sequences whose blocks must be freed before the step runs; they wait to be recomputed.
+    # Each with its chunk [num_computed, chunk_end) set: decodes first, then prompt chunks.
+    seqs: list[Sequence] = field(default_factory=list)
+    # Sequences whose blocks must be freed (with their progress, for the prefix cache) before anything runs;
+    # they wait to be recomputed. A step that preempts schedules nothing else: the free count is only
+    # known again once the cache service has answered the Free.
     preempted: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
-    """Prefills waiting prompts first (FCFS, under a token budget), otherwise decodes every running sequence.
+    """Every step packs, under `max_batched_tokens` and `max_seqs`: the running decodes, then the next chunks
+    of running prompts, then first chunks of waiting ones (admitted in rank order while the blocks of their
+    chunk are free). Rank: lower priority value first, then arrival.
 
-    The free block count mirrors the cache service: the engine sets it from every cache reply.
+    The free block count mirrors the cache service: the engine sets it from every cache reply. Blocks needed
+    are an upper bound (prefix hits only lower them), so a reservation sized here never fails.
     """
 
     def __init__(self, block_size: int, num_blocks: int, max_batched_tokens: int, max_seqs: int) -> None:
@@ -26,7 +31,10 @@ class Scheduler:
         self.free_blocks = num_blocks
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
-        self.waiting: deque[Sequence] = deque()
+        # NOTE: admitting a new prompt leaves this many blocks free for the running sequences to grow into,
+        # so that admissions do not preempt at once what they just admitted.
+        self.watermark = max(1, num_blocks // 100)
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -36,53 +44,59 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def blocks_needed(self, seq: Sequence) -> int:
-        """Blocks the sequence lacks to hold all its tokens (plus one to copy a shared block into)."""
-        return max(0, -(-seq.num_tokens // self.block_size) - len(seq.block_table)) + seq.shares_tail
+    def blocks_needed(self, seq: Sequence, end: int) -> int:
+        """Blocks the sequence lacks to hold `end` tokens (plus one to copy a shared block into)."""
+        return max(0, -(-end // self.block_size) - len(seq.block_table)) + seq.shares_tail
+
+    def _chunk(self, seq: Sequence, budget: int, free: int) -> int:
+        """How many of the sequence's uncomputed tokens fit in `budget` tokens and `free` blocks."""
+        room = (len(seq.block_table) + free - seq.shares_tail) * self.block_size - seq.num_computed
+        return max(0, min(seq.num_tokens - seq.num_computed, budget, room))
 
     def schedule(self) -> Step | None:
-        return self._schedule_prefill() or self._schedule_decode()
-
-    # prefill
-    def _schedule_prefill(self) -> Step | None:
-        seqs, tokens, free = [], 0, self.free_blocks
-        while self.waiting and len(self.running) + len(seqs) < self.max_seqs:
-            seq = self.waiting[0]
-            new_tokens = seq.num_tokens - seq.num_computed
-            need = self.blocks_needed(seq)
-            if (seqs and tokens + new_tokens > self.max_batched_tokens) or need > free:
+        """The next step, or None when there is nothing to run."""
+        budget, free, step = self.max_batched_tokens, self.free_blocks, Step()
+        # running: decodes first, then the next chunks of partly computed prompts
+        running = sorted(self.running, key=lambda s: s.rank)
+        for seq in sorted(running, key=lambda s: s.num_tokens - s.num_computed > 1):
+            if budget == 0:
                 break
-            self.waiting.popleft()
+            n = self._chunk(seq, budget, free)
+            if n == 0:
+                return Step(preempted=[self._preempt(running[-1])])
+            budget, free = budget - n, free - self._take(seq, n)
+            step.seqs.append(seq)
+        # waiting: first chunks, in rank order; nobody overtakes a request that does not fit
+        slots = sum(seq.num_slots for seq in self.running)
+        for seq in sorted(self.waiting, key=lambda s: s.rank):
+            room = free - (self.watermark if self.running else 0)
+            n = self._chunk(seq, budget, room)
+            # NOTE: a preempted sequence comes back only once its whole context fits, or it would take the
+            # blocks back a chunk at a time and be preempted again at once (thrashing).
+            refit = seq.num_preemptions == 0 or self.blocks_needed(seq, seq.num_tokens) <= room
+            if n == 0 or not refit or slots + seq.num_slots > self.max_seqs:
+                break
+            budget, free, slots = budget - n, free - self._take(seq, n), slots + seq.num_slots
+            self.waiting.remove(seq)
+            self.running.append(seq)
             seq.status = Status.RUNNING
-            seqs.append(seq)
-            tokens += new_tokens
-            free -= need
-        if not seqs:
-            return None
-        self.running.extend(seqs)
-        return Step(is_prefill=True, seqs=seqs)
+            step.seqs.append(seq)
+        return step if step.seqs else None
 
-    # decode
-    def _schedule_decode(self) -> Step | None:
-        if not self.running:
-            return None
-        preempted = []
-        free = self.free_blocks
-        while sum(self.blocks_needed(seq) for seq in self.running) > free:
-            victim = self.running.pop()
-            free += len(victim.block_table)
-            self._requeue(victim)
-            preempted.append(victim)
-        assert self.running, "a lone sequence always fits: max_len is capped by the pool size"
-        return Step(is_prefill=False, seqs=list(self.running), preempted=preempted)
+    def _take(self, seq: Sequence, n: int) -> int:
+        """Schedules n tokens of the sequence; returns the blocks that takes."""
+        seq.chunk_end = seq.num_computed + n
+        return self.blocks_needed(seq, seq.chunk_end)
 
-    def _requeue(self, seq: Sequence) -> None:
-        """Preemption by recompute: drop the KV, keep the tokens, wait at the head of the queue."""
+    def _preempt(self, seq: Sequence) -> Sequence:
+        """Preemption by recompute: the engine frees the blocks; the tokens are kept and computed again when
+        the sequence is admitted again (in rank order, so usually before anything newer)."""
+        self.running.remove(seq)
         seq.status = Status.WAITING
-        seq.block_table = []
-        seq.num_computed = seq.num_synced = 0
-        self.waiting.appendleft(seq)
+        seq.num_preemptions += 1
+        self.waiting.append(seq)
         self.num_preemptions += 1
+        return seq
 
     def remove(self, seq: Sequence) -> None:
         """Takes a finished, aborted or failed sequence out of the queues."""

@@ -50,10 +50,17 @@ class Sequence:
     max_len: int
     # The client's id for the request, sent to the cache and compute services in x-request-id metadata.
     request_id: str = ""
+    # Lower is served first; equal priorities are served by arrival (then sample index).
+    priority: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    # When the sequence's first step was scheduled (None until then).
+    scheduled_at: float | None = None
     output_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V is written in the block table's blocks.
     num_computed: int = 0
+    # Tokens whose K/V is written once the scheduled step runs: its chunk is [num_computed, chunk_end).
+    chunk_end: int = 0
+    num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     cache_salt: str = ""
@@ -73,6 +80,27 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.seq_id
+
+    @property
+    def rank(self) -> tuple[int, float, int]:
+        """Scheduling order: the smallest rank is served first and preempted last."""
+        return self.priority, self.arrival, self.index
+
+    @property
+    def num_slots(self) -> int:
+        """Running slots the sequence takes: its n samples once its prompt is done, if it is yet to fork."""
+        return self.sampling.n if self.index == 0 and not self.output_ids else 1
+
+    @property
+    def samples_now(self) -> bool:
+        """Whether the scheduled chunk reaches the last token, so that the step samples the next one."""
+        return self.chunk_end == self.num_tokens
+
+    def drop_kv(self) -> None:
+        """After its blocks are freed: nothing is computed any more (the tokens are kept)."""
+        self.block_table = []
+        self.num_computed = self.num_synced = self.chunk_end = 0
+        self.shares_tail = False
 
     @property
     def token_ids(self) -> list[int]:

@@ -47,6 +47,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"prompt has {len(prompt_ids)} tokens; the model takes at most {info.max_model_len - 1} "
                 "so that one can be generated"
             )
+        if sampling.n > self._engine.config.max_seqs:
+            raise InvalidArgument(
+                f"sampling.n is {sampling.n} but the gateway runs at most {self._engine.config.max_seqs} "
+                "sequences at once (--max-seqs): ask for fewer samples"
+            )
         if len(prompt_ids) >= max_len:
             raise ResourceExhausted(
                 f"prompt has {len(prompt_ids)} tokens; the KV cache holds at most {max_len} tokens"
@@ -59,6 +64,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_len=max_len,
             request_id=request_id,
             cache_salt=request.cache_salt,
+            priority=request.priority,
         )
 
     def Generate(self, request, context):
@@ -76,26 +82,30 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         log.info("request", prompt_tokens=len(seq.prompt_ids), n=seq.sampling.n, seq_id=seq.seq_id)
         self._engine.submit(seq)
         context.add_callback(lambda: self._engine.abort(seq.seq_id))
-        running = seq.sampling.n
+        running, first_token_at = seq.sampling.n, None
         while running:
             item = seq.outbox.get()
             if isinstance(item, Exception):
                 raise item
-            timer.token()
+            now = timer.token()
+            first_token_at = first_token_at or now
             completion_tokens[item.index] += len(item.token_ids)
-            usage = generation_pb2.Usage(
-                prompt_tokens=len(seq.prompt_ids),
-                cached_tokens=seq.cached_tokens,
-                completion_tokens=completion_tokens[item.index],
-            )
-            yield self._response(item, request_id, usage)
+            reply = self._response(item, request_id)
+            if item.finish_reason:
+                reply.usage.CopyFrom(
+                    generation_pb2.Usage(
+                        prompt_tokens=len(seq.prompt_ids),
+                        cached_tokens=seq.cached_tokens,
+                        completion_tokens=completion_tokens[item.index],
+                    )
+                )
+                reply.timings.CopyFrom(_timings(seq, first_token_at, now))
+            yield reply
             running -= bool(item.finish_reason)
-        timer.finish(item.finish_reason, len(seq.prompt_ids))
+        timer.finish(item.finish_reason, len(seq.prompt_ids), seq.scheduled_at - seq.arrival)
         log.info("finished", finish_reason=item.finish_reason, completion_tokens=sum(completion_tokens))
 
-    def _response(
-        self, item: Output, request_id: str, usage: generation_pb2.Usage
-    ) -> generation_pb2.GenerateResponse:
+    def _response(self, item: Output, request_id: str) -> generation_pb2.GenerateResponse:
         reply = generation_pb2.GenerateResponse(
             request_id=request_id,
             token_ids=item.token_ids,
@@ -105,7 +115,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
         if item.finish_reason:
             reply.finish_reason = FINISH_REASONS[item.finish_reason]
-            reply.usage.CopyFrom(usage)
         return reply
 
     def GetInfo(self, request, context):
@@ -119,6 +128,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             num_blocks=self._engine.scheduler.num_blocks,
             eos_token_ids=info.eos_token_ids,
         )
+
+
+def _timings(seq: Sequence, first_token_at: float, now: float) -> generation_pb2.Timings:
+    return generation_pb2.Timings(
+        queue_s=seq.scheduled_at - seq.arrival,
+        time_to_first_token_s=first_token_at - seq.arrival,
+        total_s=now - seq.arrival,
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

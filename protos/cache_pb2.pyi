@@ -59,6 +59,14 @@ class ExtendRequest(_message.Message):
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
     def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
 
+class ReserveRequest(_message.Message):
+    __slots__ = ("allocate", "extend")
+    ALLOCATE_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_FIELD_NUMBER: _ClassVar[int]
+    allocate: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
+    extend: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
+    def __init__(self, allocate: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ..., extend: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
+
 class ForkRequest(_message.Message):
     __slots__ = ("parent_id", "child_ids")
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]

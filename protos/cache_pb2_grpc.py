@@ -54,6 +54,11 @@ class CacheStub:
                 request_serializer=protos_dot_cache__pb2.ExtendRequest.SerializeToString,
                 response_deserializer=protos_dot_cache__pb2.BlockTables.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/pagedserve.v1.Cache/Reserve',
+                request_serializer=protos_dot_cache__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=protos_dot_cache__pb2.BlockTables.FromString,
+                _registered_method=True)
         self.Fork = channel.unary_unary(
                 '/pagedserve.v1.Cache/Fork',
                 request_serializer=protos_dot_cache__pb2.ForkRequest.SerializeToString,
@@ -105,6 +110,14 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reserve(self, request, context):
+        """One scheduler step's reservation, all or nothing: Allocate the new sequences, then Extend the running
+        ones; tables come back in that order (allocate, then extend).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Fork(self, request, context):
         """Gives child sequences tables sharing every block of a parent.
         """
@@ -148,6 +161,11 @@ def add_CacheServicer_to_server(servicer, server):
             'Extend': grpc.unary_unary_rpc_method_handler(
                     servicer.Extend,
                     request_deserializer=protos_dot_cache__pb2.ExtendRequest.FromString,
+                    response_serializer=protos_dot_cache__pb2.BlockTables.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=protos_dot_cache__pb2.ReserveRequest.FromString,
                     response_serializer=protos_dot_cache__pb2.BlockTables.SerializeToString,
             ),
             'Fork': grpc.unary_unary_rpc_method_handler(
@@ -255,6 +273,33 @@ class Cache:
             target,
             '/pagedserve.v1.Cache/Extend',
             protos_dot_cache__pb2.ExtendRequest.SerializeToString,
+            protos_dot_cache__pb2.BlockTables.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Cache/Reserve',
+            protos_dot_cache__pb2.ReserveRequest.SerializeToString,
             protos_dot_cache__pb2.BlockTables.FromString,
             options,
             channel_credentials,

@@ -35,6 +35,9 @@ def add_parser(commands) -> None:
                    help="print each token's logprob and its N most likely alternatives (stderr)")  # fmt: skip
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--priority", type=int, default=0, help="lower is served first, equal ones by arrival (default 0)"
+    )
     p.add_argument("--target", default="127.0.0.1:50051", help="gateway address HOST:PORT")
     p.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
     p.set_defaults(run=run)
@@ -64,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
                 logprobs=args.logprobs,
                 seed=args.seed,
                 ignore_eos=args.ignore_eos,
+                priority=args.priority,
             ):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
@@ -71,14 +75,15 @@ def run(args: argparse.Namespace) -> int:
         except GenerationError as err:
             print(f"\nerror: {err}", file=sys.stderr)
             return 1
-    u = chunk.usage
+    u, t = chunk.usage, chunk.timings
     print()
     for lp in logprobs:
         alternatives = " ".join(f"{token}:{value:.3f}" for token, value in lp.top)
         print(f"{lp.token_id}\t{lp.logprob:.4f}\t{alternatives}", file=sys.stderr)
     print(
         f"[{chunk.finish_reason}: {u.prompt_tokens} prompt tokens ({u.cached_tokens} cached), "
-        f"{u.completion_tokens} generated]",
+        f"{u.completion_tokens} generated; queued {t.queue_s:.3f}s, "
+        f"first token {t.time_to_first_token_s:.3f}s, total {t.total_s:.3f}s]",
         file=sys.stderr,
     )
     return 0

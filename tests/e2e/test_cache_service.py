@@ -128,6 +128,25 @@ def test_allocate_extend_free_round_trip(stub, handle, service):
     assert service.stats().used_blocks == 0
 
 
+def test_reserve_allocates_and_extends_in_one_call_and_refuses_as_a_whole(stub, service):
+    stub.Allocate(cache_pb2.AllocateRequest(sequences=seqs(("run", 16))))
+    request = cache_pb2.ReserveRequest(allocate=seqs(("new", 20)), extend=seqs(("run", 17)))
+    reply = stub.Reserve(request)
+    assert [(t.seq_id, len(t.block_ids)) for t in reply.tables] == [("new", 2), ("run", 2)]
+    assert reply.free_blocks == NUM_BLOCKS - 4
+    too_big = cache_pb2.ReserveRequest(
+        allocate=seqs(("big", NUM_BLOCKS * BLOCK_SIZE)), extend=seqs(("run", 18))
+    )
+    details = refused(stub.Reserve, too_big, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert f"need {NUM_BLOCKS} blocks, {NUM_BLOCKS - 4} free" in details
+    unknown = cache_pb2.ReserveRequest(allocate=seqs(("other", 4)), extend=seqs(("ghost", 4)))
+    assert "'ghost'" in refused(stub.Reserve, unknown, grpc.StatusCode.NOT_FOUND)
+    stats = service.stats()
+    assert (stats.used_blocks, stats.num_sequences) == (4, 2), "a refused Reserve changes nothing"
+    stub.Free(cache_pb2.FreeRequest(seq_ids=["new", "run"]))
+    assert service.stats().used_blocks == 0
+
+
 def test_exhaustion_is_refused_with_the_numbers_and_changes_nothing(stub, service):
     big = stub.Allocate(cache_pb2.AllocateRequest(sequences=seqs(("big", 60 * BLOCK_SIZE)))).tables[0]
     details = refused(
@@ -263,6 +282,7 @@ def test_start_sweeps_stale_segments_and_refuses_calls_before_create_pool(tmp_pa
             for call, request in [
                 (stub.Allocate, cache_pb2.AllocateRequest(sequences=seqs(("a", 1)))),
                 (stub.Extend, cache_pb2.ExtendRequest(sequences=seqs(("a", 1)))),
+                (stub.Reserve, cache_pb2.ReserveRequest(allocate=seqs(("a", 1)))),
                 (stub.Free, cache_pb2.FreeRequest(seq_ids=["a"])),
                 (stub.ReadBlock, cache_pb2.ReadBlockRequest()),
             ]:

@@ -48,12 +48,15 @@ def _cache_pid(up: subprocess.Popen) -> int:
 def test_generate_command_streams_to_stdout(small_stack):
     out = subprocess.run(
         [PAGEDSERVE, "generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
-         "--target", small_stack.target],
+         "--priority", "-2", "--target", small_stack.target],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
-    assert re.search(r"\[(length|stop): 5 prompt tokens \(0 cached\), \d+ generated\]", out.stderr)
+    summary = r"\[(length|stop): 5 prompt tokens \(0 cached\), \d+ generated; queued ([\d.]+)s, "
+    summary += r"first token ([\d.]+)s, total ([\d.]+)s\]"
+    queued, first, total = map(float, re.search(summary, out.stderr).groups()[1:])
+    assert queued <= first <= total
 
 
 def test_generate_command_reports_errors(small_stack):

@@ -37,7 +37,11 @@ def test_list_describe_and_health_on_every_port(stack_fp32, target, service):
 
 
 def test_generate_with_a_json_body_streams_tokens(stack_fp32):
-    body = {"prompt": "The capital of France is", "sampling": {"max_tokens": 4, "temperature": 0}}
+    body = {
+        "prompt": "The capital of France is",
+        "sampling": {"max_tokens": 4, "temperature": 0},
+        "priority": 1,
+    }
     out = grpcurl("-d", json.dumps(body), stack_fp32.target, "pagedserve.v1.Generation/Generate")
     # grpcurl prints each streamed message as one JSON object (proto field names).
     messages = json.loads(f"[{out.replace('}' + chr(10) + '{', '},{')}]")
@@ -45,6 +49,8 @@ def test_generate_with_a_json_body_streams_tokens(stack_fp32):
     assert all(len(m["token_ids"]) == 1 for m in messages)
     assert "Paris" in "".join(m.get("text", "") for m in messages)
     assert messages[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+    timings = messages[-1]["timings"]
+    assert 0 < timings["time_to_first_token_s"] <= timings["total_s"]
 
 
 def test_generate_with_stop_strings_logprobs_and_logit_bias_in_json(stack_fp32):

@@ -67,6 +67,7 @@ def test_metrics_move_during_and_after_generation(during_and_after):
         assert name in {key[0] for key in after["cache"]}
     grew = [
         ("gateway", "pagedserve_time_to_first_token_seconds_count", 2),
+        ("gateway", "pagedserve_request_queue_time_seconds_count", 2),
         ("gateway", "pagedserve_inter_token_latency_seconds_count", LONG - 1 + 3),
         ("gateway", "pagedserve_e2e_request_latency_seconds_count", 2),
         ("gateway", "pagedserve_generation_tokens_total", LONG + 4),

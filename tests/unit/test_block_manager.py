@@ -87,6 +87,28 @@ def test_exhaustion_refuses_the_whole_batch_with_the_numbers():
     assert blocks.stats().free_blocks == 4, "a predicate must not allocate"
 
 
+def test_reserve_allocates_and_extends_in_one_all_or_nothing_call():
+    blocks = manager(8)
+    blocks.allocate([SeqRequest("a", 4, list(range(4)))])
+    # a wrote its 4 tokens and grows to 6; b arrives with a prompt whose first chunk is 5 of its tokens
+    tables_ = blocks.reserve([SeqRequest("b", 5, list(range(10, 15)))], [SeqRequest("a", 6, [4, 5], 4)])
+    assert [len(t) for t in tables_] == [2, 2], "b's table, then a's"
+    assert tables_[1] == blocks.block_table("a") and tables_[0] == blocks.block_table("b")
+    assert blocks.stats().used_blocks == 4 and blocks.stats().free_blocks == 4
+    blocks.check_invariants()
+
+    before, free = tables(blocks, ["a", "b"]), blocks.stats().free_blocks
+    with pytest.raises(ResourceExhausted, match=r"need 5 blocks, 4 free of 8"):
+        blocks.reserve([SeqRequest("c", 12)], [SeqRequest("a", 16, list(range(6, 16)), 6)])
+    with pytest.raises(NotFound, match="'c'"):
+        blocks.reserve([SeqRequest("d", 4)], [SeqRequest("c", 4)])
+    with pytest.raises(AlreadyExists, match="'b' already has a block table"):
+        blocks.reserve([SeqRequest("b", 4)], [SeqRequest("a", 6, [], 6)])
+    assert tables(blocks, ["a", "b"]) == before and blocks.stats().free_blocks == free
+    assert blocks.stats().num_sequences == 2
+    blocks.check_invariants()
+
+
 @pytest.mark.parametrize(
     ("call", "args", "error", "message"),
     [

@@ -1,74 +1,162 @@
-from gateway.scheduler import Scheduler
+import itertools
+from dataclasses import replace
+
+from gateway.scheduler import Scheduler, Step
 from gateway.sequence import Sampling, Sequence, Status
 
 GREEDY = Sampling(max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=None, ignore_eos=False,
                   stop_token_ids=frozenset())  # fmt: skip
+_clock = itertools.count()
 
 
-def seq(name: str, prompt_len: int) -> Sequence:
-    return Sequence(seq_id=name, prompt_ids=list(range(prompt_len)), sampling=GREEDY, max_len=1024)
+def seq(name: str, prompt_len: int, priority: int = 0, n: int = 1) -> Sequence:
+    return Sequence(seq_id=name, prompt_ids=list(range(prompt_len)), sampling=replace(GREEDY, n=n),
+                    max_len=1024, priority=priority, arrival=next(_clock))  # fmt: skip
 
 
-def run_prefill(scheduler: Scheduler, step) -> None:
-    """What the engine does after a prefill: tables allocated, prompt computed, one token sampled."""
+def run(scheduler: Scheduler, step: Step) -> dict[str, int]:
+    """What the engine does with a step: frees the preempted, grows tables, computes chunks, samples at the
+    end of a prompt. Returns each scheduled sequence's chunk size."""
+    for s in step.preempted:
+        scheduler.free_blocks += len(s.block_table)
+        s.drop_kv()
+    chunks = {}
     for s in step.seqs:
-        need = scheduler.blocks_needed(s)
-        s.block_table += list(range(need))
+        need = scheduler.blocks_needed(s, s.chunk_end)
+        s.block_table += [0] * need
         scheduler.free_blocks -= need
-        s.num_computed = s.num_tokens
-        s.output_ids.append(7)
+        assert scheduler.free_blocks >= 0
+        chunks[s.seq_id] = s.chunk_end - s.num_computed
+        sampled = s.samples_now
+        s.num_computed = s.chunk_end
+        if sampled:
+            s.output_ids.append(7)
+    return chunks
 
 
-def test_prefill_packs_waiting_prompts_fcfs_under_the_token_budget():
+def test_a_long_prompt_is_prefilled_in_chunks_and_samples_only_at_its_end():
+    scheduler = Scheduler(block_size=16, num_blocks=100, max_batched_tokens=64, max_seqs=8)
+    long = seq("long", 300)
+    scheduler.add(long)
+    sizes = []
+    while not long.output_ids:
+        step = scheduler.schedule()
+        assert [s.seq_id for s in step.seqs] == ["long"]
+        assert step.seqs[0].samples_now == (step.seqs[0].chunk_end == 300)
+        sizes.append(run(scheduler, step)["long"])
+    assert sizes == [64, 64, 64, 64, 44]
+
+
+def test_a_step_mixes_decodes_first_then_a_chunk_under_the_budget():
+    scheduler = Scheduler(block_size=16, num_blocks=100, max_batched_tokens=32, max_seqs=8)
+    for name in ("a", "b"):
+        scheduler.add(seq(name, 8))
+    run(scheduler, scheduler.schedule())
+    scheduler.add(seq("c", 100))
+    step = scheduler.schedule()
+    assert [s.seq_id for s in step.seqs] == ["a", "b", "c"], "decodes first"
+    assert run(scheduler, step) == {"a": 1, "b": 1, "c": 30}
+    step = scheduler.schedule()
+    assert run(scheduler, step) == {"a": 1, "b": 1, "c": 30}, "the partly computed prompt goes on"
+
+
+def test_waiting_prompts_are_packed_in_arrival_order_and_none_overtakes():
     scheduler = Scheduler(block_size=16, num_blocks=100, max_batched_tokens=100, max_seqs=8)
     for name, n in (("a", 40), ("b", 50), ("c", 30), ("d", 5)):
         scheduler.add(seq(name, n))
     step = scheduler.schedule()
-    assert step.is_prefill
-    assert [s.seq_id for s in step.seqs] == ["a", "b"], "c would pass the budget and d may not overtake it"
-    assert [s.seq_id for s in scheduler.waiting] == ["c", "d"]
+    assert run(scheduler, step) == {"a": 40, "b": 50, "c": 10}, "c gets what is left of the budget"
+    assert [s.seq_id for s in scheduler.waiting] == ["d"]
 
 
-def test_a_prompt_longer_than_the_budget_runs_alone():
-    scheduler = Scheduler(block_size=16, num_blocks=100, max_batched_tokens=64, max_seqs=8)
-    scheduler.add(seq("long", 300))
-    assert [s.seq_id for s in scheduler.schedule().seqs] == ["long"]
+def test_lower_priority_value_is_admitted_first_then_arrival_order():
+    scheduler = Scheduler(block_size=16, num_blocks=100, max_batched_tokens=16, max_seqs=8)
+    for name, priority in (("late-low", 5), ("first", 0), ("urgent", -1), ("second", 0)):
+        scheduler.add(seq(name, 16, priority))
+    order = []
+    for _ in range(4):
+        (admitted,) = scheduler.schedule().seqs
+        order.append(admitted.seq_id)
+        scheduler.remove(admitted)
+    assert order == ["urgent", "first", "second", "late-low"]
 
 
-def test_admission_waits_for_free_blocks():
+def test_admission_waits_for_the_blocks_of_the_first_chunk():
     scheduler = Scheduler(block_size=16, num_blocks=4, max_batched_tokens=1000, max_seqs=8)
     scheduler.add(seq("a", 40))
     scheduler.add(seq("b", 40))
     step = scheduler.schedule()
-    assert [s.seq_id for s in step.seqs] == ["a"], "b needs 3 blocks, 1 is left"
-    run_prefill(scheduler, step)
-    decode = scheduler.schedule()
-    assert not decode.is_prefill and [s.seq_id for s in decode.seqs] == ["a"]
-
-
-def test_decode_preempts_the_latest_sequence_when_blocks_run_out():
-    scheduler = Scheduler(block_size=4, num_blocks=4, max_batched_tokens=1000, max_seqs=8)
-    scheduler.add(seq("old", 3))
-    scheduler.add(seq("new", 3))
-    run_prefill(scheduler, scheduler.schedule())
-    assert scheduler.free_blocks == 2
-    for _ in range(5):  # both grow to 9 tokens: a third block each, with the pool full
-        step = scheduler.schedule()
-        for s in step.seqs:
-            need = scheduler.blocks_needed(s)
-            s.block_table += [0] * need
-            scheduler.free_blocks -= need
-            s.num_computed = s.num_tokens
-            s.output_ids.append(7)
-    assert scheduler.free_blocks == 0
+    assert run(scheduler, step) == {"a": 40}, "b can have 1 block but the watermark keeps it for a"
     step = scheduler.schedule()
-    assert [s.seq_id for s in step.preempted] == ["new"]
-    assert [s.seq_id for s in step.seqs] == ["old"]
-    victim = step.preempted[0]
-    assert victim.status is Status.WAITING and victim.block_table == [] and victim.num_computed == 0
-    assert len(victim.output_ids) == 6, "tokens are kept for the recompute"
-    assert scheduler.waiting[0] is victim
+    assert [s.seq_id for s in step.seqs] == ["a"] and scheduler.waiting[0].seq_id == "b"
+
+
+def test_blocks_running_out_preempt_the_latest_arrival_keeping_its_progress():
+    scheduler = Scheduler(block_size=4, num_blocks=4, max_batched_tokens=1000, max_seqs=8)
+    old, new = seq("old", 3), seq("new", 3)
+    scheduler.add(old)
+    scheduler.add(new)
+    run(scheduler, scheduler.schedule())
+    while not (step := scheduler.schedule()).preempted:
+        run(scheduler, step)
+    assert scheduler.free_blocks == 0 and len(old.block_table) == len(new.block_table) == 2
+    assert step.seqs == [] and step.preempted == [new]
+    assert new.status is Status.WAITING and new.num_computed > 0, "freed with its progress, for prefix hits"
     assert scheduler.num_preemptions == 1
+    tokens = list(new.token_ids)
+    run(scheduler, step)
+    assert new.block_table == [] and new.num_computed == 0 and new.token_ids == tokens
+    assert [s.seq_id for s in scheduler.schedule().seqs] == ["old"]
+
+
+def test_a_preempted_sequence_waits_until_its_whole_context_fits():
+    scheduler = Scheduler(block_size=4, num_blocks=8, max_batched_tokens=4, max_seqs=8)
+    old, new = seq("old", 12), seq("new", 8)
+    scheduler.add(old)
+    run(scheduler, scheduler.schedule())
+    scheduler.add(new)
+    while not (step := scheduler.schedule()).preempted:
+        run(scheduler, step)
+    assert step.preempted == [new]
+    run(scheduler, step)
+    room = scheduler.free_blocks - scheduler.watermark
+    assert 1 <= room < scheduler.blocks_needed(new, new.num_tokens), "a chunk of it fits, not all of it"
+    assert scheduler.schedule().seqs == [old]
+    scheduler.remove(old)
+    scheduler.free_blocks += len(old.block_table)
+    assert scheduler.schedule().seqs == [new]
+
+
+def test_the_victim_is_the_lowest_priority_even_if_it_arrived_first():
+    scheduler = Scheduler(block_size=4, num_blocks=6, max_batched_tokens=1000, max_seqs=8)
+    background, a, b = seq("background", 7, priority=3), seq("a", 3), seq("b", 3)
+    for s in (background, a, b):
+        scheduler.add(s)
+    run(scheduler, scheduler.schedule())
+    while not (step := scheduler.schedule()).preempted:
+        run(scheduler, step)
+    assert step.preempted == [background]
+    run(scheduler, step)
+    scheduler.remove(background)
+    while not (step := scheduler.schedule()).preempted:
+        run(scheduler, step)
+    assert step.preempted == [b], "among equal priorities the latest arrival goes"
+
+
+def test_samples_of_n_take_their_slots_before_they_fork():
+    scheduler = Scheduler(block_size=16, num_blocks=100, max_batched_tokens=1000, max_seqs=4)
+    scheduler.add(seq("three", 8, n=3))
+    scheduler.add(seq("two", 8, n=2))
+    scheduler.add(seq("one", 8))
+    step = scheduler.schedule()
+    assert [s.seq_id for s in step.seqs] == ["three"], "two more samples would make 5 > max_seqs"
+    assert sum(s.num_slots for s in scheduler.running) == 3
+
+
+def test_a_request_may_take_every_slot_when_nothing_runs():
+    scheduler = Scheduler(block_size=16, num_blocks=100, max_batched_tokens=1000, max_seqs=4)
+    scheduler.add(seq("four", 8, n=4))
+    assert [s.seq_id for s in scheduler.schedule().seqs] == ["four"]
 
 
 def test_remove_takes_a_sequence_out_of_either_queue():
@@ -87,7 +175,7 @@ def test_a_forked_sequence_reserves_a_block_for_its_copy_on_write():
     scheduler = Scheduler(block_size=4, num_blocks=4, max_batched_tokens=1000, max_seqs=8)
     parent = seq("p", 6)
     scheduler.add(parent)
-    run_prefill(scheduler, scheduler.schedule())
-    assert scheduler.blocks_needed(parent) == 0, "7 tokens fit in its 2 blocks"
+    run(scheduler, scheduler.schedule())
+    assert scheduler.blocks_needed(parent, 7) == 0, "7 tokens fit in its 2 blocks"
     parent.shares_tail = True
-    assert scheduler.blocks_needed(parent) == 1, "its tail block is shared: the next write copies it"
+    assert scheduler.blocks_needed(parent, 7) == 1, "its tail block is shared: the next write copies it"

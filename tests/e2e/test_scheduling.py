@@ -1,0 +1,314 @@
+"""The scheduler on real services under a small KV budget: preemption by recompute, chunked prefill beside
+decodes, cancellation and deadlines mid-prefill, timings."""
+
+import json
+import random
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from common.server import channel
+from gateway.cli.monitor import scrape
+from gateway.client import GenerationError, build_request
+from protos.generation_pb2_grpc import GenerationStub
+from tests.e2e.stack import start_stack
+from tests.e2e.test_generation import hf_greedy
+from tests.tiny_model import save_tiny_llama
+
+pytestmark = pytest.mark.e2e
+PREEMPTIONS = "pagedserve_preemptions_total"
+SMALL_BUDGET = 64  # --max-batched-tokens of the real-model stack
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, tokenizer):
+    """A random-weight Llama (peaked logits, so greedy picks are clear) with the real model's tokenizer."""
+    model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
+    tokenizer.save_pretrained(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(tiny_model, logs):
+    """The tiny model behind 48 blocks of 16 tokens."""
+    stack = start_stack(logs, "--model", str(tiny_model), "--dtype", "float32", "--kv-blocks", "48",
+                        "--max-batched-tokens", "256", "--max-seqs", "64")  # fmt: skip
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def serial_stack(tiny_model, logs):
+    """The tiny model serving one sequence at a time: the queue order shows."""
+    stack = start_stack(logs, "--model", str(tiny_model), "--dtype", "float32", "--max-seqs", "1")
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def small_stack(model_dir, logs):
+    """The real model behind 24 blocks of 16 tokens, 64-token steps, at most 12 sequences; debug logs."""
+    stack = start_stack(logs, "--dtype", "float32", "--kv-blocks", "24", "--max-batched-tokens",
+                        str(SMALL_BUDGET), "--max-seqs", "12", "--log-format", "json",
+                        "--log-level", "debug")  # fmt: skip
+    yield stack
+    stack.stop()
+
+
+def workload(count: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """(prompt of 4-120 random tokens, 2-12 new tokens) per request."""
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(4, 120))], rng.randint(2, 12))
+        for _ in range(count)
+    ]
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 49152) for _ in range(length)]
+
+
+def greedy(client, prompt: list[int], max_tokens: int, **kwargs):
+    return client.generate(
+        token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs
+    )
+
+
+def run_concurrently(stack, requests) -> list:
+    with stack.client() as client, ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda r: greedy(client, *r), requests))
+
+
+def preemptions(stack) -> float:
+    return scrape(stack.metrics_url("gateway"))[PREEMPTIONS, ()]
+
+
+def streams_match_their_runs_alone(stack, count: int, vocab: int, seed: int) -> None:
+    """`count` concurrent greedy streams: preempted (counted in the gateway's metrics), all complete, all
+    blocks back, and each output equals the same request run alone afterwards."""
+    requests = workload(count, vocab, seed)
+    before = preemptions(stack)
+    results = run_concurrently(stack, requests)
+    assert preemptions(stack) > before, "the budget is meant to force preemption"
+    stats = stack.stats()
+    assert (stats.used_blocks, stats.num_sequences) == (0, 0)
+    with stack.client() as client:
+        # A salt of its own: computed from scratch, not from blocks the concurrent run left cached.
+        alone = [greedy(client, *r, cache_salt=f"alone-{seed}-{i}") for i, r in enumerate(requests)]
+    for i, (result, reference) in enumerate(zip(results, alone, strict=True)):
+        assert result.finish_reason == "length"
+        assert result.token_ids == reference.token_ids, f"request {i} diverged"
+
+
+def test_64_streams_over_a_small_kv_budget_all_complete_as_if_alone(tiny_stack):
+    streams_match_their_runs_alone(tiny_stack, 64, vocab=256, seed=1)
+
+
+def test_12_streams_of_the_real_model_complete_as_if_alone(small_stack):
+    streams_match_their_runs_alone(small_stack, 12, vocab=49152, seed=2)
+
+
+def test_a_preempted_request_is_recomputed_from_the_blocks_it_had_written(tiny_stack):
+    """Two long requests outgrow the 48 blocks while decoding; the later one is preempted, and its written
+    blocks are cached when it is freed, so its recompute finds them."""
+    first, second = (random_prompt(300, seed=7), 200), (random_prompt(250, seed=8), 150)
+    first = ([t % 256 for t in first[0]], first[1])
+    second = ([t % 256 for t in second[0]], second[1])
+    before, hits = preemptions(tiny_stack), tiny_stack.stats().prefix_hit_tokens
+    with tiny_stack.client() as client, ThreadPoolExecutor(2) as pool:
+        stream = client.stream(token_ids=first[0], max_tokens=first[1], temperature=0.0, ignore_eos=True)
+        tokens = next(stream).token_ids
+        later = pool.submit(greedy, client, *second)
+        tokens += [t for chunk in stream for t in chunk.token_ids]
+        results = [tokens, later.result().token_ids]
+    assert preemptions(tiny_stack) > before
+    found = tiny_stack.stats().prefix_hit_tokens - hits
+    assert found >= 8 * 16, f"the recompute found only {found} tokens cached"
+    with tiny_stack.client() as client:
+        alone = [
+            greedy(client, *r, cache_salt=f"alone-long-{i}").token_ids for i, r in enumerate((first, second))
+        ]
+    assert results == alone
+
+
+class Background:
+    """Greedy streams that record when each of their tokens arrived."""
+
+    def __init__(self, stack, count: int, max_tokens: int, seed: int) -> None:
+        self.requests = [(p[:12], max_tokens) for p, _ in workload(count, vocab=49152, seed=seed)]
+        self.arrivals: list[list[float]] = [[] for _ in range(count)]
+        self.tokens: list[list[int]] = [[] for _ in range(count)]
+        self._client = stack.client()
+        self._threads = [threading.Thread(target=self._stream, args=(i,)) for i in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    def _stream(self, i: int) -> None:
+        prompt, max_tokens = self.requests[i]
+        for chunk in self._client.stream(token_ids=prompt, max_tokens=max_tokens, temperature=0.0,
+                                         ignore_eos=True):  # fmt: skip
+            self.arrivals[i].append(time.monotonic())
+            self.tokens[i].extend(chunk.token_ids)
+
+    def wait_for(self, tokens: int) -> None:
+        deadline = time.monotonic() + 120
+        while min(map(len, self.arrivals)) < tokens:
+            assert time.monotonic() < deadline, "background streams stalled"
+            time.sleep(0.01)
+
+    def received(self, i: int, start: float, end: float) -> int:
+        return sum(start <= t <= end for t in self.arrivals[i])
+
+    def gaps(self, start: float, end: float) -> list[float]:
+        pairs = [pair for times in self.arrivals for pair in zip(times, times[1:], strict=False)]
+        return [b - a for a, b in pairs if start <= a and b <= end]
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join(300)
+        self._client.close()
+
+
+def steps_of(stack, request_id: str) -> list[list[list]]:
+    """The `chunks` of every step (gateway debug log) that computed tokens of the request."""
+    steps = []
+    for line in Path(stack.proc.log_path).read_text().splitlines():
+        if '"chunks"' not in line:
+            continue
+        event = json.loads(line)
+        if event["event"] == "step" and any(c[0] == request_id for c in event["chunks"]):
+            steps.append(event["chunks"])
+    return steps
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(small_stack, hf_models):
+    background = Background(small_stack, count=2, max_tokens=48, seed=3)
+    background.wait_for(6)
+    prompt = random_prompt(4 * SMALL_BUDGET - 20, seed=4)  # over 3 steps' budget
+    submitted = time.monotonic()
+    with small_stack.client() as client:
+        stream = client.stream(token_ids=prompt, max_tokens=2, temperature=0.0, request_id="long-prompt",
+                               cache_salt="long")  # fmt: skip
+        first = next(stream)
+        first_at = time.monotonic()
+        tokens = first.token_ids + [t for chunk in stream for t in chunk.token_ids]
+    background.join()
+    assert tokens == hf_greedy(hf_models(torch.float32), prompt, 2), "chunked prefill computes the same"
+    steps = steps_of(small_stack, "long-prompt")
+    prefill = [next(c[2] for c in chunks if c[0] == "long-prompt") for chunks in steps[:-1]]
+    room = SMALL_BUDGET - 2  # the budget left beside the two background decodes
+    assert prefill == [room] * 3 + [len(prompt) - 3 * room], "one chunk per step, as large as the budget"
+    for chunks in steps[:-1]:
+        assert sorted(c[2] for c in chunks)[:2] == [1, 1], (
+            f"the background decodes ran in every chunk: {chunks}"
+        )
+    for i in range(2):
+        assert background.received(i, submitted, first_at) >= len(prefill) - 1
+    assert len(first.token_ids) == 1
+    before = statistics.median(background.gaps(0, submitted))
+    during = statistics.median(background.gaps(submitted, first_at))
+    print(
+        f"\nbackground inter-token gap: median {before * 1000:.0f} ms before, {during * 1000:.0f} ms "
+        f"during the {len(prefill)}-chunk prefill of {len(prompt)} tokens"
+    )
+    assert small_stack.stats().used_blocks == 0
+
+
+def _mid_prefill(stack, request_id: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not steps_of(stack, request_id):
+        assert time.monotonic() < deadline, f"{request_id} never ran"
+        time.sleep(0.02)
+
+
+def _blocks_back(stack, background: Background, sequences: int) -> int:
+    """Waits until the cache holds only `sequences` sequences; returns the tokens background stream 0 got
+    meanwhile."""
+    start = time.monotonic()
+    while stack.stats().num_sequences > sequences:
+        assert time.monotonic() - start < 60
+        time.sleep(0.005)
+    return background.received(0, start, time.monotonic())
+
+
+def _handler_ended(stack, request_id: str) -> bool:
+    for line in Path(stack.proc.log_path).read_text().splitlines():
+        if request_id in line and '"rpc_refused"' in line:
+            return json.loads(line)["code"] == "CANCELLED"
+    return False
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_a_request_ended_mid_prefill_frees_its_blocks_within_a_step(small_stack, how):
+    background = Background(small_stack, count=2, max_tokens=30, seed=5)
+    background.wait_for(2)
+    prompt = random_prompt(5 * SMALL_BUDGET, seed=6)  # 6 chunks beside the two decodes
+    request_id = f"ended-{how}"
+    request = build_request(token_ids=prompt, max_tokens=20, temperature=0.0, request_id=request_id,
+                            cache_salt=how)  # fmt: skip
+    if how == "cancel":
+        with channel(small_stack.target) as ch:
+            call = GenerationStub(ch).Generate(request)
+            _mid_prefill(small_stack, request_id)
+            call.cancel()
+    else:
+        with pytest.raises(grpc.RpcError) as err, channel(small_stack.target) as ch:
+            list(GenerationStub(ch).Generate(request, timeout=1.0))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert len(steps_of(small_stack, request_id)) < -(-len(prompt) // (SMALL_BUDGET - 2))
+    assert _blocks_back(small_stack, background, sequences=2) <= 2, "freed within one step"
+    background.join()
+    assert small_stack.stats().used_blocks == 0
+    assert _handler_ended(small_stack, request_id), "the gateway's RPC thread for it ended too"
+    with small_stack.client() as client:
+        alone = [greedy(client, p, n, cache_salt=f"{how}-alone-{i}").token_ids
+                 for i, (p, n) in enumerate(background.requests)]  # fmt: skip
+    assert background.tokens == alone
+
+
+def test_waiting_requests_are_served_by_priority_then_arrival(serial_stack):
+    order, lock = [], threading.Lock()
+
+    def request(name: str, priority: int) -> None:
+        with serial_stack.client() as client:
+            client.generate(token_ids=[5, 6, 7], max_tokens=4, priority=priority, ignore_eos=True)
+        with lock:
+            order.append(name)
+
+    with serial_stack.client() as client, ThreadPoolExecutor(4) as pool:
+        running = client.stream(token_ids=[9, 10, 11], max_tokens=300, ignore_eos=True)
+        next(running)
+        jobs = []
+        for name, priority in (("late", 5), ("normal-1", 0), ("urgent", -3), ("normal-2", 0)):
+            jobs.append(pool.submit(request, name, priority))
+            time.sleep(0.05)  # distinct arrivals
+        time.sleep(0.2)
+        assert (len(order), serial_stack.stats().num_sequences) == (0, 1), "all queued behind the first"
+        list(running)
+        for job in jobs:
+            job.result()
+    assert order == ["urgent", "normal-1", "normal-2", "late"]
+
+
+def test_timings_are_present_and_ordered(tiny_stack):
+    with tiny_stack.client() as client:
+        samples = client.generate_n(token_ids=list(range(5, 40)), n=2, max_tokens=4, temperature=0.8, seed=1)
+    for sample in samples:
+        t = sample.timings
+        assert 0 <= t.queue_s <= t.time_to_first_token_s <= t.total_s
+        assert t.total_s > 0
+
+
+def test_more_samples_than_max_seqs_are_refused(small_stack):
+    with small_stack.client() as client, pytest.raises(GenerationError) as err:
+        client.generate_n(prompt="hi", n=13, max_tokens=2)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 12 sequences at once (--max-seqs)" in err.value.details
+    assert small_stack.stats().used_blocks == 0

@@ -15,7 +15,7 @@ from common.server import serve
 from common.shared_pool import dtype_from_name, open_pool
 from compute_service.attention.registry import BACKENDS
 from compute_service.model_loader import ModelSpec, load
-from compute_service.runner import Runner, Step
+from compute_service.runner import Runner, Step, StepTimes
 from compute_service.validation import Limits, check_step
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
 
@@ -77,7 +77,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                 )
             step = Step.from_request(request)
             check_step(step, self._limits)
-            tokens, logprobs = self.runner.forward(step)
+            times = StepTimes(prepare=time.perf_counter() - start)
+            tokens, logprobs = self.runner.forward(step, times)
             elapsed_ms = (time.perf_counter() - start) * 1e3
         FORWARD_SECONDS.observe(elapsed_ms / 1e3)
         STEP_TOKENS.observe(len(step.token_ids))
@@ -85,7 +86,13 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             "forward", tokens=len(step.token_ids), seqs=len(step.context_lens), ms=round(elapsed_ms, 2)
         )
         return compute_pb2.ForwardResponse(
-            token_ids=tokens.tolist(), logprobs=logprobs.tolist(), forward_ms=elapsed_ms
+            token_ids=tokens.tolist(),
+            logprobs=logprobs.tolist(),
+            forward_ms=elapsed_ms,
+            prepare_ms=times.prepare * 1e3,
+            model_ms=times.model * 1e3,
+            attention_ms=times.attention * 1e3,
+            sample_ms=times.sample * 1e3,
         )
 
     def _check_geometry(self, handle: common_pb2.PoolHandle) -> None:

@@ -11,6 +11,7 @@ from common.errors import PagedServeError, from_rpc_error
 from common.server import channel, request_metadata
 from gateway.scheduler import Scheduler, Step
 from gateway.sequence import Sequence
+from gateway.step_timer import StepTimer
 from protos import cache_pb2, cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 
 log = structlog.get_logger()
@@ -103,13 +104,15 @@ class Engine:
                     return
                 intake, self._intake = self._intake, []
                 aborts, self._aborts = self._aborts, set()
-            for seq in intake:
-                self._by_id[seq.seq_id] = seq
-                self.scheduler.add(seq)
-            self._abort_now(aborts)
-            step = self.scheduler.schedule()
+            timer = StepTimer()
+            with timer.phase("schedule"):
+                for seq in intake:
+                    self._by_id[seq.seq_id] = seq
+                    self.scheduler.add(seq)
+                self._abort_now(aborts)
+                step = self.scheduler.schedule()
             if step is not None:
-                self._run_step(step)
+                self._run_step(step, timer)
 
     def _abort_now(self, group_ids: set[str]) -> None:
         seqs = [seq for seq in self._by_id.values() if seq.group_id in group_ids] if group_ids else []
@@ -117,22 +120,28 @@ class Engine:
             self._release(seqs)
             log.info("aborted", seq_ids=[s.seq_id for s in seqs])
 
-    def _run_step(self, step: Step) -> None:
+    def _run_step(self, step: Step, timer: StepTimer) -> None:
         try:
-            if step.preempted:
-                self._free(step.preempted)
-                log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
-            self._reserve(step)
-            reply = self._compute.Forward(
-                self._forward_request(step), timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs)
-            )
+            with timer.phase("cache_rpc"):
+                if step.preempted:
+                    self._free(step.preempted)
+                    log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
+                self._reserve(step)
+            request = self._forward_request(step)
+            with timer.phase("compute_rpc"):
+                reply = self._compute.Forward(
+                    request, timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs)
+                )
             forks = [seq for seq in step.seqs if seq.sampling.n > 1 and seq.index == 0 and not seq.output_ids]
-            for seq in forks:
-                self._fork(seq)
+            with timer.phase("cache_rpc"):
+                for seq in forks:
+                    self._fork(seq)
         except grpc.RpcError as err:
             self._fail(step.seqs, from_rpc_error(err))
             return
         self._advance(step, list(reply.token_ids))
+        timer.compute = reply
+        timer.finish("prefill" if step.is_prefill else "decode")
 
     def _reserve(self, step: Step) -> None:
         """Allocates tables for a prefill (looking up the prefix cache), or reports every running sequence's

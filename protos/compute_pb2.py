@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/compute.proto\x12\rpagedserve.v1\x1a\x13protos/common.proto\"\x15\n\x13GetModelInfoRequest\"\xdf\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x1b\n\x13num_attention_heads\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x15\n\rmax_model_len\x18\x08 \x01(\x05\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x19\n\x11\x61ttention_backend\x18\n \x01(\t\"7\n\x12\x41ttachPoolResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x03\"\xfe\x01\n\x0e\x46orwardRequest\x12\x12\n\npool_epoch\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tpositions\x18\x03 \x03(\x05\x12\x14\n\x0c\x63u_seqlens_q\x18\x04 \x03(\x05\x12\x14\n\x0c\x63ontext_lens\x18\x05 \x03(\x05\x12\x14\n\x0c\x62lock_tables\x18\x06 \x03(\x05\x12\x19\n\x11\x62lock_table_width\x18\x07 \x01(\x05\x12\x14\n\x0cslot_mapping\x18\x08 \x03(\x03\x12\x0e\n\x06sample\x18\t \x03(\x08\x12/\n\x08sampling\x18\n \x03(\x0b\x32\x1d.pagedserve.v1.SamplingParams\"J\n\x0f\x46orwardResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x32\xed\x01\n\x07\x43ompute\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12J\n\nAttachPool\x12\x19.pagedserve.v1.PoolHandle\x1a!.pagedserve.v1.AttachPoolResponse\x12H\n\x07\x46orward\x12\x1d.pagedserve.v1.ForwardRequest\x1a\x1e.pagedserve.v1.ForwardResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/compute.proto\x12\rpagedserve.v1\x1a\x13protos/common.proto\"\x15\n\x13GetModelInfoRequest\"\xdf\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x1b\n\x13num_attention_heads\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x15\n\rmax_model_len\x18\x08 \x01(\x05\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x19\n\x11\x61ttention_backend\x18\n \x01(\t\"7\n\x12\x41ttachPoolResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x03\"\xfe\x01\n\x0e\x46orwardRequest\x12\x12\n\npool_epoch\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tpositions\x18\x03 \x03(\x05\x12\x14\n\x0c\x63u_seqlens_q\x18\x04 \x03(\x05\x12\x14\n\x0c\x63ontext_lens\x18\x05 \x03(\x05\x12\x14\n\x0c\x62lock_tables\x18\x06 \x03(\x05\x12\x19\n\x11\x62lock_table_width\x18\x07 \x01(\x05\x12\x14\n\x0cslot_mapping\x18\x08 \x03(\x03\x12\x0e\n\x06sample\x18\t \x03(\x08\x12/\n\x08sampling\x18\n \x03(\x0b\x32\x1d.pagedserve.v1.SamplingParams\"\x99\x01\n\x0f\x46orwardResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12\x12\n\nprepare_ms\x18\n \x01(\x01\x12\x10\n\x08model_ms\x18\x0b \x01(\x01\x12\x14\n\x0c\x61ttention_ms\x18\x0c \x01(\x01\x12\x11\n\tsample_ms\x18\r \x01(\x01\x32\xed\x01\n\x07\x43ompute\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12J\n\nAttachPool\x12\x19.pagedserve.v1.PoolHandle\x1a!.pagedserve.v1.AttachPoolResponse\x12H\n\x07\x46orward\x12\x1d.pagedserve.v1.ForwardRequest\x1a\x1e.pagedserve.v1.ForwardResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,8 +40,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTACHPOOLRESPONSE']._serialized_end=364
   _globals['_FORWARDREQUEST']._serialized_start=367
   _globals['_FORWARDREQUEST']._serialized_end=621
-  _globals['_FORWARDRESPONSE']._serialized_start=623
-  _globals['_FORWARDRESPONSE']._serialized_end=697
-  _globals['_COMPUTE']._serialized_start=700
-  _globals['_COMPUTE']._serialized_end=937
+  _globals['_FORWARDRESPONSE']._serialized_start=624
+  _globals['_FORWARDRESPONSE']._serialized_end=777
+  _globals['_COMPUTE']._serialized_start=780
+  _globals['_COMPUTE']._serialized_end=1017
 # @@protoc_insertion_point(module_scope)

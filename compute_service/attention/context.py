@@ -1,5 +1,8 @@
 """The per-step attention context: pool views and step metadata, derived once per step for every layer."""
 
+import functools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,9 +15,9 @@ class Segment:
     start: int
     end: int
     context_len: int
-    # Pool blocks holding its whole context, and which keys each query sees; both None when nothing is
-    # cached before this step, so plain causal attention over the new keys suffices.
-    blocks: torch.Tensor | None
+    # Pool slots of its whole context, and which keys each query sees; both None when nothing is cached
+    # before this step, so plain causal attention over the new keys suffices.
+    slots: torch.Tensor | None
     mask: torch.Tensor | None
 
 
@@ -23,7 +26,7 @@ class DecodeGroup:
     """Sequences with one new token and the same context length, attended as one batch."""
 
     tokens: torch.Tensor  # [n] index of each one's token in the packed batch
-    blocks: torch.Tensor  # [n, ceil(context_len / block_size)] their block tables
+    slots: torch.Tensor  # [n * context_len] pool slot of every key, sequence after sequence
     context_len: int
 
 
@@ -41,6 +44,8 @@ class Context:
     decode_groups: list[DecodeGroup]
     # prefill
     segments: list[Segment]
+    # Seconds spent in the attention function this step, summed over layers (see `timed`).
+    attention_s: float = 0.0
 
 
 _CONTEXT: Context | None = None
@@ -61,6 +66,20 @@ def reset_context() -> None:
     _CONTEXT = None
 
 
+def timed(backend: Callable) -> Callable:
+    """The backend, its time added to the step's `attention_s` (one clock read pair per layer)."""
+
+    @functools.wraps(backend)
+    def attention(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return backend(*args, **kwargs)
+        finally:
+            get_context().attention_s += time.perf_counter() - start
+
+    return attention
+
+
 def build_context(
     k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor],
@@ -76,13 +95,15 @@ def build_context(
     decode = q_lens == 1
 
     # decode
+    # NOTE: the token slots are computed here once per step, so each layer gathers its keys with one
+    # index_select (a copy of whole rows) instead of an advanced index over blocks.
     rows = decode.nonzero().squeeze(1)
     decode_lens = context_lens[rows]
     decode_groups = []
     for length in decode_lens.unique().tolist():
         group = rows[decode_lens == length]
-        width = -(-length // block_size)
-        decode_groups.append(DecodeGroup(cu_seqlens_q[group], block_tables[group, :width], length))
+        slots = token_slots(block_tables[group], length, block_size)
+        decode_groups.append(DecodeGroup(cu_seqlens_q[group], slots.view(-1), length))
 
     # prefill
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -107,6 +128,13 @@ def _segment(start: int, end: int, context_len: int, block_table: torch.Tensor, 
     cached = context_len - q_len
     if cached == 0:
         return Segment(start, end, context_len, None, None)
-    blocks = block_table[: -(-context_len // block_size)]
+    slots = token_slots(block_table[None], context_len, block_size)[0]
     mask = torch.arange(context_len)[None, :] <= cached + torch.arange(q_len)[:, None]
-    return Segment(start, end, context_len, blocks, mask)
+    return Segment(start, end, context_len, slots, mask)
+
+
+def token_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """[n, length] pool slots of the first `length` tokens of each row of block tables [n, W]."""
+    blocks = block_tables[:, : -(-length // block_size)]
+    slots = blocks[:, :, None] * block_size + torch.arange(block_size)
+    return slots.flatten(1)[:, :length].contiguous()

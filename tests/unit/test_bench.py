@@ -1,5 +1,12 @@
-from gateway.bench import driver, report
+import time
+
+import pytest
+from prometheus_client import REGISTRY, generate_latest
+
+from gateway.bench import driver, profile, report
 from gateway.bench.workloads import WORKLOADS, build
+from gateway.step_timer import StepTimer
+from protos import compute_pb2
 
 
 def test_workloads_have_the_documented_shapes():
@@ -44,3 +51,49 @@ def test_ratios_favour_pagedserve_above_one():
     text = report.table(result)
     assert "3.00x" in text, "tokens/s: higher is better"
     assert "2.00x" in text, "latency: lower is better"
+
+
+def test_profile_reads_the_step_histograms_between_two_scrapes():
+    before = profile.parse(generate_latest(REGISTRY).decode())
+    for _ in range(2):
+        timer = StepTimer()
+        with timer.phase("cache_rpc"):
+            time.sleep(0.002)
+        with timer.phase("compute_rpc"):
+            time.sleep(0.02)
+        timer.compute = compute_pb2.ForwardResponse(
+            forward_ms=19.0, prepare_ms=1.0, model_ms=15.0, attention_ms=4.0, sample_ms=2.0
+        )
+        timer.finish("decode")
+    summary = profile.summarize(before, profile.parse(generate_latest(REGISTRY).decode()))
+    assert set(summary) == {"decode"}, "no prefill step ran between the scrapes"
+    decode = summary["decode"]
+    assert decode["steps"] == 2
+    phases = decode["phases_ms"]
+    assert phases["compute_model"] == pytest.approx(15.0) and phases["compute_sample"] == pytest.approx(2.0)
+    assert phases["compute_attention"] == pytest.approx(4.0) and phases["compute_prepare"] == pytest.approx(
+        1.0
+    )
+    assert phases["cache_rpc"] >= 2.0 and phases["compute_rpc"] >= 20.0
+    assert decode["step_ms"] >= phases["cache_rpc"] + phases["compute_rpc"] + phases["schedule"]
+    assert decode["overhead_ms"] == pytest.approx(decode["step_ms"] - 17.0)
+    assert decode["overhead_pct"] == pytest.approx(100 * decode["overhead_ms"] / decode["step_ms"])
+    text = profile.table(summary)
+    assert "orchestration overhead" in text and "compute_attention" in text
+
+
+def test_profile_parses_prometheus_text():
+    text = """# TYPE pagedserve_step_duration_seconds histogram
+pagedserve_step_duration_seconds_count{kind="prefill"} 4.0
+pagedserve_step_duration_seconds_sum{kind="prefill"} 2.0
+# TYPE pagedserve_step_phase_seconds histogram
+pagedserve_step_phase_seconds_count{kind="prefill",phase="compute_model"} 4.0
+pagedserve_step_phase_seconds_sum{kind="prefill",phase="compute_model"} 1.5
+# TYPE pagedserve_ttft_seconds histogram
+pagedserve_ttft_seconds_count 9.0
+"""
+    totals = profile.parse(text)
+    assert totals == {("prefill", "step"): (2.0, 4.0), ("prefill", "compute_model"): (1.5, 4.0)}
+    summary = profile.summarize({}, totals)["prefill"]
+    assert summary["step_ms"] == 500.0 and summary["phases_ms"]["compute_model"] == 375.0
+    assert summary["overhead_pct"] == 25.0

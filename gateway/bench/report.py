@@ -12,6 +12,8 @@ ROWS = [
     ("cached_prompt_tokens", "prompt tokens from prefix cache", "{:.0f}"),
     ("peak_sequences", "peak sequences in the cache", "{:.0f}"),
     ("peak_used_blocks", "peak KV blocks used", "{:.0f}"),
+    ("kv_utilisation_mean", "KV utilisation, time-weighted mean", "{:.1%}"),
+    ("kv_utilisation_at_peak", "KV utilisation at peak occupancy", "{:.1%}"),
 ]
 PEERS = ("generate_batch", "generate")
 

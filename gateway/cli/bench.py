@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
             "workload": workload.name,
             "description": workload.description,
             "setup": f"{info.model}, {info.dtype}, block size {info.block_size}, median of {args.repeat}",
+            "block_size": info.block_size,
             **_measure(args, workload, target, cache_target, metrics_url),
         }
     finally:

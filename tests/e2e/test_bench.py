@@ -26,6 +26,9 @@ def test_bench_latency_writes_the_table_json_and_profile(stack_fp32, tmp_path):
     assert figures["prompt_tokens"] == 256
     assert figures["tokens_per_s"] > 0 and figures["itl_p50_ms"] > 0
     assert figures["peak_used_blocks"] >= 256 // 16
+    # 256 prompt tokens fill 16 blocks; then at worst 257 tokens in 17 blocks
+    assert 257 / 272 <= figures["kv_utilisation_mean"] <= 1
+    assert result["block_size"] == 16
     assert stack_fp32.stats().used_blocks == 0
 
     # one prefill step, then one decode step per further token; compute's split inside the step's wall

@@ -33,13 +33,30 @@ def test_summary_times_what_the_client_saw():
             sent=0.5, token_times=[1.0, 3.0], prompt_tokens=20, cached_tokens=16, completion_tokens=2
         ),
     ]
-    summary = driver.summarize(traces, [driver.CacheSample(3, 2), driver.CacheSample(5, 1)])
+    samples = [driver.CacheSample(3, 2, 40, 48, 0.0), driver.CacheSample(5, 1, 70, 80, 0.1)]
+    summary = driver.summarize(traces, samples)
     assert summary["wall_s"] == 3.0
     assert summary["tokens_per_s"] == 35 / 3.0
     assert summary["prompt_tokens_per_s"] == (30 - 16) / 1.0
     assert summary["ttft_p50_ms"] in (500.0, 1000.0)
     assert summary["itl_p99_ms"] == 2000.0
     assert summary["peak_used_blocks"] == 5 and summary["peak_sequences"] == 2
+
+
+def test_kv_utilisation_is_weighted_by_time_and_read_at_peak_occupancy():
+    samples = [
+        driver.CacheSample(0, 0, 0, 0, 0.0),  # nothing held yet: left out
+        driver.CacheSample(2, 1, 24, 32, 1.0),  # 75 % for 3 s
+        driver.CacheSample(4, 2, 60, 64, 4.0),  # 93.75 % for 1 s, the peak
+        driver.CacheSample(1, 1, 16, 16, 5.0),  # 100 % for 1 s
+        driver.CacheSample(0, 0, 0, 0, 6.0),
+    ]
+    figures = driver.kv_utilisation(samples)
+    assert figures["kv_utilisation_mean"] == pytest.approx((0.75 * 3 + 0.9375 + 1.0) / 5)
+    assert figures["kv_utilisation_at_peak"] == 0.9375
+    assert driver.kv_utilisation(samples[:1]) == {"kv_utilisation_mean": None, "kv_utilisation_at_peak": None}
+    runs = [{"kv_utilisation_mean": None, "x": 1.0}, {"kv_utilisation_mean": 0.5, "x": 3.0}]
+    assert driver.median_of(runs) == {"kv_utilisation_mean": 0.5, "x": 2.0}
 
 
 def test_ratios_favour_pagedserve_above_one():

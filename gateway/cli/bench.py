@@ -72,9 +72,11 @@ def run(args: argparse.Namespace) -> int:
         with Client(target) as client:
             info = client.info()
         workload = build(args.workload, info.vocab_size, args.seed)
-        if stack is not None and workload.stack_flags:
+        if stack is not None and workload.stack_flags(args.block_size):
             stack.stop()
-            stack = Stack.start(args.model, args.dtype, args.block_size, *workload.stack_flags)
+            stack = Stack.start(
+                args.model, args.dtype, args.block_size, *workload.stack_flags(args.block_size)
+            )
             target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url
         result = {
             "workload": workload.name,

@@ -23,6 +23,12 @@ def test_workloads_have_the_documented_shapes():
     prefix = shared.requests[0].prompt_ids[:512]
     assert all(r.prompt_ids[:512] == prefix and 528 <= len(r.prompt_ids) <= 576 for r in shared.requests)
     assert build("latency", 49152, seed=3) == build("latency", 49152, seed=3), "deterministic"
+    memory = build("memory", 49152)
+    assert memory.stack_flags(16) == ("--kv-blocks", "256") and memory.stack_flags(128) == (
+        "--kv-blocks",
+        "32",
+    )
+    assert throughput.stack_flags(16) == ()
     assert set(WORKLOADS) == {"throughput", "mixed", "latency", "shared-prefix", "memory"}
 
 

@@ -100,13 +100,9 @@ def build_context(
     # index_select (a copy of whole rows) instead of an advanced index over blocks. A group is split so that
     # no gather exceeds GATHER_KEYS keys: SDPA then reads keys still in cache, and the copies stay small
     # (measured: 16 decodes of 256 tokens, 30 layers, 2.8x faster than one gather per group).
-    rows = decode.nonzero().squeeze(1)
-    decode_lens = context_lens[rows]
-    decode_groups = []
-    for length in decode_lens.unique().tolist():
-        for group in rows[decode_lens == length].split(max(1, GATHER_KEYS // length)):
-            slots = token_slots(block_tables[group], length, block_size)
-            decode_groups.append(DecodeGroup(cu_seqlens_q[group], slots.view(-1), length))
+    decode_groups = _decode_groups(
+        decode.nonzero().squeeze(1), cu_seqlens_q, context_lens, block_tables, block_size
+    )
 
     # prefill
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -124,6 +120,32 @@ def build_context(
         decode_groups=decode_groups,
         segments=segments,
     )
+
+
+def _decode_groups(
+    rows: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+) -> list[DecodeGroup]:
+    """The decode sequences `rows` by context length, in chunks of at most GATHER_KEYS keys; the slots of
+    all of them are computed at once."""
+    if not len(rows):
+        return []
+    lens, order = context_lens[rows].sort(stable=True)
+    rows = rows[order]
+    tokens = cu_seqlens_q[rows]
+    slots = token_slots(block_tables[rows], int(lens[-1]), block_size)
+    groups, start = [], 0
+    lengths, counts = torch.unique_consecutive(lens, return_counts=True)
+    for length, count in zip(lengths.tolist(), counts.tolist(), strict=True):
+        step = max(1, GATHER_KEYS // length)
+        for first in range(start, start + count, step):
+            last = min(first + step, start + count)
+            groups.append(DecodeGroup(tokens[first:last], slots[first:last, :length].flatten(), length))
+        start += count
+    return groups
 
 
 def _segment(start: int, end: int, context_len: int, block_table: torch.Tensor, block_size: int) -> Segment:

@@ -31,9 +31,13 @@ def paged_attention(
     k_cache, v_cache = ctx.k_caches[module.layer_idx], ctx.v_caches[module.layer_idx]
     write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping)
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
-    for group in ctx.decode_groups:
-        q = query[0].index_select(1, group.tokens).transpose(0, 1).unsqueeze(2)
-        out.index_copy_(0, group.tokens, _decode(q, k_cache, v_cache, group, scaling))
+    if ctx.decode_groups:
+        # NOTE: one query select and one output copy per layer; the keys are gathered group by group.
+        q = query[0].transpose(0, 1).index_select(0, ctx.decode_tokens).unsqueeze(2)
+        outs = [
+            _decode(q[g.first : g.first + g.count], k_cache, v_cache, g, scaling) for g in ctx.decode_groups
+        ]
+        out.index_copy_(0, ctx.decode_tokens, outs[0] if len(outs) == 1 else torch.cat(outs))
     for seg in ctx.segments:
         out[seg.start : seg.end] = _prefill(query, key, value, k_cache, v_cache, seg, scaling)
     return out.unsqueeze(0), None

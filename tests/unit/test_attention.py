@@ -136,5 +136,5 @@ def test_decode_groups_split_to_bound_each_gather(monkeypatch):
     groups = build_context(
         [k_cache], [v_cache], torch.arange(5), torch.arange(6), torch.full((5,), 9), tables
     ).decode_groups
-    assert [len(g.tokens) for g in groups] == [2, 2, 1], "at most 20 // 9 sequences per gather"
+    assert [(g.first, g.count) for g in groups] == [(0, 2), (2, 2), (4, 1)], "at most 20 // 9 per gather"
     step(seqs, [1, 1, 1, 1, 1, 1], k_cache, v_cache)

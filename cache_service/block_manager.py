@@ -23,6 +23,8 @@ class BlockStats:
     prefix_hit_tokens: int
     copy_on_writes: int
     evictions: int
+    stored_tokens: int  # tokens the tables hold, summed over sequences
+    table_slots: int  # token slots of the blocks the tables hold (block_size per entry), summed likewise
 
     @property
     def usage(self) -> float:
@@ -53,6 +55,8 @@ class BlockManager:
         self._model = model
         self._seqs: dict[str, SeqState] = {}
         self._queried = self._hit = self._cow = 0
+        # NOTE: Σ num_tokens and Σ table lengths over sequences, kept as tables change, never recounted.
+        self._stored_tokens = self._table_blocks = 0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -111,6 +115,7 @@ class BlockManager:
                 self._copy_partial(seq, *partials[request.seq_id])
             self._hit += seq.cached_tokens
             self._grow(seq, self.blocks_needed(request.num_tokens) - len(seq.block_table))
+            self._account(request.num_tokens, len(seq.block_table))
 
     def _new_sequence(self, request: SeqRequest) -> SeqState:
         tokens = list(request.token_ids) if self.prefix_caching and request.token_ids else None
@@ -193,6 +198,10 @@ class BlockManager:
     def _extend(self, requests: Sequence[SeqRequest]) -> None:
         for request in requests:
             seq = self._seqs[request.seq_id]
+            self._account(
+                request.num_tokens - seq.num_tokens,
+                self.blocks_needed(request.num_tokens) - len(seq.block_table),
+            )
             seq.num_tokens = request.num_tokens
             if seq.token_ids is not None:
                 seq.token_ids.extend(request.token_ids)
@@ -241,6 +250,7 @@ class BlockManager:
             )
             for block_id in parent.block_table:
                 self.pool.reference(block_id)
+            self._account(parent.num_tokens, len(parent.block_table))
         return [self.block_table(child_id) for child_id in child_ids]
 
     # free
@@ -264,6 +274,7 @@ class BlockManager:
         released = 0
         for seq_id in seq_ids:
             seq = self._seqs.pop(seq_id)
+            self._account(-seq.num_tokens, -len(seq.block_table))
             self._register(seq, num_computed.get(seq_id, 0))
             # NOTE: tail blocks first, so they are evicted before the prefix blocks others may share.
             released += sum(self.pool.release(block_id) for block_id in reversed(seq.block_table))
@@ -294,12 +305,17 @@ class BlockManager:
         return BlockStats(
             total, total - free - cached, free, cached, len(self._seqs), self.block_size,
             self._queried, self._hit, self._cow, self.pool.prefix.num_evictions,
+            self._stored_tokens, self._table_blocks * self.block_size,
         )  # fmt: skip
 
     def check_invariants(self) -> None:
         """Asserts: refcount == tables holding the block; free + used + cached == total, disjoint; no table
         holds a block twice or lacks blocks for its tokens; indexed blocks hold the tokens of their hash."""
         holders = [0] * self.pool.num_total
+        assert self._stored_tokens == sum(seq.num_tokens for seq in self._seqs.values()), self._stored_tokens
+        assert self._table_blocks == sum(len(seq.block_table) for seq in self._seqs.values()), (
+            self._table_blocks
+        )
         for seq_id, seq in self._seqs.items():
             table = seq.block_table
             assert len(set(table)) == len(table), f"sequence {seq_id!r} holds a block twice: {table}"
@@ -336,6 +352,10 @@ class BlockManager:
                 seq.block_table[index] = new
                 self.pool.release(old)
                 self._cow += 1
+
+    def _account(self, tokens: int, blocks: int) -> None:
+        self._stored_tokens += tokens
+        self._table_blocks += blocks
 
     def _grow(self, seq: SeqState, n: int) -> None:
         assert n >= 0, n

@@ -37,6 +37,11 @@ class StatsCollector(Collector):
         yield GaugeMetricFamily(
             "pagedserve_kv_sequences", "Sequences holding a block table.", stats.num_sequences
         )
+        yield GaugeMetricFamily(
+            "pagedserve_kv_token_utilisation_ratio",
+            "Tokens stored / token slots of the blocks held by tables (1 when no table is held).",
+            stats.stored_tokens / stats.table_slots if stats.table_slots else 1.0,
+        )
         for field_name, (name, doc) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, getattr(stats, field_name))
 

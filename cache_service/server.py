@@ -121,6 +121,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 copy_on_writes=stats.copy_on_writes,
                 evictions=stats.evictions,
                 allocator_stats=self._pool.blocks.allocator.stats(),
+                stored_tokens=stats.stored_tokens,
+                table_slots=stats.table_slots,
             )
 
     def ReadBlock(self, request: cache_pb2.ReadBlockRequest, context) -> cache_pb2.BlockContents:

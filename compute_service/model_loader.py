@@ -7,6 +7,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedMod
 
 from common.model_files import local_copy
 from common.shared_pool import dtype_name
+from compute_service.attention.context import timed
 from compute_service.attention.registry import get_backend
 
 
@@ -33,7 +34,7 @@ class ModelSpec:
 def register_attention(backend: str) -> str:
     """Registers the backend with transformers; returns the `attn_implementation` name to load models with."""
     name = f"pagedserve_{backend}"
-    AttentionInterface.register(name, get_backend(backend))
+    AttentionInterface.register(name, timed(get_backend(backend)))
     return name
 
 

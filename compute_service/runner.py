@@ -1,5 +1,6 @@
 """One packed step: ForwardRequest -> tensors -> paged forward of the unmodified model -> sampled tokens."""
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,16 @@ class Step:
         )
 
 
+@dataclass(slots=True)
+class StepTimes:
+    """Where a step's time went inside compute, in seconds."""
+
+    prepare: float = 0.0  # request -> tensors, validation, attention metadata
+    model: float = 0.0  # the model's forward and output projection, attention included
+    attention: float = 0.0  # the attention function, summed over layers
+    sample: float = 0.0
+
+
 class Runner:
     """Runs steps of one model on the attached pool; keeps the per-layer pool views between steps."""
 
@@ -56,20 +67,17 @@ class Runner:
         self.v_caches = list(pool[:, 1].unbind(0))
 
     @torch.inference_mode()
-    def logits(self, step: Step) -> torch.Tensor:
+    def logits(self, step: Step, times: StepTimes | None = None) -> torch.Tensor:
         """Float32 logits [S, V] at the last new token of each sequence with `sample` set, in order."""
         assert self.k_caches, "no pool attached"
-        block_tables = step.block_tables.view(-1, step.block_table_width)
-        set_context(
-            build_context(
-                self.k_caches,
-                self.v_caches,
-                step.slot_mapping,
-                step.cu_seqlens_q,
-                step.context_lens,
-                block_tables,
-            )
+        times = times or StepTimes()
+        start = time.perf_counter()
+        tables = step.block_tables.view(-1, step.block_table_width)
+        context = build_context(
+            self.k_caches, self.v_caches, step.slot_mapping, step.cu_seqlens_q, step.context_lens, tables
         )
+        set_context(context)
+        built = time.perf_counter()
         try:
             hidden = self.model.model(
                 input_ids=step.token_ids[None], position_ids=step.positions[None], use_cache=False
@@ -77,9 +85,19 @@ class Runner:
         finally:
             reset_context()
         last = step.cu_seqlens_q[1:][step.sample] - 1
-        return self.model.lm_head(hidden[last]).float()
+        logits = self.model.lm_head(hidden[last]).float()
+        times.prepare += built - start
+        times.model += time.perf_counter() - built
+        times.attention += context.attention_s
+        return logits
 
-    def forward(self, step: Step) -> Sampled:
-        """The sampled token (and log-probabilities) of each sequence with `sample` set, in order."""
+    def forward(self, step: Step, times: StepTimes | None = None) -> Sampled:
+        """The sampled token (and log-probabilities) of each sequence with `sample` set, in order; `times`
+        gains the split."""
+        times = times or StepTimes()
+        logits = self.logits(step, times)
+        start = time.perf_counter()
         # the sampled token takes the position right after the sequence's context
-        return sample(self.logits(step), step.sampling, step.context_lens[step.sample])
+        result = sample(logits, step.sampling, step.context_lens[step.sample])
+        times.sample += time.perf_counter() - start
+        return result

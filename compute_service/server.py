@@ -16,7 +16,7 @@ from common.server import serve
 from common.shared_pool import dtype_from_name, open_pool
 from compute_service.attention.registry import BACKENDS
 from compute_service.model_loader import ModelSpec, load
-from compute_service.runner import Runner, Step
+from compute_service.runner import Runner, Step, StepTimes
 from compute_service.validation import Limits, check_step
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
 
@@ -78,7 +78,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                 )
             step = Step.from_request(request)
             check_step(step, self._limits)
-            sampled = self.runner.forward(step)
+            times = StepTimes(prepare=time.perf_counter() - start)
+            sampled = self.runner.forward(step, times)
             elapsed_ms = (time.perf_counter() - start) * 1e3
         FORWARD_SECONDS.observe(elapsed_ms / 1e3)
         STEP_TOKENS.observe(len(step.token_ids))
@@ -92,6 +93,10 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             top_logprobs_width=sampled.top_ids.shape[1],
             top_token_ids=sampled.top_ids.flatten().tolist(),
             top_logprobs=sampled.top_logprobs.flatten().tolist(),
+            prepare_ms=times.prepare * 1e3,
+            model_ms=times.model * 1e3,
+            attention_ms=times.attention * 1e3,
+            sample_ms=times.sample * 1e3,
         )
 
     def _check_geometry(self, handle: common_pb2.PoolHandle) -> None:

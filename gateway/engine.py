@@ -14,6 +14,7 @@ from common.server import channel, request_metadata
 from gateway.sampling import forward_sampling, token_logprobs
 from gateway.scheduler import Scheduler, Step
 from gateway.sequence import Sequence
+from gateway.step_timer import StepTimer
 from gateway.text_stream import TextStream
 from gateway.tokenizer import Detokenizer
 from protos import cache_pb2, cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc, generation_pb2
@@ -115,14 +116,16 @@ class Engine:
                     return
                 intake, self._intake = self._intake, []
                 aborts, self._aborts = self._aborts, set()
-            for seq in intake:
-                self._by_id[seq.seq_id] = seq
-                self.scheduler.add(seq)
-            self._abort_now(aborts)
-            step = self.scheduler.schedule()
+            timer = StepTimer()
+            with timer.phase("schedule"):
+                for seq in intake:
+                    self._by_id[seq.seq_id] = seq
+                    self.scheduler.add(seq)
+                self._abort_now(aborts)
+                step = self.scheduler.schedule()
             blocked = step is None
             if step is not None:
-                self._run_step(step)
+                self._run_step(step, timer)
 
     def _abort_now(self, group_ids: set[str]) -> None:
         seqs = [seq for seq in self._by_id.values() if seq.group_id in group_ids] if group_ids else []
@@ -133,25 +136,36 @@ class Engine:
         for outbox in {id(seq.outbox): seq.outbox for seq in seqs}.values():
             outbox.put(Cancelled("the request was cancelled or its deadline passed"))
 
-    def _run_step(self, step: Step) -> None:
+    def _run_step(self, step: Step, timer: StepTimer) -> None:
         try:
-            if step.preempted:
-                self._free(step.preempted)
-                log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
-                return
-            self._reserve(step)
+            kind = "decode" if step.is_decode else "prefill"
+            with timer.phase("cache_rpc"):
+                if step.preempted:
+                    self._free(step.preempted)
+                    log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
+                    return
+                self._reserve(step)
             chunks = [[s.request_id, s.index, s.chunk_end - s.num_computed] for s in step.seqs]
             log.debug("step", chunks=chunks)
-            reply = self._compute.Forward(
-                self._forward_request(step), timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs)
-            )
-            for seq in step.seqs:
-                if seq.sampling.n > 1 and seq.index == 0 and not seq.output_ids and seq.samples_now:
+            request = self._forward_request(step)
+            with timer.phase("compute_rpc"):
+                reply = self._compute.Forward(
+                    request, timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs)
+                )
+            forks = [
+                seq
+                for seq in step.seqs
+                if seq.sampling.n > 1 and seq.index == 0 and not seq.output_ids and seq.samples_now
+            ]
+            with timer.phase("cache_rpc"):
+                for seq in forks:
                     self._fork(seq)
         except grpc.RpcError as err:
             self._fail(step.seqs or step.preempted, from_rpc_error(err))
             return
         self._advance(step, reply)
+        timer.compute = reply
+        timer.finish(kind)
 
     def _reserve(self, step: Step) -> None:
         """One cache call per step: allocates tables for sequences that have none (looking up the prefix

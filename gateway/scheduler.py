@@ -15,6 +15,11 @@ class Step:
     # known again once the cache service has answered the Free.
     preempted: list[Sequence] = field(default_factory=list)
 
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds one token: no prompt chunk slows the step down."""
+        return all(seq.chunk_end - seq.num_computed == 1 for seq in self.seqs)
+
 
 class Scheduler:
     """Every step packs, under `max_batched_tokens` and `max_seqs`: the running decodes, then the next chunks

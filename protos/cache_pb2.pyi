@@ -121,7 +121,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_sequences", "block_size", "usage", "allocator", "pool_epoch", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "copy_on_writes", "evictions", "allocator_stats")
+    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_sequences", "block_size", "usage", "allocator", "pool_epoch", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "copy_on_writes", "evictions", "allocator_stats", "stored_tokens", "table_slots")
     class AllocatorStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,8 @@ class CacheStats(_message.Message):
     COPY_ON_WRITES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATOR_STATS_FIELD_NUMBER: _ClassVar[int]
+    STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     used_blocks: int
     free_blocks: int
@@ -159,7 +161,9 @@ class CacheStats(_message.Message):
     copy_on_writes: int
     evictions: int
     allocator_stats: _containers.ScalarMap[str, float]
-    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., usage: _Optional[float] = ..., allocator: _Optional[str] = ..., pool_epoch: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., copy_on_writes: _Optional[int] = ..., evictions: _Optional[int] = ..., allocator_stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    stored_tokens: int
+    table_slots: int
+    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., usage: _Optional[float] = ..., allocator: _Optional[str] = ..., pool_epoch: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., copy_on_writes: _Optional[int] = ..., evictions: _Optional[int] = ..., allocator_stats: _Optional[_Mapping[str, float]] = ..., stored_tokens: _Optional[int] = ..., table_slots: _Optional[int] = ...) -> None: ...
 
 class ReadBlockRequest(_message.Message):
     __slots__ = ("block_id", "layer", "include_data")

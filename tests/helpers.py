@@ -1,29 +1,14 @@
 """Starting real service processes for tests and waiting until they report healthy."""
 
-import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from gateway.cli.launch import free_port, serving
+from gateway.cli.launch import free_port, free_ports, serving  # noqa: F401 - the tests use them from here
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports."""
-    while True:
-        base = free_port()
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(base, base + count):
-                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return base
 
 
 def start(module: str, *args: str, log_path: Path, env: dict | None = None) -> subprocess.Popen:

@@ -1,5 +1,8 @@
 """The per-step attention context: pool views and step metadata, derived once per step for every layer."""
 
+import functools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,18 +15,20 @@ class Segment:
     start: int
     end: int
     context_len: int
-    # Pool blocks holding its whole context, and which keys each query sees; both None when nothing is
-    # cached before this step, so plain causal attention over the new keys suffices.
-    blocks: torch.Tensor | None
+    # Pool slots of its whole context, and which keys each query sees; both None when nothing is cached
+    # before this step, so plain causal attention over the new keys suffices.
+    slots: torch.Tensor | None
     mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """Sequences with one new token and the same context length, attended as one batch."""
+    """Sequences with one new token and the same context length, attended as one batch (see GATHER_KEYS):
+    the decodes [first, first + count) of `Context.decode_tokens`."""
 
-    tokens: torch.Tensor  # [n] index of each one's token in the packed batch
-    blocks: torch.Tensor  # [n, ceil(context_len / block_size)] their block tables
+    first: int
+    count: int
+    slots: torch.Tensor  # [count * context_len] pool slot of every key, sequence after sequence
     context_len: int
 
 
@@ -39,10 +44,14 @@ class Context:
     # mask: the same SDPA kernel and reduction order as an unpaged decode, which keeps bfloat16 outputs
     # identical to transformers' own generate (a padded, masked batch rounds differently).
     decode_groups: list[DecodeGroup]
+    decode_tokens: torch.Tensor  # [n] index of each decode's token in the packed batch, group after group
     # prefill
     segments: list[Segment]
+    # Seconds spent in the attention function this step, summed over layers (see `timed`).
+    attention_s: float = 0.0
 
 
+GATHER_KEYS = 2048
 _CONTEXT: Context | None = None
 
 
@@ -61,6 +70,20 @@ def reset_context() -> None:
     _CONTEXT = None
 
 
+def timed(backend: Callable) -> Callable:
+    """The backend, its time added to the step's `attention_s` (one clock read pair per layer)."""
+
+    @functools.wraps(backend)
+    def attention(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return backend(*args, **kwargs)
+        finally:
+            get_context().attention_s += time.perf_counter() - start
+
+    return attention
+
+
 def build_context(
     k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor],
@@ -76,13 +99,13 @@ def build_context(
     decode = q_lens == 1
 
     # decode
-    rows = decode.nonzero().squeeze(1)
-    decode_lens = context_lens[rows]
-    decode_groups = []
-    for length in decode_lens.unique().tolist():
-        group = rows[decode_lens == length]
-        width = -(-length // block_size)
-        decode_groups.append(DecodeGroup(cu_seqlens_q[group], block_tables[group, :width], length))
+    # NOTE: the token slots are computed here once per step, so each layer gathers its keys with one
+    # index_select (a copy of whole rows) instead of an advanced index over blocks. A group is split so that
+    # no gather exceeds GATHER_KEYS keys: SDPA then reads keys still in cache, and the copies stay small
+    # (measured: 16 decodes of 256 tokens, 30 layers, 2.8x faster than one gather per group).
+    decode_tokens, decode_groups = _decode_groups(
+        decode.nonzero().squeeze(1), cu_seqlens_q, context_lens, block_tables, block_size
+    )
 
     # prefill
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -98,8 +121,35 @@ def build_context(
         context_lens,
         block_tables,
         decode_groups=decode_groups,
+        decode_tokens=decode_tokens,
         segments=segments,
     )
+
+
+def _decode_groups(
+    rows: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, list[DecodeGroup]]:
+    """The decode sequences `rows` ordered by context length: their tokens, and their groups in chunks of at
+    most GATHER_KEYS keys; the slots of all of them are computed at once."""
+    if not len(rows):
+        return rows, []
+    lens, order = context_lens[rows].sort(stable=True)
+    rows = rows[order]
+    tokens = cu_seqlens_q[rows]
+    slots = token_slots(block_tables[rows], int(lens[-1]), block_size)
+    groups, start = [], 0
+    lengths, counts = torch.unique_consecutive(lens, return_counts=True)
+    for length, count in zip(lengths.tolist(), counts.tolist(), strict=True):
+        step = max(1, GATHER_KEYS // length)
+        for first in range(start, start + count, step):
+            last = min(first + step, start + count)
+            groups.append(DecodeGroup(first, last - first, slots[first:last, :length].flatten(), length))
+        start += count
+    return tokens, groups
 
 
 def _segment(start: int, end: int, context_len: int, block_table: torch.Tensor, block_size: int) -> Segment:
@@ -107,6 +157,13 @@ def _segment(start: int, end: int, context_len: int, block_table: torch.Tensor, 
     cached = context_len - q_len
     if cached == 0:
         return Segment(start, end, context_len, None, None)
-    blocks = block_table[: -(-context_len // block_size)]
+    slots = token_slots(block_table[None], context_len, block_size)[0]
     mask = torch.arange(context_len)[None, :] <= cached + torch.arange(q_len)[:, None]
-    return Segment(start, end, context_len, blocks, mask)
+    return Segment(start, end, context_len, slots, mask)
+
+
+def token_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """[n, length] pool slots of the first `length` tokens of each row of block tables [n, W]."""
+    blocks = block_tables[:, : -(-length // block_size)]
+    slots = blocks[:, :, None] * block_size + torch.arange(block_size)
+    return slots.flatten(1)[:, :length].contiguous()

@@ -31,9 +31,13 @@ def paged_attention(
     k_cache, v_cache = ctx.k_caches[module.layer_idx], ctx.v_caches[module.layer_idx]
     write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping)
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
-    for group in ctx.decode_groups:
-        q = query[0, :, group.tokens].transpose(0, 1).unsqueeze(2)
-        out[group.tokens] = _decode(q, k_cache, v_cache, group, scaling)
+    if ctx.decode_groups:
+        # NOTE: one query select and one output copy per layer; the keys are gathered group by group.
+        q = query[0].transpose(0, 1).index_select(0, ctx.decode_tokens).unsqueeze(2)
+        outs = [
+            _decode(q[g.first : g.first + g.count], k_cache, v_cache, g, scaling) for g in ctx.decode_groups
+        ]
+        out.index_copy_(0, ctx.decode_tokens, outs[0] if len(outs) == 1 else torch.cat(outs))
     for seg in ctx.segments:
         out[seg.start : seg.end] = _prefill(query, key, value, k_cache, v_cache, seg, scaling)
     return out.unsqueeze(0), None
@@ -43,8 +47,9 @@ def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float | None
 ) -> torch.Tensor:
     """q [n, H, 1, D] against the group's gathered keys [n, Hkv, context_len, D] -> [n, H, D]."""
-    k = k_cache[group.blocks].flatten(1, 2)[:, : group.context_len].transpose(1, 2)
-    v = v_cache[group.blocks].flatten(1, 2)[:, : group.context_len].transpose(1, 2)
+    shape = (len(q), group.context_len, *k_cache.shape[2:])
+    k = _gather(k_cache, group.slots).view(shape).transpose(1, 2)
+    v = _gather(v_cache, group.slots).view(shape).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)[:, :, 0]
 
 
@@ -59,11 +64,16 @@ def _prefill(
 ) -> torch.Tensor:
     """One sequence's new queries [1, H, q, D] -> [q, H, D]."""
     q = query[:, :, seg.start : seg.end]
-    if seg.blocks is None:
+    if seg.slots is None:
         k, v = key[:, :, seg.start : seg.end], value[:, :, seg.start : seg.end]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        k = k_cache[seg.blocks].flatten(0, 1)[: seg.context_len].transpose(0, 1).unsqueeze(0)
-        v = v_cache[seg.blocks].flatten(0, 1)[: seg.context_len].transpose(0, 1).unsqueeze(0)
+        k = _gather(k_cache, seg.slots).transpose(0, 1).unsqueeze(0)
+        v = _gather(v_cache, seg.slots).transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The K or V rows [len(slots), Hkv, D] at these pool slots."""
+    return cache.view(-1, *cache.shape[2:]).index_select(0, slots)

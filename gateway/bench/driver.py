@@ -25,6 +25,9 @@ class Trace:
 class CacheSample:
     used_blocks: int
     num_sequences: int
+    stored_tokens: int = 0
+    table_slots: int = 0
+    time: float = 0.0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -53,7 +56,15 @@ def _sample_cache(cache_target: str, stop: threading.Event, samples: list[CacheS
     stub = cache_pb2_grpc.CacheStub(channel(cache_target))
     while not stop.wait(0.05):
         stats = stub.GetStats(cache_pb2.GetStatsRequest(), timeout=5)
-        samples.append(CacheSample(stats.used_blocks, stats.num_sequences))
+        samples.append(
+            CacheSample(
+                stats.used_blocks,
+                stats.num_sequences,
+                stats.stored_tokens,
+                stats.table_slots,
+                time.perf_counter(),
+            )
+        )
 
 
 def run(workload: Workload, target: str, cache_target: str, on_token=lambda n: None) -> dict:
@@ -93,8 +104,26 @@ def summarize(traces: list[Trace], samples: list[CacheSample]) -> dict:
         "generated_tokens": generated,
         "peak_sequences": max((s.num_sequences for s in samples), default=0),
         "peak_used_blocks": max((s.used_blocks for s in samples), default=0),
+        **kv_utilisation(samples),
     }
 
 
+def kv_utilisation(samples: list[CacheSample]) -> dict:
+    """Tokens stored / token slots allocated: its mean over the run, each sample weighted by the time until
+    the next one (samples with no table held left out), and its value when the tables held the most slots."""
+    held = [(a, b.time - a.time) for a, b in zip(samples, samples[1:], strict=False) if a.table_slots]
+    if not held:
+        return {"kv_utilisation_mean": None, "kv_utilisation_at_peak": None}
+    peak = max((s for s, _ in held), key=lambda s: s.table_slots)
+    weight = sum(dt for _, dt in held)
+    mean = sum(s.stored_tokens / s.table_slots * dt for s, dt in held) / weight if weight else None
+    return {"kv_utilisation_mean": mean, "kv_utilisation_at_peak": peak.stored_tokens / peak.table_slots}
+
+
 def median_of(runs: list[dict]) -> dict:
-    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    """Per figure, the median over runs that have it (None if none has)."""
+    medians = {}
+    for key in runs[0]:
+        values = [run[key] for run in runs if run[key] is not None]
+        medians[key] = statistics.median(values) if values else None
+    return medians

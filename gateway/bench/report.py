@@ -12,6 +12,8 @@ ROWS = [
     ("cached_prompt_tokens", "prompt tokens from prefix cache", "{:.0f}"),
     ("peak_sequences", "peak sequences in the cache", "{:.0f}"),
     ("peak_used_blocks", "peak KV blocks used", "{:.0f}"),
+    ("kv_utilisation_mean", "KV utilisation, time-weighted mean", "{:.1%}"),
+    ("kv_utilisation_at_peak", "KV utilisation at peak occupancy", "{:.1%}"),
 ]
 PEERS = ("generate_batch", "generate")
 
@@ -36,14 +38,19 @@ def table(result: dict) -> str:
         row += [_cell(peers.get(p, {}).get(key), fmt) for p in PEERS]
         row += [_ratio(ours.get(key), peers.get(p, {}).get(key), key) for p in PEERS]
         lines.append(row)
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    text = [f"{result['workload']}: {result['description']}", f"({result['setup']})"]
-    for i, row in enumerate(lines):
-        text.append(
-            "  ".join(
-                c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths, strict=True))
-            )
+    return "\n".join(
+        [f"{result['workload']}: {result['description']}", f"({result['setup']})", *aligned(lines)]
+    )
+
+
+def aligned(rows: list[list[str]]) -> list[str]:
+    """Text lines of a table: the first row a header underlined, the first column left-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths, strict=True))
         )
-        if i == 0:
-            text.append("  ".join("-" * w for w in widths))
-    return "\n".join(text)
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines

@@ -17,8 +17,12 @@ class Workload:
     name: str
     description: str
     requests: list[BenchRequest]
-    # Flags for the stack this workload runs on, when the bench starts its own.
-    stack_flags: tuple[str, ...] = ()
+    # A KV budget in tokens for the stack the bench starts (block_size divides it into blocks), so that
+    # block sizes compare at equal memory; None keeps the default budget.
+    kv_tokens: int | None = None
+
+    def stack_flags(self, block_size: int) -> tuple[str, ...]:
+        return () if self.kv_tokens is None else ("--kv-blocks", str(max(1, self.kv_tokens // block_size)))
 
 
 def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
@@ -65,9 +69,9 @@ def memory(rng: random.Random, vocab: int) -> Workload:
     ]
     return Workload(
         "memory",
-        "32 requests of mixed lengths at once on a 256-block KV budget",
+        "32 requests of mixed lengths at once on a 4096-token KV budget",
         reqs,
-        ("--kv-blocks", "256"),
+        kv_tokens=4096,
     )
 
 

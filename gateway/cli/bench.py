@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from common.model_files import DEFAULT_MODEL
 from common.precision import DTYPE_CHOICES
-from gateway.bench import driver, peers, report
+from gateway.bench import driver, peers, profile, report
 from gateway.bench.workloads import WORKLOADS, build
 from gateway.cli.launch import Stack
 from gateway.client import Client
@@ -30,15 +30,27 @@ def add_parser(commands) -> None:
     p.add_argument("--repeat", type=int, default=1, help="passes; figures are medians")
     p.add_argument("--no-peers", action="store_true", help="skip generate_batch and generate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile", action="store_true", help="split the steps' time into gateway and compute phases"
+    )
+    p.add_argument(
+        "--metrics-url",
+        help="the gateway's /metrics, for --profile with --target (e.g. http://127.0.0.1:9400/metrics)",
+    )
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.set_defaults(run=run)
 
 
-def _measure(args, workload, target: str, cache_target: str) -> dict:
+def _measure(args, workload, target: str, cache_target: str, metrics_url: str | None) -> dict:
+    """The workload's median figures and, with --profile, the mean step split over all passes."""
     total = sum(r.max_tokens for r in workload.requests) * args.repeat
+    before = profile.scrape(metrics_url) if args.profile else None
     with tqdm(total=total, desc=f"{workload.name}", unit="tok", file=sys.stderr) as bar:
         runs = [driver.run(workload, target, cache_target, bar.update) for _ in range(args.repeat)]
-    return driver.median_of(runs)
+    figures = {"pagedserve": driver.median_of(runs)}
+    if args.profile:
+        figures["profile"] = profile.summarize(before, profile.scrape(metrics_url))
+    return figures
 
 
 def _peers(args, workload, dtype: str) -> dict:
@@ -51,25 +63,30 @@ def _peers(args, workload, dtype: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.profile and args.target and not args.metrics_url:
+        raise SystemExit("pagedserve bench: --profile with --target needs the gateway's --metrics-url")
     stack = None
     if args.target:
-        target, cache_target = args.target, args.cache_target
+        target, cache_target, metrics_url = args.target, args.cache_target, args.metrics_url
     else:
         stack = Stack.start(args.model, args.dtype, args.block_size)
-        target, cache_target = stack.target, stack.cache_target
+        target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url
     try:
         with Client(target) as client:
             info = client.info()
         workload = build(args.workload, info.vocab_size, args.seed)
-        if stack is not None and workload.stack_flags:
+        if stack is not None and workload.stack_flags(args.block_size):
             stack.stop()
-            stack = Stack.start(args.model, args.dtype, args.block_size, *workload.stack_flags)
-            target, cache_target = stack.target, stack.cache_target
+            stack = Stack.start(
+                args.model, args.dtype, args.block_size, *workload.stack_flags(args.block_size)
+            )
+            target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url
         result = {
             "workload": workload.name,
             "description": workload.description,
             "setup": f"{info.model}, {info.dtype}, block size {info.block_size}, median of {args.repeat}",
-            "pagedserve": _measure(args, workload, target, cache_target),
+            "block_size": info.block_size,
+            **_measure(args, workload, target, cache_target, metrics_url),
         }
     finally:
         if stack is not None:
@@ -77,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_peers:
         result["peers"] = _peers(args, workload, info.dtype)
     print(report.table(result))
+    if "profile" in result:
+        print(profile.table(result["profile"]))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

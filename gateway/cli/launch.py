@@ -1,5 +1,6 @@
 """Starting a whole stack (`pagedserve up`) on free ports from another program, and waiting for it."""
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -16,6 +17,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports."""
+    while True:
+        base = free_port()
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
 
 
 def serving(target: str, service: str = "") -> bool:
@@ -36,16 +50,22 @@ class Stack:
     target: str
     cache_target: str
     compute_target: str
+    # The gateway's Prometheus endpoint (cache and compute on the next two ports).
+    metrics_url: str
 
     @classmethod
     def start(cls, model: str, dtype: str, block_size: int, *flags: str, timeout: float = 900.0) -> "Stack":
         """`pagedserve up` with these settings on free ports; returns once the gateway serves."""
-        port, cache_port, compute_port = free_port(), free_port(), free_port()
+        port, cache_port, compute_port, metrics = free_port(), free_port(), free_port(), free_ports(3)
         cmd = [sys.executable, "-m", "gateway.cli.main", "up", "--model", model, "--dtype", dtype,
                "--block-size", str(block_size), "--port", str(port), "--cache-port", str(cache_port),
-               "--compute-port", str(compute_port), "--log-format", "json", *flags]  # fmt: skip
+               "--compute-port", str(compute_port), "--metrics-port", str(metrics), "--log-format", "json",
+               *flags]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        stack = cls(proc, f"127.0.0.1:{port}", f"127.0.0.1:{cache_port}", f"127.0.0.1:{compute_port}")
+        stack = cls(
+            proc, f"127.0.0.1:{port}", f"127.0.0.1:{cache_port}", f"127.0.0.1:{compute_port}",
+            f"http://127.0.0.1:{metrics}/metrics",
+        )  # fmt: skip
         deadline = time.monotonic() + timeout
         while not serving(stack.target, GATEWAY_SERVICE):
             if proc.poll() is not None or time.monotonic() > deadline:

@@ -10,17 +10,33 @@ from tests.e2e.stack import PAGEDSERVE
 pytestmark = pytest.mark.e2e
 
 
-def test_bench_latency_writes_the_table_and_json(stack_fp32, tmp_path):
+def test_bench_latency_writes_the_table_json_and_profile(stack_fp32, tmp_path):
     out = subprocess.run(
         [PAGEDSERVE, "bench", "--workload", "latency", "--no-peers", "--target", stack_fp32.target,
-         "--cache-target", stack_fp32.cache_target, "--json", str(tmp_path / "bench.json")],
+         "--cache-target", stack_fp32.cache_target, "--json", str(tmp_path / "bench.json"),
+         "--profile", "--metrics-url", stack_fp32.metrics_url("gateway")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "inter-token p50 (ms)" in out.stdout
-    figures = json.loads((tmp_path / "bench.json").read_text())["pagedserve"]
+    assert "orchestration overhead" in out.stdout
+    result = json.loads((tmp_path / "bench.json").read_text())
+    figures = result["pagedserve"]
     assert figures["generated_tokens"] == 128
     assert figures["prompt_tokens"] == 256
     assert figures["tokens_per_s"] > 0 and figures["itl_p50_ms"] > 0
     assert figures["peak_used_blocks"] >= 256 // 16
+    # 256 prompt tokens fill 16 blocks; then at worst 257 tokens in 17 blocks
+    assert 257 / 272 <= figures["kv_utilisation_mean"] <= 1
+    assert result["block_size"] == 16
     assert stack_fp32.stats().used_blocks == 0
+
+    # one prefill step, then one decode step per further token; compute's split inside the step's wall
+    prefill, decode = result["profile"]["prefill"], result["profile"]["decode"]
+    assert prefill["steps"] == 1 and decode["steps"] == 127
+    for kind in (prefill, decode):
+        phases = kind["phases_ms"]
+        assert 0 < phases["compute_attention"] < phases["compute_model"]
+        assert phases["compute_model"] + phases["compute_sample"] < phases["compute_rpc"] < kind["step_ms"]
+        assert phases["cache_rpc"] > 0 and phases["compute_prepare"] > 0
+        assert 0 < kind["overhead_pct"] < 100

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compute_service.attention import context
 from compute_service.attention.context import build_context, reset_context, set_context
 from compute_service.attention.cpu import paged_attention
 from compute_service.attention.reference import reference_attention
@@ -125,3 +126,15 @@ def test_bfloat16_within_tolerance():
     seqs, k_cache, v_cache = make([7, 11, 4], dtype=torch.bfloat16)
     step(seqs, [6, 5, 3], k_cache, v_cache)
     step(seqs, [1, 6, 1], k_cache, v_cache)
+
+
+def test_decode_groups_split_to_bound_each_gather(monkeypatch):
+    monkeypatch.setattr(context, "GATHER_KEYS", 20)
+    seqs, k_cache, v_cache = make([9, 9, 9, 9, 9, 4])
+    step(seqs, [8, 8, 8, 8, 8, 3], k_cache, v_cache)
+    tables = torch.tensor([s.blocks for s in seqs[:5]])
+    groups = build_context(
+        [k_cache], [v_cache], torch.arange(5), torch.arange(6), torch.full((5,), 9), tables
+    ).decode_groups
+    assert [(g.first, g.count) for g in groups] == [(0, 2), (2, 2), (4, 1)], "at most 20 // 9 per gather"
+    step(seqs, [1, 1, 1, 1, 1, 1], k_cache, v_cache)

@@ -1,5 +1,12 @@
-from gateway.bench import driver, report
+import time
+
+import pytest
+from prometheus_client import REGISTRY, generate_latest
+
+from gateway.bench import driver, profile, report
 from gateway.bench.workloads import WORKLOADS, build
+from gateway.step_timer import StepTimer
+from protos import compute_pb2
 
 
 def test_workloads_have_the_documented_shapes():
@@ -16,6 +23,12 @@ def test_workloads_have_the_documented_shapes():
     prefix = shared.requests[0].prompt_ids[:512]
     assert all(r.prompt_ids[:512] == prefix and 528 <= len(r.prompt_ids) <= 576 for r in shared.requests)
     assert build("latency", 49152, seed=3) == build("latency", 49152, seed=3), "deterministic"
+    memory = build("memory", 49152)
+    assert memory.stack_flags(16) == ("--kv-blocks", "256") and memory.stack_flags(128) == (
+        "--kv-blocks",
+        "32",
+    )
+    assert throughput.stack_flags(16) == ()
     assert set(WORKLOADS) == {"throughput", "mixed", "latency", "shared-prefix", "memory"}
 
 
@@ -26,13 +39,30 @@ def test_summary_times_what_the_client_saw():
             sent=0.5, token_times=[1.0, 3.0], prompt_tokens=20, cached_tokens=16, completion_tokens=2
         ),
     ]
-    summary = driver.summarize(traces, [driver.CacheSample(3, 2), driver.CacheSample(5, 1)])
+    samples = [driver.CacheSample(3, 2, 40, 48, 0.0), driver.CacheSample(5, 1, 70, 80, 0.1)]
+    summary = driver.summarize(traces, samples)
     assert summary["wall_s"] == 3.0
     assert summary["tokens_per_s"] == 35 / 3.0
     assert summary["prompt_tokens_per_s"] == (30 - 16) / 1.0
     assert summary["ttft_p50_ms"] in (500.0, 1000.0)
     assert summary["itl_p99_ms"] == 2000.0
     assert summary["peak_used_blocks"] == 5 and summary["peak_sequences"] == 2
+
+
+def test_kv_utilisation_is_weighted_by_time_and_read_at_peak_occupancy():
+    samples = [
+        driver.CacheSample(0, 0, 0, 0, 0.0),  # nothing held yet: left out
+        driver.CacheSample(2, 1, 24, 32, 1.0),  # 75 % for 3 s
+        driver.CacheSample(4, 2, 60, 64, 4.0),  # 93.75 % for 1 s, the peak
+        driver.CacheSample(1, 1, 16, 16, 5.0),  # 100 % for 1 s
+        driver.CacheSample(0, 0, 0, 0, 6.0),
+    ]
+    figures = driver.kv_utilisation(samples)
+    assert figures["kv_utilisation_mean"] == pytest.approx((0.75 * 3 + 0.9375 + 1.0) / 5)
+    assert figures["kv_utilisation_at_peak"] == 0.9375
+    assert driver.kv_utilisation(samples[:1]) == {"kv_utilisation_mean": None, "kv_utilisation_at_peak": None}
+    runs = [{"kv_utilisation_mean": None, "x": 1.0}, {"kv_utilisation_mean": 0.5, "x": 3.0}]
+    assert driver.median_of(runs) == {"kv_utilisation_mean": 0.5, "x": 2.0}
 
 
 def test_ratios_favour_pagedserve_above_one():
@@ -44,3 +74,49 @@ def test_ratios_favour_pagedserve_above_one():
     text = report.table(result)
     assert "3.00x" in text, "tokens/s: higher is better"
     assert "2.00x" in text, "latency: lower is better"
+
+
+def test_profile_reads_the_step_histograms_between_two_scrapes():
+    before = profile.parse(generate_latest(REGISTRY).decode())
+    for _ in range(2):
+        timer = StepTimer()
+        with timer.phase("cache_rpc"):
+            time.sleep(0.002)
+        with timer.phase("compute_rpc"):
+            time.sleep(0.02)
+        timer.compute = compute_pb2.ForwardResponse(
+            forward_ms=19.0, prepare_ms=1.0, model_ms=15.0, attention_ms=4.0, sample_ms=2.0
+        )
+        timer.finish("decode")
+    summary = profile.summarize(before, profile.parse(generate_latest(REGISTRY).decode()))
+    assert set(summary) == {"decode"}, "no prefill step ran between the scrapes"
+    decode = summary["decode"]
+    assert decode["steps"] == 2
+    phases = decode["phases_ms"]
+    assert phases["compute_model"] == pytest.approx(15.0) and phases["compute_sample"] == pytest.approx(2.0)
+    assert phases["compute_attention"] == pytest.approx(4.0) and phases["compute_prepare"] == pytest.approx(
+        1.0
+    )
+    assert phases["cache_rpc"] >= 2.0 and phases["compute_rpc"] >= 20.0
+    assert decode["step_ms"] >= phases["cache_rpc"] + phases["compute_rpc"] + phases["schedule"]
+    assert decode["overhead_ms"] == pytest.approx(decode["step_ms"] - 17.0)
+    assert decode["overhead_pct"] == pytest.approx(100 * decode["overhead_ms"] / decode["step_ms"])
+    text = profile.table(summary)
+    assert "orchestration overhead" in text and "compute_attention" in text
+
+
+def test_profile_parses_prometheus_text():
+    text = """# TYPE pagedserve_step_duration_seconds histogram
+pagedserve_step_duration_seconds_count{kind="prefill"} 4.0
+pagedserve_step_duration_seconds_sum{kind="prefill"} 2.0
+# TYPE pagedserve_step_phase_seconds histogram
+pagedserve_step_phase_seconds_count{kind="prefill",phase="compute_model"} 4.0
+pagedserve_step_phase_seconds_sum{kind="prefill",phase="compute_model"} 1.5
+# TYPE pagedserve_ttft_seconds histogram
+pagedserve_ttft_seconds_count 9.0
+"""
+    totals = profile.parse(text)
+    assert totals == {("prefill", "step"): (2.0, 4.0), ("prefill", "compute_model"): (1.5, 4.0)}
+    summary = profile.summarize({}, totals)["prefill"]
+    assert summary["step_ms"] == 500.0 and summary["phases_ms"]["compute_model"] == 375.0
+    assert summary["overhead_pct"] == 25.0

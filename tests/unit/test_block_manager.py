@@ -63,6 +63,30 @@ def test_allocate_extend_free_lifecycle():
     blocks.check_invariants()
 
 
+def test_stored_tokens_and_table_slots_follow_every_table_change():
+    blocks = manager(16)
+
+    def occupancy() -> tuple[int, int]:
+        stats = blocks.stats()
+        return stats.stored_tokens, stats.table_slots
+
+    assert occupancy() == (0, 0)
+    blocks.allocate([SeqRequest("a", 5), SeqRequest("b", 4)])
+    assert occupancy() == (9, 3 * BLOCK_SIZE)
+    blocks.extend([SeqRequest("a", 6), SeqRequest("b", 5)])
+    assert occupancy() == (11, 4 * BLOCK_SIZE)
+    blocks.fork("a", ["a/1"])
+    assert occupancy() == (17, 6 * BLOCK_SIZE), "a shared block counts once per table holding it"
+    with pytest.raises(ResourceExhausted):
+        blocks.extend([SeqRequest("a", 64)])
+    assert occupancy() == (17, 6 * BLOCK_SIZE), "a refused call changes nothing"
+    blocks.free(["a", "b"])
+    assert occupancy() == (6, 2 * BLOCK_SIZE)
+    blocks.check_invariants()
+    blocks.free(["a/1"])
+    assert occupancy() == (0, 0)
+
+
 def test_exhaustion_refuses_the_whole_batch_with_the_numbers():
     blocks = manager(8)
     blocks.allocate([SeqRequest("a", 12), SeqRequest("b", 4)])

@@ -34,10 +34,10 @@ def models():
     return reference, paged
 
 
-def make_runner(model) -> Runner:
+def make_runner(model, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE) -> Runner:
     config = model.config
     runner = Runner(model)
-    runner.attach(torch.zeros(config.num_hidden_layers, 2, NUM_BLOCKS, BLOCK_SIZE, 2, config.head_dim))
+    runner.attach(torch.zeros(config.num_hidden_layers, 2, num_blocks, block_size, 2, config.head_dim))
     return runner
 
 
@@ -46,18 +46,20 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0]
 
 
-def test_paged_greedy_generation_matches_hugging_face(models):
-    reference, paged = models
+def paged_greedy(paged, prompts: list[list[int]], block_size: int, steps: int) -> tuple[list, list]:
+    """Prefill of every prompt in one step, then `steps` batched decodes, on shuffled blocks: the tokens
+    generated per sequence and the logits of every step."""
     config = paged.config
-    runner = make_runner(paged)
-    blocks = torch.randperm(NUM_BLOCKS).tolist()
-    tables = [blocks[0:6], blocks[6:12], blocks[12:18]]
-    limits = Limits(config.vocab_size, config.max_position_embeddings, NUM_BLOCKS, BLOCK_SIZE)
-
-    generated, step_logits = [[] for _ in PROMPTS], []
-    new, cached = PROMPTS, [0] * len(PROMPTS)
-    for _ in range(1 + DECODE_STEPS):
-        step = Step.from_request(forward_request(new, cached, tables))
+    per_seq = -(-(max(map(len, prompts)) + steps + 1) // block_size)
+    num_blocks = per_seq * len(prompts)
+    runner = make_runner(paged, num_blocks, block_size)
+    blocks = torch.randperm(num_blocks).tolist()
+    tables = [blocks[i * per_seq : (i + 1) * per_seq] for i in range(len(prompts))]
+    limits = Limits(config.vocab_size, config.max_position_embeddings, num_blocks, block_size)
+    generated, step_logits = [[] for _ in prompts], []
+    new, cached = prompts, [0] * len(prompts)
+    for _ in range(1 + steps):
+        step = Step.from_request(paged_forward_request(new, cached, tables, block_size=block_size))
         check_step(step, limits)
         logits = runner.logits(step)
         sampled = runner.forward(step)
@@ -69,15 +71,36 @@ def test_paged_greedy_generation_matches_hugging_face(models):
             generated[seq].append(token)
         cached = [c + len(n) for c, n in zip(cached, new, strict=True)]
         new = [[token] for token in tokens.tolist()]
+    return generated, step_logits
 
-    for seq, prompt in enumerate(PROMPTS):
+
+def assert_matches_hugging_face(reference, prompts, generated, step_logits) -> None:
+    steps = len(step_logits)
+    for seq, prompt in enumerate(prompts):
         ids = torch.tensor([prompt])
-        expected = reference.generate(ids, max_new_tokens=1 + DECODE_STEPS, do_sample=False)[0, len(prompt) :]
+        expected = reference.generate(ids, max_new_tokens=steps, do_sample=False)[0, len(prompt) :]
         assert len(set(expected.tolist())) > 1, "a degenerate model would not test attention"
         assert generated[seq][: len(expected)] == expected.tolist()
         expected_logits = hf_logits(reference, prompt + generated[seq])[len(prompt) - 1 : -1]
         ours = torch.stack([logits[seq] for logits in step_logits])
         torch.testing.assert_close(ours, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_paged_greedy_generation_matches_hugging_face(models):
+    reference, paged = models
+    generated, step_logits = paged_greedy(paged, PROMPTS, BLOCK_SIZE, DECODE_STEPS)
+    assert_matches_hugging_face(reference, PROMPTS, generated, step_logits)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+def test_every_served_block_size_matches_hugging_face(models, block_size):
+    reference, paged = models
+    torch.manual_seed(block_size)
+    # prompts shorter than, equal to and several times one block; decodes that cross a block boundary
+    prompts = [torch.randint(3, 256, (n,)).tolist() for n in (5, block_size, 2 * block_size + 7, 300)]
+    prompts[1] = prompts[1][: block_size - 2]
+    generated, step_logits = paged_greedy(paged, prompts, block_size, 4)
+    assert_matches_hugging_face(reference, prompts, generated, step_logits)
 
 
 def test_chunked_prefill_samples_only_sequences_that_finished_their_prompt(models):

@@ -61,11 +61,11 @@ def small_stack(model_dir, logs):
     stack.stop()
 
 
-def workload(count: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
-    """(prompt of 4-120 random tokens, 2-12 new tokens) per request."""
+def workload(count: int, vocab: int, seed: int, new_tokens: tuple[int, int]) -> list[tuple[list[int], int]]:
+    """(prompt of 4-120 random tokens, new_tokens[0]-new_tokens[1] new tokens) per request."""
     rng = random.Random(seed)
     return [
-        ([rng.randrange(3, vocab) for _ in range(rng.randint(4, 120))], rng.randint(2, 12))
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(4, 120))], rng.randint(*new_tokens))
         for _ in range(count)
     ]
 
@@ -90,10 +90,12 @@ def preemptions(stack) -> float:
     return scrape(stack.metrics_url("gateway"))[PREEMPTIONS, ()]
 
 
-def streams_match_their_runs_alone(stack, count: int, vocab: int, seed: int) -> None:
+def streams_match_their_runs_alone(
+    stack, count: int, vocab: int, seed: int, new_tokens: tuple[int, int]
+) -> None:
     """`count` concurrent greedy streams: preempted (counted in the gateway's metrics), all complete, all
     blocks back, and each output equals the same request run alone afterwards."""
-    requests = workload(count, vocab, seed)
+    requests = workload(count, vocab, seed, new_tokens)
     before = preemptions(stack)
     results = run_concurrently(stack, requests)
     assert preemptions(stack) > before, "the budget is meant to force preemption"
@@ -108,11 +110,13 @@ def streams_match_their_runs_alone(stack, count: int, vocab: int, seed: int) -> 
 
 
 def test_64_streams_over_a_small_kv_budget_all_complete_as_if_alone(tiny_stack):
-    streams_match_their_runs_alone(tiny_stack, 64, vocab=256, seed=1)
+    streams_match_their_runs_alone(tiny_stack, 64, vocab=256, seed=1, new_tokens=(2, 12))
 
 
 def test_12_streams_of_the_real_model_complete_as_if_alone(small_stack):
-    streams_match_their_runs_alone(small_stack, 12, vocab=49152, seed=2)
+    # NOTE: outputs of 8-24 tokens: a pure simulation of this scheduler on these lengths preempts 3-4 times
+    # however the 12 requests arrive (2-12 new tokens preempted once at best: too little to rely on).
+    streams_match_their_runs_alone(small_stack, 12, vocab=49152, seed=2, new_tokens=(8, 24))
 
 
 def test_a_preempted_request_is_recomputed_from_the_blocks_it_had_written(tiny_stack):
@@ -142,7 +146,7 @@ class Background:
     """Greedy streams that record when each of their tokens arrived."""
 
     def __init__(self, stack, count: int, max_tokens: int, seed: int) -> None:
-        self.requests = [(p[:12], max_tokens) for p, _ in workload(count, vocab=49152, seed=seed)]
+        self.requests = [(p[:12], max_tokens) for p, _ in workload(count, 49152, seed, (2, 12))]
         self.arrivals: list[list[float]] = [[] for _ in range(count)]
         self.tokens: list[list[int]] = [[] for _ in range(count)]
         self._client = stack.client()

@@ -24,6 +24,7 @@ from tests.tiny_model import save_tiny_llama
 pytestmark = pytest.mark.e2e
 PREEMPTIONS = "pagedserve_preemptions_total"
 SMALL_BUDGET = 64  # --max-batched-tokens of the real-model stack
+TIE = 1e-3  # float32 logprobs this close are a tie for greedy comparisons
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,12 @@ def streams_match_their_runs_alone(
     stack, count: int, vocab: int, seed: int, new_tokens: tuple[int, int]
 ) -> None:
     """`count` concurrent greedy streams: preempted (counted in the gateway's metrics), all complete, all
-    blocks back, and each output equals the same request run alone afterwards."""
+    blocks back, and each output equals the same request run alone afterwards.
+
+    NOTE: batched, chunked differently or recomputed, a sequence's float32 logits differ from its run alone
+    by rounding, so on random prompts (flat distributions) a near-tie may go the other way: an output may
+    leave the reference only where the reference's top two tokens are within TIE of each other.
+    """
     requests = workload(count, vocab, seed, new_tokens)
     before = preemptions(stack)
     results = run_concurrently(stack, requests)
@@ -103,20 +109,31 @@ def streams_match_their_runs_alone(
     assert (stats.used_blocks, stats.num_sequences) == (0, 0)
     with stack.client() as client:
         # A salt of its own: computed from scratch, not from blocks the concurrent run left cached.
-        alone = [greedy(client, *r, cache_salt=f"alone-{seed}-{i}") for i, r in enumerate(requests)]
+        alone = [
+            greedy(client, *r, cache_salt=f"alone-{seed}-{i}", logprobs=2) for i, r in enumerate(requests)
+        ]
     for i, (result, reference) in enumerate(zip(results, alone, strict=True)):
         assert result.finish_reason == "length"
-        assert result.token_ids == reference.token_ids, f"request {i} diverged"
+        assert len(result.token_ids) == len(reference.token_ids)
+        differ = [
+            k
+            for k, pair in enumerate(zip(result.token_ids, reference.token_ids, strict=True))
+            if pair[0] != pair[1]
+        ]
+        if differ:
+            (first, second), at = reference.logprobs[differ[0]].top, differ[0]
+            assert first[1] - second[1] < TIE, f"request {i} diverged at token {at} without a near-tie"
+            assert result.token_ids[at] == second[0], f"request {i} took neither of the top two at {at}"
 
 
 def test_64_streams_over_a_small_kv_budget_all_complete_as_if_alone(tiny_stack):
     streams_match_their_runs_alone(tiny_stack, 64, vocab=256, seed=1, new_tokens=(2, 12))
 
 
-def test_12_streams_of_the_real_model_complete_as_if_alone(small_stack):
-    # NOTE: outputs of 8-24 tokens: a pure simulation of this scheduler on these lengths preempts 3-4 times
-    # however the 12 requests arrive (2-12 new tokens preempted once at best: too little to rely on).
-    streams_match_their_runs_alone(small_stack, 12, vocab=49152, seed=2, new_tokens=(8, 24))
+def test_64_streams_of_the_real_model_complete_as_if_alone(small_stack):
+    # NOTE: 24 blocks and at most 12 running sequences for 64 streams: a pure simulation of this scheduler on
+    # these lengths preempts 12 times however the requests arrive.
+    streams_match_their_runs_alone(small_stack, 64, vocab=49152, seed=2, new_tokens=(2, 12))
 
 
 def test_a_preempted_request_is_recomputed_from_the_blocks_it_had_written(tiny_stack):

@@ -3,6 +3,7 @@
 import statistics
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -37,11 +38,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def _send(client: Client, request: BenchRequest, start: float, on_token) -> Trace:
+def _send(client: Client, request: BenchRequest, start: float, on_token, salt: str) -> Trace:
     time.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
     trace = Trace(sent=time.perf_counter())
     for chunk in client.stream(token_ids=request.prompt_ids, max_tokens=request.max_tokens, temperature=0.0,
-                               ignore_eos=True):  # fmt: skip
+                               ignore_eos=True, cache_salt=salt):  # fmt: skip
         now = time.perf_counter()
         trace.token_times.extend([now] * len(chunk.token_ids))
         on_token(len(chunk.token_ids))
@@ -68,14 +69,19 @@ def _sample_cache(cache_target: str, stop: threading.Event, samples: list[CacheS
 
 
 def run(workload: Workload, target: str, cache_target: str, on_token=lambda n: None) -> dict:
-    """Figures of one pass of the workload: throughput, TTFT and inter-token latency, cache occupancy."""
+    """Figures of one pass of the workload: throughput, TTFT and inter-token latency, cache occupancy.
+
+    NOTE: each pass has a cache salt of its own, so that a repeated pass computes its prompts again instead
+    of finding the previous pass's blocks (requests of one pass still share prefixes).
+    """
+    salt = uuid.uuid4().hex
     samples: list[CacheSample] = []
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_cache, args=(cache_target, stop, samples), daemon=True)
     with Client(target) as client, ThreadPoolExecutor(len(workload.requests)) as pool:
         sampler.start()
         start = time.perf_counter()
-        traces = list(pool.map(lambda r: _send(client, r, start, on_token), workload.requests))
+        traces = list(pool.map(lambda r: _send(client, r, start, on_token, salt), workload.requests))
     stop.set()
     sampler.join()
     return summarize(traces, samples)

@@ -9,6 +9,7 @@ from common.model_files import local_copy
 from common.shared_pool import dtype_name
 from compute_service.attention.context import timed
 from compute_service.attention.registry import get_backend
+from compute_service.linear import use_small_batch_linears
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,17 @@ def register_attention(backend: str) -> str:
     return name
 
 
-def load(model: str, dtype: torch.dtype, backend: str = "cpu") -> tuple[PreTrainedModel, ModelSpec]:
+def load(
+    model: str, dtype: torch.dtype, backend: str = "cpu", plain_linear: bool = False
+) -> tuple[PreTrainedModel, ModelSpec]:
+    """The model with paged attention; its linear layers take the small-batch path (see
+    compute_service.linear) unless `plain_linear`."""
     files = local_copy(model)
     hf_model = AutoModelForCausalLM.from_pretrained(
         files.path, dtype=dtype, attn_implementation=register_attention(backend)
     ).eval()
+    if not plain_linear:
+        use_small_batch_linears(hf_model)
     return hf_model, model_spec(hf_model, files.name, backend)
 
 

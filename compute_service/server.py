@@ -125,6 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-format", choices=["console", "json"], default="console")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument(
+        "--plain-linear",
+        action="store_true",
+        help="keep nn.Linear as is (default: float32 CPU decode batches multiply W by x transposed, faster)",
+    )
     return parser.parse_args(argv)
 
 
@@ -134,7 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        model, spec = load(args.model, dtype_from_name(resolve_dtype(args.dtype)), args.attention_backend)
+        model, spec = load(
+            args.model, dtype_from_name(resolve_dtype(args.dtype)), args.attention_backend, args.plain_linear
+        )
     except FileNotFoundError as exc:
         raise SystemExit(f"compute_service: {exc}") from exc
     log.info(
@@ -143,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=spec.dtype_name,
         layers=spec.num_layers,
         threads=torch.get_num_threads(),
+        plain_linear=args.plain_linear,
     )
     servicer = ComputeServicer(Runner(model), spec, log)
     serve_metrics(args.host, args.metrics_port, log)

@@ -37,6 +37,9 @@ def add_parser(commands) -> None:
         "--metrics-url",
         help="the gateway's /metrics, for --profile with --target (e.g. http://127.0.0.1:9400/metrics)",
     )
+    p.add_argument(
+        "--plain-linear", action="store_true", help="the stack's compute keeps nn.Linear (for comparison)"
+    )
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.set_defaults(run=run)
 
@@ -65,11 +68,14 @@ def _peers(args, workload, dtype: str) -> dict:
 def run(args: argparse.Namespace) -> int:
     if args.profile and args.target and not args.metrics_url:
         raise SystemExit("pagedserve bench: --profile with --target needs the gateway's --metrics-url")
+    if args.plain_linear and args.target:
+        raise SystemExit("pagedserve bench: --plain-linear applies to a stack the bench starts, not --target")
+    flags = ["--plain-linear"] if args.plain_linear else []
     stack = None
     if args.target:
         target, cache_target, metrics_url = args.target, args.cache_target, args.metrics_url
     else:
-        stack = Stack.start(args.model, args.dtype, args.block_size)
+        stack = Stack.start(args.model, args.dtype, args.block_size, *flags)
         target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url
     try:
         with Client(target) as client:
@@ -78,13 +84,14 @@ def run(args: argparse.Namespace) -> int:
         if stack is not None and workload.stack_flags(args.block_size):
             stack.stop()
             stack = Stack.start(
-                args.model, args.dtype, args.block_size, *workload.stack_flags(args.block_size)
+                args.model, args.dtype, args.block_size, *flags, *workload.stack_flags(args.block_size)
             )
             target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url
         result = {
             "workload": workload.name,
             "description": workload.description,
-            "setup": f"{info.model}, {info.dtype}, block size {info.block_size}, median of {args.repeat}",
+            "setup": f"{info.model}, {info.dtype}{', plain nn.Linear' if args.plain_linear else ''}, "
+            f"block size {info.block_size}, median of {args.repeat}",
             "block_size": info.block_size,
             **_measure(args, workload, target, cache_target, metrics_url),
         }

@@ -29,6 +29,9 @@ def add_parser(commands) -> None:
         "--allocator", default="freelist", help="block allocator: freelist, bitmap, contiguous, ..."
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
+    p.add_argument(
+        "--plain-linear", action="store_true", help="compute keeps nn.Linear (no small-batch W·xᵀ path)"
+    )
     p.add_argument("--max-batched-tokens", type=int, default=4096)
     p.add_argument("--max-seqs", type=int, default=64)
     p.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
@@ -80,6 +83,7 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
             str(args.compute_port),
             *metrics["compute"],
             *log,
+            *(["--plain-linear"] if args.plain_linear else []),
         ],
         "gateway": [
             *py,

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from compute_service.linear import use_small_batch_linears
 from compute_service.model_loader import register_attention
 from compute_service.runner import Runner, Step
 from compute_service.validation import Limits, check_step
@@ -19,8 +20,10 @@ PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 44, 55, 66, 77, 88, 99, 11, 12, 13], [10, 2
 forward_request = partial(paged_forward_request, block_size=BLOCK_SIZE)
 
 
-@pytest.fixture(scope="module")
-def models():
+@pytest.fixture(scope="module", params=["small-batch linear", "plain linear"])
+def models(request):
+    """The reference and the paged model, the latter's linears on the path the compute service uses by
+    default, or on nn.Linear's (--plain-linear)."""
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(
         tiny_llama_config(initializer_range=0.3), attn_implementation="sdpa", dtype=torch.float32
@@ -31,6 +34,8 @@ def models():
         dtype=torch.float32,
     ).eval()
     paged.load_state_dict(reference.state_dict())
+    if request.param == "small-batch linear":
+        assert use_small_batch_linears(paged) == 7 * paged.config.num_hidden_layers + 1
     return reference, paged
 
 

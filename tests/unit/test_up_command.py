@@ -1,4 +1,4 @@
-"""`pagedserve up` hands the cache flags to the cache service's command line."""
+"""`pagedserve up` hands the cache and compute flags to the services' command lines."""
 
 import argparse
 
@@ -6,6 +6,7 @@ import pytest
 
 from cache_service.allocators import registry
 from cache_service.server import parse_args
+from compute_service.server import parse_args as compute_args
 from gateway.cli import up
 
 
@@ -23,6 +24,13 @@ def test_up_passes_the_allocator_and_the_prefix_cache_switch(allocator):
     default = up.service_commands(up_args())["cache"]
     args = parse_args(default[default.index("cache_service") + 1 :])
     assert (args.allocator, args.prefix_cache) == ("freelist", True)
+
+
+def test_up_passes_the_plain_linear_switch_to_compute():
+    for argv, plain in (((), False), (("--plain-linear",), True)):
+        compute = up.service_commands(up_args(*argv))["compute"]
+        args = compute_args(compute[compute.index("compute_service") + 1 :])
+        assert args.plain_linear is plain
 
 
 def test_the_cache_service_refuses_an_unknown_allocator(capsys):

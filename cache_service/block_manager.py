@@ -31,6 +31,14 @@ class BlockStats:
         return self.used_blocks / self.total_blocks
 
 
+@dataclass(frozen=True, slots=True)
+class TableTail:
+    """A block table from index `first` on; the entries before it are unchanged."""
+
+    first: int
+    block_ids: list[int]
+
+
 class BlockManager:
     """One block table per sequence id; each batch call validates the whole batch before changing anything.
 
@@ -76,11 +84,22 @@ class BlockManager:
         Raises InvalidArgument (empty id, num_tokens <= 0, token_ids not num_tokens long), AlreadyExists
         (the sequence has a table or is listed twice) and ResourceExhausted (not enough blocks).
         """
-        return self.reserve(requests, ())
+        self._reserve(requests, ())
+        return [self.block_table(request.seq_id) for request in requests]
 
-    def reserve(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> list[list[int]]:
-        """One scheduler step: `allocate(new)` and `extend(running)` as one all-or-nothing call; returns the
-        tables of `new`, then those of `running`. Raises what either raises; nothing changes on an error."""
+    def reserve(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> list[TableTail]:
+        """One scheduler step: `allocate(new)` and `extend(running)` as one all-or-nothing call; returns what
+        the caller lacks of each table, `new` then `running`: a new sequence's whole table, a running one's
+        from the block holding its num_computed on (the only blocks this call can copy or add). Raises what
+        either raises; nothing changes on an error."""
+        self._reserve(new, running)
+        tails = [TableTail(0, self.block_table(request.seq_id)) for request in new]
+        for request in running:
+            first = request.num_computed // self.block_size
+            tails.append(TableTail(first, self._seqs[request.seq_id].block_table[first:]))
+        return tails
+
+    def _reserve(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> None:
         grow = self._check_extend(running)
         # NOTE: copying a partly matched block pins it beside its copy; skipped when blocks are short.
         need, revived = self._check_allocate(new, partials=True)
@@ -90,7 +109,6 @@ class BlockManager:
         self._ensure_available(need + grow, revived)
         self._allocate(new, use_partials)
         self._extend(running)
-        return [self.block_table(request.seq_id) for request in (*new, *running)]
 
     def _allocate(self, requests: Sequence[SeqRequest], use_partials: bool) -> None:
         # NOTE: every hit is referenced before any table grows (theirs, or those `reserve` extends next), so
@@ -193,7 +211,8 @@ class BlockManager:
         Raises NotFound (unknown sequence), InvalidArgument (bad counts or tokens, listed twice) and
         ResourceExhausted (not enough blocks).
         """
-        return self.reserve((), requests)
+        self._reserve((), requests)
+        return [self.block_table(request.seq_id) for request in requests]
 
     def _extend(self, requests: Sequence[SeqRequest]) -> None:
         for request in requests:

@@ -83,10 +83,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         with self._lock:
             blocks = self._blocks()
             new = [_seq_request(seq) for seq in request.allocate]
-            tables = blocks.reserve(new, [_seq_request(seq) for seq in request.extend])
+            tails = blocks.reserve(new, [_seq_request(seq) for seq in request.extend])
             seq_ids = [seq.seq_id for seq in (*request.allocate, *request.extend)]
             cached = [blocks.cached_tokens(seq.seq_id) for seq in new] + [0] * len(request.extend)
-            return _block_tables(seq_ids, tables, blocks, cached)
+            return _block_tables(
+                seq_ids, [tail.block_ids for tail in tails], blocks, cached, [tail.first for tail in tails]
+            )
 
     def Fork(self, request: cache_pb2.ForkRequest, context) -> cache_pb2.BlockTables:
         with self._lock:
@@ -161,13 +163,18 @@ def _seq_request(seq: cache_pb2.SequenceRequest) -> SeqRequest:
 
 
 def _block_tables(
-    seq_ids: Sequence[str], tables: list[list[int]], blocks: BlockManager, cached: Sequence[int] = ()
+    seq_ids: Sequence[str],
+    tables: list[list[int]],
+    blocks: BlockManager,
+    cached: Sequence[int] = (),
+    first: Sequence[int] = (),
 ) -> cache_pb2.BlockTables:
     cached = cached or [0] * len(seq_ids)
+    first = first or [0] * len(seq_ids)
     return cache_pb2.BlockTables(
         tables=[
-            cache_pb2.BlockTable(seq_id=seq_id, block_ids=table, cached_tokens=n)
-            for seq_id, table, n in zip(seq_ids, tables, cached, strict=True)
+            cache_pb2.BlockTable(seq_id=seq_id, block_ids=table, cached_tokens=n, first_block=i)
+            for seq_id, table, n, i in zip(seq_ids, tables, cached, first, strict=True)
         ],
         free_blocks=blocks.pool.num_available,
     )

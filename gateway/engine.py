@@ -170,7 +170,7 @@ class Engine:
     def _reserve(self, step: Step) -> None:
         """One cache call per step: allocates tables for sequences that have none (looking up the prefix
         cache over their first chunk), and reports every other sequence's new tokens and progress and grows
-        its table to hold its chunk."""
+        its table to hold its chunk (the reply carries only the part of its table that may change)."""
         now = time.monotonic()
         new = [seq for seq in step.seqs if not seq.block_table]
         running = [seq for seq in step.seqs if seq.block_table]
@@ -181,7 +181,8 @@ class Engine:
         reply = self._cache.Reserve(request, timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs))
         for seq, table in zip((*new, *running), reply.tables, strict=True):
             assert seq.seq_id == table.seq_id, (seq.seq_id, table.seq_id)
-            seq.block_table = list(table.block_ids)
+            assert table.first_block <= len(seq.block_table), (seq.seq_id, table.first_block)
+            seq.block_table[table.first_block :] = table.block_ids
             seq.num_synced, seq.shares_tail = seq.chunk_end, False
             seq.num_computed = max(seq.num_computed, table.cached_tokens)
             if seq.scheduled_at is None:

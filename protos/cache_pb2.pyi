@@ -76,14 +76,16 @@ class ForkRequest(_message.Message):
     def __init__(self, parent_id: _Optional[str] = ..., child_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockTable(_message.Message):
-    __slots__ = ("seq_id", "block_ids", "cached_tokens")
+    __slots__ = ("seq_id", "block_ids", "cached_tokens", "first_block")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    first_block: int
+    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class BlockTables(_message.Message):
     __slots__ = ("tables", "free_blocks")

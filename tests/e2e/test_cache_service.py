@@ -134,15 +134,21 @@ def test_reserve_allocates_and_extends_in_one_call_and_refuses_as_a_whole(stub, 
     reply = stub.Reserve(request)
     assert [(t.seq_id, len(t.block_ids)) for t in reply.tables] == [("new", 2), ("run", 2)]
     assert reply.free_blocks == NUM_BLOCKS - 4
+    run = list(reply.tables[1].block_ids)
+    # once 17 tokens are written, a step to 40 tokens can only touch the blocks from the second on
+    grow = cache_pb2.SequenceRequest(seq_id="run", num_tokens=40, token_ids=[], num_computed=17)
+    tail = stub.Reserve(cache_pb2.ReserveRequest(extend=[grow])).tables[0]
+    assert (tail.first_block, len(tail.block_ids)) == (1, 2) and tail.block_ids[0] == run[1]
+    assert service.stats().free_blocks == reply.free_blocks - 1
     too_big = cache_pb2.ReserveRequest(
-        allocate=seqs(("big", NUM_BLOCKS * BLOCK_SIZE)), extend=seqs(("run", 18))
+        allocate=seqs(("big", NUM_BLOCKS * BLOCK_SIZE)), extend=seqs(("run", 41))
     )
     details = refused(stub.Reserve, too_big, grpc.StatusCode.RESOURCE_EXHAUSTED)
-    assert f"need {NUM_BLOCKS} blocks, {NUM_BLOCKS - 4} free" in details
+    assert f"need {NUM_BLOCKS} blocks, {NUM_BLOCKS - 5} free" in details
     unknown = cache_pb2.ReserveRequest(allocate=seqs(("other", 4)), extend=seqs(("ghost", 4)))
     assert "'ghost'" in refused(stub.Reserve, unknown, grpc.StatusCode.NOT_FOUND)
     stats = service.stats()
-    assert (stats.used_blocks, stats.num_sequences) == (4, 2), "a refused Reserve changes nothing"
+    assert (stats.used_blocks, stats.num_sequences) == (5, 2), "a refused Reserve changes nothing"
     stub.Free(cache_pb2.FreeRequest(seq_ids=["new", "run"]))
     assert service.stats().used_blocks == 0
 

@@ -115,9 +115,11 @@ def test_reserve_allocates_and_extends_in_one_all_or_nothing_call():
     blocks = manager(8)
     blocks.allocate([SeqRequest("a", 4, list(range(4)))])
     # a wrote its 4 tokens and grows to 6; b arrives with a prompt whose first chunk is 5 of its tokens
-    tables_ = blocks.reserve([SeqRequest("b", 5, list(range(10, 15)))], [SeqRequest("a", 6, [4, 5], 4)])
-    assert [len(t) for t in tables_] == [2, 2], "b's table, then a's"
-    assert tables_[1] == blocks.block_table("a") and tables_[0] == blocks.block_table("b")
+    tails = blocks.reserve([SeqRequest("b", 5, list(range(10, 15)))], [SeqRequest("a", 6, [4, 5], 4)])
+    # b's whole table, then a's from its second block (a's first block holds its 4 written tokens)
+    assert [tail.first for tail in tails] == [0, 1]
+    assert tails[0].block_ids == blocks.block_table("b") and len(tails[0].block_ids) == 2
+    assert tails[1].block_ids == blocks.block_table("a")[1:] and len(blocks.block_table("a")) == 2
     assert blocks.stats().used_blocks == 4 and blocks.stats().free_blocks == 4
     blocks.check_invariants()
 
@@ -130,6 +132,24 @@ def test_reserve_allocates_and_extends_in_one_all_or_nothing_call():
         blocks.reserve([SeqRequest("b", 4)], [SeqRequest("a", 6, [], 6)])
     assert tables(blocks, ["a", "b"]) == before and blocks.stats().free_blocks == free
     assert blocks.stats().num_sequences == 2
+    blocks.check_invariants()
+
+
+def test_reserve_returns_the_part_of_a_table_a_step_can_change():
+    blocks = manager(8)
+    blocks.allocate([SeqRequest("a", 8, list(range(8)))])
+    a = blocks.block_table("a")
+    # tokens 0-7 are written (two full blocks, which stay); token 8 needs a third block, index 2
+    (grown,) = blocks.reserve([], [SeqRequest("a", 9, [8], 8)])
+    assert grown.first == 2 and len(grown.block_ids) == 1
+    assert a + grown.block_ids == blocks.block_table("a")
+    (same,) = blocks.reserve([], [SeqRequest("a", 10, [9], 9)])
+    assert (same.first, same.block_ids) == (2, grown.block_ids)
+    # a fork shares a's blocks: the child's next step copies the one it writes, and its tail says so
+    (child,) = blocks.fork("a", ["b"])
+    (copied,) = blocks.reserve([], [SeqRequest("b", 11, [10], 10)])
+    assert copied.first == 2 and copied.block_ids != child[2:]
+    assert child[:2] + copied.block_ids == blocks.block_table("b")
     blocks.check_invariants()
 
 

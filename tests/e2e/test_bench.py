@@ -40,3 +40,12 @@ def test_bench_latency_writes_the_table_json_and_profile(stack_fp32, tmp_path):
         assert phases["compute_model"] + phases["compute_sample"] < phases["compute_rpc"] < kind["step_ms"]
         assert phases["cache_rpc"] > 0 and phases["compute_prepare"] > 0
         assert 0 < kind["overhead_pct"] < 100
+
+
+def test_bench_refuses_plain_linear_against_a_running_stack():
+    out = subprocess.run(
+        [PAGEDSERVE, "bench", "--workload", "latency", "--target", "127.0.0.1:1", "--plain-linear"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "--plain-linear applies to a stack the bench starts, not --target" in out.stderr

@@ -7,7 +7,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from compute_service.linear import SMALL_BATCH_ROWS, SmallBatchLinear, use_small_batch_linears
-from tests.tiny_model import tiny_llama_config
+from compute_service.model_loader import load
+from tests.tiny_model import save_tiny_llama, tiny_llama_config
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -41,3 +42,10 @@ def test_replacing_keeps_parameters_shared_and_tied():
     assert {name: tensor.data_ptr() for name, tensor in model.state_dict().items()} == before
     assert model.lm_head.weight is model.get_input_embeddings().weight
     assert use_small_batch_linears(model) == 0
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_the_loader_takes_the_small_batch_path_unless_plain_linear_is_asked(tmp_path, plain):
+    model, _ = load(str(save_tiny_llama(tmp_path / "tiny")), torch.float32, plain_linear=plain)
+    kinds = {type(module) for module in model.modules() if isinstance(module, nn.Linear)}
+    assert kinds == ({nn.Linear} if plain else {SmallBatchLinear})

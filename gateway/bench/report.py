@@ -16,6 +16,7 @@ ROWS = [
     ("kv_utilisation_at_peak", "KV utilisation at peak occupancy", "{:.1%}"),
 ]
 PEERS = ("generate_batch", "generate")
+PREFIX_CACHE_OFF = "prefix cache off"  # pagedserve itself, on a stack started with --no-prefix-cache
 
 
 def _cell(value, fmt: str) -> str:
@@ -31,12 +32,13 @@ def _ratio(ours, theirs, key: str) -> str:
 
 def table(result: dict) -> str:
     ours, peers = result["pagedserve"], result.get("peers", {})
-    header = ["metric", "pagedserve", *PEERS, *(f"vs {p}" for p in PEERS)]
+    names = [*PEERS, *(p for p in peers if p not in PEERS)]
+    header = ["metric", "pagedserve", *names, *(f"vs {p}" for p in names)]
     lines = [header]
     for key, label, fmt in ROWS:
         row = [label, _cell(ours.get(key), fmt)]
-        row += [_cell(peers.get(p, {}).get(key), fmt) for p in PEERS]
-        row += [_ratio(ours.get(key), peers.get(p, {}).get(key), key) for p in PEERS]
+        row += [_cell(peers.get(p, {}).get(key), fmt) for p in names]
+        row += [_ratio(ours.get(key), peers.get(p, {}).get(key), key) for p in names]
         lines.append(row)
     return "\n".join(
         [f"{result['workload']}: {result['description']}", f"({result['setup']})", *aligned(lines)]

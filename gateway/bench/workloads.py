@@ -20,6 +20,8 @@ class Workload:
     # A KV budget in tokens for the stack the bench starts (block_size divides it into blocks), so that
     # block sizes compare at equal memory; None keeps the default budget.
     kv_tokens: int | None = None
+    # Also run it on a stack with the prefix cache off (when the bench starts its own stacks).
+    prefix_cache_off_peer: bool = False
 
     def stack_flags(self, block_size: int) -> tuple[str, ...]:
         return () if self.kv_tokens is None else ("--kv-blocks", str(max(1, self.kv_tokens // block_size)))
@@ -58,7 +60,10 @@ def shared_prefix(rng: random.Random, vocab: int) -> Workload:
     system = _tokens(rng, 512, vocab)
     reqs = [BenchRequest(system + _tokens(rng, rng.randint(16, 64), vocab), 32) for _ in range(32)]
     return Workload(
-        "shared-prefix", "32 requests: one 512-token system prompt + 16-64 unique tokens, 32 new", reqs
+        "shared-prefix",
+        "32 requests: one 512-token system prompt + 16-64 unique tokens, 32 new",
+        reqs,
+        prefix_cache_off_peer=True,
     )
 
 

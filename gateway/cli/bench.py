@@ -46,14 +46,19 @@ def add_parser(commands) -> None:
 
 def _measure(args, workload, target: str, cache_target: str, metrics_url: str | None) -> dict:
     """The workload's median figures and, with --profile, the mean step split over all passes."""
-    total = sum(r.max_tokens for r in workload.requests) * args.repeat
     before = profile.scrape(metrics_url) if args.profile else None
-    with tqdm(total=total, desc=f"{workload.name}", unit="tok", file=sys.stderr) as bar:
-        runs = [driver.run(workload, target, cache_target, bar.update) for _ in range(args.repeat)]
-    figures = {"pagedserve": driver.median_of(runs)}
+    figures = {"pagedserve": _passes(args, workload, target, cache_target, workload.name)}
     if args.profile:
         figures["profile"] = profile.summarize(before, profile.scrape(metrics_url))
     return figures
+
+
+def _passes(args, workload, target: str, cache_target: str, desc: str) -> dict:
+    """The median figures of --repeat passes of the workload against one stack."""
+    total = sum(r.max_tokens for r in workload.requests) * args.repeat
+    with tqdm(total=total, desc=desc, unit="tok", file=sys.stderr) as bar:
+        runs = [driver.run(workload, target, cache_target, bar.update) for _ in range(args.repeat)]
+    return driver.median_of(runs)
 
 
 def _peers(args, workload, dtype: str) -> dict:
@@ -95,11 +100,26 @@ def run(args: argparse.Namespace) -> int:
             "block_size": info.block_size,
             **_measure(args, workload, target, cache_target, metrics_url),
         }
+        others = {}
+        if stack is not None and workload.prefix_cache_off_peer:
+            stack.stop()
+            stack = Stack.start(
+                args.model,
+                args.dtype,
+                args.block_size,
+                *flags,
+                *workload.stack_flags(args.block_size),
+                "--no-prefix-cache",
+            )
+            off = report.PREFIX_CACHE_OFF
+            others[off] = _passes(args, workload, stack.target, stack.cache_target, f"{workload.name}, {off}")
     finally:
         if stack is not None:
             stack.stop()
     if not args.no_peers:
-        result["peers"] = _peers(args, workload, info.dtype)
+        others = {**_peers(args, workload, info.dtype), **others}
+    if others:
+        result["peers"] = others
     print(report.table(result))
     if "profile" in result:
         print(profile.table(result["profile"]))

@@ -6,6 +6,7 @@ import subprocess
 import pytest
 
 from tests.e2e.stack import PAGEDSERVE
+from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 
@@ -49,3 +50,25 @@ def test_bench_refuses_plain_linear_against_a_running_stack():
     )  # fmt: skip
     assert out.returncode != 0
     assert "--plain-linear applies to a stack the bench starts, not --target" in out.stderr
+
+
+def test_shared_prefix_bench_also_runs_with_the_prefix_cache_off(tmp_path, tokenizer):
+    """The bench starts its own stacks (a random-weight model, so it is quick): the workload's second run
+    computes every prompt token, the first takes the system prompt from the prefix cache."""
+    model = save_tiny_llama(tmp_path / "tiny", max_position_embeddings=1024)
+    tokenizer.save_pretrained(model)
+    out = subprocess.run(
+        [PAGEDSERVE, "bench", "--workload", "shared-prefix", "--model", str(model), "--dtype", "float32",
+         "--no-peers", "--json", str(tmp_path / "bench.json")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "vs prefix cache off" in out.stdout
+    result = json.loads((tmp_path / "bench.json").read_text())
+    ours, off = result["pagedserve"], result["peers"]["prefix cache off"]
+    assert set(result["peers"]) == {"prefix cache off"}, "--no-peers skips generate_batch and generate"
+    assert off["cached_prompt_tokens"] == 0
+    # 32 requests share a 512-token system prompt; those admitted once its blocks are written (all but the
+    # first two steps' 14 or so) take its 32 blocks from the cache
+    assert ours["cached_prompt_tokens"] >= 16 * 512
+    assert ours["prompt_tokens"] == off["prompt_tokens"]

@@ -76,6 +76,19 @@ def test_ratios_favour_pagedserve_above_one():
     assert "2.00x" in text, "latency: lower is better"
 
 
+def test_the_prefix_cache_off_run_gets_its_own_column_and_ratio():
+    result = {
+        "workload": "w", "description": "d", "setup": "s",
+        "pagedserve": {"tokens_per_s": 400.0, "cached_prompt_tokens": 9000.0},
+        "peers": {report.PREFIX_CACHE_OFF: {"tokens_per_s": 100.0, "cached_prompt_tokens": 0.0}},
+    }  # fmt: skip
+    lines = report.table(result).splitlines()
+    assert lines[2].rstrip().endswith("vs prefix cache off")
+    tokens_per_s = next(line for line in lines if line.startswith("tokens/s"))
+    assert tokens_per_s.split()[-1] == "4.00x"
+    assert [p for p in WORKLOADS if build(p, 1000).prefix_cache_off_peer] == ["shared-prefix"]
+
+
 def test_profile_reads_the_step_histograms_between_two_scrapes():
     before = profile.parse(generate_latest(REGISTRY).decode())
     for _ in range(2):

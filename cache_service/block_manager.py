@@ -107,6 +107,12 @@ class BlockManager:
         if not use_partials:
             need, revived = self._check_allocate(new, partials=False)
         self._ensure_available(need + grow, revived)
+        # NOTE: the blocks the running sequences wrote last step are indexed before the new sequences look
+        # the prefix cache up, so a prompt admitted now finds a shared prefix another prompt computed in the
+        # step before (indexing only adds hits: the checks above over-count the blocks to take, never under).
+        for request in running:
+            seq = self._seqs[request.seq_id]
+            self._register(seq, min(request.num_computed, seq.num_tokens))
         self._allocate(new, use_partials)
         self._extend(running)
 

@@ -135,6 +135,17 @@ def test_reserve_allocates_and_extends_in_one_all_or_nothing_call():
     blocks.check_invariants()
 
 
+def test_a_prompt_admitted_a_step_after_another_finds_the_blocks_that_step_wrote():
+    blocks = manager(16)
+    prompt = list(range(12))
+    blocks.allocate([SeqRequest("a", 12, prompt)])
+    # the step after a's prefill reports its 12 written tokens and admits b, which starts with a's prompt
+    b, _ = blocks.reserve([SeqRequest("b", 14, [*prompt, 50, 51])], [SeqRequest("a", 13, [99], 12)])
+    assert blocks.cached_tokens("b") == 12
+    assert b.block_ids[:3] == blocks.block_table("a")[:3] and len(b.block_ids) == 4
+    blocks.check_invariants()
+
+
 def test_reserve_returns_the_part_of_a_table_a_step_can_change():
     blocks = manager(8)
     blocks.allocate([SeqRequest("a", 8, list(range(8)))])

@@ -133,13 +133,51 @@ class BlockManager:
                 self.pool.reference(partial[0])
                 partials[request.seq_id] = partial
             self._queried += request.num_tokens if seq.token_ids is not None else 0
+        # NOTE: a prompt also shares the full blocks that a prompt before it in this call computes in the same
+        # step (compute writes every new token's K/V of a layer before any attention reads the pool). They
+        # are indexed only once their writer reports them written, so a failed step leaves no unwritten
+        # block in the index; sharing only lowers the count of blocks to take.
+        scheduled: dict[BlockHash, int] = {}
         for request in requests:
             seq = self._seqs[request.seq_id]
+            if self._share_scheduled(request, seq, scheduled):
+                partial = partials.pop(request.seq_id, None)
+                if partial is not None:
+                    self.pool.release(partial[0])
             if request.seq_id in partials:
                 self._copy_partial(seq, *partials[request.seq_id])
             self._hit += seq.cached_tokens
             self._grow(seq, self.blocks_needed(request.num_tokens) - len(seq.block_table))
             self._account(request.num_tokens, len(seq.block_table))
+            self._schedule(request, seq, scheduled)
+
+    def _share_scheduled(self, request: SeqRequest, seq: SeqState, scheduled: dict[BlockHash, int]) -> int:
+        """Extends the sequence's hits with blocks of `scheduled` (hash -> block an earlier prompt of the
+        call computes this step); returns how many it took."""
+        if not (scheduled and seq.token_ids is not None):
+            return 0
+        taken = 0
+        for index in range(len(seq.hashes), (request.num_tokens - 1) // self.block_size):
+            parent = seq.hashes[-1] if seq.hashes else seq.root
+            hash_ = block_hash(parent, self._block_tokens(seq.token_ids, index))
+            block_id = scheduled.get(hash_)
+            if block_id is None:
+                break
+            self.pool.reference(block_id)
+            seq.block_table.append(block_id)
+            seq.hashes.append(hash_)
+            taken += 1
+        seq.cached_tokens += taken * self.block_size
+        return taken
+
+    def _schedule(self, request: SeqRequest, seq: SeqState, scheduled: dict[BlockHash, int]) -> None:
+        """Adds the full blocks the sequence computes this step (past its hits) to `scheduled`."""
+        if seq.token_ids is None:
+            return
+        parent = seq.hashes[-1] if seq.hashes else seq.root
+        for index in range(len(seq.hashes), request.num_tokens // self.block_size):
+            parent = block_hash(parent, self._block_tokens(seq.token_ids, index))
+            scheduled.setdefault(parent, seq.block_table[index])
 
     def _new_sequence(self, request: SeqRequest) -> SeqState:
         tokens = list(request.token_ids) if self.prefix_caching and request.token_ids else None

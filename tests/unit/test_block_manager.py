@@ -146,6 +146,27 @@ def test_a_prompt_admitted_a_step_after_another_finds_the_blocks_that_step_wrote
     blocks.check_invariants()
 
 
+def test_prompts_admitted_together_share_the_blocks_the_first_computes_in_that_step():
+    blocks = manager(16)
+    system = list(range(100, 112))  # three blocks
+    a, b, c = (SeqRequest(name, 14, [*system, n, n + 1]) for name, n in (("a", 1), ("b", 3), ("c", 5)))
+    blocks.allocate([a, b, c])
+    shared = blocks.block_table("a")[:3]
+    assert blocks.block_table("b")[:3] == blocks.block_table("c")[:3] == shared
+    assert [blocks.cached_tokens(s) for s in "abc"] == [0, 12, 12]
+    assert blocks.stats().used_blocks == 6 and blocks.stats().prefix_hit_tokens == 24
+    # nothing is indexed before a reports its blocks written: a failed step leaves no unwritten block behind
+    blocks.check_invariants()
+    assert blocks.free(["a", "b", "c"]) == 6
+    assert blocks.stats().cached_blocks == 0 and blocks.stats().free_blocks == 16
+
+    blocks.allocate([a, b])
+    blocks.extend([SeqRequest("a", 15, [7], 14), SeqRequest("b", 15, [8], 14)])
+    blocks.check_invariants()
+    blocks.allocate([c])
+    assert blocks.cached_tokens("c") == 12 and blocks.block_table("c")[:3] == blocks.block_table("a")[:3]
+
+
 def test_reserve_returns_the_part_of_a_table_a_step_can_change():
     blocks = manager(8)
     blocks.allocate([SeqRequest("a", 8, list(range(8)))])

@@ -1,6 +1,7 @@
 """Prefix sharing, copy-on-write and n > 1 sampling through the running stack (real model, float32)."""
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -30,17 +31,16 @@ def shared_prompts(tokenizer, count: int) -> list[list[int]]:
     return [system + tokenizer.encode(f" Question {i}: what is {i} times {i + 3}?") for i in range(count)]
 
 
-def greedy(client, token_ids: list[int]) -> list[int]:
-    return client.generate(
-        token_ids=token_ids, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True
-    ).token_ids
+def greedy(client, token_ids: list[int], **options) -> list[int]:
+    options = {"temperature": 0.0, "ignore_eos": True, **options}
+    return client.generate(token_ids=token_ids, max_tokens=NEW_TOKENS, **options).token_ids
 
 
-def run_all(client, prompts: list[list[int]]) -> list[list[int]]:
+def run_all(client, prompts: list[list[int]], **options) -> list[list[int]]:
     outputs: list = [None] * len(prompts)
 
     def one(i: int) -> None:
-        outputs[i] = greedy(client, prompts[i])
+        outputs[i] = greedy(client, prompts[i], **options)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
@@ -85,6 +85,30 @@ def test_sixteen_requests_share_a_system_prompt(stack_fp32, stack_uncached, toke
     stats = stack_uncached.stats()
     assert (stats.prefix_caching, stats.prefix_hit_tokens, stats.cached_blocks) == (False, 0, 0)
     assert stats.used_blocks == 0
+
+
+def test_requests_admitted_together_compute_their_shared_prompt_once(stack_fp32, stack_uncached, tokenizer):
+    """Eight requests queued behind a long prefill are admitted in one step: the first computes the system
+    prompt, the others read its K/V written in that same forward, and every output equals the uncached one."""
+    prompts = shared_prompts(tokenizer, 8)
+    (blocker,) = prompt_ids(tokenizer, [1500])
+    before = stack_fp32.stats()
+    with stack_fp32.client() as client:
+        # salts of their own: nothing cached before, and the blocker (whose text starts alike) shares nothing
+        busy = threading.Thread(target=greedy, args=(client, blocker), kwargs={"cache_salt": "blocker"})
+        busy.start()
+        time.sleep(1.0)  # the blocker's prefill runs; the eight queue behind it
+        outputs = run_all(client, prompts, cache_salt="admitted-together")
+        busy.join()
+    after = stack_fp32.stats()
+    computed = (after.prefix_query_tokens - after.prefix_hit_tokens) - (
+        before.prefix_query_tokens - before.prefix_hit_tokens
+    )
+    unique = sum(len(p) - 400 for p in prompts)
+    assert computed - len(blocker) <= 400 + unique + 8 * before.block_size, computed
+    assert after.used_blocks == 0
+    with stack_uncached.client() as client:
+        assert outputs == run_all(client, prompts)
 
 
 def test_n_samples_share_the_prompt_and_copy_on_write(stack_fp32, tokenizer):

@@ -70,17 +70,22 @@ def _peers(args, workload, dtype: str) -> dict:
     return {name: driver.median_of(values) for name, values in runs.items()}
 
 
+def _start(args, *flags: str) -> Stack:
+    """A stack of the bench's model, dtype, block size and linear path, with these extra `up` flags."""
+    linear = ["--plain-linear"] if args.plain_linear else []
+    return Stack.start(args.model, args.dtype, args.block_size, *linear, *flags)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.profile and args.target and not args.metrics_url:
         raise SystemExit("pagedserve bench: --profile with --target needs the gateway's --metrics-url")
     if args.plain_linear and args.target:
         raise SystemExit("pagedserve bench: --plain-linear applies to a stack the bench starts, not --target")
-    flags = ["--plain-linear"] if args.plain_linear else []
     stack = None
     if args.target:
         target, cache_target, metrics_url = args.target, args.cache_target, args.metrics_url
     else:
-        stack = Stack.start(args.model, args.dtype, args.block_size, *flags)
+        stack = _start(args)
         target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url
     try:
         with Client(target) as client:
@@ -88,9 +93,7 @@ def run(args: argparse.Namespace) -> int:
         workload = build(args.workload, info.vocab_size, args.seed)
         if stack is not None and workload.stack_flags(args.block_size):
             stack.stop()
-            stack = Stack.start(
-                args.model, args.dtype, args.block_size, *flags, *workload.stack_flags(args.block_size)
-            )
+            stack = _start(args, *workload.stack_flags(args.block_size))
             target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url
         result = {
             "workload": workload.name,
@@ -103,14 +106,7 @@ def run(args: argparse.Namespace) -> int:
         others = {}
         if stack is not None and workload.prefix_cache_off_peer:
             stack.stop()
-            stack = Stack.start(
-                args.model,
-                args.dtype,
-                args.block_size,
-                *flags,
-                *workload.stack_flags(args.block_size),
-                "--no-prefix-cache",
-            )
+            stack = _start(args, *workload.stack_flags(args.block_size), "--no-prefix-cache")
             off = report.PREFIX_CACHE_OFF
             others[off] = _passes(args, workload, stack.target, stack.cache_target, f"{workload.name}, {off}")
     finally:

@@ -4,7 +4,7 @@ import grpc
 import pytest
 
 from gateway.client import GenerationError
-from protos import cache_pb2, common_pb2, compute_pb2
+from protos import cache_pb2, compute_pb2
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +60,7 @@ def _forward(stack, **overrides) -> compute_pb2.ForwardRequest:
         block_table_width=1,
         slot_mapping=[0, 1, 2],
         sample=[True],
-        sampling=[common_pb2.SamplingParams(temperature=0.0)],
+        sampling=[compute_pb2.RowSampling(temperature=0.0)],
     )
     request.update(overrides)
     return compute_pb2.ForwardRequest(**request)
@@ -73,7 +73,7 @@ def _forward(stack, **overrides) -> compute_pb2.ForwardRequest:
         (dict(block_tables=[-7], slot_mapping=[-112, -111, -110]), "block"),
         (dict(slot_mapping=[0, 1, 5]), "slot"),
         (dict(token_ids=[1, 2, 10**6]), "token"),
-        (dict(sampling=[common_pb2.SamplingParams(logprobs=50)]), "sampling[0].logprobs = 50 is invalid"),
+        (dict(sampling=[compute_pb2.RowSampling(logprobs=50)]), "sampling[0].logprobs = 50 is invalid"),
         (dict(history_token_ids=[1, 99999], cu_history=[0, 2], history_prompt_lens=[1]), "history_token_ids"),
     ],
 )

@@ -27,7 +27,7 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
             continue
         flag, text = "--" + c.name.replace("_", "-"), c.help.replace("%", "%%").replace("`", "")
         if c.kind is Kind.FLAG:
-            p.add_argument(flag, action="store_true", help=text)
+            p.add_argument(flag, action="store_true", default=None, help=text)
         elif c.kind is Kind.TOKEN_IDS:
             p.add_argument(flag.removesuffix("s"), dest=c.name, type=int, action="append", metavar="TOKEN_ID",
                            help=f"{text} (repeatable)")  # fmt: skip

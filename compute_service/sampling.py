@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from protos import common_pb2, compute_pb2
+from common.sampling_controls import CONTROLS, ROW_CONTROLS, Kind, read
+from protos import compute_pb2
 
 
 def _floats(values) -> torch.Tensor:
@@ -18,27 +19,40 @@ def _ints(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
+# The numeric per-row controls with a default: one tensor each, named after the control.
+NUMBER_CONTROLS = tuple(
+    c.name for c in ROW_CONTROLS if c.kind in (Kind.FLOAT, Kind.INT) and c.default is not None
+)
+
+
+def _column(params: Sequence[compute_pb2.RowSampling], name: str) -> torch.Tensor:
+    control = CONTROLS[name]
+    values = [read(p, control) for p in params]
+    return _floats(values) if control.kind is Kind.FLOAT else _ints(values)
+
+
 @dataclass(slots=True)
 class SamplingBatch:
     """One row per sequence that samples this step; the request's fields as tensors, unchecked."""
 
-    temperature: torch.Tensor  # [S] float32; 0 is greedy
-    top_p: torch.Tensor  # [S] float32; 1 is off
-    top_k: torch.Tensor  # [S] int64; 0 is off
-    min_p: torch.Tensor  # [S] float32; 0 is off
-    seeds: list[int | None]
-    repetition_penalty: torch.Tensor  # [S] float32; 1 is off
+    # the numeric controls, unset ones at their declared defaults (common.sampling_controls)
+    temperature: torch.Tensor  # [S] float32
+    top_p: torch.Tensor  # [S] float32
+    top_k: torch.Tensor  # [S] int64
+    min_p: torch.Tensor  # [S] float32
+    repetition_penalty: torch.Tensor  # [S] float32
     presence_penalty: torch.Tensor  # [S] float32
     frequency_penalty: torch.Tensor  # [S] float32
+    min_tokens: torch.Tensor  # [S] int64
+    seeds: list[int | None]
     wants_logprobs: torch.Tensor  # [S] bool: logprobs is set
     logprobs: torch.Tensor  # [S] int64; top alternatives asked for (0 when unset)
-    min_tokens: torch.Tensor  # [S] int64
-    # logit_bias and min_tokens' stop ids, flattened over rows: (row, token id[, bias]) per entry
+    # logit_bias and the suppressed ids, flattened over rows: (row, token id[, bias]) per entry
     bias_rows: torch.Tensor
     bias_ids: torch.Tensor
     bias_values: torch.Tensor
-    stop_rows: torch.Tensor
-    stop_ids: torch.Tensor
+    suppress_rows: torch.Tensor
+    suppress_ids: torch.Tensor
     # the penalties' token history (see ForwardRequest) and the generated counts (empty: none sent)
     history: torch.Tensor
     cu_history: torch.Tensor
@@ -58,35 +72,27 @@ class SamplingBatch:
     @classmethod
     def from_params(
         cls,
-        params: Sequence[common_pb2.SamplingParams],
+        params: Sequence[compute_pb2.RowSampling],
         *,
         history: Sequence[int] = (),
         cu_history: Sequence[int] = (),
         history_prompt_lens: Sequence[int] = (),
         output_lens: Sequence[int] = (),
     ) -> "SamplingBatch":
-        def optional(name: str, default: float) -> list[float]:
-            return [getattr(p, name) if p.HasField(name) else default for p in params]
-
         bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias.items()]
-        stops = [(row, t) for row, p in enumerate(params) if p.min_tokens > 0 for t in p.stop_token_ids]
+        suppress = [
+            (row, t) for row, p in enumerate(params) if p.min_tokens > 0 for t in p.suppress_token_ids
+        ]
         return cls(
-            temperature=_floats(optional("temperature", 1.0)),
-            top_p=_floats(optional("top_p", 1.0)),
-            top_k=_ints([p.top_k for p in params]),
-            min_p=_floats(optional("min_p", 0.0)),
+            **{name: _column(params, name) for name in NUMBER_CONTROLS},
             seeds=[p.seed if p.HasField("seed") else None for p in params],
-            repetition_penalty=_floats(optional("repetition_penalty", 1.0)),
-            presence_penalty=_floats([p.presence_penalty for p in params]),
-            frequency_penalty=_floats([p.frequency_penalty for p in params]),
             wants_logprobs=torch.tensor([p.HasField("logprobs") for p in params], dtype=torch.bool),
-            logprobs=_ints(optional("logprobs", 0)),
-            min_tokens=_ints([p.min_tokens for p in params]),
+            logprobs=_ints([p.logprobs for p in params]),
             bias_rows=_ints([row for row, _, _ in bias]),
             bias_ids=_ints([t for _, t, _ in bias]),
             bias_values=_floats([b for _, _, b in bias]),
-            stop_rows=_ints([row for row, _ in stops]),
-            stop_ids=_ints([t for _, t in stops]),
+            suppress_rows=_ints([row for row, _ in suppress]),
+            suppress_ids=_ints([t for _, t in suppress]),
             history=_ints(history),
             cu_history=_ints(cu_history),
             history_prompt_lens=_ints(history_prompt_lens),
@@ -128,17 +134,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) 
 
 def process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The raw logits after repetition, presence and frequency penalties, logit bias and min_tokens."""
-    if not (len(batch.cu_history) or len(batch.bias_ids) or len(batch.stop_ids)):
+    if not (len(batch.cu_history) or len(batch.bias_ids) or len(batch.suppress_ids)):
         return logits
     logits = logits.clone()
     if len(batch.cu_history):
         _penalize_(logits, batch)
     if len(batch.bias_ids):
         logits.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
-    if len(batch.stop_ids):
-        generated = batch.output_lens[batch.stop_rows]
-        suppress = generated < batch.min_tokens[batch.stop_rows]
-        logits.index_put_((batch.stop_rows[suppress], batch.stop_ids[suppress]), torch.tensor(float("-inf")))
+    if len(batch.suppress_ids):
+        rows = batch.suppress_rows
+        pending = batch.output_lens[rows] < batch.min_tokens[rows]
+        logits.index_put_((rows[pending], batch.suppress_ids[pending]), torch.tensor(float("-inf")))
     return logits
 
 

@@ -5,9 +5,8 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import InvalidArgument
-from common.sampling_limits import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 from compute_service.runner import Step
-from compute_service.sampling import SamplingBatch
+from compute_service.sampling_checks import check_sampling
 
 
 @dataclass(frozen=True)
@@ -23,8 +22,7 @@ def check_step(step: Step, limits: Limits) -> None:
     _check_lengths(step)
     _check_sequences(step, limits)
     _check_blocks(step, limits)
-    _check_sampling(step.sampling)
-    _check_token_lists(step.sampling, limits.vocab_size)
+    check_sampling(step.sampling, limits.vocab_size)
 
 
 def _first(bad: torch.Tensor) -> int | None:
@@ -131,74 +129,4 @@ def _check_blocks(step: Step, limits: Limits) -> None:
         raise InvalidArgument(
             f"slot {int(slots[i])} is written by two new tokens in one step: sequences writing in this step "
             "must not share blocks (copy on write first)"
-        )
-
-
-def _check_sampling(params: SamplingBatch) -> None:
-    penalty = f"in [-{MAX_PENALTY}, {MAX_PENALTY}] (0 is off)"
-    for name, bad, allowed in (
-        ("temperature", ~(params.temperature >= 0) | params.temperature.isinf(), ">= 0 (0 is greedy)"),
-        ("top_p", ~((params.top_p > 0) & (params.top_p <= 1)), "in (0, 1] (1 is off)"),
-        ("top_k", params.top_k < 0, ">= 0 (0 is off)"),
-        ("min_p", ~((params.min_p >= 0) & (params.min_p <= 1)), "in [0, 1] (0 is off)"),
-        ("repetition_penalty", ~(params.repetition_penalty > 0) | params.repetition_penalty.isinf(),
-         "> 0 and finite (1 is off)"),
-        ("presence_penalty", ~(params.presence_penalty.abs() <= MAX_PENALTY), penalty),
-        ("frequency_penalty", ~(params.frequency_penalty.abs() <= MAX_PENALTY), penalty),
-        ("logprobs", (params.logprobs < 0) | (params.logprobs > MAX_LOGPROBS),
-         f"in [0, {MAX_LOGPROBS}] (the number of alternatives)"),
-        ("min_tokens", params.min_tokens < 0, ">= 0 (0 is off)"),
-    ):  # fmt: skip
-        if (i := _first(bad)) is not None:
-            value = getattr(params, name)[i].item()
-            raise InvalidArgument(f"sampling[{i}].{name} = {value} is invalid: it must be {allowed}")
-    if (i := _first(~(params.bias_values.abs() <= MAX_LOGIT_BIAS))) is not None:
-        raise InvalidArgument(
-            f"sampling[{int(params.bias_rows[i])}].logit_bias[{int(params.bias_ids[i])}] = "
-            f"{params.bias_values[i].item()} is invalid: biases lie in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"
-        )
-
-
-def _check_token_lists(params: SamplingBatch, vocab_size: int) -> None:
-    """logit_bias and stop ids inside the vocabulary; the history and generated counts well formed."""
-    num_rows = len(params.seeds)
-    for name, rows, ids in (
-        ("logit_bias", params.bias_rows, params.bias_ids),
-        ("stop_token_ids", params.stop_rows, params.stop_ids),
-    ):
-        if (i := _first((ids < 0) | (ids >= vocab_size))) is not None:
-            raise InvalidArgument(
-                f"sampling[{int(rows[i])}].{name} has token id {int(ids[i])}, outside the vocabulary "
-                f"[0, {vocab_size})"
-            )
-    if (params.min_tokens > 0).any() and len(params.output_lens) != num_rows:
-        raise InvalidArgument(
-            f"output_lens has {len(params.output_lens)} entries for {num_rows} sampling rows: min_tokens "
-            "needs each row's generated token count"
-        )
-    if len(params.output_lens) not in (0, num_rows) or (params.output_lens < 0).any():
-        raise InvalidArgument(f"output_lens must be empty or {num_rows} counts >= 0, one per sampling row")
-    _check_history(params, vocab_size)
-
-
-def _check_history(params: SamplingBatch, vocab_size: int) -> None:
-    num_rows, cu, history = len(params.seeds), params.cu_history, params.history
-    if not len(cu):
-        if len(history) or len(params.history_prompt_lens):
-            raise InvalidArgument("history_token_ids and history_prompt_lens need cu_history")
-        return
-    if len(cu) != num_rows + 1 or cu[0] != 0 or cu[-1] != len(history) or (cu.diff() < 0).any():
-        raise InvalidArgument(
-            f"cu_history must run from 0 to len(history_token_ids) ({len(history)}) without decreasing, "
-            f"one offset per sampling row plus one ({num_rows + 1}); got {len(cu)} offsets"
-        )
-    prompt_lens = params.history_prompt_lens
-    if len(prompt_lens) != num_rows or (prompt_lens < 0).any() or (prompt_lens > cu.diff()).any():
-        raise InvalidArgument(
-            "history_prompt_lens needs one count per sampling row, each between 0 and the length of the "
-            "row's history"
-        )
-    if (t := _first((history < 0) | (history >= vocab_size))) is not None:
-        raise InvalidArgument(
-            f"history_token_ids[{t}] = {int(history[t])} is outside the vocabulary [0, {vocab_size})"
         )

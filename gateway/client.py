@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from common.server import CHANNEL_OPTIONS, channel
-from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from protos import generation_pb2, generation_pb2_grpc
 
 _FINISH_REASONS = {
     generation_pb2.FINISH_REASON_LENGTH: "length",
@@ -104,7 +104,7 @@ def build_request(
     priority: int = 0,
 ) -> generation_pb2.GenerateRequest:
     """priority: lower values are served first (and preempted last); equal priorities go by arrival."""
-    sampling = common_pb2.SamplingParams(
+    sampling = generation_pb2.SamplingParams(
         top_k=top_k,
         ignore_eos=ignore_eos,
         stop_token_ids=stop_token_ids,
@@ -177,7 +177,7 @@ def _add(result: Completion, chunk: Chunk) -> None:
 
 
 class Client:
-    """Unset sampling fields take the server's defaults: max_tokens 16, temperature 1.0, top_p 1.0.
+    """Unset sampling fields take the server's defaults (the README's sampling table).
 
     The keyword arguments are `build_request`'s: the prompt (prompt, token_ids or messages) and the
     sampling controls of `pagedserve.v1.SamplingParams` (stop may be one string or several).

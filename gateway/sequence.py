@@ -6,6 +6,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from common.sampling_controls import CONTROLS
 from gateway.text_stream import TextStream
 
 
@@ -15,27 +16,31 @@ class Status(enum.Enum):
     FINISHED = enum.auto()
 
 
+_DEFAULT = {name: control.default for name, control in CONTROLS.items()}
+
+
 @dataclass(slots=True, frozen=True)
 class Sampling:
-    """A request's sampling and stopping controls with every default resolved."""
+    """A request's sampling and stopping controls with every default resolved (common.sampling_controls
+    declares them, in this order)."""
 
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    ignore_eos: bool
-    stop_token_ids: frozenset[int]
-    n: int = 1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    max_tokens: int = _DEFAULT["max_tokens"]
+    temperature: float = _DEFAULT["temperature"]
+    top_k: int = _DEFAULT["top_k"]
+    top_p: float = _DEFAULT["top_p"]
+    min_p: float = _DEFAULT["min_p"]
+    repetition_penalty: float = _DEFAULT["repetition_penalty"]
+    presence_penalty: float = _DEFAULT["presence_penalty"]
+    frequency_penalty: float = _DEFAULT["frequency_penalty"]
     logit_bias: Mapping[int, float] = field(default_factory=dict)
+    seed: int | None = _DEFAULT["seed"]
+    min_tokens: int = _DEFAULT["min_tokens"]
+    stop_token_ids: frozenset[int] = _DEFAULT["stop_token_ids"]
+    stop: tuple[str, ...] = _DEFAULT["stop"]
+    ignore_eos: bool = _DEFAULT["ignore_eos"]
     # Top alternatives reported per token; None: no logprobs.
-    logprobs: int | None = None
-    min_tokens: int = 0
-    stop: tuple[str, ...] = ()
+    logprobs: int | None = _DEFAULT["logprobs"]
+    n: int = _DEFAULT["n"]
 
     @property
     def penalized(self) -> bool:

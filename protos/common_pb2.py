@@ -24,21 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\rpagedserve.v1\"\xb2\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12@\n\nlogit_bias\x18\r \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12\x0c\n\x04stop\x18\x10 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_nB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\x97\x01\n\nPoolHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07strides\x18\x04 \x03(\x03\x12\r\n\x05\x65poch\x18\x05 \x01(\t\x12\x30\n\x03shm\x18\n \x01(\x0b\x32!.pagedserve.v1.SharedMemoryHandleH\x00\x42\t\n\x07payload\"2\n\x12SharedMemoryHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\rpagedserve.v1\"\x97\x01\n\nPoolHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07strides\x18\x04 \x03(\x03\x12\r\n\x05\x65poch\x18\x05 \x01(\t\x12\x30\n\x03shm\x18\n \x01(\x0b\x32!.pagedserve.v1.SharedMemoryHandleH\x00\x42\t\n\x07payload\"2\n\x12SharedMemoryHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_SAMPLINGPARAMS']._serialized_start=39
-  _globals['_SAMPLINGPARAMS']._serialized_end=601
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=451
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=499
-  _globals['_POOLHANDLE']._serialized_start=604
-  _globals['_POOLHANDLE']._serialized_end=755
-  _globals['_SHAREDMEMORYHANDLE']._serialized_start=757
-  _globals['_SHAREDMEMORYHANDLE']._serialized_end=807
+  _globals['_POOLHANDLE']._serialized_start=39
+  _globals['_POOLHANDLE']._serialized_end=190
+  _globals['_SHAREDMEMORYHANDLE']._serialized_start=192
+  _globals['_SHAREDMEMORYHANDLE']._serialized_end=242
 # @@protoc_insertion_point(module_scope)

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/compute.proto\x12\rpagedserve.v1\x1a\x13protos/common.proto\"\x15\n\x13GetModelInfoRequest\"\xdf\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x1b\n\x13num_attention_heads\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x15\n\rmax_model_len\x18\x08 \x01(\x05\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x19\n\x11\x61ttention_backend\x18\n \x01(\t\"7\n\x12\x41ttachPoolResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x03\"\xdf\x02\n\x0e\x46orwardRequest\x12\x12\n\npool_epoch\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tpositions\x18\x03 \x03(\x05\x12\x14\n\x0c\x63u_seqlens_q\x18\x04 \x03(\x05\x12\x14\n\x0c\x63ontext_lens\x18\x05 \x03(\x05\x12\x14\n\x0c\x62lock_tables\x18\x06 \x03(\x05\x12\x19\n\x11\x62lock_table_width\x18\x07 \x01(\x05\x12\x14\n\x0cslot_mapping\x18\x08 \x03(\x03\x12\x0e\n\x06sample\x18\t \x03(\x08\x12/\n\x08sampling\x18\n \x03(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x19\n\x11history_token_ids\x18\x0b \x03(\x05\x12\x12\n\ncu_history\x18\x0c \x03(\x05\x12\x1b\n\x13history_prompt_lens\x18\r \x03(\x05\x12\x13\n\x0boutput_lens\x18\x0e \x03(\x05\"\xe2\x01\n\x0f\x46orwardResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12\x1a\n\x12top_logprobs_width\x18\x04 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\x12\x12\n\nprepare_ms\x18\n \x01(\x01\x12\x10\n\x08model_ms\x18\x0b \x01(\x01\x12\x14\n\x0c\x61ttention_ms\x18\x0c \x01(\x01\x12\x11\n\tsample_ms\x18\r \x01(\x01\x32\xed\x01\n\x07\x43ompute\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12J\n\nAttachPool\x12\x19.pagedserve.v1.PoolHandle\x1a!.pagedserve.v1.AttachPoolResponse\x12H\n\x07\x46orward\x12\x1d.pagedserve.v1.ForwardRequest\x1a\x1e.pagedserve.v1.ForwardResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/compute.proto\x12\rpagedserve.v1\x1a\x13protos/common.proto\"\x15\n\x13GetModelInfoRequest\"\xdf\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x1b\n\x13num_attention_heads\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x15\n\rmax_model_len\x18\x08 \x01(\x05\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x19\n\x11\x61ttention_backend\x18\n \x01(\t\"7\n\x12\x41ttachPoolResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x03\"\xdc\x02\n\x0e\x46orwardRequest\x12\x12\n\npool_epoch\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tpositions\x18\x03 \x03(\x05\x12\x14\n\x0c\x63u_seqlens_q\x18\x04 \x03(\x05\x12\x14\n\x0c\x63ontext_lens\x18\x05 \x03(\x05\x12\x14\n\x0c\x62lock_tables\x18\x06 \x03(\x05\x12\x19\n\x11\x62lock_table_width\x18\x07 \x01(\x05\x12\x14\n\x0cslot_mapping\x18\x08 \x03(\x03\x12\x0e\n\x06sample\x18\t \x03(\x08\x12,\n\x08sampling\x18\n \x03(\x0b\x32\x1a.pagedserve.v1.RowSampling\x12\x19\n\x11history_token_ids\x18\x0b \x03(\x05\x12\x12\n\ncu_history\x18\x0c \x03(\x05\x12\x1b\n\x13history_prompt_lens\x18\r \x03(\x05\x12\x13\n\x0boutput_lens\x18\x0e \x03(\x05\"\xc1\x03\n\x0bRowSampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).pagedserve.v1.RowSampling.LogitBiasEntry\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x1a\n\x12suppress_token_ids\x18\x0c \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\xe2\x01\n\x0f\x46orwardResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12\x1a\n\x12top_logprobs_width\x18\x04 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\x12\x12\n\nprepare_ms\x18\n \x01(\x01\x12\x10\n\x08model_ms\x18\x0b \x01(\x01\x12\x14\n\x0c\x61ttention_ms\x18\x0c \x01(\x01\x12\x11\n\tsample_ms\x18\r \x01(\x01\x32\xed\x01\n\x07\x43ompute\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12J\n\nAttachPool\x12\x19.pagedserve.v1.PoolHandle\x1a!.pagedserve.v1.AttachPoolResponse\x12H\n\x07\x46orward\x12\x1d.pagedserve.v1.ForwardRequest\x1a\x1e.pagedserve.v1.ForwardResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.compute_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_ROWSAMPLING_LOGITBIASENTRY']._loaded_options = None
+  _globals['_ROWSAMPLING_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GETMODELINFOREQUEST']._serialized_start=60
   _globals['_GETMODELINFOREQUEST']._serialized_end=81
   _globals['_MODELINFO']._serialized_start=84
@@ -39,9 +41,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTACHPOOLRESPONSE']._serialized_start=309
   _globals['_ATTACHPOOLRESPONSE']._serialized_end=364
   _globals['_FORWARDREQUEST']._serialized_start=367
-  _globals['_FORWARDREQUEST']._serialized_end=718
-  _globals['_FORWARDRESPONSE']._serialized_start=721
-  _globals['_FORWARDRESPONSE']._serialized_end=947
-  _globals['_COMPUTE']._serialized_start=950
-  _globals['_COMPUTE']._serialized_end=1187
+  _globals['_FORWARDREQUEST']._serialized_end=715
+  _globals['_ROWSAMPLING']._serialized_start=718
+  _globals['_ROWSAMPLING']._serialized_end=1167
+  _globals['_ROWSAMPLING_LOGITBIASENTRY']._serialized_start=1048
+  _globals['_ROWSAMPLING_LOGITBIASENTRY']._serialized_end=1096
+  _globals['_FORWARDRESPONSE']._serialized_start=1170
+  _globals['_FORWARDRESPONSE']._serialized_end=1396
+  _globals['_COMPUTE']._serialized_start=1399
+  _globals['_COMPUTE']._serialized_end=1636
 # @@protoc_insertion_point(module_scope)

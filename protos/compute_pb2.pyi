@@ -68,12 +68,47 @@ class ForwardRequest(_message.Message):
     block_table_width: int
     slot_mapping: _containers.RepeatedScalarFieldContainer[int]
     sample: _containers.RepeatedScalarFieldContainer[bool]
-    sampling: _containers.RepeatedCompositeFieldContainer[_common_pb2.SamplingParams]
+    sampling: _containers.RepeatedCompositeFieldContainer[RowSampling]
     history_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cu_history: _containers.RepeatedScalarFieldContainer[int]
     history_prompt_lens: _containers.RepeatedScalarFieldContainer[int]
     output_lens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool_epoch: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., context_lens: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., block_table_width: _Optional[int] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., sampling: _Optional[_Iterable[_Union[_common_pb2.SamplingParams, _Mapping]]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., cu_history: _Optional[_Iterable[int]] = ..., history_prompt_lens: _Optional[_Iterable[int]] = ..., output_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, pool_epoch: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., context_lens: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., block_table_width: _Optional[int] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., sampling: _Optional[_Iterable[_Union[RowSampling, _Mapping]]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., cu_history: _Optional[_Iterable[int]] = ..., history_prompt_lens: _Optional[_Iterable[int]] = ..., output_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RowSampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "min_tokens", "suppress_token_ids")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUPPRESS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    logprobs: int
+    min_tokens: int
+    suppress_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., suppress_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "forward_ms", "top_logprobs_width", "top_token_ids", "top_logprobs", "prepare_ms", "model_ms", "attention_ms", "sample_ms")

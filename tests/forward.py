@@ -1,6 +1,6 @@
 """Building packed ForwardRequests by hand, for tests that drive the compute side directly."""
 
-from protos import common_pb2, compute_pb2
+from protos import compute_pb2
 
 
 def forward_request(
@@ -34,5 +34,5 @@ def forward_request(
         block_table_width=width,
         slot_mapping=slots,
         sample=sample,
-        sampling=[common_pb2.SamplingParams(temperature=0)] * sum(sample),
+        sampling=[compute_pb2.RowSampling(temperature=0)] * sum(sample),
     )

@@ -3,6 +3,7 @@
 import argparse
 import sys
 
+from common.sampling_controls import CONTROLS, Kind
 from gateway.client import Client, GenerationError, TokenLogprob
 
 
@@ -14,27 +15,51 @@ def _bias(value: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS such as 42=-100, got {value!r}") from None
 
 
+# NOTE: the CLI prints one sample, so n is no flag; and it asks for more tokens than the server's default.
+_NOT_FLAGS = {"n"}
+_CLI_DEFAULTS = {"max_tokens": 64}
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per declared sampling control; an unset flag leaves the control to the server."""
+    for c in CONTROLS.values():
+        if c.name in _NOT_FLAGS:
+            continue
+        flag, text = "--" + c.name.replace("_", "-"), c.help.replace("%", "%%").replace("`", "")
+        if c.kind is Kind.FLAG:
+            p.add_argument(flag, action="store_true", default=None, help=text)
+        elif c.kind is Kind.TOKEN_IDS:
+            p.add_argument(flag.removesuffix("s"), dest=c.name, type=int, action="append", metavar="TOKEN_ID",
+                           help=f"{text} (repeatable)")  # fmt: skip
+        elif c.kind is Kind.TOKEN_BIAS:
+            p.add_argument(flag, type=_bias, action="append", metavar="TOKEN_ID=BIAS",
+                           help=f"{text}; bias in {c.range.text()} (repeatable)")  # fmt: skip
+        elif c.kind is Kind.STRINGS:
+            p.add_argument(flag, action="append", help=f"{text} (repeatable)")
+        else:
+            default = _CLI_DEFAULTS.get(c.name)
+            shown = "none" if c.default is None else c.default if default is None else default
+            p.add_argument(flag, type=float if c.kind is Kind.FLOAT else int, default=default,
+                           help=f"{text} ({c.range_text()}; default {shown})")  # fmt: skip
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The SDK keyword arguments of the sampling flags that were given."""
+    kwargs = {name: getattr(args, name) for name in CONTROLS if name not in _NOT_FLAGS}
+    if kwargs["logit_bias"] is not None:
+        kwargs["logit_bias"] = dict(kwargs["logit_bias"])
+    return {name: value for name, value in kwargs.items() if value is not None}
+
+
 def add_parser(commands) -> None:
-    p = commands.add_parser("generate", help="stream a completion from a running stack")
+    p = commands.add_parser(
+        "generate",
+        help="stream a completion from a running stack",
+        description="Streams the text to stdout; token logprobs (--logprobs) and a summary go to stderr.",
+    )
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--min-tokens", type=int, default=0, help="no EOS, stop token or stop string before this")
-    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: server's, 1.0)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=None, help="keep tokens with p >= MIN_P * max p")
-    p.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats (HF)")
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI)")
-    p.add_argument("--logit-bias", type=_bias, action="append", default=[], metavar="TOKEN_ID=BIAS",
-                   help="add BIAS in [-100, 100] to a token's logit (repeatable)")  # fmt: skip
-    p.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
-    p.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop at this token")
-    p.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="print each token's logprob and its N most likely alternatives (stderr)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    _add_sampling_flags(p)
     p.add_argument(
         "--priority", type=int, default=0, help="lower is served first, equal ones by arrival (default 0)"
     )
@@ -52,21 +77,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             for chunk in client.stream(
                 **text_input,
-                max_tokens=args.max_tokens,
-                min_tokens=args.min_tokens,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                min_p=args.min_p,
-                repetition_penalty=args.repetition_penalty,
-                presence_penalty=args.presence_penalty,
-                frequency_penalty=args.frequency_penalty,
-                logit_bias=dict(args.logit_bias),
-                stop=args.stop,
-                stop_token_ids=args.stop_token_id,
-                logprobs=args.logprobs,
-                seed=args.seed,
-                ignore_eos=args.ignore_eos,
+                **sampling_kwargs(args),
                 priority=args.priority,
             ):
                 sys.stdout.write(chunk.text)

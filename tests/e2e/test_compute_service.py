@@ -144,7 +144,7 @@ def _replace(field: str, values: list):
 
 def _sampling(**params):
     def mutate(request: compute_pb2.ForwardRequest) -> None:
-        request.sampling[1].CopyFrom(common_pb2.SamplingParams(**params))
+        request.sampling[1].CopyFrom(compute_pb2.RowSampling(**params))
 
     return mutate
 

@@ -4,7 +4,7 @@ import grpc
 import pytest
 
 from gateway.client import GenerationError
-from protos import cache_pb2, common_pb2, compute_pb2
+from protos import cache_pb2, compute_pb2
 
 pytestmark = pytest.mark.e2e
 
@@ -19,6 +19,8 @@ pytestmark = pytest.mark.e2e
         (dict(prompt="hi", max_tokens=-3), "max_tokens must be > 0"),
         (dict(prompt="hi", temperature=-1.0), "temperature must be >= 0"),
         (dict(prompt="hi", top_p=1.5), "top_p must be in (0, 1]"),
+        (dict(prompt="hi", temperature=float("nan")), "temperature must be >= 0 and finite"),
+        (dict(prompt="hi", frequency_penalty=float("-inf")), "frequency_penalty must be in [-2.0, 2.0]"),
         (dict(prompt="hi", top_k=-1), "top_k must be >= 0"),
         (dict(prompt="hi", token_ids=[1, 2]), "exactly one of prompt, token_ids or messages"),
         (dict(token_ids=[42] * 8192), "the model takes at most 8191"),
@@ -60,7 +62,7 @@ def _forward(stack, **overrides) -> compute_pb2.ForwardRequest:
         block_table_width=1,
         slot_mapping=[0, 1, 2],
         sample=[True],
-        sampling=[common_pb2.SamplingParams(temperature=0.0)],
+        sampling=[compute_pb2.RowSampling(temperature=0.0)],
     )
     request.update(overrides)
     return compute_pb2.ForwardRequest(**request)
@@ -73,7 +75,8 @@ def _forward(stack, **overrides) -> compute_pb2.ForwardRequest:
         (dict(block_tables=[-7], slot_mapping=[-112, -111, -110]), "block"),
         (dict(slot_mapping=[0, 1, 5]), "slot"),
         (dict(token_ids=[1, 2, 10**6]), "token"),
-        (dict(sampling=[common_pb2.SamplingParams(logprobs=50)]), "sampling[0].logprobs = 50 is invalid"),
+        (dict(sampling=[compute_pb2.RowSampling(logprobs=50)]), "sampling[0].logprobs = 50 is invalid"),
+        (dict(sampling=[compute_pb2.RowSampling(temperature=float("inf"))]), "sampling[0].temperature = inf"),
         (dict(history_token_ids=[1, 99999], cu_history=[0, 2], history_prompt_lens=[1]), "history_token_ids"),
     ],
 )

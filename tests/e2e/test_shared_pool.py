@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from protos import cache_pb2, common_pb2, compute_pb2
+from protos import cache_pb2, compute_pb2
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +39,7 @@ def test_values_written_by_compute_are_read_by_cache(stack_fp32, hf_models):
                 block_table_width=1,
                 slot_mapping=[block * 16 + i for i in range(5)],
                 sample=[True],
-                sampling=[common_pb2.SamplingParams(temperature=0.0)],
+                sampling=[compute_pb2.RowSampling(temperature=0.0)],
             ),
             timeout=60,
         )

@@ -7,13 +7,13 @@ from common.errors import InvalidArgument
 from compute_service.sampling import SamplingBatch, process
 from gateway.sampling import forward_sampling, resolve_sampling, token_logprobs
 from gateway.sequence import Sequence
-from protos import common_pb2, compute_pb2
+from protos import compute_pb2, generation_pb2
 
 VOCAB, EOS = 50, frozenset({2})
 
 
 def seq(prompt: list[int], output: list[int], **params) -> Sequence:
-    sampling = resolve_sampling(common_pb2.SamplingParams(temperature=0, max_tokens=20, **params), VOCAB)
+    sampling = resolve_sampling(generation_pb2.SamplingParams(temperature=0, max_tokens=20, **params), VOCAB)
     return Sequence(seq_id="s", prompt_ids=prompt, sampling=sampling, max_len=100, output_ids=output)
 
 
@@ -50,7 +50,7 @@ def test_min_tokens_sends_stop_ids_and_eos_only_while_pending():
     done = seq([1], [4, 5, 6], min_tokens=3, stop_token_ids=[9])
     fields = forward_sampling([pending, ignoring, done], EOS)
     assert fields["output_lens"] == [1, 2, 3]
-    assert [(p.min_tokens, sorted(p.stop_token_ids)) for p in fields["sampling"]] == [
+    assert [(p.min_tokens, sorted(p.suppress_token_ids)) for p in fields["sampling"]] == [
         (3, [2, 9]),
         (3, [9]),
         (0, []),
@@ -95,5 +95,5 @@ def test_token_logprobs_unpack_the_rows_that_asked():
 )
 def test_out_of_range_controls_are_refused_with_the_range(params, message):
     with pytest.raises(InvalidArgument) as err:
-        resolve_sampling(common_pb2.SamplingParams(**params), VOCAB)
+        resolve_sampling(generation_pb2.SamplingParams(**params), VOCAB)
     assert message in str(err.value)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from compute_service.sampling import SamplingBatch, process, sample
-from protos import common_pb2
+from protos import compute_pb2
 
 VOCAB = 64
 
@@ -14,11 +14,11 @@ def seeded():
     torch.manual_seed(0)
 
 
-def batch(*params: common_pb2.SamplingParams) -> SamplingBatch:
+def batch(*params: compute_pb2.RowSampling) -> SamplingBatch:
     return SamplingBatch.from_params(params)
 
 
-def draws(logits: torch.Tensor, params: common_pb2.SamplingParams, count: int = 2000) -> torch.Tensor:
+def draws(logits: torch.Tensor, params: compute_pb2.RowSampling, count: int = 2000) -> torch.Tensor:
     """`count` unseeded draws from one row of logits, as one batch."""
     rows = logits.expand(count, -1)
     return sample(rows, batch(*[params] * count), torch.zeros(count, dtype=torch.int64)).tokens
@@ -26,21 +26,21 @@ def draws(logits: torch.Tensor, params: common_pb2.SamplingParams, count: int = 
 
 def test_greedy_is_argmax_with_logprob_of_unscaled_logits():
     logits = torch.randn(5, VOCAB)
-    sampled = sample(logits, batch(*[common_pb2.SamplingParams(temperature=0)] * 5), torch.arange(5))
+    sampled = sample(logits, batch(*[compute_pb2.RowSampling(temperature=0)] * 5), torch.arange(5))
     assert torch.equal(sampled.tokens, logits.argmax(-1))
     torch.testing.assert_close(sampled.logprobs, logits.log_softmax(-1).max(-1).values)
 
 
 def test_top_k_one_is_greedy_at_any_temperature():
     logits = torch.randn(8, VOCAB)
-    params = common_pb2.SamplingParams(temperature=2.0, top_k=1)
+    params = compute_pb2.RowSampling(temperature=2.0, top_k=1)
     tokens = sample(logits, batch(*[params] * 8), torch.arange(8)).tokens
     assert torch.equal(tokens, logits.argmax(-1))
 
 
 def test_top_k_never_samples_outside_the_k_most_likely():
     logits = torch.randn(VOCAB)
-    tokens = draws(logits, common_pb2.SamplingParams(temperature=1.5, top_k=5))
+    tokens = draws(logits, compute_pb2.RowSampling(temperature=1.5, top_k=5))
     allowed = set(logits.topk(5).indices.tolist())
     assert set(tokens.tolist()) == allowed
 
@@ -50,7 +50,7 @@ def test_top_p_never_samples_outside_the_nucleus():
     logits = torch.full((VOCAB,), -30.0)
     order = torch.randperm(VOCAB)[:5]
     logits[order] = probs.log()
-    tokens = draws(logits, common_pb2.SamplingParams(temperature=1.0, top_p=0.75))
+    tokens = draws(logits, compute_pb2.RowSampling(temperature=1.0, top_p=0.75))
     # mass before the third most likely token is 0.8 >= 0.75: only the first two remain
     assert set(tokens.tolist()) == set(order[:2].tolist())
 
@@ -58,7 +58,7 @@ def test_top_p_never_samples_outside_the_nucleus():
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_sampling_follows_the_tempered_distribution(temperature: float):
     probs = torch.tensor([0.7, 0.2, 0.1])
-    tokens = draws(probs.log(), common_pb2.SamplingParams(temperature=temperature), count=20000)
+    tokens = draws(probs.log(), compute_pb2.RowSampling(temperature=temperature), count=20000)
     freq = torch.bincount(tokens, minlength=3).float() / len(tokens)
     expected = probs ** (1 / temperature) / (probs ** (1 / temperature)).sum()
     torch.testing.assert_close(freq, expected, atol=0.02, rtol=0)
@@ -66,9 +66,9 @@ def test_sampling_follows_the_tempered_distribution(temperature: float):
 
 def test_seeded_row_is_independent_of_its_batch_companions():
     flat = torch.zeros(VOCAB)
-    seeded = common_pb2.SamplingParams(temperature=1.0, seed=1234)
+    seeded = compute_pb2.RowSampling(temperature=1.0, seed=1234)
     alone = sample(flat[None], batch(seeded), torch.tensor([17])).tokens
-    companions = [common_pb2.SamplingParams(temperature=0.7, top_k=3), common_pb2.SamplingParams(seed=9)]
+    companions = [compute_pb2.RowSampling(temperature=0.7, top_k=3), compute_pb2.RowSampling(seed=9)]
     for _ in range(5):
         logits = torch.stack([torch.randn(VOCAB), flat, torch.randn(VOCAB)])
         tokens = sample(logits, batch(companions[0], seeded, companions[1]), torch.tensor([4, 17, 30])).tokens
@@ -77,25 +77,23 @@ def test_seeded_row_is_independent_of_its_batch_companions():
 
 def test_different_seeds_and_positions_draw_differently():
     flat = torch.zeros(64, VOCAB)
-    by_seed = sample(
-        flat, batch(*[common_pb2.SamplingParams(seed=s) for s in range(64)]), torch.full((64,), 5)
-    )
-    by_position = sample(flat, batch(*[common_pb2.SamplingParams(seed=7)] * 64), torch.arange(64))
+    by_seed = sample(flat, batch(*[compute_pb2.RowSampling(seed=s) for s in range(64)]), torch.full((64,), 5))
+    by_position = sample(flat, batch(*[compute_pb2.RowSampling(seed=7)] * 64), torch.arange(64))
     assert len(set(by_seed.tokens.tolist())) > 20
     assert len(set(by_position.tokens.tolist())) > 20
-    again = sample(flat, batch(*[common_pb2.SamplingParams(seed=s) for s in range(64)]), torch.full((64,), 5))
+    again = sample(flat, batch(*[compute_pb2.RowSampling(seed=s) for s in range(64)]), torch.full((64,), 5))
     assert torch.equal(again.tokens, by_seed.tokens)
 
 
 def seeded_draws(logits: torch.Tensor, count: int = 400, **fields) -> set[int]:
     """Tokens drawn from one row of logits by `count` rows with different seeds."""
-    params = [common_pb2.SamplingParams(seed=s, **fields) for s in range(count)]
+    params = [compute_pb2.RowSampling(seed=s, **fields) for s in range(count)]
     return set(sample(logits.expand(count, -1), batch(*params), torch.full((count,), 3)).tokens.tolist())
 
 
 def test_same_seed_same_parameters_same_draw():
     logits = torch.randn(4, VOCAB)
-    params = common_pb2.SamplingParams(
+    params = compute_pb2.RowSampling(
         seed=11, temperature=0.9, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
         presence_penalty=0.5, frequency_penalty=0.2, logit_bias={3: 2.0},
     )  # fmt: skip
@@ -154,7 +152,7 @@ def test_penalties_change_logits_exactly_as_defined():
         dict(history=[1, 1, 2, 40], prompt_len=0, repetition=1.0, presence=-0.5, frequency=1.25),
     ]
     params = [
-        common_pb2.SamplingParams(
+        compute_pb2.RowSampling(
             repetition_penalty=r["repetition"],
             presence_penalty=r["presence"],
             frequency_penalty=r["frequency"],
@@ -179,23 +177,23 @@ def test_penalties_change_logits_exactly_as_defined():
 
 def test_logit_bias_forces_and_bans_tokens():
     logits = torch.randn(64, VOCAB)
-    forced = [common_pb2.SamplingParams(seed=s, temperature=1.0, logit_bias={13: 100.0}) for s in range(32)]
-    greedy = [common_pb2.SamplingParams(temperature=0, logit_bias={13: 100.0}) for _ in range(32)]
+    forced = [compute_pb2.RowSampling(seed=s, temperature=1.0, logit_bias={13: 100.0}) for s in range(32)]
+    greedy = [compute_pb2.RowSampling(temperature=0, logit_bias={13: 100.0}) for _ in range(32)]
     sampled = sample(logits, batch(*forced, *greedy), torch.arange(64))
     assert sampled.tokens.tolist() == [13] * 64
     # the reported log-probability is the raw model's, not the biased one
     torch.testing.assert_close(sampled.logprobs, logits.log_softmax(-1)[:, 13])
     top = logits.argmax(-1)
-    banned = [common_pb2.SamplingParams(temperature=0, logit_bias={int(t): -100.0}) for t in top]
+    banned = [compute_pb2.RowSampling(temperature=0, logit_bias={int(t): -100.0}) for t in top]
     assert not (sample(logits, batch(*banned), torch.arange(64)).tokens == top).any()
 
 
 def test_min_tokens_suppresses_stop_ids_until_reached():
     logits = torch.zeros(2, VOCAB)
     logits[:, 7] = logits[:, 9] = 50.0  # stop ids that would always win
-    params = common_pb2.SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[7, 9])
+    params = compute_pb2.RowSampling(temperature=1.0, min_tokens=3, suppress_token_ids=[7, 9])
     for generated, suppressed in ((0, True), (2, True), (3, False), (10, False)):
-        seeded = [common_pb2.SamplingParams(seed=s) for s in range(2)]
+        seeded = [compute_pb2.RowSampling(seed=s) for s in range(2)]
         for p in seeded:
             p.MergeFrom(params)
         tokens = sample(
@@ -204,7 +202,7 @@ def test_min_tokens_suppresses_stop_ids_until_reached():
         assert set(tokens.tolist()).isdisjoint({7, 9}) == suppressed
     # without min_tokens, stop ids are just tokens
     plain = sample(
-        logits[:1], batch(common_pb2.SamplingParams(temperature=0, stop_token_ids=[7])), torch.arange(1)
+        logits[:1], batch(compute_pb2.RowSampling(temperature=0, suppress_token_ids=[7])), torch.arange(1)
     )
     assert plain.tokens.item() == 7
 
@@ -212,10 +210,10 @@ def test_min_tokens_suppresses_stop_ids_until_reached():
 def test_logprobs_top_n_are_topk_of_the_raw_log_softmax():
     logits = torch.randn(4, VOCAB)
     params = [
-        common_pb2.SamplingParams(temperature=0, logprobs=5),
-        common_pb2.SamplingParams(temperature=1.0, seed=1),
-        common_pb2.SamplingParams(temperature=0.7, seed=2, logprobs=0, repetition_penalty=1.5),
-        common_pb2.SamplingParams(temperature=0, logprobs=20, logit_bias={0: 30.0}),
+        compute_pb2.RowSampling(temperature=0, logprobs=5),
+        compute_pb2.RowSampling(temperature=1.0, seed=1),
+        compute_pb2.RowSampling(temperature=0.7, seed=2, logprobs=0, repetition_penalty=1.5),
+        compute_pb2.RowSampling(temperature=0, logprobs=20, logit_bias={0: 30.0}),
     ]
     sampled = sample(logits, batch(*params), torch.arange(4))
     expected = logits.log_softmax(-1)[[0, 2, 3]].topk(20)
@@ -225,5 +223,5 @@ def test_logprobs_top_n_are_topk_of_the_raw_log_softmax():
     torch.testing.assert_close(
         sampled.logprobs, logits.log_softmax(-1).gather(1, sampled.tokens[:, None])[:, 0]
     )
-    none = sample(logits[:1], batch(common_pb2.SamplingParams(temperature=0)), torch.arange(1))
+    none = sample(logits[:1], batch(compute_pb2.RowSampling(temperature=0)), torch.arange(1))
     assert none.top_ids.shape == (0, 0)

@@ -5,13 +5,13 @@ import pytest
 from common.errors import InvalidArgument
 from compute_service.runner import Step
 from compute_service.validation import Limits, check_step
-from protos import common_pb2
+from protos import compute_pb2
 from tests.forward import forward_request
 
 LIMITS = Limits(vocab_size=100, max_model_len=64, num_blocks=8, block_size=4)
 
 
-def step(sampling: common_pb2.SamplingParams | None = None, **fields) -> Step:
+def step(sampling: compute_pb2.RowSampling | None = None, **fields) -> Step:
     request = forward_request([[1, 2, 3], [4]], [0, 0], [[0], [1]], block_size=4)
     if sampling is not None:
         request.sampling[1].CopyFrom(sampling)
@@ -32,13 +32,16 @@ def step(sampling: common_pb2.SamplingParams | None = None, **fields) -> Step:
         (dict(min_tokens=-2), "min_tokens = -2 is invalid: it must be >= 0"),
         (dict(logit_bias={5: 101.0}), "sampling[1].logit_bias[5] = 101.0 is invalid: biases lie in [-100.0"),
         (dict(logit_bias={100: 1.0}), "logit_bias has token id 100, outside the vocabulary [0, 100)"),
-        (dict(min_tokens=1, stop_token_ids=[-4]), "stop_token_ids has token id -4, outside the vocabulary"),
+        (
+            dict(min_tokens=1, suppress_token_ids=[-4]),
+            "suppress_token_ids has token id -4, outside the vocabulary",
+        ),
         (dict(min_tokens=1), "output_lens has 0 entries for 2 sampling rows"),
     ],
 )
 def test_out_of_range_sampling_is_refused(sampling, message):
     with pytest.raises(InvalidArgument) as err:
-        check_step(step(common_pb2.SamplingParams(**sampling)), LIMITS)
+        check_step(step(compute_pb2.RowSampling(**sampling)), LIMITS)
     assert message in str(err.value)
 
 
@@ -65,7 +68,9 @@ def test_malformed_history_is_refused(fields, message):
 def test_well_formed_history_passes():
     check_step(
         step(
-            common_pb2.SamplingParams(repetition_penalty=1.2, min_tokens=2, stop_token_ids=[2], logprobs=20),
+            compute_pb2.RowSampling(
+                repetition_penalty=1.2, min_tokens=2, suppress_token_ids=[2], logprobs=20
+            ),
             history_token_ids=[1, 2, 3, 4, 9],
             cu_history=[0, 0, 5],
             history_prompt_lens=[0, 1],

@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from gateway.client import Client, GenerationError, TokenLogprob
+from sdk.client import Client, GenerationError, TokenLogprob
 
 
 def _bias(value: str) -> tuple[int, float]:

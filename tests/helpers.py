@@ -6,9 +6,11 @@ import sys
 import time
 from pathlib import Path
 
-from gateway.cli.launch import free_port, free_ports, serving  # noqa: F401 - the tests use them from here
+from cli.launch import free_port, free_ports, serving  # noqa: F401 - the tests use them from here
 
 ROOT = Path(__file__).resolve().parent.parent
+# `pagedserve` as the console script runs it, without depending on where the script was installed.
+PAGEDSERVE = [sys.executable, "-m", "cli"]
 
 
 def start(module: str, *args: str, log_path: Path, env: dict | None = None) -> subprocess.Popen:

@@ -1,16 +1,14 @@
 """The whole stack (`pagedserve up`) as a real process tree, for end-to-end tests."""
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from cli.up import SERVICES
 from common.server import channel
-from gateway.cli.up import SERVICES
-from gateway.client import Client
 from protos import cache_pb2, cache_pb2_grpc, compute_pb2_grpc
+from sdk.client import Client
 from tests import helpers
-
-PAGEDSERVE = str(Path(sys.executable).parent / "pagedserve")
+from tests.helpers import PAGEDSERVE
 
 
 @dataclass
@@ -48,7 +46,7 @@ def start_stack(log_dir: Path, *args: str) -> Stack:
     log_path = log_dir / f"stack-{port}.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
     proc = helpers.subprocess.Popen(
-        [PAGEDSERVE, "up", "--port", str(port), "--cache-port", str(cache_port),
+        [*PAGEDSERVE, "up", "--port", str(port), "--cache-port", str(cache_port),
          "--compute-port", str(compute_port), "--metrics-port", str(metrics_base), *args],
         cwd=helpers.ROOT, stdout=log, stderr=helpers.subprocess.STDOUT,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""gateway.client.AsyncClient against the running stack: generate, stream, errors, deadlines."""
+"""sdk.client.AsyncClient against the running stack: generate, stream, errors, deadlines."""
 
 import asyncio
 import time
@@ -7,7 +7,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from gateway.client import AsyncClient, GenerationError
+from sdk.client import AsyncClient, GenerationError
 
 pytestmark = pytest.mark.e2e
 PROMPT = "The capital of France is"

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e.stack import PAGEDSERVE
+from tests.helpers import PAGEDSERVE
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.e2e
 
 def test_bench_latency_writes_the_table_json_and_profile(stack_fp32, tmp_path):
     out = subprocess.run(
-        [PAGEDSERVE, "bench", "--workload", "latency", "--no-peers", "--target", stack_fp32.target,
+        [*PAGEDSERVE, "bench", "--workload", "latency", "--no-peers", "--target", stack_fp32.target,
          "--cache-target", stack_fp32.cache_target, "--json", str(tmp_path / "bench.json"),
          "--profile", "--metrics-url", stack_fp32.metrics_url("gateway")],
         capture_output=True, text=True, timeout=600,
@@ -45,7 +45,7 @@ def test_bench_latency_writes_the_table_json_and_profile(stack_fp32, tmp_path):
 
 def test_bench_refuses_plain_linear_against_a_running_stack():
     out = subprocess.run(
-        [PAGEDSERVE, "bench", "--workload", "latency", "--target", "127.0.0.1:1", "--plain-linear"],
+        [*PAGEDSERVE, "bench", "--workload", "latency", "--target", "127.0.0.1:1", "--plain-linear"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode != 0
@@ -58,7 +58,7 @@ def test_shared_prefix_bench_also_runs_with_the_prefix_cache_off(tmp_path, token
     model = save_tiny_llama(tmp_path / "tiny", max_position_embeddings=1024)
     tokenizer.save_pretrained(model)
     out = subprocess.run(
-        [PAGEDSERVE, "bench", "--workload", "shared-prefix", "--model", str(model), "--dtype", "float32",
+        [*PAGEDSERVE, "bench", "--workload", "shared-prefix", "--model", str(model), "--dtype", "float32",
          "--no-peers", "--json", str(tmp_path / "bench.json")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip

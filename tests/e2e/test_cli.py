@@ -10,10 +10,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway.client import GenerationError
+from sdk.client import GenerationError
 from tests import helpers
 from tests.e2e.prompts import prompt_ids
-from tests.e2e.stack import PAGEDSERVE, start_stack
+from tests.e2e.stack import start_stack
+from tests.helpers import PAGEDSERVE
 
 pytestmark = pytest.mark.e2e
 KV_BLOCKS = 24
@@ -47,7 +48,7 @@ def _cache_pid(up: subprocess.Popen) -> int:
 
 def test_generate_command_streams_to_stdout(small_stack):
     out = subprocess.run(
-        [PAGEDSERVE, "generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
+        [*PAGEDSERVE, "generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
          "--priority", "-2", "--target", small_stack.target],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -61,7 +62,7 @@ def test_generate_command_streams_to_stdout(small_stack):
 
 def test_generate_command_reports_errors(small_stack):
     out = subprocess.run(
-        [PAGEDSERVE, "generate", "hi", "--max-tokens", "0", "--target", small_stack.target],
+        [*PAGEDSERVE, "generate", "hi", "--max-tokens", "0", "--target", small_stack.target],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 1
@@ -102,7 +103,7 @@ def test_up_prints_ready_and_cleans_up_on_sigint(model_dir, logs):
     ours = set()
     port = helpers.free_port()
     proc = subprocess.Popen(
-        [PAGEDSERVE, "up", "--port", str(port), "--cache-port", str(helpers.free_port()),
+        [*PAGEDSERVE, "up", "--port", str(port), "--cache-port", str(helpers.free_port()),
          "--compute-port", str(helpers.free_port()), "--kv-blocks", "32"],
         cwd=helpers.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from common.model_files import cache_root
-from gateway.client import Client
+from sdk.client import Client
 from tests import helpers
 
 pytestmark = pytest.mark.e2e

@@ -3,8 +3,8 @@
 import grpc
 import pytest
 
-from gateway.client import GenerationError
 from protos import cache_pb2, compute_pb2
+from sdk.client import GenerationError
 
 pytestmark = pytest.mark.e2e
 

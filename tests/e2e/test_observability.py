@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli.monitor import scrape
-from tests.e2e.stack import PAGEDSERVE
+from cli.monitor import scrape
+from tests.helpers import PAGEDSERVE
 
 pytestmark = pytest.mark.e2e
 PROMPT = "The capital of France is"
@@ -27,7 +27,7 @@ def _scrape_all(stack) -> dict[str, dict]:
 
 
 def _pagedserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PAGEDSERVE, *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([*PAGEDSERVE, *args], capture_output=True, text=True, timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import time
 import grpc
 import pytest
 
-from gateway.client import GenerationError
+from sdk.client import GenerationError
 from tests.e2e.prompts import prompt_ids
 from tests.e2e.stack import start_stack
 

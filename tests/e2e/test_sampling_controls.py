@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from tests.e2e.stack import PAGEDSERVE
+from tests.helpers import PAGEDSERVE
 
 pytestmark = pytest.mark.e2e
 PROMPT = "The three primary colours are"
@@ -98,7 +98,7 @@ def test_repetition_penalty_matches_transformers(stack_fp32, tokenizer, hf_model
 
 def test_the_cli_takes_stop_strings_and_prints_logprobs(stack_fp32):
     out = subprocess.run(
-        [PAGEDSERVE, "generate", PROMPT, "--max-tokens", "12", "--temperature", "0", "--ignore-eos",
+        [*PAGEDSERVE, "generate", PROMPT, "--max-tokens", "12", "--temperature", "0", "--ignore-eos",
          "--stop", ",", "--logprobs", "2", "--target", stack_fp32.target],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -13,10 +13,10 @@ import grpc
 import pytest
 import torch
 
+from cli.monitor import scrape
 from common.server import channel
-from gateway.cli.monitor import scrape
-from gateway.client import GenerationError, build_request
 from protos.generation_pb2_grpc import GenerationStub
+from sdk.client import GenerationError, build_request
 from tests.e2e.stack import start_stack
 from tests.e2e.test_generation import hf_greedy
 from tests.tiny_model import save_tiny_llama

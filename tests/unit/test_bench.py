@@ -3,8 +3,8 @@ import time
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from gateway.bench import driver, profile, report
-from gateway.bench.workloads import WORKLOADS, build
+from cli.bench import driver, profile, report
+from cli.bench.workloads import WORKLOADS, build
 from gateway.step_timer import StepTimer
 from protos import compute_pb2
 

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from cli import generate as cli_generate
 from common.errors import InvalidArgument
 from common.sampling_controls import CONTROLS, ROW_CONTROLS, Control, Kind, read
 from compute_service.runner import Step
 from compute_service.validation import Limits, check_step
-from gateway.cli import generate as cli_generate
-from gateway.client import Client
 from gateway.sampling import resolve_sampling
 from gateway.sequence import Sampling
 from protos import compute_pb2, generation_pb2
+from sdk.client import Client
 from tests.forward import forward_request
 
 VOCAB = 100

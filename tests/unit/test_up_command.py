@@ -6,8 +6,8 @@ import pytest
 
 from cache_service.allocators import registry
 from cache_service.server import parse_args
+from cli import up
 from compute_service.server import parse_args as compute_args
-from gateway.cli import up
 
 
 def up_args(*argv: str) -> argparse.Namespace:

@@ -2,7 +2,8 @@
 
 import argparse
 
-from gateway.cli import bench, generate, monitor, stats, up
+from cli import generate, monitor, stats, up
+from cli.bench import command as bench
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,7 @@ import argparse
 import sys
 
 from common.sampling_controls import CONTROLS, Kind
-from gateway.client import Client, GenerationError, TokenLogprob
+from sdk.client import Client, GenerationError, TokenLogprob
 
 
 def _bias(value: str) -> tuple[int, float]:

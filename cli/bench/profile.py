@@ -4,7 +4,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.bench.report import aligned
+from cli.bench.report import aligned
 from gateway.step_timer import COMPUTE_PHASES, GATEWAY_PHASES
 
 PHASES = (*GATEWAY_PHASES, *(f"compute_{name}" for name in COMPUTE_PHASES))

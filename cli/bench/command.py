@@ -7,12 +7,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from cli.bench import driver, peers, profile, report
+from cli.bench.workloads import WORKLOADS, build
+from cli.launch import Stack
 from common.model_files import DEFAULT_MODEL
 from common.precision import DTYPE_CHOICES
-from gateway.bench import driver, peers, profile, report
-from gateway.bench.workloads import WORKLOADS, build
-from gateway.cli.launch import Stack
-from gateway.client import Client
+from sdk.client import Client
 
 
 def add_parser(commands) -> None:

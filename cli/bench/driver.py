@@ -7,10 +7,10 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from cli.bench.workloads import BenchRequest, Workload
 from common.server import channel
-from gateway.bench.workloads import BenchRequest, Workload
-from gateway.client import Client
 from protos import cache_pb2, cache_pb2_grpc
+from sdk.client import Client
 
 
 @dataclass(slots=True)

@@ -7,9 +7,9 @@ import sys
 import threading
 import time
 
+from cli.launch import serving
 from common.model_files import DEFAULT_MODEL
 from common.precision import DTYPE_CHOICES
-from gateway.cli.launch import serving
 
 START_TIMEOUT_S = 900.0
 SERVICES = ("gateway", "cache", "compute")

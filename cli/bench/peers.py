@@ -6,9 +6,9 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
+from cli.bench.driver import percentile
+from cli.bench.workloads import Workload
 from common.model_files import local_copy
-from gateway.bench.driver import percentile
-from gateway.bench.workloads import Workload
 
 
 class _TokenClock(BaseStreamer):

@@ -57,7 +57,7 @@ class Stack:
     def start(cls, model: str, dtype: str, block_size: int, *flags: str, timeout: float = 900.0) -> "Stack":
         """`pagedserve up` with these settings on free ports; returns once the gateway serves."""
         port, cache_port, compute_port, metrics = free_port(), free_port(), free_port(), free_ports(3)
-        cmd = [sys.executable, "-m", "gateway.cli.main", "up", "--model", model, "--dtype", dtype,
+        cmd = [sys.executable, "-m", "cli", "up", "--model", model, "--dtype", dtype,
                "--block-size", str(block_size), "--port", str(port), "--cache-port", str(cache_port),
                "--compute-port", str(compute_port), "--metrics-port", str(metrics), "--log-format", "json",
                *flags]  # fmt: skip

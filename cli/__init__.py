@@ -1,0 +1,1 @@
+"""The `pagedserve` command: start the stack, generate, benchmark, watch and inspect it from the terminal."""

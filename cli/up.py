@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from cli.launch import serving
+from common.healthcheck import serving
 from common.model_files import DEFAULT_MODEL
 from common.precision import DTYPE_CHOICES
 

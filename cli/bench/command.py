@@ -73,7 +73,9 @@ def _peers(args, workload, dtype: str) -> dict:
 def _start(args, *flags: str) -> Stack:
     """A stack of the bench's model, dtype, block size and linear path, with these extra `up` flags."""
     linear = ["--plain-linear"] if args.plain_linear else []
-    return Stack.start(args.model, args.dtype, args.block_size, *linear, *flags)
+    return Stack.start(
+        "--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size), *linear, *flags
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         target, cache_target, metrics_url = args.target, args.cache_target, args.metrics_url
     else:
         stack = _start(args)
-        target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url
+        target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url()
     try:
         with Client(target) as client:
             info = client.info()
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         if stack is not None and workload.stack_flags(args.block_size):
             stack.stop()
             stack = _start(args, *workload.stack_flags(args.block_size))
-            target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url
+            target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url()
         result = {
             "workload": workload.name,
             "description": workload.description,

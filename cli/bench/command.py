@@ -10,6 +10,7 @@ from tqdm import tqdm
 from cli.bench import driver, peers, profile, report
 from cli.bench.workloads import WORKLOADS, build
 from cli.launch import Stack
+from cli.scrape import scrape
 from common.model_files import DEFAULT_MODEL
 from common.precision import DTYPE_CHOICES
 from sdk.client import Client
@@ -46,10 +47,10 @@ def add_parser(commands) -> None:
 
 def _measure(args, workload, target: str, cache_target: str, metrics_url: str | None) -> dict:
     """The workload's median figures and, with --profile, the mean step split over all passes."""
-    before = profile.scrape(metrics_url) if args.profile else None
+    before = profile.totals(scrape(metrics_url)) if args.profile else None
     figures = {"pagedserve": _passes(args, workload, target, cache_target, workload.name)}
     if args.profile:
-        figures["profile"] = profile.summarize(before, profile.scrape(metrics_url))
+        figures["profile"] = profile.summarize(before, profile.totals(scrape(metrics_url)))
     return figures
 
 

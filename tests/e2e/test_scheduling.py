@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from cli.monitor import scrape
+from cli.scrape import scrape
 from common.server import channel
 from protos.generation_pb2_grpc import GenerationStub
 from sdk.client import GenerationError, build_request

@@ -11,8 +11,7 @@ from cli.bench import driver, peers, profile, report
 from cli.bench.workloads import WORKLOADS, build
 from cli.launch import Stack
 from cli.scrape import scrape
-from common.model_files import DEFAULT_MODEL
-from common.precision import DTYPE_CHOICES
+from common.options import add_dtype, add_model
 from sdk.client import Client
 
 
@@ -23,10 +22,8 @@ def add_parser(commands) -> None:
     p.add_argument("--workload", choices=list(WORKLOADS), required=True)
     p.add_argument("--target", help="gateway HOST:PORT of a running stack (default: start one)")
     p.add_argument("--cache-target", default="127.0.0.1:50052", help="its cache service, with --target")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: bfloat16 where the CPU has native bf16"
-    )
+    add_model(p)
+    add_dtype(p)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=1, help="passes; figures are medians")
     p.add_argument("--no-peers", action="store_true", help="skip generate_batch and generate")

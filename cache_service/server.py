@@ -1,16 +1,15 @@
 """The pagedserve.v1.Cache gRPC service: one pool, one block manager, every RPC under one lock."""
 
 import argparse
-import re
 import threading
 from collections.abc import Sequence
-from fractions import Fraction
 
 import torch
 
 from cache_service import metrics
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
+from cache_service.options import DEFAULT_KV_MEMORY, OPTIONS
 from cache_service.pool import KVPool, spec_from_request
 from cache_service.sequence import SeqRequest
 from common import shared_pool
@@ -21,9 +20,6 @@ from common.server import serve
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
-DEFAULT_KV_MEMORY = 256 * 2**20
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
@@ -180,44 +176,8 @@ def _block_tables(
     )
 
 
-def parse_size(text: str) -> int:
-    """Bytes from '1073741824', '512MiB', '2GiB', '1GB', '1.5 GiB' (KB/MB/GB are powers of 1000)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: give bytes or e.g. 512MiB, 2GiB, 1GB")
-    size = int(Fraction(match.group(1)) * _SIZE_UNITS[unit])
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
-    return size
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m cache_service", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50052)
-    budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--kv-blocks", type=_positive_int, help="default pool size in blocks")
-    budget.add_argument(
-        "--kv-memory", type=parse_size, help="default pool size in bytes, e.g. 512MiB, 2GiB (default: 256MiB)"
-    )
-    parser.add_argument(
-        "--allocator",
-        default="freelist",
-        help=f"one of {', '.join(registry.available())}, or package.module:Class (default: freelist)",
-    )
-    parser.add_argument(
-        "--no-prefix-cache", dest="prefix_cache", action="store_false", help="never share cached blocks"
-    )
-    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
-    parser.add_argument("--log-format", default="console", choices=["console", "json"])
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser = OPTIONS.parser(__doc__)
     args = parser.parse_args(argv)
     try:
         registry.resolve(args.allocator)

@@ -1,16 +1,25 @@
-"""Starting a whole stack (`pagedserve up`) on free ports from another program, and waiting for it."""
+"""Servers as child processes on free ports: started, waited for until they serve, stopped.
+
+`Stack` is a whole `pagedserve up` (for the bench and the end-to-end tests); `spawn` and `wait_healthy`
+start and wait for any one server.
+"""
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from cli.up import SERVICES, START_TIMEOUT_S
+from common.healthcheck import serving
+from common.server import channel
+from protos import cache_pb2, cache_pb2_grpc, compute_pb2_grpc, generation_pb2
+from sdk.client import Client
 
-GATEWAY_SERVICE = "pagedserve.v1.Generation"
+GATEWAY_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 def free_port() -> int:
@@ -32,49 +41,100 @@ def free_ports(count: int) -> int:
         return base
 
 
-def serving(target: str, service: str = "") -> bool:
-    """One health check: True when the server at target reports SERVING for service."""
-    with grpc.insecure_channel(target) as channel:
+def spawn(
+    argv: list[str], log_path: Path | None = None, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen:
+    """Starts argv in cwd with stdout and stderr in log_path (discarded when None), env added to this
+    environment; the process's `log_path` names its log."""
+    with open(log_path, "w") if log_path else contextlib.nullcontext(subprocess.DEVNULL) as log:
+        proc = subprocess.Popen(
+            argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+    proc.log_path = log_path
+    return proc
+
+
+def log_tail(proc: subprocess.Popen, lines: int = 40) -> str:
+    if proc.log_path is None:
+        return f"(output discarded) {' '.join(map(str, proc.args))}"
+    return "\n".join(Path(proc.log_path).read_text(errors="replace").splitlines()[-lines:])
+
+
+def wait_healthy(target: str, proc: subprocess.Popen, timeout: float = 300.0, service: str = "") -> None:
+    """Returns once target answers SERVING for service; RuntimeError if proc exits first, TimeoutError when
+    time runs out (proc left running), both with the tail of its log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{target} exited with {proc.returncode}:\n{log_tail(proc)}")
+        if serving(target, service):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{target} not healthy after {timeout}s:\n{log_tail(proc)}")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 20.0) -> int:
+    """SIGTERM, then SIGKILL if it does not exit within timeout; returns the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=1.0
-            )
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 @dataclass
 class Stack:
+    """A running `pagedserve up`: its process, its services' addresses, stubs and /metrics URLs."""
+
     proc: subprocess.Popen
     target: str
     cache_target: str
     compute_target: str
-    # The gateway's Prometheus endpoint (cache and compute on the next two ports).
-    metrics_url: str
+    metrics_base: int
 
     @classmethod
-    def start(cls, model: str, dtype: str, block_size: int, *flags: str, timeout: float = 900.0) -> "Stack":
-        """`pagedserve up` with these settings on free ports; returns once the gateway serves."""
-        port, cache_port, compute_port, metrics = free_port(), free_port(), free_port(), free_ports(3)
-        cmd = [sys.executable, "-m", "cli", "up", "--model", model, "--dtype", dtype,
-               "--block-size", str(block_size), "--port", str(port), "--cache-port", str(cache_port),
-               "--compute-port", str(compute_port), "--metrics-port", str(metrics), "--log-format", "json",
-               *flags]  # fmt: skip
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def start(
+        cls,
+        *flags: str,
+        log_dir: Path | None = None,
+        cwd: Path | None = None,
+        timeout: float = START_TIMEOUT_S,
+    ) -> "Stack":
+        """`pagedserve up` with these flags in cwd on free ports, metrics on free ports too, its output in
+        log_dir/stack-PORT.log (discarded without log_dir); returns once the gateway serves."""
+        port, cache_port, compute_port = free_port(), free_port(), free_port()
+        metrics_base = free_ports(len(SERVICES))
+        argv = [sys.executable, "-m", "cli", "up", "--port", str(port), "--cache-port", str(cache_port),
+                "--compute-port", str(compute_port), "--metrics-port", str(metrics_base), *flags]  # fmt: skip
+        proc = spawn(argv, log_dir / f"stack-{port}.log" if log_dir else None, cwd=cwd)
         stack = cls(
-            proc, f"127.0.0.1:{port}", f"127.0.0.1:{cache_port}", f"127.0.0.1:{compute_port}",
-            f"http://127.0.0.1:{metrics}/metrics",
-        )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while not serving(stack.target, GATEWAY_SERVICE):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                stack.stop()
-                raise RuntimeError(f"the stack did not start: {' '.join(cmd)}")
-            time.sleep(0.5)
+            proc, f"127.0.0.1:{port}", f"127.0.0.1:{cache_port}", f"127.0.0.1:{compute_port}", metrics_base
+        )
+        try:
+            wait_healthy(stack.target, proc, timeout, GATEWAY_SERVICE)
+        except BaseException:
+            stack.stop()
+            raise
         return stack
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(60)
+    def metrics_url(self, service: str = "gateway") -> str:
+        """The /metrics URL of 'gateway', 'cache' or 'compute' (ports BASE, BASE+1, BASE+2)."""
+        return f"http://127.0.0.1:{self.metrics_base + SERVICES.index(service)}/metrics"
+
+    def client(self, timeout: float = 300.0) -> Client:
+        return Client(self.target, timeout=timeout)
+
+    def cache(self) -> cache_pb2_grpc.CacheStub:
+        return cache_pb2_grpc.CacheStub(channel(self.cache_target))
+
+    def compute(self) -> compute_pb2_grpc.ComputeStub:
+        return compute_pb2_grpc.ComputeStub(channel(self.compute_target))
+
+    def stats(self) -> cache_pb2.CacheStats:
+        return self.cache().GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+
+    def stop(self) -> int:
+        return stop(self.proc, timeout=60)

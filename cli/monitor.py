@@ -4,13 +4,12 @@ import argparse
 import sys
 import time
 import urllib.error
-import urllib.request
 from collections import deque
 from collections.abc import Callable
 
-from prometheus_client.parser import text_string_to_metric_families
+from cli.scrape import Samples, scrape
+from cli.up import SERVICES
 
-Samples = dict[tuple[str, tuple], float]
 BARS = "▁▂▃▄▅▆▇█"
 HISTORY = 60
 
@@ -35,8 +34,6 @@ FIGURES: dict[str, tuple[str, Callable[[Samples], float], bool]] = {
     "waiting": ("gateway", lambda s: s["pagedserve_requests_waiting", ()], False),
     "preemptions": ("gateway", lambda s: s["pagedserve_preemptions_total", ()], False),
 }
-# Offsets from the metrics base port, as `pagedserve up --metrics-port BASE` assigns them.
-PORT_OFFSETS = {"gateway": 0, "cache": 1}
 
 
 def add_parser(commands) -> None:
@@ -51,17 +48,6 @@ def add_parser(commands) -> None:
     p.set_defaults(run=run)
 
 
-def scrape(url: str) -> Samples:
-    """Every sample of one /metrics endpoint, keyed by (name, sorted labels)."""
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        text = reply.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
 def read(args: argparse.Namespace, names: list[str]) -> dict[str, float]:
     """Current values of the named figures, scraping each service once."""
     scraped: dict[str, Samples] = {}
@@ -69,7 +55,7 @@ def read(args: argparse.Namespace, names: list[str]) -> dict[str, float]:
     for name in names:
         service, value, _ = FIGURES[name]
         if service not in scraped:
-            port = args.metrics_port + PORT_OFFSETS[service]
+            port = args.metrics_port + SERVICES.index(service)
             scraped[service] = scrape(f"http://{args.host}:{port}/metrics")
         values[name] = value(scraped[service])
     return values

@@ -1,6 +1,7 @@
-"""`python -m common.healthcheck HOST:PORT [SERVICE]`: exit 0 if grpc.health.v1 answers SERVING, else 1.
+"""The one grpc.health.v1 probe: `serving(target, service)` for launchers, tests and the gateway's watcher.
 
-For container health checks (docker-compose.yml): no grpcurl or proto files needed in the image.
+`python -m common.healthcheck HOST:PORT [SERVICE]` exits 0 if the server answers SERVING, else 1: for
+container health checks (docker-compose.yml), no grpcurl or proto files needed in the image.
 """
 
 import sys
@@ -8,26 +9,36 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+SERVING = health_pb2.HealthCheckResponse.ServingStatus.Name(health_pb2.HealthCheckResponse.SERVING)
 
-def check(target: str, service: str = "", timeout: float = 3.0) -> bool:
+
+def status(target: str, service: str = "", timeout: float = 1.0) -> str:
+    """What the server at target reports for service ('' is the whole server): a ServingStatus name
+    (SERVING, NOT_SERVING, ...), or the status code of the failed check (UNAVAILABLE, DEADLINE_EXCEEDED, ...).
+    """
     with grpc.insecure_channel(target) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )
         except grpc.RpcError as err:
-            print(f"{target}: {err.code().name}: {err.details()}", file=sys.stderr)
-            return False
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(f"{target} {service or '(server)'}: {status}")
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+            return err.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def serving(target: str, service: str = "", timeout: float = 1.0) -> bool:
+    """True when the server at target answers SERVING for service within timeout seconds."""
+    return status(target, service, timeout) == SERVING
 
 
 def main(argv: list[str]) -> int:
     if not 1 <= len(argv) <= 2:
         print(__doc__, file=sys.stderr)
         return 2
-    return 0 if check(*argv) else 1
+    target, service = argv[0], argv[1] if len(argv) == 2 else ""
+    reply = status(target, service, timeout=3.0)
+    print(f"{target} {service or '(server)'}: {reply}", file=sys.stdout if reply == SERVING else sys.stderr)
+    return 0 if reply == SERVING else 1
 
 
 if __name__ == "__main__":

@@ -10,12 +10,11 @@ from prometheus_client import Histogram
 from common.errors import FailedPrecondition, InvalidArgument
 from common.logging import configure
 from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, serve_metrics
-from common.model_files import DEFAULT_MODEL
-from common.precision import DTYPE_CHOICES, resolve_dtype
+from common.precision import resolve_dtype
 from common.server import serve
 from common.shared_pool import dtype_from_name, open_pool
-from compute_service.attention.registry import BACKENDS
 from compute_service.model_loader import ModelSpec, load
+from compute_service.options import OPTIONS
 from compute_service.runner import Runner, Step, StepTimes
 from compute_service.validation import Limits, check_step
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
@@ -111,26 +110,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m compute_service", description=__doc__)
-    parser.add_argument(
-        "--model", default=DEFAULT_MODEL, help="'smollm2', a GGUF file or a HF model directory"
-    )
-    parser.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: bfloat16 where the CPU has native bf16"
-    )
-    parser.add_argument("--attention-backend", choices=list(BACKENDS), default="cpu")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50053)
-    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
-    parser.add_argument("--log-format", choices=["console", "json"], default="console")
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument(
-        "--plain-linear",
-        action="store_true",
-        help="keep nn.Linear as is (default: float32 CPU decode batches multiply W by x transposed, faster)",
-    )
-    return parser.parse_args(argv)
+    return OPTIONS.parser(__doc__).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

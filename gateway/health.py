@@ -2,11 +2,10 @@
 
 import threading
 
-import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.server import Server, channel
+from common.healthcheck import serving
+from common.server import Server
 
 log = structlog.get_logger()
 CHECK_INTERVAL_S = 1.0
@@ -18,22 +17,15 @@ class DownstreamWatcher:
     def __init__(self, server: Server, service: str, targets: dict[str, str]) -> None:
         self._server = server
         self._service = service
-        self._stubs = {name: health_pb2_grpc.HealthStub(channel(target)) for name, target in targets.items()}
+        self._targets = targets
         self._stop = threading.Event()
         self.serving: bool | None = None
 
     def down(self) -> list[str]:
         """Names of the downstream services that do not answer SERVING within one interval."""
-        names = []
-        for name, stub in self._stubs.items():
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=CHECK_INTERVAL_S)
-            except grpc.RpcError:
-                names.append(name)
-                continue
-            if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                names.append(name)
-        return names
+        return [
+            name for name, target in self._targets.items() if not serving(target, timeout=CHECK_INTERVAL_S)
+        ]
 
     def run(self) -> None:
         while True:

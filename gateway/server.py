@@ -10,12 +10,13 @@ import structlog
 from common import logging as pslogging
 from common import metrics as psmetrics
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from common.model_files import DEFAULT_MODEL, local_copy
+from common.model_files import local_copy
 from common.server import serve
 from gateway import metrics
 from gateway import tokenizer as tok
 from gateway.engine import Engine, EngineConfig, Output
 from gateway.health import DownstreamWatcher
+from gateway.options import OPTIONS
 from gateway.sampling import resolve_sampling
 from gateway.sequence import Sequence
 from protos import generation_pb2, generation_pb2_grpc
@@ -139,23 +140,7 @@ def _timings(seq: Sequence, first_token_at: float, now: float) -> generation_pb2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m gateway", description="pagedserve gateway: the public API"
-    )
-    parser.add_argument(
-        "--model", default=DEFAULT_MODEL, help="model whose tokenizer to use (as given to compute)"
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50051)
-    parser.add_argument("--cache-target", default="127.0.0.1:50052")
-    parser.add_argument("--compute-target", default="127.0.0.1:50053")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-batched-tokens", type=int, default=4096)
-    parser.add_argument("--max-seqs", type=int, default=64)
-    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
-    parser.add_argument("--log-format", choices=("console", "json"), default="console")
-    parser.add_argument("--log-level", default="info")
-    return parser.parse_args(argv)
+    return OPTIONS.parser("pagedserve gateway: the public API").parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,8 +10,8 @@ from tqdm import tqdm
 from cli.bench import driver, peers, profile, report
 from cli.bench.workloads import WORKLOADS, build
 from cli.launch import Stack
-from common.model_files import DEFAULT_MODEL
-from common.precision import DTYPE_CHOICES
+from cli.scrape import scrape
+from common.options import add_dtype, add_model
 from sdk.client import Client
 
 
@@ -22,10 +22,8 @@ def add_parser(commands) -> None:
     p.add_argument("--workload", choices=list(WORKLOADS), required=True)
     p.add_argument("--target", help="gateway HOST:PORT of a running stack (default: start one)")
     p.add_argument("--cache-target", default="127.0.0.1:50052", help="its cache service, with --target")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: bfloat16 where the CPU has native bf16"
-    )
+    add_model(p)
+    add_dtype(p)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=1, help="passes; figures are medians")
     p.add_argument("--no-peers", action="store_true", help="skip generate_batch and generate")
@@ -46,10 +44,10 @@ def add_parser(commands) -> None:
 
 def _measure(args, workload, target: str, cache_target: str, metrics_url: str | None) -> dict:
     """The workload's median figures and, with --profile, the mean step split over all passes."""
-    before = profile.scrape(metrics_url) if args.profile else None
+    before = profile.totals(scrape(metrics_url)) if args.profile else None
     figures = {"pagedserve": _passes(args, workload, target, cache_target, workload.name)}
     if args.profile:
-        figures["profile"] = profile.summarize(before, profile.scrape(metrics_url))
+        figures["profile"] = profile.summarize(before, profile.totals(scrape(metrics_url)))
     return figures
 
 
@@ -73,7 +71,9 @@ def _peers(args, workload, dtype: str) -> dict:
 def _start(args, *flags: str) -> Stack:
     """A stack of the bench's model, dtype, block size and linear path, with these extra `up` flags."""
     linear = ["--plain-linear"] if args.plain_linear else []
-    return Stack.start(args.model, args.dtype, args.block_size, *linear, *flags)
+    return Stack.start(
+        "--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size), *linear, *flags
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         target, cache_target, metrics_url = args.target, args.cache_target, args.metrics_url
     else:
         stack = _start(args)
-        target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url
+        target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url()
     try:
         with Client(target) as client:
             info = client.info()
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         if stack is not None and workload.stack_flags(args.block_size):
             stack.stop()
             stack = _start(args, *workload.stack_flags(args.block_size))
-            target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url
+            target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url()
         result = {
             "workload": workload.name,
             "description": workload.description,

@@ -1,39 +1,30 @@
 """`bench --profile`: the gateway's step histograms read before and after a run, as mean ms per phase."""
 
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
-
 from cli.bench.report import aligned
+from cli.scrape import Samples
 from gateway.step_timer import COMPUTE_PHASES, GATEWAY_PHASES
 
 PHASES = (*GATEWAY_PHASES, *(f"compute_{name}" for name in COMPUTE_PHASES))
 KINDS = ("decode", "prefill")
 # The model's own work inside compute; whatever else a step spends is orchestration overhead.
 FORWARD = ("compute_model", "compute_sample")
+STEP_HISTOGRAMS = ("pagedserve_step_duration_seconds", "pagedserve_step_phase_seconds")
 
 Totals = dict[tuple[str, str], tuple[float, float]]  # (kind, phase or "step") -> (sum of seconds, count)
 
 
-def parse(text: str) -> Totals:
-    """Sums and counts of the step histograms in Prometheus text."""
-    totals: Totals = {}
-    for family in text_string_to_metric_families(text):
-        if family.name not in ("pagedserve_step_duration_seconds", "pagedserve_step_phase_seconds"):
+def totals(samples: Samples) -> Totals:
+    """Sums and counts of the step histograms among scraped samples."""
+    result: Totals = {}
+    for (name, labels), value in samples.items():
+        family, _, field = name.rpartition("_")
+        if family not in STEP_HISTOGRAMS or field not in ("sum", "count"):
             continue
-        for sample in family.samples:
-            kind, phase = sample.labels.get("kind"), sample.labels.get("phase", "step")
-            seconds, count = totals.get((kind, phase), (0.0, 0.0))
-            if sample.name.endswith("_sum"):
-                totals[kind, phase] = (sample.value, count)
-            elif sample.name.endswith("_count"):
-                totals[kind, phase] = (seconds, sample.value)
-    return totals
-
-
-def scrape(url: str) -> Totals:
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        return parse(reply.read().decode())
+        labels = dict(labels)
+        key = (labels.get("kind"), labels.get("phase", "step"))
+        seconds, count = result.get(key, (0.0, 0.0))
+        result[key] = (value, count) if field == "sum" else (seconds, value)
+    return result
 
 
 def summarize(before: Totals, after: Totals) -> dict:

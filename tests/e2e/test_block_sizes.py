@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from tests.e2e.greedy import concurrent_greedy, hf_greedy
 from tests.e2e.prompts import prompt_ids
 from tests.e2e.stack import start_stack
-from tests.e2e.test_generation import concurrent_greedy, hf_greedy
 
 pytestmark = pytest.mark.e2e
 

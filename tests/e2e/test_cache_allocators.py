@@ -7,7 +7,7 @@ import torch
 from cache_service.allocators import registry
 from common.shared_pool import open_pool
 from protos import cache_pb2
-from tests.e2e.test_cache_service import LAYERS, Service, pool_request, refused, seqs
+from tests.e2e.cache_process import LAYERS, Service, pool_request, refused, seqs
 
 pytestmark = pytest.mark.e2e
 

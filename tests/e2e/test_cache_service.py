@@ -10,55 +10,14 @@ import grpc
 import pytest
 import torch
 
-from common.server import channel
 from common.shared_pool import SEGMENT_PREFIX, SHM_DIR, open_pool
-from protos import cache_pb2, cache_pb2_grpc
-from tests.helpers import free_port, start, stop, wait_healthy
+from protos import cache_pb2
+from tests.e2e.cache_process import BLOCK_SIZE, HEAD_DIM, HEADS, LAYERS, Service, pool_request, refused, seqs
 
 pytestmark = pytest.mark.e2e
 
-LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 2, 16, 16, 64
+NUM_BLOCKS = 64
 BLOCK_BYTES = LAYERS * 2 * BLOCK_SIZE * HEADS * HEAD_DIM * 4  # float32, every layer, K and V
-
-
-def pool_request(block_size: int = BLOCK_SIZE, **budget) -> cache_pb2.CreatePoolRequest:
-    geometry = cache_pb2.PoolGeometry(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM)
-    return cache_pb2.CreatePoolRequest(geometry=geometry, block_size=block_size, kv_dtype="float32", **budget)
-
-
-def seqs(*pairs: tuple[str, int]) -> list[cache_pb2.SequenceRequest]:
-    return [cache_pb2.SequenceRequest(seq_id=seq_id, num_tokens=n) for seq_id, n in pairs]
-
-
-class Service:
-    def __init__(self, tmp: Path, *args: str) -> None:
-        self.target = f"127.0.0.1:{free_port()}"
-        port = self.target.rsplit(":", 1)[1]
-        self.proc = start("cache_service", "--port", port, *args, log_path=tmp / "cache.log")
-        try:
-            wait_healthy(self.target, self.proc, timeout=60)
-        except Exception:
-            stop(self.proc)
-            raise
-        self.channel = channel(self.target)
-        self.stub = cache_pb2_grpc.CacheStub(self.channel)
-
-    def stats(self) -> cache_pb2.CacheStats:
-        return self.stub.GetStats(cache_pb2.GetStatsRequest())
-
-    def log(self) -> str:
-        return Path(self.proc.log_path).read_text()
-
-    def stop(self) -> int:
-        self.channel.close()
-        return stop(self.proc)
-
-
-def refused(call, request, code: grpc.StatusCode) -> str:
-    with pytest.raises(grpc.RpcError) as info:
-        call(request)
-    assert info.value.code() == code, info.value.details()
-    return info.value.details()
 
 
 @pytest.fixture(scope="module")

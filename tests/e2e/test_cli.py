@@ -1,15 +1,18 @@
 """`pagedserve up` and `pagedserve generate` as a user runs them, on a deliberately small KV pool."""
 
+import importlib
 import re
 import signal
 import subprocess
 import time
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 
+import cli.main
 from sdk.client import GenerationError
 from tests import helpers
 from tests.e2e.prompts import prompt_ids
@@ -27,6 +30,15 @@ def small_stack(model_dir, logs):
     )
     yield stack
     assert stack.stop() == 0
+
+
+def test_the_pagedserve_script_is_cli_main():
+    """The tests run `python -m cli`; the installed `pagedserve` script must start the same main."""
+    scripts = tomllib.loads((helpers.ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"pagedserve": "cli.main:main"}
+    module, _, name = scripts["pagedserve"].partition(":")
+    assert getattr(importlib.import_module(module), name) is cli.main.main
+    assert "from cli.main import main\n\nmain()" in (helpers.ROOT / "cli" / "__main__.py").read_text()
 
 
 def _segments() -> set[Path]:

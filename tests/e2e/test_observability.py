@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.monitor import scrape
+from cli.scrape import scrape
 from tests.helpers import PAGEDSERVE
 
 pytestmark = pytest.mark.e2e

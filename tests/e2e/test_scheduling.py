@@ -13,12 +13,12 @@ import grpc
 import pytest
 import torch
 
-from cli.monitor import scrape
+from cli.scrape import scrape
 from common.server import channel
 from protos.generation_pb2_grpc import GenerationStub
 from sdk.client import GenerationError, build_request
+from tests.e2e.greedy import hf_greedy
 from tests.e2e.stack import start_stack
-from tests.e2e.test_generation import hf_greedy
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e

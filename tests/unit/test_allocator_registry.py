@@ -8,8 +8,8 @@ from cache_service.allocators import registry
 from cache_service.allocators.contiguous import ContiguousAllocator
 from cache_service.sequence import SeqRequest
 from common.errors import InvalidArgument
+from tests.fake_pool import manager
 from tests.toy_allocator import StackAllocator
-from tests.unit.test_prefix_sharing import manager
 
 TOY = "tests.toy_allocator:StackAllocator"
 

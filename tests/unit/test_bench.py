@@ -5,6 +5,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from cli.bench import driver, profile, report
 from cli.bench.workloads import WORKLOADS, build
+from cli.scrape import parse
 from gateway.step_timer import StepTimer
 from protos import compute_pb2
 
@@ -90,7 +91,7 @@ def test_the_prefix_cache_off_run_gets_its_own_column_and_ratio():
 
 
 def test_profile_reads_the_step_histograms_between_two_scrapes():
-    before = profile.parse(generate_latest(REGISTRY).decode())
+    before = profile.totals(parse(generate_latest(REGISTRY).decode()))
     for _ in range(2):
         timer = StepTimer()
         with timer.phase("cache_rpc"):
@@ -101,7 +102,7 @@ def test_profile_reads_the_step_histograms_between_two_scrapes():
             forward_ms=19.0, prepare_ms=1.0, model_ms=15.0, attention_ms=4.0, sample_ms=2.0
         )
         timer.finish("decode")
-    summary = profile.summarize(before, profile.parse(generate_latest(REGISTRY).decode()))
+    summary = profile.summarize(before, profile.totals(parse(generate_latest(REGISTRY).decode())))
     assert set(summary) == {"decode"}, "no prefill step ran between the scrapes"
     decode = summary["decode"]
     assert decode["steps"] == 2
@@ -128,7 +129,7 @@ pagedserve_step_phase_seconds_sum{kind="prefill",phase="compute_model"} 1.5
 # TYPE pagedserve_ttft_seconds histogram
 pagedserve_ttft_seconds_count 9.0
 """
-    totals = profile.parse(text)
+    totals = profile.totals(parse(text))
     assert totals == {("prefill", "step"): (2.0, 4.0), ("prefill", "compute_model"): (1.5, 4.0)}
     summary = profile.summarize({}, totals)["prefill"]
     assert summary["step_ms"] == 500.0 and summary["phases_ms"]["compute_model"] == 375.0

@@ -1,4 +1,4 @@
-"""`pagedserve up` hands the cache and compute flags to the services' command lines."""
+"""`pagedserve up` takes every service setting with the service's own declaration and forwards it."""
 
 import argparse
 
@@ -7,13 +7,124 @@ import pytest
 from cache_service.allocators import registry
 from cache_service.server import parse_args
 from cli import up
+from common.options import add_address
 from compute_service.server import parse_args as compute_args
+from gateway.server import parse_args as gateway_args
+
+# What up decides for each service itself instead of taking it as a flag of the same meaning.
+PLACEMENT = {"--host", "--port", "--metrics-port", "--cache-target", "--compute-target"}
+# A value each flag accepts other than its default (switches and choices are derived).
+VALUES = {"--kv-memory": "512MiB", "--allocator": "bitmap", "--model": "/models/other.gguf"}
+
+
+def up_parser() -> argparse.ArgumentParser:
+    commands = argparse.ArgumentParser().add_subparsers()
+    up.add_parser(commands)
+    return commands.choices["up"]
 
 
 def up_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    up.add_parser(parser.add_subparsers())
-    return parser.parse_args(["up", *argv])
+    return up_parser().parse_args(argv)
+
+
+def flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {action.option_strings[0]: action for action in parser._actions if action.option_strings}
+
+
+def service_args(name: str, command: list[str]) -> argparse.Namespace:
+    """The command line up built for a service, read by that service's own parser."""
+    options = up.OPTIONS[name]
+    assert command[:3] == [command[0], "-m", options.module]
+    return options.parser().parse_args(command[3:])
+
+
+def settings() -> list[tuple[str, str]]:
+    """(service, flag) for every setting of every service."""
+    return [
+        (name, flag)
+        for name, options in up.OPTIONS.items()
+        for flag in flags(options.parser())
+        if flag not in PLACEMENT and flag != "-h"
+    ]
+
+
+def other_value(action: argparse.Action) -> list[str]:
+    flag = action.option_strings[0]
+    if action.nargs == 0:
+        return [flag]
+    if action.choices:
+        return [flag, next((c for c in action.choices if c != action.default), action.default)]
+    return [flag, VALUES.get(flag, "3")]
+
+
+def test_each_entry_point_parses_with_its_declared_options():
+    for name, parse in (("cache", parse_args), ("compute", compute_args), ("gateway", gateway_args)):
+        assert vars(parse([])).keys() == vars(up.OPTIONS[name].parser().parse_args([])).keys()
+
+
+def test_every_service_flag_is_a_setting_or_placed_by_up():
+    address = argparse.ArgumentParser()
+    add_address(address, 1)
+    for name, options in up.OPTIONS.items():
+        placed = set(flags(options.parser())) & PLACEMENT
+        assert set(flags(address)) - {"-h"} <= placed, f"{name} listens where up says"
+        command = up.service_commands(up_args())[name]
+        assert placed <= set(command), f"up sets every placement flag of {name}"
+
+
+@pytest.mark.parametrize(("service", "flag"), settings())
+def test_up_declares_the_setting_as_the_service_does(service, flag):
+    ours, theirs = flags(up_parser())[flag], flags(up.OPTIONS[service].parser())[flag]
+    for field in (
+        "option_strings",
+        "dest",
+        "default",
+        "type",
+        "choices",
+        "nargs",
+        "const",
+        "help",
+        "required",
+    ):
+        assert getattr(ours, field) == getattr(theirs, field), f"{flag}: {field} differs from {service}'s"
+
+
+@pytest.mark.parametrize(("service", "flag"), settings())
+def test_a_setting_given_to_up_reaches_the_service(service, flag):
+    action = flags(up.OPTIONS[service].parser())[flag]
+    args = up_args(*other_value(action))
+    assert getattr(args, action.dest) != action.default or action.choices == [action.default]
+    for name, command in up.service_commands(args).items():
+        parsed = service_args(name, command)
+        defaults = up.OPTIONS[name].parser().parse_args([])
+        for dest in vars(defaults).keys() & vars(args).keys() - {"host", "port", "metrics_port"}:
+            assert getattr(parsed, dest) == getattr(args, dest), f"{name} got {dest} from up"
+
+
+def test_up_places_each_service():
+    args = up_args("--host", "0.0.0.0", "--port", "7001", "--cache-port", "7002", "--compute-port", "7003",
+                   "--metrics-port", "9500")  # fmt: skip
+    commands = up.service_commands(args)
+    assert list(commands) == ["cache", "compute", "gateway"], "start order"
+    placed = {name: service_args(name, command) for name, command in commands.items()}
+    assert (placed["gateway"].host, placed["gateway"].port, placed["gateway"].metrics_port) == (
+        "0.0.0.0",
+        7001,
+        9500,
+    )
+    assert (placed["cache"].host, placed["cache"].port, placed["cache"].metrics_port) == (
+        "127.0.0.1",
+        7002,
+        9501,
+    )
+    assert (placed["compute"].port, placed["compute"].metrics_port) == (7003, 9502)
+    assert (placed["gateway"].cache_target, placed["gateway"].compute_target) == (
+        "127.0.0.1:7002",
+        "127.0.0.1:7003",
+    )
+    assert all(
+        a.metrics_port == 0 for a in map(service_args, commands, up.service_commands(up_args()).values())
+    )
 
 
 @pytest.mark.parametrize("allocator", registry.available())
@@ -31,6 +142,14 @@ def test_up_passes_the_plain_linear_switch_to_compute():
         compute = up.service_commands(up_args(*argv))["compute"]
         args = compute_args(compute[compute.index("compute_service") + 1 :])
         assert args.plain_linear is plain
+
+
+def test_up_parses_sizes_as_the_cache_service_does(capsys):
+    cache = up.service_commands(up_args("--kv-memory", "1.5 GiB"))["cache"]
+    assert parse_args(cache[cache.index("cache_service") + 1 :]).kv_memory == 3 * 2**29
+    with pytest.raises(SystemExit):
+        up_args("--kv-memory", "lots")
+    assert "invalid size 'lots'" in capsys.readouterr().err
 
 
 def test_the_cache_service_refuses_an_unknown_allocator(capsys):

@@ -1,0 +1,23 @@
+"""The gateway's flags, for `python -m gateway` and `pagedserve up`."""
+
+import argparse
+
+from common.options import ServiceOptions, add_logging, add_model
+
+
+def add_targets(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-target", default="127.0.0.1:50052", help="the cache service, HOST:PORT")
+    parser.add_argument("--compute-target", default="127.0.0.1:50053", help="the compute service, HOST:PORT")
+
+
+def add_settings(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--max-batched-tokens", type=int, default=4096, help="tokens of one step: decodes, then prompt chunks"
+    )
+    parser.add_argument("--max-seqs", type=int, default=64, help="sequences running at once")
+
+
+OPTIONS = ServiceOptions(
+    "gateway", 50051, settings=(add_model, add_settings, add_logging), wiring=(add_targets,)
+)

@@ -1,0 +1,35 @@
+"""The tools sit beside the services: the gateway package holds only the gateway service."""
+
+import ast
+from pathlib import Path
+
+import gateway.client
+import sdk
+from tests.helpers import ROOT
+
+TOOLS = ("cli", "sdk")
+
+
+def _imported(path: Path) -> set[str]:
+    """Top-level packages a module imports."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_gateway_client_re_exports_the_sdk():
+    assert gateway.client.Client is sdk.Client
+    assert gateway.client.AsyncClient is sdk.AsyncClient
+    assert gateway.client.GenerationError is sdk.GenerationError
+
+
+def test_no_service_imports_the_tools():
+    for package in ("gateway", "cache_service", "compute_service", "common"):
+        for path in (ROOT / package).rglob("*.py"):
+            if path == ROOT / "gateway" / "client.py":
+                continue
+            assert not _imported(path) & set(TOOLS), f"{path.relative_to(ROOT)} imports a tool package"

@@ -13,10 +13,11 @@ from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, serve_metrics
 from common.precision import resolve_dtype
 from common.server import serve
 from common.shared_pool import dtype_from_name, open_pool
+from compute_service.batch import ForwardBatch
 from compute_service.model_loader import ModelSpec, load
 from compute_service.options import OPTIONS
-from compute_service.runner import Runner, Step, StepTimes
-from compute_service.validation import Limits, check_step
+from compute_service.runner import Runner, StepTimes
+from compute_service.validation import Limits
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
 
 SERVICE_NAME = compute_pb2.DESCRIPTOR.services_by_name["Compute"].full_name
@@ -75,15 +76,14 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                     f"stale pool epoch {request.pool_epoch!r}, attached pool is {self._epoch!r}: the cache "
                     "service restarted; create a pool and AttachPool its handle again"
                 )
-            step = Step.from_request(request)
-            check_step(step, self._limits)
+            batch = ForwardBatch.from_request(request, self._limits)
             times = StepTimes(prepare=time.perf_counter() - start)
-            sampled = self.runner.forward(step, times)
+            sampled = self.runner.forward(batch, times)
             elapsed_ms = (time.perf_counter() - start) * 1e3
         FORWARD_SECONDS.observe(elapsed_ms / 1e3)
-        STEP_TOKENS.observe(len(step.token_ids))
+        STEP_TOKENS.observe(len(batch.token_ids))
         self.log.debug(
-            "forward", tokens=len(step.token_ids), seqs=len(step.context_lens), ms=round(elapsed_ms, 2)
+            "forward", tokens=len(batch.token_ids), seqs=len(batch.context_lens), ms=round(elapsed_ms, 2)
         )
         return compute_pb2.ForwardResponse(
             token_ids=sampled.tokens.tolist(),

@@ -1,12 +1,15 @@
-"""Checks a step before anything touches the pool; every refusal says which field is wrong and how."""
+"""Checks a Forward request as sent, before anything is derived from it or touches the pool; every refusal
+says which field is wrong and how."""
 
 from dataclasses import dataclass
 
 import torch
 
+from common import paging
 from common.errors import InvalidArgument
-from compute_service.runner import Step
+from compute_service.sampling import SamplingBatch
 from compute_service.sampling_checks import check_sampling
+from protos import compute_pb2
 
 
 @dataclass(frozen=True)
@@ -17,12 +20,56 @@ class Limits:
     block_size: int
 
 
-def check_step(step: Step, limits: Limits) -> None:
-    """Raises InvalidArgument unless the step is well formed and writes only inside its sequences' blocks."""
-    _check_lengths(step)
-    _check_sequences(step, limits)
-    _check_blocks(step, limits)
-    check_sampling(step.sampling, limits.vocab_size)
+@dataclass(slots=True)
+class Sent:
+    """The request's fields as int64/bool tensors, unchecked."""
+
+    token_ids: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    num_computed: torch.Tensor
+    block_tables: torch.Tensor  # flat, row-major [num_seqs * block_table_width]
+    block_table_width: int
+    sample: torch.Tensor
+    sampling: SamplingBatch
+
+    @classmethod
+    def from_request(cls, request: compute_pb2.ForwardRequest) -> "Sent":
+        def ints(field) -> torch.Tensor:
+            return torch.tensor(field, dtype=torch.int64)
+
+        return cls(
+            token_ids=ints(request.token_ids),
+            cu_seqlens_q=ints(request.cu_seqlens_q),
+            num_computed=ints(request.num_computed),
+            block_tables=ints(request.block_tables),
+            block_table_width=request.block_table_width,
+            sample=torch.tensor(request.sample, dtype=torch.bool),
+            sampling=SamplingBatch.from_request(request),
+        )
+
+    def context_lens(self) -> torch.Tensor:
+        """Per sequence: tokens in its KV after this step (computed + new); needs consistent counts."""
+        return self.num_computed + self.cu_seqlens_q.diff()
+
+
+def check_sent(sent: Sent, limits: Limits) -> None:
+    """Raises InvalidArgument unless the counts fit together, the token ids are in the vocabulary and every
+    context fits the model and has its blocks in its table, inside the pool."""
+    _check_counts(sent)
+    context_lens = sent.context_lens()
+    _check_sequences(sent, context_lens, limits)
+    _check_blocks(sent, context_lens, limits)
+    check_sampling(sent.sampling, limits.vocab_size)
+
+
+def check_writes(slot_mapping: torch.Tensor) -> None:
+    """Raises InvalidArgument if two new tokens write one pool slot (sequences sharing a block they write)."""
+    slots = slot_mapping.sort().values
+    if (i := _first(slots[1:] == slots[:-1])) is not None:
+        raise InvalidArgument(
+            f"slot {int(slots[i])} is written by two new tokens in one step: sequences writing in this step "
+            "must not share blocks in block_tables (copy on write first)"
+        )
 
 
 def _first(bad: torch.Tensor) -> int | None:
@@ -31,15 +78,10 @@ def _first(bad: torch.Tensor) -> int | None:
     return int(hits[0, 0]) if len(hits) else None
 
 
-def _check_lengths(step: Step) -> None:
-    num_tokens, cu = len(step.token_ids), step.cu_seqlens_q
+def _check_counts(sent: Sent) -> None:
+    num_tokens, cu = len(sent.token_ids), sent.cu_seqlens_q
     if num_tokens == 0:
         raise InvalidArgument("empty step: token_ids is empty; send at least one sequence with one new token")
-    for field in ("positions", "slot_mapping"):
-        if len(getattr(step, field)) != num_tokens:
-            raise InvalidArgument(
-                f"{field} has {len(getattr(step, field))} entries for {num_tokens} token_ids: one per token"
-            )
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != num_tokens:
         raise InvalidArgument(
             f"cu_seqlens_q must run from 0 to the number of tokens ({num_tokens}), one offset per sequence "
@@ -51,82 +93,58 @@ def _check_lengths(step: Step) -> None:
             "every sequence needs at least one new token"
         )
     num_seqs = len(cu) - 1
-    for field in ("context_lens", "sample"):
-        if len(getattr(step, field)) != num_seqs:
+    for field in ("num_computed", "sample"):
+        if len(getattr(sent, field)) != num_seqs:
             raise InvalidArgument(
-                f"{field} has {len(getattr(step, field))} entries for {num_seqs} sequences in cu_seqlens_q"
+                f"{field} has {len(getattr(sent, field))} entries for {num_seqs} sequences in cu_seqlens_q"
             )
-    width = step.block_table_width
-    if width < 1 or len(step.block_tables) != num_seqs * width:
+    width = sent.block_table_width
+    if width < 1 or len(sent.block_tables) != num_seqs * width:
         raise InvalidArgument(
-            f"block_tables has {len(step.block_tables)} entries, expected num_seqs ({num_seqs}) * "
+            f"block_tables has {len(sent.block_tables)} entries, expected num_seqs ({num_seqs}) * "
             f"block_table_width ({width}) with block_table_width >= 1"
         )
-    if len(step.sampling.seeds) != int(step.sample.sum()):
+    if len(sent.sampling.seeds) != int(sent.sample.sum()):
         raise InvalidArgument(
-            f"{len(step.sampling.seeds)} sampling entries for {int(step.sample.sum())} sequences with sample "
+            f"{len(sent.sampling.seeds)} sampling entries for {int(sent.sample.sum())} sequences with sample "
             "set: send one per sampling sequence, in order"
         )
 
 
-def _check_sequences(step: Step, limits: Limits) -> None:
-    tokens, context_lens = step.token_ids, step.context_lens
+def _check_sequences(sent: Sent, context_lens: torch.Tensor, limits: Limits) -> None:
+    tokens, num_computed = sent.token_ids, sent.num_computed
     if (t := _first((tokens < 0) | (tokens >= limits.vocab_size))) is not None:
         raise InvalidArgument(
             f"token_ids[{t}] = {int(tokens[t])} is outside the vocabulary [0, {limits.vocab_size})"
         )
-    q_lens = step.cu_seqlens_q.diff()
-    if (seq := _first(context_lens < q_lens)) is not None:
+    if (seq := _first(num_computed < 0)) is not None:
         raise InvalidArgument(
-            f"context_lens[{seq}] = {int(context_lens[seq])} is less than its {int(q_lens[seq])} new tokens: "
-            "context_lens counts cached plus new tokens"
+            f"num_computed[{seq}] = {int(num_computed[seq])} is negative: it counts the sequence's tokens "
+            "already in the KV cache before this step"
         )
     if (seq := _first(context_lens > limits.max_model_len)) is not None:
         raise InvalidArgument(
-            f"context_lens[{seq}] = {int(context_lens[seq])} exceeds the model's maximum length "
+            f"sequence {seq} reaches {int(context_lens[seq])} tokens (num_computed[{seq}] = "
+            f"{int(num_computed[seq])} plus its new tokens), beyond the model's maximum length "
             f"{limits.max_model_len}"
         )
-    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
-    offset = torch.arange(len(tokens)) - step.cu_seqlens_q[seq_of_token]
-    expected = (context_lens - q_lens)[seq_of_token] + offset
-    if (t := _first(step.positions != expected)) is not None:
-        seq = int(seq_of_token[t])
-        raise InvalidArgument(
-            f"positions[{t}] = {int(step.positions[t])}, expected {int(expected[t])}: the new tokens of "
-            f"sequence {seq} must sit at positions context_len - q_len .. context_len - 1 "
-            f"({int(context_lens[seq] - q_lens[seq])} .. {int(context_lens[seq]) - 1})"
-        )
 
 
-def _check_blocks(step: Step, limits: Limits) -> None:
-    bs, width = limits.block_size, step.block_table_width
-    needed_blocks = (step.context_lens + bs - 1) // bs
+def _check_blocks(sent: Sent, context_lens: torch.Tensor, limits: Limits) -> None:
+    width = sent.block_table_width
+    needed_blocks = paging.blocks_for(context_lens, limits.block_size)
     if (seq := _first(needed_blocks > width)) is not None:
         raise InvalidArgument(
-            f"sequence {seq} needs {int(needed_blocks[seq])} blocks for {int(step.context_lens[seq])} tokens "
-            f"(block size {bs}) but block_table_width is {width}"
+            f"sequence {seq} needs {int(needed_blocks[seq])} blocks for {int(context_lens[seq])} tokens "
+            f"(block size {limits.block_size}) but block_table_width is {width}"
         )
-    tables = step.block_tables.view(-1, width)
+    tables = sent.block_tables.view(-1, width)
     outside = (tables < 0) | (tables >= limits.num_blocks)
     bad = (outside & (torch.arange(width) < needed_blocks[:, None])).flatten()
     if (entry := _first(bad)) is not None:
         seq, col = divmod(entry, width)
         raise InvalidArgument(
             f"block_tables[{seq}][{col}] = {int(tables[seq, col])} is outside the pool (block ids 0 .. "
-            f"{limits.num_blocks - 1}): use the tables the cache service returned for this pool"
-        )
-    seq_of_token = torch.repeat_interleave(torch.arange(len(tables)), step.cu_seqlens_q.diff())
-    positions = step.positions
-    expected = tables[seq_of_token, positions // bs] * bs + positions % bs
-    if (t := _first(step.slot_mapping != expected)) is not None:
-        raise InvalidArgument(
-            f"slot_mapping[{t}] = {int(step.slot_mapping[t])}, expected {int(expected[t])} = block "
-            f"{int(expected[t]) // bs} * block_size {bs} + {int(positions[t]) % bs} for position "
-            f"{int(positions[t])} of sequence {int(seq_of_token[t])}"
-        )
-    slots = step.slot_mapping.sort().values
-    if (i := _first(slots[1:] == slots[:-1])) is not None:
-        raise InvalidArgument(
-            f"slot {int(slots[i])} is written by two new tokens in one step: sequences writing in this step "
-            "must not share blocks (copy on write first)"
+            f"{limits.num_blocks - 1}), and sequence {seq} needs its first {int(needed_blocks[seq])} blocks "
+            f"for {int(context_lens[seq])} tokens: use the tables the cache service returned for this pool"
         )

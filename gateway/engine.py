@@ -5,13 +5,13 @@ import time
 from dataclasses import dataclass, replace
 
 import grpc
-import numpy as np
 import structlog
 from transformers import PreTrainedTokenizerBase
 
 from common.errors import Cancelled, PagedServeError, from_rpc_error
 from common.server import channel, request_metadata
-from gateway.sampling import forward_sampling, token_logprobs
+from gateway.forward import forward_request
+from gateway.sampling import token_logprobs
 from gateway.scheduler import Scheduler, Step
 from gateway.sequence import Sequence
 from gateway.step_timer import StepTimer
@@ -147,7 +147,7 @@ class Engine:
                 self._reserve(step)
             chunks = [[s.request_id, s.index, s.chunk_end - s.num_computed] for s in step.seqs]
             log.debug("step", chunks=chunks)
-            request = self._forward_request(step)
+            request = forward_request(step.seqs, self.handle.epoch, frozenset(self.model_info.eos_token_ids))
             with timer.phase("compute_rpc"):
                 reply = self._compute.Forward(
                     request, timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs)
@@ -224,35 +224,6 @@ class Engine:
             self._by_id[child.seq_id] = child
             self.scheduler.running.append(child)
         self.scheduler.free_blocks = reply.free_blocks
-
-    def _forward_request(self, step: Step) -> compute_pb2.ForwardRequest:
-        bs = self.config.block_size
-        seqs = step.seqs
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = np.full((len(seqs), width), -1, dtype=np.int64)
-        token_ids, positions, slots, q_lens = [], [], [], []
-        for i, seq in enumerate(seqs):
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            tables[i, : len(table)] = table
-            pos = np.arange(seq.num_computed, seq.chunk_end, dtype=np.int64)
-            token_ids.extend(seq.token_ids[seq.num_computed : seq.chunk_end])
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            q_lens.append(len(pos))
-        return compute_pb2.ForwardRequest(
-            pool_epoch=self.handle.epoch,
-            token_ids=token_ids,
-            positions=np.concatenate(positions).tolist(),
-            cu_seqlens_q=np.concatenate([[0], np.cumsum(q_lens)]).tolist(),
-            context_lens=[seq.chunk_end for seq in seqs],
-            block_tables=tables.ravel().tolist(),
-            block_table_width=width,
-            slot_mapping=np.concatenate(slots).tolist(),
-            sample=[seq.samples_now for seq in seqs],
-            **forward_sampling(
-                [seq for seq in seqs if seq.samples_now], frozenset(self.model_info.eos_token_ids)
-            ),
-        )
 
     def _advance(self, step: Step, reply: compute_pb2.ForwardResponse) -> None:
         eos = frozenset(self.model_info.eos_token_ids)

@@ -44,15 +44,13 @@ class AttachPoolResponse(_message.Message):
     def __init__(self, epoch: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("pool_epoch", "token_ids", "positions", "cu_seqlens_q", "context_lens", "block_tables", "block_table_width", "slot_mapping", "sample", "sampling", "history_token_ids", "cu_history", "history_prompt_lens", "output_lens")
+    __slots__ = ("pool_epoch", "token_ids", "cu_seqlens_q", "num_computed", "block_tables", "block_table_width", "sample", "sampling", "history_token_ids", "cu_history", "history_prompt_lens", "output_lens")
     POOL_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    POSITIONS_FIELD_NUMBER: _ClassVar[int]
     CU_SEQLENS_Q_FIELD_NUMBER: _ClassVar[int]
-    CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_WIDTH_FIELD_NUMBER: _ClassVar[int]
-    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -61,19 +59,17 @@ class ForwardRequest(_message.Message):
     OUTPUT_LENS_FIELD_NUMBER: _ClassVar[int]
     pool_epoch: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    positions: _containers.RepeatedScalarFieldContainer[int]
     cu_seqlens_q: _containers.RepeatedScalarFieldContainer[int]
-    context_lens: _containers.RepeatedScalarFieldContainer[int]
+    num_computed: _containers.RepeatedScalarFieldContainer[int]
     block_tables: _containers.RepeatedScalarFieldContainer[int]
     block_table_width: int
-    slot_mapping: _containers.RepeatedScalarFieldContainer[int]
     sample: _containers.RepeatedScalarFieldContainer[bool]
     sampling: _containers.RepeatedCompositeFieldContainer[RowSampling]
     history_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cu_history: _containers.RepeatedScalarFieldContainer[int]
     history_prompt_lens: _containers.RepeatedScalarFieldContainer[int]
     output_lens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool_epoch: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., context_lens: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., block_table_width: _Optional[int] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., sampling: _Optional[_Iterable[_Union[RowSampling, _Mapping]]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., cu_history: _Optional[_Iterable[int]] = ..., history_prompt_lens: _Optional[_Iterable[int]] = ..., output_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, pool_epoch: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., block_table_width: _Optional[int] = ..., sample: _Optional[_Iterable[bool]] = ..., sampling: _Optional[_Iterable[_Union[RowSampling, _Mapping]]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., cu_history: _Optional[_Iterable[int]] = ..., history_prompt_lens: _Optional[_Iterable[int]] = ..., output_lens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RowSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "min_tokens", "suppress_token_ids")

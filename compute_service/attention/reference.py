@@ -2,6 +2,8 @@
 
 import torch
 
+from common import paging
+
 
 def reference_attention(
     query: torch.Tensor,
@@ -19,9 +21,7 @@ def reference_attention(
     out = torch.empty_like(query)
     for i, context_len in enumerate(context_lens.tolist()):
         start, end = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
-        slots = [
-            int(block_tables[i, t // block_size]) * block_size + t % block_size for t in range(context_len)
-        ]
+        slots = paging.slots(block_tables[i], torch.arange(context_len), block_size)
         k = keys[slots].float().repeat_interleave(groups, dim=1)
         v = values[slots].float().repeat_interleave(groups, dim=1)
         scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), k) * scale

@@ -127,19 +127,18 @@ def _set(field: str, index: int, value):
     return mutate
 
 
-def _outside_pool(request: compute_pb2.ForwardRequest) -> None:
-    # block 20 of sequence 0 moved past the pool, its slots moved with it, so only the block check stands
-    request.block_tables[0] = NUM_BLOCKS + 3
-    for t in range(2):
-        request.slot_mapping[t] += (NUM_BLOCKS + 3 - 20) * BLOCK_SIZE
-
-
 def _replace(field: str, values: list):
     def mutate(request: compute_pb2.ForwardRequest) -> None:
         del getattr(request, field)[:]
         getattr(request, field).extend(values)
 
     return mutate
+
+
+def _narrow_tables(request: compute_pb2.ForwardRequest) -> None:
+    # one column per sequence, too few for sequence 0's 8 tokens
+    _replace("block_tables", [20, 22])(request)
+    request.block_table_width = 1
 
 
 def _sampling(**params):
@@ -150,14 +149,17 @@ def _sampling(**params):
 
 
 BAD_REQUESTS = {
-    "block outside the pool": (_outside_pool, "outside the pool"),
-    "slot mismatch": (_set("slot_mapping", 3, 20 * BLOCK_SIZE), "slot_mapping[3]"),
+    "block outside the pool": (_set("block_tables", 0, NUM_BLOCKS + 3), "outside the pool"),
+    "block missing from the table": (_set("block_tables", 1, -1), "block_tables[0][1] = -1"),
+    "shared block written": (_set("block_tables", 2, 21), "written by two new tokens"),
     "token outside vocab": (_set("token_ids", 7, VOCAB), "token_ids[7]"),
     "cu_seqlens not increasing": (_replace("cu_seqlens_q", [0, 6, 6, 9]), "cu_seqlens_q"),
     "cu_seqlens not ending at num tokens": (_replace("cu_seqlens_q", [0, 6, 8]), "cu_seqlens_q"),
-    "positions wrong": (_set("positions", 2, 5), "positions[2]"),
-    "context shorter than new tokens": (_set("context_lens", 1, 2), "context_lens[1]"),
-    "too few table columns": (_replace("block_tables", [20, 22]), "block_tables"),
+    "num_computed count": (_replace("num_computed", [2]), "num_computed has 1 entries"),
+    "num_computed negative": (_set("num_computed", 0, -1), "num_computed[0]"),
+    "context beyond the model": (_set("num_computed", 1, 510), "maximum length 512"),
+    "too few table entries": (_replace("block_tables", [20, 22]), "block_tables"),
+    "table narrower than the context": (_narrow_tables, "block_table_width is 1"),
     "sampling count": (_replace("sample", [True, False]), "sampling entries"),
     "negative temperature": (_sampling(temperature=-1.0), "temperature"),
     "top_p zero": (_sampling(top_p=0.0), "top_p"),
@@ -179,7 +181,10 @@ def test_valid_step_writes_exactly_its_slots(service, pool):
     pool.tensor.zero_()
     service.stub.Forward(small_step(pool.epoch), timeout=30)
     written = (pool.tensor != 0).flatten(4).any(-1).any(0).any(0).flatten()  # per slot
-    assert written.nonzero().squeeze(1).tolist() == sorted(small_step("").slot_mapping)
+    # block_table[p // block_size] * block_size + p % block_size of each new token's position p
+    spans = (([20, 21], range(2, 8)), ([22], range(3)))
+    slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for table, span in spans for p in span]
+    assert written.nonzero().squeeze(1).tolist() == slots
 
 
 def test_stale_epoch_is_refused(service, pool):

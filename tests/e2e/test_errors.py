@@ -55,12 +55,10 @@ def _forward(stack, **overrides) -> compute_pb2.ForwardRequest:
     request = dict(
         pool_epoch=epoch,
         token_ids=[1, 2, 3],
-        positions=[0, 1, 2],
         cu_seqlens_q=[0, 3],
-        context_lens=[3],
+        num_computed=[0],
         block_tables=[0],
         block_table_width=1,
-        slot_mapping=[0, 1, 2],
         sample=[True],
         sampling=[compute_pb2.RowSampling(temperature=0.0)],
     )
@@ -71,9 +69,18 @@ def _forward(stack, **overrides) -> compute_pb2.ForwardRequest:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (dict(block_tables=[512], slot_mapping=[8192, 8193, 8194]), "block"),
-        (dict(block_tables=[-7], slot_mapping=[-112, -111, -110]), "block"),
-        (dict(slot_mapping=[0, 1, 5]), "slot"),
+        (dict(block_tables=[512]), "block"),
+        (dict(block_tables=[-7]), "block"),
+        (
+            dict(
+                cu_seqlens_q=[0, 1, 3],
+                num_computed=[0, 0],
+                block_tables=[0, 0],
+                sample=[True, True],
+                sampling=[compute_pb2.RowSampling(temperature=0.0)] * 2,
+            ),
+            "slot",
+        ),
         (dict(token_ids=[1, 2, 10**6]), "token"),
         (dict(sampling=[compute_pb2.RowSampling(logprobs=50)]), "sampling[0].logprobs = 50 is invalid"),
         (dict(sampling=[compute_pb2.RowSampling(temperature=float("inf"))]), "sampling[0].temperature = inf"),

@@ -32,12 +32,10 @@ def test_values_written_by_compute_are_read_by_cache(stack_fp32, hf_models):
             compute_pb2.ForwardRequest(
                 pool_epoch=stack_fp32.stats().pool_epoch,
                 token_ids=tokens,
-                positions=range(5),
                 cu_seqlens_q=[0, 5],
-                context_lens=[5],
+                num_computed=[0],
                 block_tables=[block],
                 block_table_width=1,
-                slot_mapping=[block * 16 + i for i in range(5)],
                 sample=[True],
                 sampling=[compute_pb2.RowSampling(temperature=0.0)],
             ),

@@ -10,9 +10,15 @@ from compute_service.attention import context
 from compute_service.attention.context import build_context, reset_context, set_context
 from compute_service.attention.cpu import paged_attention
 from compute_service.attention.reference import reference_attention
+from compute_service.batch import ForwardBatch
+from compute_service.validation import Limits
+from tests.forward import forward_request
 
 BLOCK_SIZE, NUM_BLOCKS, HEADS, KV_HEADS, HEAD_DIM = 4, 64, 6, 2, 8
 SCALE = HEAD_DIM**-0.5
+LIMITS = Limits(
+    vocab_size=1, max_model_len=NUM_BLOCKS * BLOCK_SIZE, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE
+)
 
 
 class Sequence:
@@ -46,6 +52,12 @@ def make(lengths: list[int], dtype: torch.dtype = torch.float32):
     return seqs, torch.randn(shape).mul(50).to(dtype), torch.randn(shape).mul(50).to(dtype)
 
 
+def batch(new: list[int], cached: list[int], tables: list[list[int]]) -> ForwardBatch:
+    """The checked batch of `new[i]` tokens after `cached[i]` per sequence (token ids do not matter here)."""
+    request = forward_request([[0] * n for n in new], cached, tables, block_size=BLOCK_SIZE)
+    return ForwardBatch.from_request(request, LIMITS)
+
+
 def step(seqs: list[Sequence], new: list[int], k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """Runs one packed step of `new[i]` tokens per sequence through the backend; checks it on the way."""
     spans = [range(s.cached, s.cached + n) for s, n in zip(seqs, new, strict=True)]
@@ -53,12 +65,10 @@ def step(seqs: list[Sequence], new: list[int], k_cache: torch.Tensor, v_cache: t
     k = torch.cat([s.k[span] for s, span in zip(seqs, spans, strict=True)])
     v = torch.cat([s.v[span] for s, span in zip(seqs, spans, strict=True)])
     slots = torch.tensor([slot for s, span in zip(seqs, spans, strict=True) for slot in s.slots(span)])
-    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
-    context_lens = torch.tensor([span.stop for span in spans])
-    width = max(len(s.blocks) for s in seqs) + 1
-    tables = torch.tensor([s.blocks + [-1] * (width - len(s.blocks)) for s in seqs])
+    forward = batch(new, [s.cached for s in seqs], [s.blocks for s in seqs])
+    assert torch.equal(forward.slot_mapping, slots)
 
-    set_context(build_context([k_cache], [v_cache], slots, cu, context_lens, tables))
+    set_context(build_context([k_cache], [v_cache], forward))
     try:
         out = paged_attention(
             SimpleNamespace(layer_idx=0),
@@ -79,7 +89,9 @@ def step(seqs: list[Sequence], new: list[int], k_cache: torch.Tensor, v_cache: t
     assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
 
     tol = dict(atol=1e-5, rtol=1e-4) if q.dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    reference = reference_attention(q, k_cache, v_cache, cu, context_lens, tables, SCALE)
+    reference = reference_attention(
+        q, k_cache, v_cache, forward.cu_seqlens_q, forward.context_lens, forward.block_tables, SCALE
+    )
     torch.testing.assert_close(out, reference, **tol)
     torch.testing.assert_close(out, dense(seqs, spans), **tol)
     for s, n in zip(seqs, new, strict=True):
@@ -132,9 +144,8 @@ def test_decode_groups_split_to_bound_each_gather(monkeypatch):
     monkeypatch.setattr(context, "GATHER_KEYS", 20)
     seqs, k_cache, v_cache = make([9, 9, 9, 9, 9, 4])
     step(seqs, [8, 8, 8, 8, 8, 3], k_cache, v_cache)
-    tables = torch.tensor([s.blocks for s in seqs[:5]])
     groups = build_context(
-        [k_cache], [v_cache], torch.arange(5), torch.arange(6), torch.full((5,), 9), tables
+        [k_cache], [v_cache], batch([1] * 5, [8] * 5, [s.blocks for s in seqs[:5]])
     ).decode_groups
     assert [(g.first, g.count) for g in groups] == [(0, 2), (2, 2), (4, 1)], "at most 20 // 9 per gather"
     step(seqs, [1, 1, 1, 1, 1, 1], k_cache, v_cache)

@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from compute_service.batch import ForwardBatch
 from compute_service.linear import use_small_batch_linears
 from compute_service.model_loader import register_attention
-from compute_service.runner import Runner, Step
-from compute_service.validation import Limits, check_step
+from compute_service.runner import Runner
+from compute_service.validation import Limits
 from tests.forward import forward_request as paged_forward_request
 from tests.tiny_model import tiny_llama_config
 
@@ -46,6 +47,13 @@ def make_runner(model, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZ
     return runner
 
 
+def batch(model, request, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE) -> ForwardBatch:
+    """The checked batch of a request on a pool of `num_blocks` blocks."""
+    config = model.config
+    limits = Limits(config.vocab_size, config.max_position_embeddings, num_blocks, block_size)
+    return ForwardBatch.from_request(request, limits)
+
+
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0]
@@ -54,18 +62,17 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 def paged_greedy(paged, prompts: list[list[int]], block_size: int, steps: int) -> tuple[list, list]:
     """Prefill of every prompt in one step, then `steps` batched decodes, on shuffled blocks: the tokens
     generated per sequence and the logits of every step."""
-    config = paged.config
     per_seq = -(-(max(map(len, prompts)) + steps + 1) // block_size)
     num_blocks = per_seq * len(prompts)
     runner = make_runner(paged, num_blocks, block_size)
     blocks = torch.randperm(num_blocks).tolist()
     tables = [blocks[i * per_seq : (i + 1) * per_seq] for i in range(len(prompts))]
-    limits = Limits(config.vocab_size, config.max_position_embeddings, num_blocks, block_size)
     generated, step_logits = [[] for _ in prompts], []
     new, cached = prompts, [0] * len(prompts)
     for _ in range(1 + steps):
-        step = Step.from_request(paged_forward_request(new, cached, tables, block_size=block_size))
-        check_step(step, limits)
+        step = batch(
+            paged, paged_forward_request(new, cached, tables, block_size=block_size), num_blocks, block_size
+        )
         logits = runner.logits(step)
         sampled = runner.forward(step)
         tokens = sampled.tokens
@@ -115,11 +122,11 @@ def test_chunked_prefill_samples_only_sequences_that_finished_their_prompt(model
     tables = [[7, 3, 30], [12, 0]]
     # the long prompt's first chunk samples nothing; the short prompt completes and samples
     first = runner.logits(
-        Step.from_request(forward_request([long[:6], short], [0, 0], tables, sample=[False, True]))
+        batch(paged, forward_request([long[:6], short], [0, 0], tables, sample=[False, True]))
     )
     assert first.shape == (1, paged.config.vocab_size)
     token = int(first[0].argmax())
     torch.testing.assert_close(first[0], hf_logits(reference, short)[-1], atol=1e-4, rtol=1e-4)
-    second = runner.logits(Step.from_request(forward_request([long[6:], [token]], [6, 5], tables)))
+    second = runner.logits(batch(paged, forward_request([long[6:], [token]], [6, 5], tables)))
     torch.testing.assert_close(second[0], hf_logits(reference, long)[-1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(second[1], hf_logits(reference, short + [token])[-1], atol=1e-4, rtol=1e-4)

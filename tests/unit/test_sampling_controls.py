@@ -14,8 +14,7 @@ import pytest
 from cli import generate as cli_generate
 from common.errors import InvalidArgument
 from common.sampling_controls import CONTROLS, ROW_CONTROLS, Control, Kind, read
-from compute_service.runner import Step
-from compute_service.validation import Limits, check_step
+from compute_service.validation import Limits, Sent, check_sent
 from gateway.sampling import resolve_sampling
 from gateway.sequence import Sampling
 from protos import compute_pb2, generation_pb2
@@ -115,26 +114,26 @@ def test_gateway_messages_give_the_range_and_what_is_off():
 
 
 # compute validation
-def step(name: str, value) -> Step:
+def step(name: str, value) -> Sent:
     request = forward_request([[1, 2, 3], [4]], [0, 0], [[0], [1]], block_size=4)
     request.sampling[1].CopyFrom(compute_pb2.RowSampling(**as_field(name, value)))
     request.output_lens.extend([0, 0])
-    return Step.from_request(request)
+    return Sent.from_request(request)
 
 
 @pytest.mark.parametrize(("name", "value", "accepted"), compute_cases())
 def test_compute_accepts_each_range_edge_and_refuses_past_it(name, value, accepted):
     if accepted:
-        check_step(step(name, value), LIMITS)
+        check_sent(step(name, value), LIMITS)
         return
     with pytest.raises(InvalidArgument, match=rf"^sampling\[1\]\.{name}"):
-        check_step(step(name, value), LIMITS)
+        check_sent(step(name, value), LIMITS)
 
 
 @pytest.mark.parametrize(("name", "value"), [(n, v) for n, v in not_finite() if CONTROLS[n] in ROW_CONTROLS])
 def test_compute_refuses_nan_and_infinities_naming_the_field(name, value):
     with pytest.raises(InvalidArgument, match=rf"^sampling\[1\]\.{name}.* is invalid"):
-        check_step(step(name, value), LIMITS)
+        check_sent(step(name, value), LIMITS)
 
 
 # the SDK, the CLI and the README

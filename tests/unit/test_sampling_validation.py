@@ -3,21 +3,20 @@
 import pytest
 
 from common.errors import InvalidArgument
-from compute_service.runner import Step
-from compute_service.validation import Limits, check_step
+from compute_service.validation import Limits, Sent, check_sent
 from protos import compute_pb2
 from tests.forward import forward_request
 
 LIMITS = Limits(vocab_size=100, max_model_len=64, num_blocks=8, block_size=4)
 
 
-def step(sampling: compute_pb2.RowSampling | None = None, **fields) -> Step:
+def step(sampling: compute_pb2.RowSampling | None = None, **fields) -> Sent:
     request = forward_request([[1, 2, 3], [4]], [0, 0], [[0], [1]], block_size=4)
     if sampling is not None:
         request.sampling[1].CopyFrom(sampling)
     for name, value in fields.items():
         getattr(request, name).extend(value)
-    return Step.from_request(request)
+    return Sent.from_request(request)
 
 
 @pytest.mark.parametrize(
@@ -41,7 +40,7 @@ def step(sampling: compute_pb2.RowSampling | None = None, **fields) -> Step:
 )
 def test_out_of_range_sampling_is_refused(sampling, message):
     with pytest.raises(InvalidArgument) as err:
-        check_step(step(compute_pb2.RowSampling(**sampling)), LIMITS)
+        check_sent(step(compute_pb2.RowSampling(**sampling)), LIMITS)
     assert message in str(err.value)
 
 
@@ -61,12 +60,12 @@ def test_out_of_range_sampling_is_refused(sampling, message):
 )  # fmt: skip
 def test_malformed_history_is_refused(fields, message):
     with pytest.raises(InvalidArgument) as err:
-        check_step(step(**fields), LIMITS)
+        check_sent(step(**fields), LIMITS)
     assert message in str(err.value)
 
 
 def test_well_formed_history_passes():
-    check_step(
+    check_sent(
         step(
             compute_pb2.RowSampling(
                 repetition_penalty=1.2, min_tokens=2, suppress_token_ids=[2], logprobs=20

@@ -1,0 +1,61 @@
+"""The forward batch: a checked ForwardRequest and everything compute derives from it, once per step."""
+
+from dataclasses import dataclass
+
+import torch
+
+from common import paging
+from compute_service.sampling import SamplingBatch
+from compute_service.validation import Limits, Sent, check_sent, check_writes
+from protos import compute_pb2
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Every tensor a step needs (int64 unless noted), read by the attention context, the runner and sampling.
+
+    T new tokens of N sequences; `positions`, `context_lens` and `slot_mapping` are derived here and nowhere
+    else."""
+
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] position of each new token in its sequence
+    slot_mapping: torch.Tensor  # [T] pool slot its K/V go to
+    cu_seqlens_q: torch.Tensor  # [N + 1] offsets of each sequence's new tokens
+    context_lens: torch.Tensor  # [N] tokens in its KV after this step (computed + new)
+    block_tables: torch.Tensor  # [N, W], -1 padded
+    sample: torch.Tensor  # [N] bool
+    sampling: SamplingBatch
+
+    @classmethod
+    def from_request(cls, request: compute_pb2.ForwardRequest, limits: Limits) -> "ForwardBatch":
+        """The batch of a request; raises InvalidArgument, naming the field, unless the request is a
+        well-formed step that writes only inside its sequences' own blocks of the pool."""
+        sent = Sent.from_request(request)
+        check_sent(sent, limits)
+        batch = cls.derive(sent, limits.block_size)
+        check_writes(batch.slot_mapping)
+        return batch
+
+    @classmethod
+    def derive(cls, sent: Sent, block_size: int) -> "ForwardBatch":
+        """Positions, context lengths and slots of a checked request (see compute_service.validation)."""
+        cu, width = sent.cu_seqlens_q, sent.block_table_width
+        num_tokens, q_lens = len(sent.token_ids), cu.diff()
+        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens, output_size=num_tokens)
+        # new tokens follow the computed ones: token cu[i] + j of sequence i sits at num_computed[i] + j
+        positions = torch.arange(num_tokens) + (sent.num_computed - cu[:-1])[seq_of_token]
+        # NOTE: the tables laid end to end are one table in which position p of sequence i is at
+        # i * width * block_size + p, so one gather finds the slots of the packed tokens of all sequences.
+        slot_mapping = paging.slots(
+            sent.block_tables, seq_of_token * (width * block_size) + positions, block_size
+        )
+        return cls(
+            token_ids=sent.token_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=cu,
+            context_lens=sent.context_lens(),
+            block_tables=sent.block_tables.view(-1, width),
+            sample=sent.sample,
+            sampling=sent.sampling,
+        )

@@ -187,7 +187,7 @@ class Engine:
             seq.num_computed = max(seq.num_computed, table.cached_tokens)
             if seq.scheduled_at is None:
                 seq.scheduled_at, seq.cached_tokens = now, table.cached_tokens
-        self.scheduler.free_blocks = reply.free_blocks
+        self.scheduler.free_blocks = reply.available_blocks
 
     def _fork(self, parent: Sequence) -> None:
         """After the prompt's prefill, samples 1..n-1 share the parent's blocks; each recomputes the last
@@ -223,7 +223,7 @@ class Engine:
             )
             self._by_id[child.seq_id] = child
             self.scheduler.running.append(child)
-        self.scheduler.free_blocks = reply.free_blocks
+        self.scheduler.free_blocks = reply.available_blocks
 
     def _forward_request(self, step: Step) -> compute_pb2.ForwardRequest:
         bs = self.config.block_size
@@ -300,7 +300,7 @@ class Engine:
             seq_ids=[s.seq_id for s in seqs], num_computed={s.seq_id: s.num_computed for s in seqs}
         )
         reply = self._cache.Free(request, timeout=self.config.rpc_timeout_s, metadata=_ids(seqs))
-        self.scheduler.free_blocks = reply.free_blocks
+        self.scheduler.free_blocks = reply.available_blocks
         for seq in seqs:
             seq.drop_kv()
 

@@ -1,4 +1,5 @@
-"""The physical blocks: the allocator, a refcount per block, and the prefix index of cached blocks."""
+"""The block pool: the KV pool's block ids, each with a refcount, over the allocator and the prefix index
+of cached blocks (the K/V data itself is in the KV pool tensor, never here)."""
 
 from collections.abc import Sequence
 

@@ -11,7 +11,7 @@ import torch
 from cache_service import metrics
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
-from cache_service.pool import KVPool, spec_from_request
+from cache_service.kv_pool import KVPool, spec_from_request
 from cache_service.sequence import SeqRequest
 from common import shared_pool
 from common.errors import FailedPrecondition, InvalidArgument

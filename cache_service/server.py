@@ -69,9 +69,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def Reserve(self, request: cache_pb2.ReserveRequest, context) -> cache_pb2.BlockTables:
         with self._lock:
             blocks = self._blocks()
-            new = [_seq_request(seq) for seq in request.allocate]
-            tails = blocks.reserve(new, [_seq_request(seq) for seq in request.extend])
-            seq_ids = [seq.seq_id for seq in (*request.allocate, *request.extend)]
+            new = [_seq_request(seq) for seq in request.new_seqs]
+            tails = blocks.reserve(new, [_seq_request(seq) for seq in request.running_seqs])
+            seq_ids = [seq.seq_id for seq in (*request.new_seqs, *request.running_seqs)]
             return cache_pb2.BlockTables(
                 tables=[
                     cache_pb2.BlockTable(

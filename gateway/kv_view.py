@@ -80,8 +80,8 @@ class KVView:
         new = [seq for seq in seqs if seq.seq_id not in self._seqs]
         running = [seq for seq in seqs if seq.seq_id in self._seqs]
         request = cache_pb2.ReserveRequest(
-            allocate=[_seq_request(seq, seq.token_ids[: seq.chunk_end]) for seq in new],
-            extend=[_seq_request(seq, seq.token_ids[self._seqs[seq.seq_id].num_synced : seq.chunk_end])
+            new_seqs=[_seq_request(seq, seq.token_ids[: seq.chunk_end]) for seq in new],
+            running_seqs=[_seq_request(seq, seq.token_ids[self._seqs[seq.seq_id].num_synced : seq.chunk_end])
                     for seq in running],
         )  # fmt: skip
         reply = self._stub.Reserve(request, timeout=self._timeout, metadata=_ids(seqs))

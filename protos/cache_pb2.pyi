@@ -48,12 +48,12 @@ class SequenceRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("allocate", "extend")
-    ALLOCATE_FIELD_NUMBER: _ClassVar[int]
-    EXTEND_FIELD_NUMBER: _ClassVar[int]
-    allocate: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
-    extend: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
-    def __init__(self, allocate: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ..., extend: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("new_seqs", "running_seqs")
+    NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
+    new_seqs: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
+    running_seqs: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
+    def __init__(self, new_seqs: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ..., running_seqs: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("parent_id", "child_ids")

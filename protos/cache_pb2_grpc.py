@@ -87,9 +87,9 @@ class CacheServicer:
 
     def Reserve(self, request, context):
         """One scheduler step's reservation, batched, all or nothing, the one call that grows tables. New
-        sequences (`allocate`) get block tables reusing cached prefix blocks (see cached_tokens); running ones
-        (`extend`) record their progress, index their newly written full blocks, copy shared blocks the coming
-        step writes (copy-on-write) and grow to hold num_tokens. Tables come back in that order.
+        sequences get block tables reusing cached prefix blocks (see cached_tokens); running ones record their
+        progress, index their newly written full blocks, copy shared blocks the coming step writes
+        (copy-on-write) and grow to hold num_tokens. Tables come back in that order (new, then running).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

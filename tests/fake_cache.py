@@ -18,10 +18,10 @@ class FakeCache:
     def Reserve(self, request: cache_pb2.ReserveRequest, **_) -> cache_pb2.BlockTables:
         self.calls.append("Reserve")
         tables = []
-        for seq in request.allocate:
+        for seq in request.new_seqs:
             assert seq.seq_id not in self.tables and len(seq.token_ids) == seq.num_tokens, seq.seq_id
             tables.append(self._grow(seq, 0))
-        tables += [self._grow(seq, seq.num_computed // self.block_size) for seq in request.extend]
+        tables += [self._grow(seq, seq.num_computed // self.block_size) for seq in request.running_seqs]
         return cache_pb2.BlockTables(tables=tables, available_blocks=len(self.free))
 
     def Fork(self, request: cache_pb2.ForkRequest, **_) -> cache_pb2.BlockTables:

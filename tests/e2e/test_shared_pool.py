@@ -22,7 +22,7 @@ def test_values_written_by_compute_are_read_by_cache(stack_fp32, hf_models):
     tokens = [504, 3575, 282, 4649, 314]
     table = cache.Reserve(
         cache_pb2.ReserveRequest(
-            allocate=[cache_pb2.SequenceRequest(seq_id="shared-pool-test", num_tokens=5)]
+            new_seqs=[cache_pb2.SequenceRequest(seq_id="shared-pool-test", num_tokens=5)]
         )
     ).tables[0]
     try:

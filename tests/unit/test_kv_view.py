@@ -33,7 +33,7 @@ class Recording(FakeCache):
     def Reserve(self, request, **kw):
         self.requests.append(request)
         reply = super().Reserve(request, **kw)
-        for table in reply.tables[: len(request.allocate)]:
+        for table in reply.tables[: len(request.new_seqs)]:
             table.cached_tokens = self.hits
         return reply
 
@@ -48,11 +48,11 @@ def test_reserve_sends_each_token_once_and_keeps_the_tables_from_their_tails():
     kv, a = KVView(cache, BS, 16), seq("a", 6)
     a.chunk_end = 6
     kv.reserve([a])
-    assert list(cache.requests[0].allocate[0].token_ids) == list(range(6))
+    assert list(cache.requests[0].new_seqs[0].token_ids) == list(range(6))
     assert kv.holds(a) and len(kv.block_table(a)) == 2 and kv.available_blocks == 14
     a.num_computed, a.output_ids, a.chunk_end = 6, [42], 7
     kv.reserve([a])
-    (extend,) = cache.requests[1].extend
+    (extend,) = cache.requests[1].running_seqs
     assert (list(extend.token_ids), extend.num_computed, extend.num_tokens) == ([42], 6, 7)
     assert kv.block_table(a) == cache.tables["a"], "the tail (from block 1) joined the table it had"
     assert kv.blocks_needed(a, 9) == 1 and kv.room(a, 1) == 3 * BS - 6

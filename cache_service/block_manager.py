@@ -278,14 +278,11 @@ class BlockManager:
         """Indexes the sequence's full blocks whose K/V is now written."""
         if seq.token_ids is None:
             return
-        parent = seq.last_hash
-        for index, hash_ in chain(
-            parent, seq.token_ids, self.block_size, len(seq.hashes), num_computed // self.block_size
-        ):
-            tokens = block_tokens(seq.token_ids, index, self.block_size)
-            self.block_pool.register(seq.block_table[index], hash_, parent, tokens)
+        bs = self.block_size
+        for index, hash_ in chain(seq.last_hash, seq.token_ids, bs, len(seq.hashes), num_computed // bs):
+            tokens = block_tokens(seq.token_ids, index, bs)
+            self.block_pool.register(seq.block_table[index], hash_, seq.last_hash, tokens)
             seq.hashes.append(hash_)
-            parent = hash_
 
     def _copy_on_write(self, seq: SeqState, first_written: int) -> None:
         for index in range(first_written, len(seq.block_table)):

@@ -1,9 +1,11 @@
-"""The physical blocks: the allocator, a refcount per block, and the prefix index of cached blocks."""
+"""The block pool: the KV pool's block ids, each with a refcount, over the allocator and the prefix index
+of cached blocks (the K/V data itself is in the KV pool tensor, never here)."""
 
 from collections.abc import Sequence
 
 from cache_service.allocators.base import BlockAllocator
 from cache_service.prefix_cache import BlockHash, PrefixCache
+from common.errors import InvalidArgument, ResourceExhausted
 
 
 class BlockPool:
@@ -23,6 +25,15 @@ class BlockPool:
     def num_available(self) -> int:
         """Blocks `take` can hand out: free ones and evictable cached ones."""
         return self.allocator.num_free + self.prefix.num_evictable
+
+    def ensure_available(self, need: int, revived: int, block_size: int) -> None:
+        """ResourceExhausted unless `need` blocks can be taken once `revived` evictable ones are revived."""
+        available = self.num_available - revived
+        if need > available:
+            raise ResourceExhausted(
+                f"need {need} blocks, {available} free of {self.num_total} (block_size {block_size}): "
+                "free or preempt sequences, or give the pool more memory"
+            )
 
     def take(self, n: int, hint: Sequence[int]) -> list[int]:
         """n blocks with refcount 1, evicting least recently used cached blocks if too few are free.
@@ -54,10 +65,16 @@ class BlockPool:
             self.allocator.free([block_id])
         return True
 
-    def register(self, block_id: int, parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-        """Publishes a used, full block whose K/V is written; returns its hash."""
+    def refcount(self, block_id: int) -> int:
+        """How many block tables hold the block; InvalidArgument if it is out of range."""
+        if not 0 <= block_id < self.num_total:
+            raise InvalidArgument(f"block {block_id} does not exist: the pool has {self.num_total} blocks")
+        return self.refcounts[block_id]
+
+    def register(self, block_id: int, hash_: BlockHash, parent: BlockHash, token_ids: Sequence[int]) -> None:
+        """Publishes a used, full block whose K/V is written, under hash_ = hash(parent, token_ids)."""
         assert self.refcounts[block_id] > 0, block_id
-        return self.prefix.register(block_id, parent, token_ids)
+        self.prefix.register(block_id, hash_, parent, token_ids)
 
     def must_copy(self, block_id: int, already_copied: int = 0) -> bool:
         """A block about to be written is copied first if another table holds it or the index publishes it

@@ -3,7 +3,7 @@
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NewType
 
 BlockHash = NewType("BlockHash", bytes)
@@ -19,6 +19,22 @@ def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     digest = hashlib.blake2b(parent, digest_size=16)
     digest.update(array("q", token_ids).tobytes())
     return BlockHash(digest.digest())
+
+
+def block_tokens(token_ids: Sequence[int], index: int, block_size: int) -> Sequence[int]:
+    """The tokens of block `index`."""
+    return token_ids[index * block_size : (index + 1) * block_size]
+
+
+def chain(
+    parent: BlockHash, token_ids: Sequence[int], block_size: int, start: int, stop: int
+) -> Iterator[tuple[int, BlockHash]]:
+    """(index, hash) of the full blocks start..stop-1 of `token_ids`, each hashed on the one before;
+    `parent` is the hash of block start - 1 (the root for block 0). The one walker of the hash chain."""
+    assert 0 <= stop * block_size <= len(token_ids), (stop, block_size, len(token_ids))
+    for index in range(start, stop):
+        parent = block_hash(parent, block_tokens(token_ids, index, block_size))
+        yield index, parent
 
 
 class PrefixCache:
@@ -53,14 +69,13 @@ class PrefixCache:
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._evictable
 
-    def register(self, block_id: int, parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-        """Indexes a written, full, used block (unless its hash is indexed already); returns its hash."""
-        hash_ = block_hash(parent, token_ids)
+    def register(self, block_id: int, hash_: BlockHash, parent: BlockHash, token_ids: Sequence[int]) -> None:
+        """Indexes a written, full, used block under hash_ = hash(parent, token_ids), unless that hash (or
+        the block) is indexed already."""
         if hash_ not in self._by_hash and block_id not in self._entry:
             self._by_hash[hash_] = block_id
             self._entry[block_id] = (hash_, parent, tuple(token_ids))
             self._children.setdefault(parent, set()).add(block_id)
-        return hash_
 
     def longest_partial(self, parent: BlockHash, token_ids: Sequence[int]) -> tuple[int, int] | None:
         """(block, n): the indexed block after `parent` whose tokens start with the most (n >= 1) of

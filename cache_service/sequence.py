@@ -1,19 +1,22 @@
-"""A sequence as the cache service sees it: what a request asks for, and what the service keeps."""
+"""A sequence as the cache service sees it: what a Reserve asks for, what the service keeps, and the checks
+that refuse a whole batch before anything changes."""
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from cache_service.prefix_cache import BlockHash
-from common.errors import InvalidArgument
+from common.errors import AlreadyExists, InvalidArgument, NotFound
+from common.paging import blocks_for
 
 
 class SeqRequest(NamedTuple):
     """A sequence, the tokens it must hold after the call, and its progress.
 
-    token_ids: on allocate the whole sequence, on extend the tokens appended since the previous call; empty
-    for a sequence that is never prefix-cached. num_computed (extend): leading tokens whose K/V is written;
-    the step that follows writes [num_computed, num_tokens).
+    token_ids: for a new sequence the whole sequence, for a running one the tokens appended since the
+    previous call; empty for a sequence that is never prefix-cached. num_computed (running): leading tokens
+    whose K/V is written; the step that follows writes [num_computed, num_tokens).
     """
 
     seq_id: str
@@ -26,7 +29,7 @@ class SeqRequest(NamedTuple):
 @dataclass(slots=True)
 class SeqState:
     """A sequence's block table and, when it is prefix-cached, its tokens and the hash chain of its leading
-    full, written blocks (`hashes[i]` names block i, whether or not the index kept that very block)."""
+    full blocks (`hashes[i]` names block i, whether or not the index kept that very block)."""
 
     num_tokens: int
     root: BlockHash
@@ -35,14 +38,26 @@ class SeqState:
     hashes: list[BlockHash] = field(default_factory=list)
     cached_tokens: int = 0
 
-    def check_extend(self, request: SeqRequest, block_size: int) -> None:
+    @property
+    def last_hash(self) -> BlockHash:
+        """The hash the chain goes on from: the last hashed block's, or the root."""
+        return self.hashes[-1] if self.hashes else self.root
+
+    def check_invariants(self, seq_id: str, block_size: int) -> None:
+        """Asserts: the table holds no block twice and exactly the blocks for num_tokens; tokens all kept."""
+        table = self.block_table
+        assert len(set(table)) == len(table), f"sequence {seq_id!r} holds a block twice: {table}"
+        assert len(table) == blocks_for(self.num_tokens, block_size), (seq_id, self.num_tokens, table)
+        assert self.token_ids is None or len(self.token_ids) == self.num_tokens, seq_id
+
+    def check_grow(self, request: SeqRequest, block_size: int) -> None:
         """InvalidArgument unless `request` grows this sequence consistently: no shrinking, new token ids
         (if it is prefix-cached) that add up to num_tokens, and num_computed not below its hashed blocks."""
         name = repr(request.seq_id)
         if request.num_tokens < self.num_tokens:
             raise InvalidArgument(
-                f"sequence {name} holds {self.num_tokens} tokens: Extend cannot shrink it to "
-                f"{request.num_tokens} (Free it and Allocate again)"
+                f"sequence {name} holds {self.num_tokens} tokens: Reserve cannot shrink it to "
+                f"{request.num_tokens} (Free it and Reserve it again as new)"
             )
         new = len(request.token_ids)
         held = self.num_tokens if self.token_ids is not None else request.num_tokens - new
@@ -58,6 +73,9 @@ class SeqState:
             )
 
 
+# batch checks: each raises before anything changes
+
+
 def check_request(request: SeqRequest) -> None:
     """InvalidArgument for an empty seq_id or num_tokens <= 0."""
     if not request.seq_id:
@@ -65,3 +83,55 @@ def check_request(request: SeqRequest) -> None:
     if request.num_tokens <= 0:
         name, n = request.seq_id, request.num_tokens
         raise InvalidArgument(f"sequence {name!r}: num_tokens must be > 0, got {n}")
+
+
+def check_known(seq_ids: Sequence[str], seqs: Mapping[str, SeqState]) -> None:
+    """NotFound for any sequence without a table."""
+    unknown = sorted({seq_id for seq_id in seq_ids if seq_id not in seqs})
+    if unknown:
+        raise NotFound(f"unknown sequences {unknown}: Reserve them as new first (or they were freed)")
+
+
+def check_new(requests: Sequence[SeqRequest], seqs: Mapping[str, SeqState]) -> None:
+    """InvalidArgument (bad request, token_ids not num_tokens long) or AlreadyExists (the sequence has a
+    table or is listed twice)."""
+    seen: set[str] = set()
+    for request in requests:
+        check_request(request)
+        if request.seq_id in seqs:
+            raise AlreadyExists(
+                f"sequence {request.seq_id!r} already has a block table: Reserve it as running, or Free it"
+            )
+        if request.seq_id in seen:
+            raise AlreadyExists(f"sequence {request.seq_id!r} is listed twice in one Reserve")
+        if request.token_ids and len(request.token_ids) != request.num_tokens:
+            raise InvalidArgument(
+                f"sequence {request.seq_id!r}: {len(request.token_ids)} token_ids for num_tokens "
+                f"{request.num_tokens}; give every token or none"
+            )
+        seen.add(request.seq_id)
+
+
+def check_running(requests: Sequence[SeqRequest], seqs: Mapping[str, SeqState], block_size: int) -> None:
+    """InvalidArgument (bad request or growth, listed twice) or NotFound (no table)."""
+    for request in requests:
+        check_request(request)
+    check_known([request.seq_id for request in requests], seqs)
+    seen: set[str] = set()
+    for request in requests:
+        if request.seq_id in seen:
+            raise InvalidArgument(f"sequence {request.seq_id!r} is listed twice in one Reserve")
+        seen.add(request.seq_id)
+        seqs[request.seq_id].check_grow(request, block_size)
+
+
+def check_free(seq_ids: Sequence[str], num_computed: Mapping[str, int], seqs: Mapping[str, SeqState]) -> None:
+    """NotFound (no table) or InvalidArgument (listed twice, num_computed for a sequence not freed or out
+    of range)."""
+    check_known([*seq_ids, *num_computed], seqs)
+    twice = sorted(seq_id for seq_id, count in Counter(seq_ids).items() if count > 1)
+    if twice or set(num_computed) - set(seq_ids):
+        raise InvalidArgument(f"sequences {twice} are listed twice in one Free, or not freed")
+    for seq_id, computed in num_computed.items():
+        if not 0 <= computed <= seqs[seq_id].num_tokens:
+            raise InvalidArgument(f"sequence {seq_id!r}: num_computed {computed} is out of range")

@@ -9,8 +9,8 @@ import torch
 from cache_service import metrics
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
+from cache_service.kv_pool import KVPool, spec_from_request
 from cache_service.options import DEFAULT_KV_MEMORY, OPTIONS
-from cache_service.pool import KVPool, spec_from_request
 from cache_service.sequence import SeqRequest
 from common import shared_pool
 from common.errors import FailedPrecondition, InvalidArgument
@@ -62,41 +62,42 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             )
             return self._pool.handle
 
-    def Allocate(self, request: cache_pb2.AllocateRequest, context) -> cache_pb2.BlockTables:
-        with self._lock:
-            blocks = self._blocks()
-            seq_ids = [seq.seq_id for seq in request.sequences]
-            tables = blocks.allocate([_seq_request(seq) for seq in request.sequences])
-            return _block_tables(seq_ids, tables, blocks, [blocks.cached_tokens(s) for s in seq_ids])
-
-    def Extend(self, request: cache_pb2.ExtendRequest, context) -> cache_pb2.BlockTables:
-        with self._lock:
-            blocks = self._blocks()
-            tables = blocks.extend([_seq_request(seq) for seq in request.sequences])
-            return _block_tables([seq.seq_id for seq in request.sequences], tables, blocks)
-
     def Reserve(self, request: cache_pb2.ReserveRequest, context) -> cache_pb2.BlockTables:
         with self._lock:
             blocks = self._blocks()
-            new = [_seq_request(seq) for seq in request.allocate]
-            tails = blocks.reserve(new, [_seq_request(seq) for seq in request.extend])
-            seq_ids = [seq.seq_id for seq in (*request.allocate, *request.extend)]
-            cached = [blocks.cached_tokens(seq.seq_id) for seq in new] + [0] * len(request.extend)
-            return _block_tables(
-                seq_ids, [tail.block_ids for tail in tails], blocks, cached, [tail.first for tail in tails]
+            new = [_seq_request(seq) for seq in request.new_seqs]
+            tails = blocks.reserve(new, [_seq_request(seq) for seq in request.running_seqs])
+            seq_ids = [seq.seq_id for seq in (*request.new_seqs, *request.running_seqs)]
+            return cache_pb2.BlockTables(
+                tables=[
+                    cache_pb2.BlockTable(
+                        seq_id=seq_id,
+                        block_ids=tail.block_ids,
+                        cached_tokens=tail.cached_tokens,
+                        first_block=tail.first,
+                    )
+                    for seq_id, tail in zip(seq_ids, tails, strict=True)
+                ],
+                available_blocks=blocks.num_available,
             )
 
     def Fork(self, request: cache_pb2.ForkRequest, context) -> cache_pb2.BlockTables:
         with self._lock:
             blocks = self._blocks()
             tables = blocks.fork(request.parent_id, list(request.child_ids))
-            return _block_tables(list(request.child_ids), tables, blocks)
+            return cache_pb2.BlockTables(
+                tables=[
+                    cache_pb2.BlockTable(seq_id=seq_id, block_ids=table)
+                    for seq_id, table in zip(request.child_ids, tables, strict=True)
+                ],
+                available_blocks=blocks.num_available,
+            )
 
     def Free(self, request: cache_pb2.FreeRequest, context) -> cache_pb2.FreeResponse:
         with self._lock:
             blocks = self._blocks()
             freed = blocks.free(list(request.seq_ids), dict(request.num_computed))
-            return cache_pb2.FreeResponse(freed_blocks=freed, free_blocks=blocks.pool.num_available)
+            return cache_pb2.FreeResponse(freed_blocks=freed, available_blocks=blocks.num_available)
 
     def GetStats(self, request: cache_pb2.GetStatsRequest, context) -> cache_pb2.CacheStats:
         with self._lock:
@@ -156,24 +157,6 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
 def _seq_request(seq: cache_pb2.SequenceRequest) -> SeqRequest:
     return SeqRequest(seq.seq_id, seq.num_tokens, list(seq.token_ids), seq.num_computed, seq.cache_salt)
-
-
-def _block_tables(
-    seq_ids: Sequence[str],
-    tables: list[list[int]],
-    blocks: BlockManager,
-    cached: Sequence[int] = (),
-    first: Sequence[int] = (),
-) -> cache_pb2.BlockTables:
-    cached = cached or [0] * len(seq_ids)
-    first = first or [0] * len(seq_ids)
-    return cache_pb2.BlockTables(
-        tables=[
-            cache_pb2.BlockTable(seq_id=seq_id, block_ids=table, cached_tokens=n, first_block=i)
-            for seq_id, table, n, i in zip(seq_ids, tables, cached, first, strict=True)
-        ],
-        free_blocks=blocks.pool.num_available,
-    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

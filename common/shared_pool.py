@@ -1,4 +1,6 @@
-"""The KV pool shared zero-copy between the cache service (owner) and the compute service (mapper)."""
+"""The segment: the shared memory holding the KV pool tensor, created by the cache service (its owner) and
+mapped zero-copy by the compute service through a PoolHandle. (The KV pool is the tensor, see
+cache_service/kv_pool.py; the block pool is the refcounted block ids, see cache_service/block_pool.py.)"""
 
 import math
 import os

@@ -1,8 +1,7 @@
 """The serving loop: start-up handshake, then one step = one Cache.Reserve + one Compute.Forward."""
 
 import threading
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -11,8 +10,9 @@ from transformers import PreTrainedTokenizerBase
 from common.errors import Cancelled, PagedServeError, from_rpc_error
 from common.server import channel, request_metadata
 from gateway.forward import forward_request
+from gateway.kv_view import KVView
 from gateway.sampling import token_logprobs
-from gateway.scheduler import Scheduler, Step
+from gateway.scheduler import ScheduledStep, Scheduler
 from gateway.sequence import Sequence
 from gateway.step_timer import StepTimer
 from gateway.text_stream import TextStream
@@ -56,6 +56,7 @@ class Engine:
         self._by_id: dict[str, Sequence] = {}
         self.model_info: compute_pb2.ModelInfo | None = None
         self.handle: common_pb2.PoolHandle | None = None
+        self.kv: KVView | None = None
         self.scheduler: Scheduler | None = None
 
     # start-up
@@ -77,15 +78,14 @@ class Engine:
         self._compute.AttachPool(handle, timeout=self.config.rpc_timeout_s)
         self.model_info, self.handle = info, handle
         num_blocks = handle.shape[2]
-        self.scheduler = Scheduler(
-            self.config.block_size, num_blocks, self.config.max_batched_tokens, self.config.max_seqs
-        )
+        self.kv = KVView(self._cache, self.config.block_size, num_blocks, self.config.rpc_timeout_s)
+        self.scheduler = Scheduler(self.kv, self.config.max_batched_tokens, self.config.max_seqs)
         log.info("attached", model=info.model, dtype=info.dtype, num_blocks=num_blocks, epoch=handle.epoch)
 
     @property
     def max_len(self) -> int:
         """Longest sequence servable: the model's limit, or the whole pool if that is smaller."""
-        return min(self.model_info.max_model_len, self.scheduler.num_blocks * self.config.block_size)
+        return min(self.model_info.max_model_len, self.kv.num_blocks * self.config.block_size)
 
     # requests
     def submit(self, seq: Sequence) -> None:
@@ -136,29 +136,28 @@ class Engine:
         for outbox in {id(seq.outbox): seq.outbox for seq in seqs}.values():
             outbox.put(Cancelled("the request was cancelled or its deadline passed"))
 
-    def _run_step(self, step: Step, timer: StepTimer) -> None:
+    def _run_step(self, step: ScheduledStep, timer: StepTimer) -> None:
+        """One step: the cache reserves its blocks (or frees the preempted), compute runs it, then the
+        tokens are appended; a failed call ends the step's sequences with the error."""
         try:
             kind = "decode" if step.is_decode else "prefill"
             with timer.phase("cache_rpc"):
                 if step.preempted:
-                    self._free(step.preempted)
+                    self.kv.free(step.preempted)
                     log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
                     return
-                self._reserve(step)
+                self.kv.reserve(step.seqs)
             chunks = [[s.request_id, s.index, s.chunk_end - s.num_computed] for s in step.seqs]
             log.debug("step", chunks=chunks)
-            request = forward_request(step.seqs, self.handle.epoch, frozenset(self.model_info.eos_token_ids))
+            tables = [self.kv.block_table(seq) for seq in step.seqs]
+            eos = frozenset(self.model_info.eos_token_ids)
+            request = forward_request(step.seqs, tables, self.handle.epoch, eos)
             with timer.phase("compute_rpc"):
                 reply = self._compute.Forward(
                     request, timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs)
                 )
-            forks = [
-                seq
-                for seq in step.seqs
-                if seq.sampling.n > 1 and seq.index == 0 and not seq.output_ids and seq.samples_now
-            ]
             with timer.phase("cache_rpc"):
-                for seq in forks:
+                for seq in [seq for seq in step.seqs if seq.forks_now]:
                     self._fork(seq)
         except grpc.RpcError as err:
             self._fail(step.seqs or step.preempted, from_rpc_error(err))
@@ -167,65 +166,15 @@ class Engine:
         timer.compute = reply
         timer.finish(kind)
 
-    def _reserve(self, step: Step) -> None:
-        """One cache call per step: allocates tables for sequences that have none (looking up the prefix
-        cache over their first chunk), and reports every other sequence's new tokens and progress and grows
-        its table to hold its chunk (the reply carries only the part of its table that may change)."""
-        now = time.monotonic()
-        new = [seq for seq in step.seqs if not seq.block_table]
-        running = [seq for seq in step.seqs if seq.block_table]
-        request = cache_pb2.ReserveRequest(
-            allocate=[_seq_request(seq, seq.token_ids[: seq.chunk_end]) for seq in new],
-            extend=[_seq_request(seq, seq.token_ids[seq.num_synced : seq.chunk_end]) for seq in running],
-        )
-        reply = self._cache.Reserve(request, timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs))
-        for seq, table in zip((*new, *running), reply.tables, strict=True):
-            assert seq.seq_id == table.seq_id, (seq.seq_id, table.seq_id)
-            assert table.first_block <= len(seq.block_table), (seq.seq_id, table.first_block)
-            seq.block_table[table.first_block :] = table.block_ids
-            seq.num_synced, seq.shares_tail = seq.chunk_end, False
-            seq.num_computed = max(seq.num_computed, table.cached_tokens)
-            if seq.scheduled_at is None:
-                seq.scheduled_at, seq.cached_tokens = now, table.cached_tokens
-        self.scheduler.free_blocks = reply.free_blocks
-
     def _fork(self, parent: Sequence) -> None:
-        """After the prompt's prefill, samples 1..n-1 share the parent's blocks; each recomputes the last
-        prompt token (copying its block on write) to sample its own first token with seed + index."""
-        child_ids = [f"{parent.seq_id}/{index}" for index in range(1, parent.sampling.n)]
-        reply = self._cache.Fork(
-            cache_pb2.ForkRequest(parent_id=parent.seq_id, child_ids=child_ids),
-            timeout=self.config.rpc_timeout_s,
-            metadata=_ids([parent]),
-        )
-        parent.shares_tail = True
-        seed = parent.sampling.seed
-        for index, table in enumerate(reply.tables, start=1):
-            child = Sequence(
-                seq_id=table.seq_id,
-                prompt_ids=parent.prompt_ids,
-                sampling=replace(parent.sampling, seed=None if seed is None else seed + index),
-                max_len=parent.max_len,
-                num_computed=parent.num_tokens - 1,
-                block_table=list(table.block_ids),
-                cached_tokens=parent.cached_tokens,
-                cache_salt=parent.cache_salt,
-                request_id=parent.request_id,
-                priority=parent.priority,
-                arrival=parent.arrival,
-                scheduled_at=parent.scheduled_at,
-                num_synced=parent.num_tokens,
-                shares_tail=True,
-                index=index,
-                group_id=parent.group_id,
-                status=parent.status,
-                outbox=parent.outbox,
-            )
+        """After the prompt's prefill, samples 1..n-1 share the parent's blocks and run beside it."""
+        children = parent.fork()
+        self.kv.fork(parent, children)
+        for child in children:
             self._by_id[child.seq_id] = child
-            self.scheduler.running.append(child)
-        self.scheduler.free_blocks = reply.free_blocks
+        self.scheduler.add_running(children)
 
-    def _advance(self, step: Step, reply: compute_pb2.ForwardResponse) -> None:
+    def _advance(self, step: ScheduledStep, reply: compute_pb2.ForwardResponse) -> None:
         eos = frozenset(self.model_info.eos_token_ids)
         sampled = [seq for seq in step.seqs if seq.samples_now]
         for seq in step.seqs:
@@ -258,22 +207,7 @@ class Engine:
         for seq in seqs:
             self.scheduler.remove(seq)
             del self._by_id[seq.seq_id]
-        held = [seq for seq in seqs if seq.block_table]
-        if held:
-            try:
-                self._free(held)
-            except grpc.RpcError as err:
-                log.error("free_failed", seq_ids=[s.seq_id for s in held], error=err.details())
-
-    def _free(self, seqs: list[Sequence]) -> None:
-        """Releases the sequences' blocks; their written full blocks stay in the prefix cache."""
-        request = cache_pb2.FreeRequest(
-            seq_ids=[s.seq_id for s in seqs], num_computed={s.seq_id: s.num_computed for s in seqs}
-        )
-        reply = self._cache.Free(request, timeout=self.config.rpc_timeout_s, metadata=_ids(seqs))
-        self.scheduler.free_blocks = reply.free_blocks
-        for seq in seqs:
-            seq.drop_kv()
+        self.kv.release(seqs)
 
     def _fail(self, seqs: list[Sequence], error: PagedServeError) -> None:
         log.error("step_failed", seq_ids=[s.seq_id for s in seqs], code=error.code.name, error=str(error))
@@ -284,13 +218,3 @@ class Engine:
 
 def _ids(seqs: list[Sequence]) -> tuple[tuple[str, str], ...]:
     return request_metadata(seq.request_id for seq in seqs)
-
-
-def _seq_request(seq: Sequence, new_tokens: list[int]) -> cache_pb2.SequenceRequest:
-    return cache_pb2.SequenceRequest(
-        seq_id=seq.seq_id,
-        num_tokens=seq.chunk_end,
-        token_ids=new_tokens,
-        num_computed=seq.num_computed,
-        cache_salt=seq.cache_salt,
-    )

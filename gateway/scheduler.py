@@ -3,16 +3,17 @@ tokens; who is preempted when blocks run out."""
 
 from dataclasses import dataclass, field
 
+from gateway.kv_view import KVView
 from gateway.sequence import Sequence, Status
 
 
 @dataclass(slots=True)
-class Step:
+class ScheduledStep:
     # Each with its chunk [num_computed, chunk_end) set: decodes first, then prompt chunks.
     seqs: list[Sequence] = field(default_factory=list)
     # Sequences whose blocks must be freed (with their progress, for the prefix cache) before anything runs;
-    # they wait to be recomputed. A step that preempts schedules nothing else: the free count is only
-    # known again once the cache service has answered the Free.
+    # they wait to be recomputed. A step that preempts schedules nothing else: the available blocks are
+    # only known again once the cache service has answered the Free.
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -26,19 +27,16 @@ class Scheduler:
     of running prompts, then first chunks of waiting ones (admitted in rank order while the blocks of their
     chunk are free). Rank: lower priority value first, then arrival.
 
-    The free block count mirrors the cache service: the engine sets it from every cache reply. Blocks needed
-    are an upper bound (prefix hits only lower them), so a reservation sized here never fails.
+    Blocks (available, needed, room in a table) are the KV view's answers; the scheduler writes none of it.
     """
 
-    def __init__(self, block_size: int, num_blocks: int, max_batched_tokens: int, max_seqs: int) -> None:
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.free_blocks = num_blocks
+    def __init__(self, kv: KVView, max_batched_tokens: int, max_seqs: int) -> None:
+        self.kv = kv
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
         # NOTE: admitting a new prompt leaves this many blocks free for the running sequences to grow into,
         # so that admissions do not preempt at once what they just admitted.
-        self.watermark = max(1, num_blocks // 100)
+        self.watermark = max(1, kv.num_blocks // 100)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -49,18 +47,18 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def blocks_needed(self, seq: Sequence, end: int) -> int:
-        """Blocks the sequence lacks to hold `end` tokens (plus one to copy a shared block into)."""
-        return max(0, -(-end // self.block_size) - len(seq.block_table)) + seq.shares_tail
+    def add_running(self, seqs: list[Sequence]) -> None:
+        """Sequences that hold blocks already (samples forked from a running one) join the running ones."""
+        assert all(seq.status is Status.RUNNING for seq in seqs), [seq.seq_id for seq in seqs]
+        self.running.extend(seqs)
 
     def _chunk(self, seq: Sequence, budget: int, free: int) -> int:
         """How many of the sequence's uncomputed tokens fit in `budget` tokens and `free` blocks."""
-        room = (len(seq.block_table) + free - seq.shares_tail) * self.block_size - seq.num_computed
-        return max(0, min(seq.num_tokens - seq.num_computed, budget, room))
+        return max(0, min(seq.num_tokens - seq.num_computed, budget, self.kv.room(seq, free)))
 
-    def schedule(self) -> Step | None:
+    def schedule(self) -> ScheduledStep | None:
         """The next step, or None when there is nothing to run."""
-        budget, free, step = self.max_batched_tokens, self.free_blocks, Step()
+        budget, free, step = self.max_batched_tokens, self.kv.available_blocks, ScheduledStep()
         # running: decodes first, then the next chunks of partly computed prompts
         running = sorted(self.running, key=lambda s: s.rank)
         for seq in sorted(running, key=lambda s: s.num_tokens - s.num_computed > 1):
@@ -68,7 +66,7 @@ class Scheduler:
                 break
             n = self._chunk(seq, budget, free)
             if n == 0:
-                return Step(preempted=[self._preempt(running[-1])])
+                return ScheduledStep(preempted=[self._preempt(running[-1])])
             budget, free = budget - n, free - self._take(seq, n)
             step.seqs.append(seq)
         # waiting: first chunks, in rank order; nobody overtakes a request that does not fit
@@ -78,7 +76,7 @@ class Scheduler:
             n = self._chunk(seq, budget, room)
             # NOTE: a preempted sequence comes back only once its whole context fits, or it would take the
             # blocks back a chunk at a time and be preempted again at once (thrashing).
-            refit = seq.num_preemptions == 0 or self.blocks_needed(seq, seq.num_tokens) <= room
+            refit = seq.num_preemptions == 0 or self.kv.blocks_needed(seq, seq.num_tokens) <= room
             if n == 0 or not refit or slots + seq.num_slots > self.max_seqs:
                 break
             budget, free, slots = budget - n, free - self._take(seq, n), slots + seq.num_slots
@@ -91,7 +89,7 @@ class Scheduler:
     def _take(self, seq: Sequence, n: int) -> int:
         """Schedules n tokens of the sequence; returns the blocks that takes."""
         seq.chunk_end = seq.num_computed + n
-        return self.blocks_needed(seq, seq.chunk_end)
+        return self.kv.blocks_needed(seq, seq.chunk_end)
 
     def _preempt(self, seq: Sequence) -> Sequence:
         """Preemption by recompute: the engine frees the blocks; the tokens are kept and computed again when

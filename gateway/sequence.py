@@ -4,7 +4,7 @@ import enum
 import queue
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.sampling_controls import CONTROLS
 from gateway.text_stream import TextStream
@@ -66,13 +66,9 @@ class Sequence:
     # Tokens whose K/V is written once the scheduled step runs: its chunk is [num_computed, chunk_end).
     chunk_end: int = 0
     num_preemptions: int = 0
-    block_table: list[int] = field(default_factory=list)
+    # Leading prompt tokens the first reservation found in the prefix cache (reported in the usage).
     cached_tokens: int = 0
     cache_salt: str = ""
-    # Tokens the cache service holds for this sequence (the rest go with the next Extend).
-    num_synced: int = 0
-    # Forked and not yet extended: the next write may copy a shared block, which takes one more block.
-    shares_tail: bool = False
     # Which of the request's sampling.n samples this is; samples share the first one's seq_id as group_id.
     index: int = 0
     group_id: str = ""
@@ -101,11 +97,34 @@ class Sequence:
         """Whether the scheduled chunk reaches the last token, so that the step samples the next one."""
         return self.chunk_end == self.num_tokens
 
+    @property
+    def forks_now(self) -> bool:
+        """Whether the step samples the first token of a request of n > 1 samples: the others fork now."""
+        return self.sampling.n > 1 and self.index == 0 and not self.output_ids and self.samples_now
+
+    def fork(self) -> list["Sequence"]:
+        """Samples 1..n-1 of the request, made after its prompt's prefill: each shares the prompt (and,
+        once the cache service forks them, its blocks) and recomputes the last prompt token to sample its
+        own first token, seeded with seed + index."""
+        assert self.index == 0 and not self.output_ids, (self.seq_id, self.index)
+        seed = self.sampling.seed
+        return [
+            replace(
+                self,
+                seq_id=f"{self.seq_id}/{index}",
+                index=index,
+                sampling=replace(self.sampling, seed=None if seed is None else seed + index),
+                num_computed=self.num_tokens - 1,
+                chunk_end=0,
+                num_preemptions=0,
+                output_ids=[],
+            )
+            for index in range(1, self.sampling.n)
+        ]
+
     def drop_kv(self) -> None:
         """After its blocks are freed: nothing is computed any more (the tokens are kept)."""
-        self.block_table = []
-        self.num_computed = self.num_synced = self.chunk_end = 0
-        self.shares_tail = False
+        self.num_computed = self.chunk_end = 0
 
     @property
     def token_ids(self) -> list[int]:

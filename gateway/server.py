@@ -126,7 +126,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             block_size=self._engine.config.block_size,
-            num_blocks=self._engine.scheduler.num_blocks,
+            num_blocks=self._engine.kv.num_blocks,
             eos_token_ids=info.eos_token_ids,
         )
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/cache.proto\x12\rpagedserve.v1\x1a\x13protos/common.proto\"J\n\x0cPoolGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\"\xa1\x01\n\x11\x43reatePoolRequest\x12-\n\x08geometry\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.PoolGeometry\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x03\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\x12\r\n\x05model\x18\x06 \x01(\t\"r\n\x0fSequenceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x14\n\x0cnum_computed\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"D\n\x0f\x41llocateRequest\x12\x31\n\tsequences\x18\x01 \x03(\x0b\x32\x1e.pagedserve.v1.SequenceRequest\"B\n\rExtendRequest\x12\x31\n\tsequences\x18\x01 \x03(\x0b\x32\x1e.pagedserve.v1.SequenceRequest\"r\n\x0eReserveRequest\x12\x30\n\x08\x61llocate\x18\x01 \x03(\x0b\x32\x1e.pagedserve.v1.SequenceRequest\x12.\n\x06\x65xtend\x18\x02 \x03(\x0b\x32\x1e.pagedserve.v1.SequenceRequest\"3\n\x0b\x46orkRequest\x12\x11\n\tparent_id\x18\x01 \x01(\t\x12\x11\n\tchild_ids\x18\x02 \x03(\t\"[\n\nBlockTable\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\"M\n\x0b\x42lockTables\x12)\n\x06tables\x18\x01 \x03(\x0b\x32\x19.pagedserve.v1.BlockTable\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x03\"\x95\x01\n\x0b\x46reeRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12\x41\n\x0cnum_computed\x18\x02 \x03(\x0b\x32+.pagedserve.v1.FreeRequest.NumComputedEntry\x1a\x32\n\x10NumComputedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"9\n\x0c\x46reeResponse\x12\x14\n\x0c\x66reed_blocks\x18\x01 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x03\"\x11\n\x0fGetStatsRequest\"\xea\x03\n\nCacheStats\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\x03\x12\x13\n\x0bused_blocks\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x03\x12\x15\n\rcached_blocks\x18\x04 \x01(\x03\x12\x15\n\rnum_sequences\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\r\n\x05usage\x18\x07 \x01(\x01\x12\x11\n\tallocator\x18\x08 \x01(\t\x12\x12\n\npool_epoch\x18\t \x01(\t\x12\x16\n\x0eprefix_caching\x18\n \x01(\x08\x12\x1b\n\x13prefix_query_tokens\x18\x0b \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x0c \x01(\x03\x12\x16\n\x0e\x63opy_on_writes\x18\r \x01(\x03\x12\x11\n\tevictions\x18\x0e \x01(\x03\x12\x46\n\x0f\x61llocator_stats\x18\x0f \x03(\x0b\x32-.pagedserve.v1.CacheStats.AllocatorStatsEntry\x12\x15\n\rstored_tokens\x18\x14 \x01(\x03\x12\x13\n\x0btable_slots\x18\x15 \x01(\x03\x1a\x35\n\x13\x41llocatorStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"I\n\x10ReadBlockRequest\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x14\n\x0cinclude_data\x18\x03 \x01(\x08\"_\n\rBlockContents\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\x10\n\x08refcount\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x32\xb8\x04\n\x05\x43\x61\x63he\x12I\n\nCreatePool\x12 .pagedserve.v1.CreatePoolRequest\x1a\x19.pagedserve.v1.PoolHandle\x12\x46\n\x08\x41llocate\x12\x1e.pagedserve.v1.AllocateRequest\x1a\x1a.pagedserve.v1.BlockTables\x12\x42\n\x06\x45xtend\x12\x1c.pagedserve.v1.ExtendRequest\x1a\x1a.pagedserve.v1.BlockTables\x12\x44\n\x07Reserve\x12\x1d.pagedserve.v1.ReserveRequest\x1a\x1a.pagedserve.v1.BlockTables\x12>\n\x04\x46ork\x12\x1a.pagedserve.v1.ForkRequest\x1a\x1a.pagedserve.v1.BlockTables\x12?\n\x04\x46ree\x12\x1a.pagedserve.v1.FreeRequest\x1a\x1b.pagedserve.v1.FreeResponse\x12\x45\n\x08GetStats\x12\x1e.pagedserve.v1.GetStatsRequest\x1a\x19.pagedserve.v1.CacheStats\x12J\n\tReadBlock\x12\x1f.pagedserve.v1.ReadBlockRequest\x1a\x1c.pagedserve.v1.BlockContentsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/cache.proto\x12\rpagedserve.v1\x1a\x13protos/common.proto\"J\n\x0cPoolGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\"\xa1\x01\n\x11\x43reatePoolRequest\x12-\n\x08geometry\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.PoolGeometry\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x03\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\x12\r\n\x05model\x18\x06 \x01(\t\"r\n\x0fSequenceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x14\n\x0cnum_computed\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"x\n\x0eReserveRequest\x12\x30\n\x08new_seqs\x18\x01 \x03(\x0b\x32\x1e.pagedserve.v1.SequenceRequest\x12\x34\n\x0crunning_seqs\x18\x02 \x03(\x0b\x32\x1e.pagedserve.v1.SequenceRequest\"3\n\x0b\x46orkRequest\x12\x11\n\tparent_id\x18\x01 \x01(\t\x12\x11\n\tchild_ids\x18\x02 \x03(\t\"[\n\nBlockTable\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\"e\n\x0b\x42lockTables\x12)\n\x06tables\x18\x01 \x03(\x0b\x32\x19.pagedserve.v1.BlockTable\x12\x18\n\x10\x61vailable_blocks\x18\x03 \x01(\x03J\x04\x08\x02\x10\x03R\x0b\x66ree_blocks\"\x95\x01\n\x0b\x46reeRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12\x41\n\x0cnum_computed\x18\x02 \x03(\x0b\x32+.pagedserve.v1.FreeRequest.NumComputedEntry\x1a\x32\n\x10NumComputedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"Q\n\x0c\x46reeResponse\x12\x14\n\x0c\x66reed_blocks\x18\x01 \x01(\x03\x12\x18\n\x10\x61vailable_blocks\x18\x03 \x01(\x03J\x04\x08\x02\x10\x03R\x0b\x66ree_blocks\"\x11\n\x0fGetStatsRequest\"\xea\x03\n\nCacheStats\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\x03\x12\x13\n\x0bused_blocks\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x03\x12\x15\n\rcached_blocks\x18\x04 \x01(\x03\x12\x15\n\rnum_sequences\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\r\n\x05usage\x18\x07 \x01(\x01\x12\x11\n\tallocator\x18\x08 \x01(\t\x12\x12\n\npool_epoch\x18\t \x01(\t\x12\x16\n\x0eprefix_caching\x18\n \x01(\x08\x12\x1b\n\x13prefix_query_tokens\x18\x0b \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x0c \x01(\x03\x12\x16\n\x0e\x63opy_on_writes\x18\r \x01(\x03\x12\x11\n\tevictions\x18\x0e \x01(\x03\x12\x46\n\x0f\x61llocator_stats\x18\x0f \x03(\x0b\x32-.pagedserve.v1.CacheStats.AllocatorStatsEntry\x12\x15\n\rstored_tokens\x18\x14 \x01(\x03\x12\x13\n\x0btable_slots\x18\x15 \x01(\x03\x1a\x35\n\x13\x41llocatorStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"I\n\x10ReadBlockRequest\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x14\n\x0cinclude_data\x18\x03 \x01(\x08\"_\n\rBlockContents\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\x10\n\x08refcount\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x32\xac\x03\n\x05\x43\x61\x63he\x12I\n\nCreatePool\x12 .pagedserve.v1.CreatePoolRequest\x1a\x19.pagedserve.v1.PoolHandle\x12\x44\n\x07Reserve\x12\x1d.pagedserve.v1.ReserveRequest\x1a\x1a.pagedserve.v1.BlockTables\x12>\n\x04\x46ork\x12\x1a.pagedserve.v1.ForkRequest\x1a\x1a.pagedserve.v1.BlockTables\x12?\n\x04\x46ree\x12\x1a.pagedserve.v1.FreeRequest\x1a\x1b.pagedserve.v1.FreeResponse\x12\x45\n\x08GetStats\x12\x1e.pagedserve.v1.GetStatsRequest\x1a\x19.pagedserve.v1.CacheStats\x12J\n\tReadBlock\x12\x1f.pagedserve.v1.ReadBlockRequest\x1a\x1c.pagedserve.v1.BlockContentsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,34 +42,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CREATEPOOLREQUEST']._serialized_end=296
   _globals['_SEQUENCEREQUEST']._serialized_start=298
   _globals['_SEQUENCEREQUEST']._serialized_end=412
-  _globals['_ALLOCATEREQUEST']._serialized_start=414
-  _globals['_ALLOCATEREQUEST']._serialized_end=482
-  _globals['_EXTENDREQUEST']._serialized_start=484
-  _globals['_EXTENDREQUEST']._serialized_end=550
-  _globals['_RESERVEREQUEST']._serialized_start=552
-  _globals['_RESERVEREQUEST']._serialized_end=666
-  _globals['_FORKREQUEST']._serialized_start=668
-  _globals['_FORKREQUEST']._serialized_end=719
-  _globals['_BLOCKTABLE']._serialized_start=721
-  _globals['_BLOCKTABLE']._serialized_end=812
-  _globals['_BLOCKTABLES']._serialized_start=814
-  _globals['_BLOCKTABLES']._serialized_end=891
-  _globals['_FREEREQUEST']._serialized_start=894
-  _globals['_FREEREQUEST']._serialized_end=1043
-  _globals['_FREEREQUEST_NUMCOMPUTEDENTRY']._serialized_start=993
-  _globals['_FREEREQUEST_NUMCOMPUTEDENTRY']._serialized_end=1043
-  _globals['_FREERESPONSE']._serialized_start=1045
-  _globals['_FREERESPONSE']._serialized_end=1102
-  _globals['_GETSTATSREQUEST']._serialized_start=1104
-  _globals['_GETSTATSREQUEST']._serialized_end=1121
-  _globals['_CACHESTATS']._serialized_start=1124
-  _globals['_CACHESTATS']._serialized_end=1614
-  _globals['_CACHESTATS_ALLOCATORSTATSENTRY']._serialized_start=1561
-  _globals['_CACHESTATS_ALLOCATORSTATSENTRY']._serialized_end=1614
-  _globals['_READBLOCKREQUEST']._serialized_start=1616
-  _globals['_READBLOCKREQUEST']._serialized_end=1689
-  _globals['_BLOCKCONTENTS']._serialized_start=1691
-  _globals['_BLOCKCONTENTS']._serialized_end=1786
-  _globals['_CACHE']._serialized_start=1789
-  _globals['_CACHE']._serialized_end=2357
+  _globals['_RESERVEREQUEST']._serialized_start=414
+  _globals['_RESERVEREQUEST']._serialized_end=534
+  _globals['_FORKREQUEST']._serialized_start=536
+  _globals['_FORKREQUEST']._serialized_end=587
+  _globals['_BLOCKTABLE']._serialized_start=589
+  _globals['_BLOCKTABLE']._serialized_end=680
+  _globals['_BLOCKTABLES']._serialized_start=682
+  _globals['_BLOCKTABLES']._serialized_end=783
+  _globals['_FREEREQUEST']._serialized_start=786
+  _globals['_FREEREQUEST']._serialized_end=935
+  _globals['_FREEREQUEST_NUMCOMPUTEDENTRY']._serialized_start=885
+  _globals['_FREEREQUEST_NUMCOMPUTEDENTRY']._serialized_end=935
+  _globals['_FREERESPONSE']._serialized_start=937
+  _globals['_FREERESPONSE']._serialized_end=1018
+  _globals['_GETSTATSREQUEST']._serialized_start=1020
+  _globals['_GETSTATSREQUEST']._serialized_end=1037
+  _globals['_CACHESTATS']._serialized_start=1040
+  _globals['_CACHESTATS']._serialized_end=1530
+  _globals['_CACHESTATS_ALLOCATORSTATSENTRY']._serialized_start=1477
+  _globals['_CACHESTATS_ALLOCATORSTATSENTRY']._serialized_end=1530
+  _globals['_READBLOCKREQUEST']._serialized_start=1532
+  _globals['_READBLOCKREQUEST']._serialized_end=1605
+  _globals['_BLOCKCONTENTS']._serialized_start=1607
+  _globals['_BLOCKCONTENTS']._serialized_end=1702
+  _globals['_CACHE']._serialized_start=1705
+  _globals['_CACHE']._serialized_end=2133
 # @@protoc_insertion_point(module_scope)

@@ -47,25 +47,13 @@ class SequenceRequest(_message.Message):
     cache_salt: str
     def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
-class AllocateRequest(_message.Message):
-    __slots__ = ("sequences",)
-    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
-    sequences: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
-
-class ExtendRequest(_message.Message):
-    __slots__ = ("sequences",)
-    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
-    sequences: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
-
 class ReserveRequest(_message.Message):
-    __slots__ = ("allocate", "extend")
-    ALLOCATE_FIELD_NUMBER: _ClassVar[int]
-    EXTEND_FIELD_NUMBER: _ClassVar[int]
-    allocate: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
-    extend: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
-    def __init__(self, allocate: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ..., extend: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("new_seqs", "running_seqs")
+    NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
+    new_seqs: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
+    running_seqs: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
+    def __init__(self, new_seqs: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ..., running_seqs: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("parent_id", "child_ids")
@@ -88,12 +76,12 @@ class BlockTable(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class BlockTables(_message.Message):
-    __slots__ = ("tables", "free_blocks")
+    __slots__ = ("tables", "available_blocks")
     TABLES_FIELD_NUMBER: _ClassVar[int]
-    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
-    free_blocks: int
-    def __init__(self, tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+    available_blocks: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., available_blocks: _Optional[int] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
     __slots__ = ("seq_ids", "num_computed")
@@ -111,12 +99,12 @@ class FreeRequest(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_computed: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
-    __slots__ = ("freed_blocks", "free_blocks")
+    __slots__ = ("freed_blocks", "available_blocks")
     FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     freed_blocks: int
-    free_blocks: int
-    def __init__(self, freed_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+    available_blocks: int
+    def __init__(self, freed_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -44,16 +44,6 @@ class CacheStub:
                 request_serializer=protos_dot_cache__pb2.CreatePoolRequest.SerializeToString,
                 response_deserializer=protos_dot_common__pb2.PoolHandle.FromString,
                 _registered_method=True)
-        self.Allocate = channel.unary_unary(
-                '/pagedserve.v1.Cache/Allocate',
-                request_serializer=protos_dot_cache__pb2.AllocateRequest.SerializeToString,
-                response_deserializer=protos_dot_cache__pb2.BlockTables.FromString,
-                _registered_method=True)
-        self.Extend = channel.unary_unary(
-                '/pagedserve.v1.Cache/Extend',
-                request_serializer=protos_dot_cache__pb2.ExtendRequest.SerializeToString,
-                response_deserializer=protos_dot_cache__pb2.BlockTables.FromString,
-                _registered_method=True)
         self.Reserve = channel.unary_unary(
                 '/pagedserve.v1.Cache/Reserve',
                 request_serializer=protos_dot_cache__pb2.ReserveRequest.SerializeToString,
@@ -95,24 +85,11 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Allocate(self, request, context):
-        """Creates block tables for new sequences, batched, reusing cached prefix blocks (see cached_tokens).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Extend(self, request, context):
-        """Records progress, indexes newly written full blocks, copies shared blocks the coming step writes
-        (copy-on-write) and grows tables to hold num_tokens, batched.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Reserve(self, request, context):
-        """One scheduler step's reservation, all or nothing: Allocate the new sequences, then Extend the running
-        ones; tables come back in that order (allocate, then extend).
+        """One scheduler step's reservation, batched, all or nothing, the one call that grows tables. New
+        sequences get block tables reusing cached prefix blocks (see cached_tokens); running ones record their
+        progress, index their newly written full blocks, copy shared blocks the coming step writes
+        (copy-on-write) and grow to hold num_tokens. Tables come back in that order (new, then running).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -152,16 +129,6 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.CreatePool,
                     request_deserializer=protos_dot_cache__pb2.CreatePoolRequest.FromString,
                     response_serializer=protos_dot_common__pb2.PoolHandle.SerializeToString,
-            ),
-            'Allocate': grpc.unary_unary_rpc_method_handler(
-                    servicer.Allocate,
-                    request_deserializer=protos_dot_cache__pb2.AllocateRequest.FromString,
-                    response_serializer=protos_dot_cache__pb2.BlockTables.SerializeToString,
-            ),
-            'Extend': grpc.unary_unary_rpc_method_handler(
-                    servicer.Extend,
-                    request_deserializer=protos_dot_cache__pb2.ExtendRequest.FromString,
-                    response_serializer=protos_dot_cache__pb2.BlockTables.SerializeToString,
             ),
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
@@ -220,60 +187,6 @@ class Cache:
             '/pagedserve.v1.Cache/CreatePool',
             protos_dot_cache__pb2.CreatePoolRequest.SerializeToString,
             protos_dot_common__pb2.PoolHandle.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Allocate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pagedserve.v1.Cache/Allocate',
-            protos_dot_cache__pb2.AllocateRequest.SerializeToString,
-            protos_dot_cache__pb2.BlockTables.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Extend(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pagedserve.v1.Cache/Extend',
-            protos_dot_cache__pb2.ExtendRequest.SerializeToString,
-            protos_dot_cache__pb2.BlockTables.FromString,
             options,
             channel_credentials,
             insecure,

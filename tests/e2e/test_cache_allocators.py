@@ -18,9 +18,9 @@ def test_every_allocator_serves_and_refuses_exhaustion_cleanly(tmp_path, allocat
     try:
         stub = service.stub
         stub.CreatePool(pool_request())
-        (table,) = stub.Allocate(cache_pb2.AllocateRequest(sequences=seqs(("a", 40)))).tables
+        (table,) = stub.Reserve(cache_pb2.ReserveRequest(new_seqs=seqs(("a", 40)))).tables
         assert len(set(table.block_ids)) == 3
-        message = refused(stub.Allocate, cache_pb2.AllocateRequest(sequences=seqs(("b", 32))),
+        message = refused(stub.Reserve, cache_pb2.ReserveRequest(new_seqs=seqs(("b", 32))),
                           grpc.StatusCode.RESOURCE_EXHAUSTED)  # fmt: skip
         assert "need 2 blocks, 1 free of 4" in message
         refused(stub.Free, cache_pb2.FreeRequest(seq_ids=["a", "ghost"]), grpc.StatusCode.NOT_FOUND)
@@ -40,16 +40,17 @@ def test_a_write_into_a_forked_block_copies_k_and_v_of_every_layer(tmp_path):
         handle = stub.CreatePool(pool_request())
         tokens = list(range(20))
         request = cache_pb2.SequenceRequest(seq_id="p", num_tokens=20, token_ids=tokens)
-        (parent,) = stub.Allocate(cache_pb2.AllocateRequest(sequences=[request])).tables
+        (parent,) = stub.Reserve(cache_pb2.ReserveRequest(new_seqs=[request])).tables
         pool = open_pool(handle)
         shared = parent.block_ids[1]
         pool[:, :, shared] = torch.randn(pool[:, :, shared].shape)
         (child,) = stub.Fork(cache_pb2.ForkRequest(parent_id="p", child_ids=["c"])).tables
         assert list(child.block_ids) == list(parent.block_ids)
         write = cache_pb2.SequenceRequest(seq_id="c", num_tokens=20, num_computed=19)
-        (child,) = stub.Extend(cache_pb2.ExtendRequest(sequences=[write])).tables
-        copy = child.block_ids[1]
-        assert child.block_ids[0] == parent.block_ids[0] and copy != shared
+        (tail,) = stub.Reserve(cache_pb2.ReserveRequest(running_seqs=[write])).tables
+        assert tail.first_block == 1, "the step writes from the second block on"
+        copy = tail.block_ids[0]
+        assert copy != shared
         assert torch.equal(pool[:, :, copy], pool[:, :, shared]) and pool[:, :, copy].abs().sum() > 0
         assert pool.shape[0] == LAYERS
         stats = service.stats()

@@ -61,20 +61,20 @@ def test_create_pool_again_returns_the_same_pool(service, handle):
 
 
 def test_allocate_extend_free_round_trip(stub, handle, service):
-    reply = stub.Allocate(cache_pb2.AllocateRequest(sequences=seqs(("a", 1), ("b", 17), ("c", 32))))
+    reply = stub.Reserve(cache_pb2.ReserveRequest(new_seqs=seqs(("a", 1), ("b", 17), ("c", 32))))
     assert [table.seq_id for table in reply.tables] == ["a", "b", "c"]
     assert [len(table.block_ids) for table in reply.tables] == [1, 2, 2]
     assert [table.cached_tokens for table in reply.tables] == [0, 0, 0]
     held = [block_id for table in reply.tables for block_id in table.block_ids]
     assert len(set(held)) == 5 and all(0 <= block_id < NUM_BLOCKS for block_id in held)
-    assert reply.free_blocks == NUM_BLOCKS - 5
+    assert reply.available_blocks == NUM_BLOCKS - 5
     a, b = list(reply.tables[0].block_ids), list(reply.tables[1].block_ids)
 
-    grown = stub.Extend(cache_pb2.ExtendRequest(sequences=seqs(("b", 33), ("a", 16))))
+    grown = stub.Reserve(cache_pb2.ReserveRequest(running_seqs=seqs(("b", 33), ("a", 16))))
     assert [table.seq_id for table in grown.tables] == ["b", "a"]
     assert list(grown.tables[0].block_ids[:2]) == b and len(grown.tables[0].block_ids) == 3
     assert list(grown.tables[1].block_ids) == a
-    assert grown.free_blocks == NUM_BLOCKS - 6
+    assert grown.available_blocks == NUM_BLOCKS - 6
 
     stats = service.stats()
     assert (stats.total_blocks, stats.used_blocks, stats.free_blocks) == (NUM_BLOCKS, 6, NUM_BLOCKS - 6)
@@ -83,28 +83,28 @@ def test_allocate_extend_free_round_trip(stub, handle, service):
     assert (stats.allocator, stats.pool_epoch) == ("freelist", handle.epoch)
 
     freed = stub.Free(cache_pb2.FreeRequest(seq_ids=["a", "b", "c"]))
-    assert (freed.freed_blocks, freed.free_blocks) == (6, NUM_BLOCKS)
+    assert (freed.freed_blocks, freed.available_blocks) == (6, NUM_BLOCKS)
     assert service.stats().used_blocks == 0
 
 
 def test_reserve_allocates_and_extends_in_one_call_and_refuses_as_a_whole(stub, service):
-    stub.Allocate(cache_pb2.AllocateRequest(sequences=seqs(("run", 16))))
-    request = cache_pb2.ReserveRequest(allocate=seqs(("new", 20)), extend=seqs(("run", 17)))
+    stub.Reserve(cache_pb2.ReserveRequest(new_seqs=seqs(("run", 16))))
+    request = cache_pb2.ReserveRequest(new_seqs=seqs(("new", 20)), running_seqs=seqs(("run", 17)))
     reply = stub.Reserve(request)
     assert [(t.seq_id, len(t.block_ids)) for t in reply.tables] == [("new", 2), ("run", 2)]
-    assert reply.free_blocks == NUM_BLOCKS - 4
+    assert reply.available_blocks == NUM_BLOCKS - 4
     run = list(reply.tables[1].block_ids)
     # once 17 tokens are written, a step to 40 tokens can only touch the blocks from the second on
     grow = cache_pb2.SequenceRequest(seq_id="run", num_tokens=40, token_ids=[], num_computed=17)
-    tail = stub.Reserve(cache_pb2.ReserveRequest(extend=[grow])).tables[0]
+    tail = stub.Reserve(cache_pb2.ReserveRequest(running_seqs=[grow])).tables[0]
     assert (tail.first_block, len(tail.block_ids)) == (1, 2) and tail.block_ids[0] == run[1]
-    assert service.stats().free_blocks == reply.free_blocks - 1
+    assert service.stats().free_blocks == reply.available_blocks - 1
     too_big = cache_pb2.ReserveRequest(
-        allocate=seqs(("big", NUM_BLOCKS * BLOCK_SIZE)), extend=seqs(("run", 41))
+        new_seqs=seqs(("big", NUM_BLOCKS * BLOCK_SIZE)), running_seqs=seqs(("run", 41))
     )
     details = refused(stub.Reserve, too_big, grpc.StatusCode.RESOURCE_EXHAUSTED)
     assert f"need {NUM_BLOCKS} blocks, {NUM_BLOCKS - 5} free" in details
-    unknown = cache_pb2.ReserveRequest(allocate=seqs(("other", 4)), extend=seqs(("ghost", 4)))
+    unknown = cache_pb2.ReserveRequest(new_seqs=seqs(("other", 4)), running_seqs=seqs(("ghost", 4)))
     assert "'ghost'" in refused(stub.Reserve, unknown, grpc.StatusCode.NOT_FOUND)
     stats = service.stats()
     assert (stats.used_blocks, stats.num_sequences) == (5, 2), "a refused Reserve changes nothing"
@@ -113,10 +113,10 @@ def test_reserve_allocates_and_extends_in_one_call_and_refuses_as_a_whole(stub, 
 
 
 def test_exhaustion_is_refused_with_the_numbers_and_changes_nothing(stub, service):
-    big = stub.Allocate(cache_pb2.AllocateRequest(sequences=seqs(("big", 60 * BLOCK_SIZE)))).tables[0]
+    big = stub.Reserve(cache_pb2.ReserveRequest(new_seqs=seqs(("big", 60 * BLOCK_SIZE)))).tables[0]
     details = refused(
-        stub.Allocate,
-        cache_pb2.AllocateRequest(sequences=seqs(("x", 1), ("y", 10 * BLOCK_SIZE))),
+        stub.Reserve,
+        cache_pb2.ReserveRequest(new_seqs=seqs(("x", 1), ("y", 10 * BLOCK_SIZE))),
         grpc.StatusCode.RESOURCE_EXHAUSTED,
     )
     assert "need 11 blocks, 4 free of 64" in details
@@ -124,12 +124,12 @@ def test_exhaustion_is_refused_with_the_numbers_and_changes_nothing(stub, servic
     refused(stub.Free, cache_pb2.FreeRequest(seq_ids=["x"]), grpc.StatusCode.NOT_FOUND)
 
     details = refused(
-        stub.Extend,
-        cache_pb2.ExtendRequest(sequences=seqs(("big", 65 * BLOCK_SIZE))),
+        stub.Reserve,
+        cache_pb2.ReserveRequest(running_seqs=seqs(("big", 65 * BLOCK_SIZE))),
         grpc.StatusCode.RESOURCE_EXHAUSTED,
     )
     assert "need 5 blocks, 4 free of 64" in details
-    same = stub.Extend(cache_pb2.ExtendRequest(sequences=seqs(("big", 60 * BLOCK_SIZE)))).tables[0]
+    same = stub.Reserve(cache_pb2.ReserveRequest(running_seqs=seqs(("big", 60 * BLOCK_SIZE)))).tables[0]
     assert same.block_ids == big.block_ids
     assert stub.Free(cache_pb2.FreeRequest(seq_ids=["big"])).freed_blocks == 60
 
@@ -137,17 +137,17 @@ def test_exhaustion_is_refused_with_the_numbers_and_changes_nothing(stub, servic
 @pytest.mark.parametrize(
     ("rpc", "request_", "code", "message"),
     [
-        ("Extend", cache_pb2.ExtendRequest(sequences=seqs(("ghost", 4))), "NOT_FOUND", "'ghost'"),
+        ("Reserve", cache_pb2.ReserveRequest(running_seqs=seqs(("ghost", 4))), "NOT_FOUND", "'ghost'"),
         ("Free", cache_pb2.FreeRequest(seq_ids=["ghost"]), "NOT_FOUND", "'ghost'"),
         (
-            "Allocate",
-            cache_pb2.AllocateRequest(sequences=seqs(("n", 0))),
+            "Reserve",
+            cache_pb2.ReserveRequest(new_seqs=seqs(("n", 0))),
             "INVALID_ARGUMENT",
             "num_tokens must be > 0",
         ),
         (
-            "Allocate",
-            cache_pb2.AllocateRequest(sequences=seqs(("n", 1), ("n", 1))),
+            "Reserve",
+            cache_pb2.ReserveRequest(new_seqs=seqs(("n", 1), ("n", 1))),
             "ALREADY_EXISTS",
             "twice",
         ),
@@ -181,14 +181,14 @@ def test_create_pool_bad_dtype_is_refused(stub):
 
 
 def test_free_with_an_unknown_id_frees_nothing(stub, service):
-    stub.Allocate(cache_pb2.AllocateRequest(sequences=seqs(("keep", 20))))
+    stub.Reserve(cache_pb2.ReserveRequest(new_seqs=seqs(("keep", 20))))
     refused(stub.Free, cache_pb2.FreeRequest(seq_ids=["keep", "ghost"]), grpc.StatusCode.NOT_FOUND)
     assert (service.stats().used_blocks, service.stats().num_sequences) == (2, 1)
     assert stub.Free(cache_pb2.FreeRequest(seq_ids=["keep"])).freed_blocks == 2
 
 
 def test_new_layout_is_refused_while_sequences_hold_blocks(stub, handle, service):
-    stub.Allocate(cache_pb2.AllocateRequest(sequences=seqs(("held", 1))))
+    stub.Reserve(cache_pb2.ReserveRequest(new_seqs=seqs(("held", 1))))
     details = refused(stub.CreatePool, pool_request(block_size=32), grpc.StatusCode.FAILED_PRECONDITION)
     assert "holds 1 sequences" in details
     assert (service.stats().pool_epoch, service.stats().block_size) == (handle.epoch, BLOCK_SIZE)
@@ -196,7 +196,7 @@ def test_new_layout_is_refused_while_sequences_hold_blocks(stub, handle, service
 
 
 def test_read_block_sees_what_another_process_wrote(stub, handle):
-    (table,) = stub.Allocate(cache_pb2.AllocateRequest(sequences=seqs(("r", 1)))).tables
+    (table,) = stub.Reserve(cache_pb2.ReserveRequest(new_seqs=seqs(("r", 1)))).tables
     block_id = table.block_ids[0]
     shape = [2, BLOCK_SIZE, HEADS, HEAD_DIM]
 
@@ -245,9 +245,8 @@ def test_start_sweeps_stale_segments_and_refuses_calls_before_create_pool(tmp_pa
             assert str(stale) in service.log()
             stub = service.stub
             for call, request in [
-                (stub.Allocate, cache_pb2.AllocateRequest(sequences=seqs(("a", 1)))),
-                (stub.Extend, cache_pb2.ExtendRequest(sequences=seqs(("a", 1)))),
-                (stub.Reserve, cache_pb2.ReserveRequest(allocate=seqs(("a", 1)))),
+                (stub.Reserve, cache_pb2.ReserveRequest(running_seqs=seqs(("a", 1)))),
+                (stub.Reserve, cache_pb2.ReserveRequest(new_seqs=seqs(("a", 1)))),
                 (stub.Free, cache_pb2.FreeRequest(seq_ids=["a"])),
                 (stub.ReadBlock, cache_pb2.ReadBlockRequest()),
             ]:

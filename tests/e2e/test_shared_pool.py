@@ -20,9 +20,9 @@ def _read(stack, block: int, layer: int) -> torch.Tensor:
 def test_values_written_by_compute_are_read_by_cache(stack_fp32, hf_models):
     cache, compute = stack_fp32.cache(), stack_fp32.compute()
     tokens = [504, 3575, 282, 4649, 314]
-    table = cache.Allocate(
-        cache_pb2.AllocateRequest(
-            sequences=[cache_pb2.SequenceRequest(seq_id="shared-pool-test", num_tokens=5)]
+    table = cache.Reserve(
+        cache_pb2.ReserveRequest(
+            new_seqs=[cache_pb2.SequenceRequest(seq_id="shared-pool-test", num_tokens=5)]
         )
     ).tables[0]
     try:

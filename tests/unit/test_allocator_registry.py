@@ -8,6 +8,7 @@ from cache_service.allocators import registry
 from cache_service.allocators.contiguous import ContiguousAllocator
 from cache_service.sequence import SeqRequest
 from common.errors import InvalidArgument
+from tests.blocks import allocate
 from tests.fake_pool import manager
 from tests.toy_allocator import StackAllocator
 
@@ -17,7 +18,7 @@ TOY = "tests.toy_allocator:StackAllocator"
 def test_a_dotted_path_loads_a_third_party_allocator():
     assert registry.resolve(TOY) is StackAllocator
     blocks, _ = manager(8, TOY)
-    (table,) = blocks.allocate([SeqRequest("a", 8)])
+    (table,) = allocate(blocks, [SeqRequest("a", 8)])
     assert blocks.stats().used_blocks == len(table) == 2
     blocks.free(["a"])
     blocks.check_invariants()

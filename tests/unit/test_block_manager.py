@@ -15,8 +15,10 @@ from common.errors import (
     PagedServeError,
     ResourceExhausted,
 )
+from tests.blocks import allocate, extend
 
 BLOCK_SIZE = 4
+STEPS = {"allocate": allocate, "extend": extend}
 
 
 def manager(num_blocks: int = 16, allocator: str = "freelist") -> BlockManager:
@@ -34,16 +36,16 @@ def test_blocks_needed_is_the_ceiling(num_tokens, blocks):
 
 def test_allocate_extend_free_lifecycle():
     blocks = manager(16)
-    a, b = blocks.allocate([SeqRequest("a", 5), SeqRequest("b", 4)])
+    a, b = allocate(blocks, [SeqRequest("a", 5), SeqRequest("b", 4)])
     assert (len(a), len(b)) == (2, 1)
     assert len(set(a + b)) == 3
     assert blocks.stats().free_blocks == 13
     assert [blocks.refcount(block_id) for block_id in a + b] == [1, 1, 1]
     blocks.check_invariants()
 
-    (a_same,) = blocks.extend([SeqRequest("a", 8)])
+    (a_same,) = extend(blocks, [SeqRequest("a", 8)])
     assert a_same == a
-    b_grown, a_grown = blocks.extend([SeqRequest("b", 9), SeqRequest("a", 9)])
+    b_grown, a_grown = extend(blocks, [SeqRequest("b", 9), SeqRequest("a", 9)])
     assert b_grown[:1] == b and len(b_grown) == 3
     assert a_grown[:2] == a and len(a_grown) == 3
     assert blocks.block_table("a") == a_grown
@@ -71,14 +73,14 @@ def test_stored_tokens_and_table_slots_follow_every_table_change():
         return stats.stored_tokens, stats.table_slots
 
     assert occupancy() == (0, 0)
-    blocks.allocate([SeqRequest("a", 5), SeqRequest("b", 4)])
+    allocate(blocks, [SeqRequest("a", 5), SeqRequest("b", 4)])
     assert occupancy() == (9, 3 * BLOCK_SIZE)
-    blocks.extend([SeqRequest("a", 6), SeqRequest("b", 5)])
+    extend(blocks, [SeqRequest("a", 6), SeqRequest("b", 5)])
     assert occupancy() == (11, 4 * BLOCK_SIZE)
     blocks.fork("a", ["a/1"])
     assert occupancy() == (17, 6 * BLOCK_SIZE), "a shared block counts once per table holding it"
     with pytest.raises(ResourceExhausted):
-        blocks.extend([SeqRequest("a", 64)])
+        extend(blocks, [SeqRequest("a", 64)])
     assert occupancy() == (17, 6 * BLOCK_SIZE), "a refused call changes nothing"
     blocks.free(["a", "b"])
     assert occupancy() == (6, 2 * BLOCK_SIZE)
@@ -89,31 +91,31 @@ def test_stored_tokens_and_table_slots_follow_every_table_change():
 
 def test_exhaustion_refuses_the_whole_batch_with_the_numbers():
     blocks = manager(8)
-    blocks.allocate([SeqRequest("a", 12), SeqRequest("b", 4)])
+    allocate(blocks, [SeqRequest("a", 12), SeqRequest("b", 4)])
     before = tables(blocks, ["a", "b"])
 
-    assert not blocks.can_allocate([SeqRequest("c", 4), SeqRequest("d", 100)])
+    assert not blocks.can_reserve([SeqRequest("c", 4), SeqRequest("d", 100)], ())
     with pytest.raises(ResourceExhausted, match=r"need 26 blocks, 4 free of 8"):
-        blocks.allocate([SeqRequest("c", 4), SeqRequest("d", 100)])
+        allocate(blocks, [SeqRequest("c", 4), SeqRequest("d", 100)])
     with pytest.raises(NotFound):
         blocks.block_table("c")
 
     # each request fits alone, the batch does not
-    assert blocks.can_extend([SeqRequest("a", 20)])
-    assert not blocks.can_extend([SeqRequest("a", 20), SeqRequest("b", 16)])
+    assert blocks.can_reserve((), [SeqRequest("a", 20)])
+    assert not blocks.can_reserve((), [SeqRequest("a", 20), SeqRequest("b", 16)])
     with pytest.raises(ResourceExhausted, match=r"need 5 blocks, 4 free of 8"):
-        blocks.extend([SeqRequest("a", 20), SeqRequest("b", 16)])
+        extend(blocks, [SeqRequest("a", 20), SeqRequest("b", 16)])
 
     assert tables(blocks, ["a", "b"]) == before
     assert blocks.stats().free_blocks == 4
     blocks.check_invariants()
-    assert blocks.can_allocate([SeqRequest("c", 16)])
+    assert blocks.can_reserve([SeqRequest("c", 16)], ())
     assert blocks.stats().free_blocks == 4, "a predicate must not allocate"
 
 
 def test_reserve_allocates_and_extends_in_one_all_or_nothing_call():
     blocks = manager(8)
-    blocks.allocate([SeqRequest("a", 4, list(range(4)))])
+    allocate(blocks, [SeqRequest("a", 4, list(range(4)))])
     # a wrote its 4 tokens and grows to 6; b arrives with a prompt whose first chunk is 5 of its tokens
     tails = blocks.reserve([SeqRequest("b", 5, list(range(10, 15)))], [SeqRequest("a", 6, [4, 5], 4)])
     # b's whole table, then a's from its second block (a's first block holds its 4 written tokens)
@@ -138,7 +140,7 @@ def test_reserve_allocates_and_extends_in_one_all_or_nothing_call():
 def test_a_prompt_admitted_a_step_after_another_finds_the_blocks_that_step_wrote():
     blocks = manager(16)
     prompt = list(range(12))
-    blocks.allocate([SeqRequest("a", 12, prompt)])
+    allocate(blocks, [SeqRequest("a", 12, prompt)])
     # the step after a's prefill reports its 12 written tokens and admits b, which starts with a's prompt
     b, _ = blocks.reserve([SeqRequest("b", 14, [*prompt, 50, 51])], [SeqRequest("a", 13, [99], 12)])
     assert blocks.cached_tokens("b") == 12
@@ -150,7 +152,7 @@ def test_prompts_admitted_together_share_the_blocks_the_first_computes_in_that_s
     blocks = manager(16)
     system = list(range(100, 112))  # three blocks
     a, b, c = (SeqRequest(name, 14, [*system, n, n + 1]) for name, n in (("a", 1), ("b", 3), ("c", 5)))
-    blocks.allocate([a, b, c])
+    allocate(blocks, [a, b, c])
     shared = blocks.block_table("a")[:3]
     assert blocks.block_table("b")[:3] == blocks.block_table("c")[:3] == shared
     assert [blocks.cached_tokens(s) for s in "abc"] == [0, 12, 12]
@@ -160,16 +162,16 @@ def test_prompts_admitted_together_share_the_blocks_the_first_computes_in_that_s
     assert blocks.free(["a", "b", "c"]) == 6
     assert blocks.stats().cached_blocks == 0 and blocks.stats().free_blocks == 16
 
-    blocks.allocate([a, b])
-    blocks.extend([SeqRequest("a", 15, [7], 14), SeqRequest("b", 15, [8], 14)])
+    allocate(blocks, [a, b])
+    extend(blocks, [SeqRequest("a", 15, [7], 14), SeqRequest("b", 15, [8], 14)])
     blocks.check_invariants()
-    blocks.allocate([c])
+    allocate(blocks, [c])
     assert blocks.cached_tokens("c") == 12 and blocks.block_table("c")[:3] == blocks.block_table("a")[:3]
 
 
 def test_reserve_returns_the_part_of_a_table_a_step_can_change():
     blocks = manager(8)
-    blocks.allocate([SeqRequest("a", 8, list(range(8)))])
+    allocate(blocks, [SeqRequest("a", 8, list(range(8)))])
     a = blocks.block_table("a")
     # tokens 0-7 are written (two full blocks, which stay); token 8 needs a third block, index 2
     (grown,) = blocks.reserve([], [SeqRequest("a", 9, [8], 8)])
@@ -194,7 +196,7 @@ def test_reserve_returns_the_part_of_a_table_a_step_can_change():
         ("allocate", [("new", -3)], InvalidArgument, "num_tokens must be > 0, got -3"),
         ("allocate", [("", 4)], InvalidArgument, "seq_id must not be empty"),
         ("extend", [("a", 12), ("ghost", 4)], NotFound, "'ghost'"),
-        ("extend", [("a", 5)], InvalidArgument, "holds 8 tokens: Extend cannot shrink it to 5"),
+        ("extend", [("a", 5)], InvalidArgument, "holds 8 tokens: Reserve cannot shrink it to 5"),
         ("extend", [("a", 12), ("a", 16)], InvalidArgument, "listed twice"),
         ("extend", [("a", 0)], InvalidArgument, "num_tokens must be > 0"),
         ("free", ["a", "ghost"], NotFound, "'ghost'"),
@@ -203,12 +205,12 @@ def test_reserve_returns_the_part_of_a_table_a_step_can_change():
 )
 def test_an_invalid_batch_changes_nothing(call, args, error, message):
     blocks = manager(16)
-    blocks.allocate([SeqRequest("a", 8), SeqRequest("b", 4)])
+    allocate(blocks, [SeqRequest("a", 8), SeqRequest("b", 4)])
     before, free_before = tables(blocks, ["a", "b"]), blocks.stats().free_blocks
     batch = args if call == "free" else [SeqRequest(*arg) for arg in args]
 
     with pytest.raises(error, match=message):
-        getattr(blocks, call)(batch)
+        {"allocate": allocate, "extend": extend, "free": BlockManager.free}[call](blocks, batch)
 
     assert tables(blocks, ["a", "b"]) == before
     assert blocks.stats().free_blocks == free_before
@@ -226,8 +228,8 @@ def test_refcount_of_a_block_out_of_range_is_refused():
 
 def test_check_invariants_catches_a_corrupted_refcount():
     blocks = manager(4)
-    (table,) = blocks.allocate([SeqRequest("a", 4)])
-    blocks.pool.refcounts[table[0]] = 2
+    (table,) = allocate(blocks, [SeqRequest("a", 4)])
+    blocks.block_pool.refcounts[table[0]] = 2
     with pytest.raises(AssertionError, match="refcounts differ"):
         blocks.check_invariants()
 
@@ -310,7 +312,7 @@ def test_random_batches_keep_invariants_and_free_everything(ops, num_blocks):
             valid, need = distinct and all(seq_id in held for seq_id in ids), 0
 
         try:
-            result = blocks.free(ids) if call == "free" else getattr(blocks, call)(batch)
+            result = blocks.free(ids) if call == "free" else STEPS[call](blocks, batch)
         except PagedServeError as exc:
             assert isinstance(exc, ResourceExhausted) == valid, f"{call} {batch} refused: {exc!r}"
             assert not valid or need > free_before, f"{call} {batch} refused: {exc}"

@@ -134,27 +134,26 @@ def test_a_block_read_by_one_sequence_may_be_written_by_another():
     assert ForwardBatch.from_request(request, LIMITS).slot_mapping.tolist() == [80, 81, 82, 83, 84]
 
 
-def gateway_seq(prompt: list[int], num_computed: int, chunk_end: int, table: list[int]) -> Sequence:
+def gateway_seq(prompt: list[int], num_computed: int, chunk_end: int) -> Sequence:
     sampling = resolve_sampling(generation_pb2.SamplingParams(temperature=0, max_tokens=8), LIMITS.vocab_size)
     seq = Sequence(seq_id=f"s{len(prompt)}", prompt_ids=prompt, sampling=sampling, max_len=64)
-    seq.num_computed, seq.chunk_end, seq.block_table = num_computed, chunk_end, table
+    seq.num_computed, seq.chunk_end = num_computed, chunk_end
     return seq
 
 
 def test_the_gateway_sends_each_chunk_and_compute_derives_its_positions_and_slots():
     seqs = [
-        gateway_seq(list(range(1, 11)), 0, 6, [5, 9]),  # the first chunk of a prompt, not sampled yet
-        gateway_seq(list(range(11, 18)), 4, 7, [3, 0]),  # the rest of a prompt after a prefix-cache hit
-        gateway_seq(list(range(20, 29)), 8, 9, [7, 8, 1]),  # a decode
+        gateway_seq(list(range(1, 11)), 0, 6),  # the first chunk of a prompt, not sampled yet
+        gateway_seq(list(range(11, 18)), 4, 7),  # the rest of a prompt after a prefix-cache hit
+        gateway_seq(list(range(20, 29)), 8, 9),  # a decode
     ]
-    request = gateway_request(seqs, "epoch", frozenset({2}))
+    tables = [[5, 9], [3, 0], [7, 8, 1]]
+    request = gateway_request(seqs, tables, "epoch", frozenset({2}))
     assert list(request.num_computed) == [0, 4, 8]
     assert list(request.sample) == [False, True, True] and len(request.sampling) == 2
     new = [seq.token_ids[seq.num_computed : seq.chunk_end] for seq in seqs]
     batch = ForwardBatch.from_request(request, LIMITS)
-    positions, slots, context_lens = naive(
-        new, [0, 4, 8], [seq.block_table for seq in seqs], LIMITS.block_size
-    )
+    positions, slots, context_lens = naive(new, [0, 4, 8], tables, LIMITS.block_size)
     assert batch.token_ids.tolist() == [t for tokens in new for t in tokens]
     assert batch.positions.tolist() == positions
     assert batch.slot_mapping.tolist() == slots

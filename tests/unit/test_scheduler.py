@@ -1,8 +1,10 @@
 import itertools
 from dataclasses import replace
 
-from gateway.scheduler import Scheduler, Step
+from gateway.kv_view import KVView
+from gateway.scheduler import ScheduledStep, Scheduler
 from gateway.sequence import Sampling, Sequence, Status
+from tests.fake_cache import FakeCache
 
 GREEDY = Sampling(max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=None, ignore_eos=False,
                   stop_token_ids=frozenset())  # fmt: skip
@@ -14,18 +16,25 @@ def seq(name: str, prompt_len: int, priority: int = 0, n: int = 1) -> Sequence:
                     max_len=1024, priority=priority, arrival=next(_clock))  # fmt: skip
 
 
-def run(scheduler: Scheduler, step: Step) -> dict[str, int]:
-    """What the engine does with a step: frees the preempted, grows tables, computes chunks, samples at the
-    end of a prompt. Returns each scheduled sequence's chunk size."""
-    for s in step.preempted:
-        scheduler.free_blocks += len(s.block_table)
-        s.drop_kv()
+def make(block_size: int, num_blocks: int, max_batched_tokens: int, max_seqs: int) -> Scheduler:
+    kv = KVView(FakeCache(num_blocks, block_size), block_size, num_blocks)
+    return Scheduler(kv, max_batched_tokens, max_seqs)
+
+
+def run(scheduler: Scheduler, step: ScheduledStep) -> dict[str, int]:
+    """What the engine does with a step: frees the preempted, or reserves the blocks, computes the chunks,
+    forks samples and samples at the end of a prompt. Returns each scheduled sequence's chunk size."""
+    kv = scheduler.kv
+    if step.preempted:
+        kv.free(step.preempted)
+        return {}
+    kv.reserve(step.seqs)
+    for parent in [s for s in step.seqs if s.forks_now]:
+        children = parent.fork()
+        kv.fork(parent, children)
+        scheduler.add_running(children)
     chunks = {}
     for s in step.seqs:
-        need = scheduler.blocks_needed(s, s.chunk_end)
-        s.block_table += [0] * need
-        scheduler.free_blocks -= need
-        assert scheduler.free_blocks >= 0
         chunks[s.seq_id] = s.chunk_end - s.num_computed
         sampled = s.samples_now
         s.num_computed = s.chunk_end
@@ -35,7 +44,7 @@ def run(scheduler: Scheduler, step: Step) -> dict[str, int]:
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_and_samples_only_at_its_end():
-    scheduler = Scheduler(block_size=16, num_blocks=100, max_batched_tokens=64, max_seqs=8)
+    scheduler = make(block_size=16, num_blocks=100, max_batched_tokens=64, max_seqs=8)
     long = seq("long", 300)
     scheduler.add(long)
     sizes = []
@@ -48,7 +57,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_samples_only_at_its_end():
 
 
 def test_a_step_mixes_decodes_first_then_a_chunk_under_the_budget():
-    scheduler = Scheduler(block_size=16, num_blocks=100, max_batched_tokens=32, max_seqs=8)
+    scheduler = make(block_size=16, num_blocks=100, max_batched_tokens=32, max_seqs=8)
     for name in ("a", "b"):
         scheduler.add(seq(name, 8))
     run(scheduler, scheduler.schedule())
@@ -61,7 +70,7 @@ def test_a_step_mixes_decodes_first_then_a_chunk_under_the_budget():
 
 
 def test_waiting_prompts_are_packed_in_arrival_order_and_none_overtakes():
-    scheduler = Scheduler(block_size=16, num_blocks=100, max_batched_tokens=100, max_seqs=8)
+    scheduler = make(block_size=16, num_blocks=100, max_batched_tokens=100, max_seqs=8)
     for name, n in (("a", 40), ("b", 50), ("c", 30), ("d", 5)):
         scheduler.add(seq(name, n))
     step = scheduler.schedule()
@@ -70,7 +79,7 @@ def test_waiting_prompts_are_packed_in_arrival_order_and_none_overtakes():
 
 
 def test_lower_priority_value_is_admitted_first_then_arrival_order():
-    scheduler = Scheduler(block_size=16, num_blocks=100, max_batched_tokens=16, max_seqs=8)
+    scheduler = make(block_size=16, num_blocks=100, max_batched_tokens=16, max_seqs=8)
     for name, priority in (("late-low", 5), ("first", 0), ("urgent", -1), ("second", 0)):
         scheduler.add(seq(name, 16, priority))
     order = []
@@ -82,7 +91,7 @@ def test_lower_priority_value_is_admitted_first_then_arrival_order():
 
 
 def test_admission_waits_for_the_blocks_of_the_first_chunk():
-    scheduler = Scheduler(block_size=16, num_blocks=4, max_batched_tokens=1000, max_seqs=8)
+    scheduler = make(block_size=16, num_blocks=4, max_batched_tokens=1000, max_seqs=8)
     scheduler.add(seq("a", 40))
     scheduler.add(seq("b", 40))
     step = scheduler.schedule()
@@ -92,25 +101,26 @@ def test_admission_waits_for_the_blocks_of_the_first_chunk():
 
 
 def test_blocks_running_out_preempt_the_latest_arrival_keeping_its_progress():
-    scheduler = Scheduler(block_size=4, num_blocks=4, max_batched_tokens=1000, max_seqs=8)
+    scheduler = make(block_size=4, num_blocks=4, max_batched_tokens=1000, max_seqs=8)
     old, new = seq("old", 3), seq("new", 3)
     scheduler.add(old)
     scheduler.add(new)
     run(scheduler, scheduler.schedule())
     while not (step := scheduler.schedule()).preempted:
         run(scheduler, step)
-    assert scheduler.free_blocks == 0 and len(old.block_table) == len(new.block_table) == 2
+    kv = scheduler.kv
+    assert kv.available_blocks == 0 and len(kv.block_table(old)) == len(kv.block_table(new)) == 2
     assert step.seqs == [] and step.preempted == [new]
     assert new.status is Status.WAITING and new.num_computed > 0, "freed with its progress, for prefix hits"
     assert scheduler.num_preemptions == 1
     tokens = list(new.token_ids)
     run(scheduler, step)
-    assert new.block_table == [] and new.num_computed == 0 and new.token_ids == tokens
+    assert not kv.holds(new) and new.num_computed == 0 and new.token_ids == tokens
     assert [s.seq_id for s in scheduler.schedule().seqs] == ["old"]
 
 
 def test_a_preempted_sequence_waits_until_its_whole_context_fits():
-    scheduler = Scheduler(block_size=4, num_blocks=8, max_batched_tokens=4, max_seqs=8)
+    scheduler = make(block_size=4, num_blocks=8, max_batched_tokens=4, max_seqs=8)
     old, new = seq("old", 12), seq("new", 8)
     scheduler.add(old)
     run(scheduler, scheduler.schedule())
@@ -119,16 +129,16 @@ def test_a_preempted_sequence_waits_until_its_whole_context_fits():
         run(scheduler, step)
     assert step.preempted == [new]
     run(scheduler, step)
-    room = scheduler.free_blocks - scheduler.watermark
-    assert 1 <= room < scheduler.blocks_needed(new, new.num_tokens), "a chunk of it fits, not all of it"
+    room = scheduler.kv.available_blocks - scheduler.watermark
+    assert 1 <= room < scheduler.kv.blocks_needed(new, new.num_tokens), "a chunk of it fits, not all of it"
     assert scheduler.schedule().seqs == [old]
     scheduler.remove(old)
-    scheduler.free_blocks += len(old.block_table)
+    scheduler.kv.release([old])
     assert scheduler.schedule().seqs == [new]
 
 
 def test_the_victim_is_the_lowest_priority_even_if_it_arrived_first():
-    scheduler = Scheduler(block_size=4, num_blocks=6, max_batched_tokens=1000, max_seqs=8)
+    scheduler = make(block_size=4, num_blocks=6, max_batched_tokens=1000, max_seqs=8)
     background, a, b = seq("background", 7, priority=3), seq("a", 3), seq("b", 3)
     for s in (background, a, b):
         scheduler.add(s)
@@ -144,7 +154,7 @@ def test_the_victim_is_the_lowest_priority_even_if_it_arrived_first():
 
 
 def test_samples_of_n_take_their_slots_before_they_fork():
-    scheduler = Scheduler(block_size=16, num_blocks=100, max_batched_tokens=1000, max_seqs=4)
+    scheduler = make(block_size=16, num_blocks=100, max_batched_tokens=1000, max_seqs=4)
     scheduler.add(seq("three", 8, n=3))
     scheduler.add(seq("two", 8, n=2))
     scheduler.add(seq("one", 8))
@@ -154,13 +164,13 @@ def test_samples_of_n_take_their_slots_before_they_fork():
 
 
 def test_a_request_may_take_every_slot_when_nothing_runs():
-    scheduler = Scheduler(block_size=16, num_blocks=100, max_batched_tokens=1000, max_seqs=4)
+    scheduler = make(block_size=16, num_blocks=100, max_batched_tokens=1000, max_seqs=4)
     scheduler.add(seq("four", 8, n=4))
     assert [s.seq_id for s in scheduler.schedule().seqs] == ["four"]
 
 
 def test_remove_takes_a_sequence_out_of_either_queue():
-    scheduler = Scheduler(block_size=16, num_blocks=10, max_batched_tokens=1000, max_seqs=1)
+    scheduler = make(block_size=16, num_blocks=10, max_batched_tokens=1000, max_seqs=1)
     a, b = seq("a", 4), seq("b", 4)
     scheduler.add(a)
     scheduler.add(b)
@@ -172,10 +182,21 @@ def test_remove_takes_a_sequence_out_of_either_queue():
 
 
 def test_a_forked_sequence_reserves_a_block_for_its_copy_on_write():
-    scheduler = Scheduler(block_size=4, num_blocks=4, max_batched_tokens=1000, max_seqs=8)
-    parent = seq("p", 6)
+    scheduler = make(block_size=4, num_blocks=8, max_batched_tokens=1000, max_seqs=8)
+    single, parent = seq("s", 6), seq("p", 6, n=2)
+    scheduler.add(single)
     scheduler.add(parent)
     run(scheduler, scheduler.schedule())
-    assert scheduler.blocks_needed(parent, 7) == 0, "7 tokens fit in its 2 blocks"
-    parent.shares_tail = True
-    assert scheduler.blocks_needed(parent, 7) == 1, "its tail block is shared: the next write copies it"
+    kv, (child,) = scheduler.kv, [s for s in scheduler.running if s.index == 1]
+    assert (
+        child.seq_id == "p/1" and child.num_computed == 5 and kv.block_table(child) == kv.block_table(parent)
+    )
+    assert kv.blocks_needed(single, 7) == 0, "7 tokens fit in its 2 blocks"
+    assert kv.blocks_needed(parent, 7) == 1, "its tail block is shared: the next write copies it"
+    assert kv.blocks_needed(child, 6) == 1
+    step = scheduler.schedule()
+    assert step.seqs == [single, parent, child]
+    run(scheduler, step)
+    assert kv.block_table(child)[0] == kv.block_table(parent)[0], "the prefix block stays shared"
+    assert kv.block_table(child)[1] != kv.block_table(parent)[1], "the written one was copied"
+    assert kv.blocks_needed(parent, 8) == 0 and kv.available_blocks == 8 - 5

@@ -1,4 +1,5 @@
-"""The KV pool the service owns: its spec from a CreatePool request, shared tensor and block manager."""
+"""The KV pool the service owns: the [layers, K/V, blocks, block_size, heads, head_dim] tensor in a segment
+(common/shared_pool.py), its spec from a CreatePool request, and the block manager over its blocks."""
 
 from dataclasses import dataclass, replace
 

@@ -1,0 +1,149 @@
+"""The gateway's one view of the cache service: the blocks a reservation can take, each sequence's block
+table and how much of it the cache service knows, and the Reserve, Fork and Free calls that change them.
+The scheduler asks it questions; only its own calls write it."""
+
+import time
+from collections.abc import Sequence as Seqs
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from common.paging import blocks_for
+from common.server import request_metadata
+from gateway.sequence import Sequence
+from protos import cache_pb2, cache_pb2_grpc
+
+log = structlog.get_logger()
+
+
+@dataclass(slots=True)
+class SeqBlocks:
+    """What the cache service holds for one sequence, as the gateway knows it."""
+
+    block_table: list[int] = field(default_factory=list)
+    # Tokens the cache service holds (the rest go with the next Reserve).
+    num_synced: int = 0
+    # Forked and not reserved since: the next write may copy a shared block, which takes one more block.
+    shares_tail: bool = False
+
+
+class KVView:
+    """Mirrors the cache service from its replies only: `available_blocks` (free plus evictable) is set
+    from every reply, tables grow from Reserve's table tails.
+
+    NOTE: blocks needed are an upper bound (prefix hits, which only the cache service sees, only lower
+    them), so a reservation sized by `blocks_needed` never fails for want of blocks.
+    """
+
+    def __init__(
+        self, stub: cache_pb2_grpc.CacheStub, block_size: int, num_blocks: int, rpc_timeout_s: float = 120.0
+    ) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.available_blocks = num_blocks
+        self._stub = stub
+        self._timeout = rpc_timeout_s
+        self._seqs: dict[str, SeqBlocks] = {}
+
+    # questions
+
+    def holds(self, seq: Sequence) -> bool:
+        """Whether the cache service holds a block table for the sequence."""
+        return seq.seq_id in self._seqs
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The sequence's block table (empty if it holds none); read only."""
+        kv = self._seqs.get(seq.seq_id)
+        return kv.block_table if kv else []
+
+    def blocks_needed(self, seq: Sequence, end: int) -> int:
+        """Blocks the sequence lacks to hold `end` tokens (plus one to copy a shared block into)."""
+        kv = self._seqs.get(seq.seq_id, SeqBlocks())
+        return max(0, blocks_for(end, self.block_size) - len(kv.block_table)) + kv.shares_tail
+
+    def room(self, seq: Sequence, free: int) -> int:
+        """Tokens past num_computed the sequence can hold if it takes up to `free` more blocks."""
+        kv = self._seqs.get(seq.seq_id, SeqBlocks())
+        return (len(kv.block_table) + free - kv.shares_tail) * self.block_size - seq.num_computed
+
+    # calls
+
+    def reserve(self, seqs: Seqs[Sequence]) -> None:
+        """One Reserve for a step: a table for each sequence the cache holds none for (looking the prefix
+        cache up over its first chunk), and for every other one its new tokens and progress, its table
+        grown to hold its chunk (the reply carries only the part of a table that may change).
+
+        Prefix hits move num_computed on; a sequence's first reservation sets scheduled_at and cached_tokens.
+        """
+        now = time.monotonic()
+        new = [seq for seq in seqs if seq.seq_id not in self._seqs]
+        running = [seq for seq in seqs if seq.seq_id in self._seqs]
+        request = cache_pb2.ReserveRequest(
+            new_seqs=[_seq_request(seq, seq.token_ids[: seq.chunk_end]) for seq in new],
+            running_seqs=[_seq_request(seq, seq.token_ids[self._seqs[seq.seq_id].num_synced : seq.chunk_end])
+                    for seq in running],
+        )  # fmt: skip
+        reply = self._stub.Reserve(request, timeout=self._timeout, metadata=_ids(seqs))
+        for seq, table in zip((*new, *running), reply.tables, strict=True):
+            assert seq.seq_id == table.seq_id, (seq.seq_id, table.seq_id)
+            kv = self._seqs.setdefault(seq.seq_id, SeqBlocks())
+            assert table.first_block <= len(kv.block_table), (seq.seq_id, table.first_block)
+            kv.block_table[table.first_block :] = table.block_ids
+            kv.num_synced, kv.shares_tail = seq.chunk_end, False
+            seq.num_computed = max(seq.num_computed, table.cached_tokens)
+            if seq.scheduled_at is None:
+                seq.scheduled_at, seq.cached_tokens = now, table.cached_tokens
+        self.available_blocks = reply.available_blocks
+
+    def fork(self, parent: Sequence, children: Seqs[Sequence]) -> None:
+        """The children get tables sharing every block of the parent, which holds its whole sequence; the
+        next write of each of them (and of the parent) copies the shared block it writes into."""
+        request = cache_pb2.ForkRequest(parent_id=parent.seq_id, child_ids=[c.seq_id for c in children])
+        reply = self._stub.Fork(request, timeout=self._timeout, metadata=_ids([parent]))
+        self._seqs[parent.seq_id].shares_tail = True
+        for child, table in zip(children, reply.tables, strict=True):
+            assert child.seq_id == table.seq_id, (child.seq_id, table.seq_id)
+            self._seqs[child.seq_id] = SeqBlocks(list(table.block_ids), parent.num_tokens, shares_tail=True)
+        self.available_blocks = reply.available_blocks
+
+    def free(self, seqs: Seqs[Sequence]) -> None:
+        """Releases the sequences' blocks (their written full blocks stay in the prefix cache) and forgets
+        them; they keep their tokens, and their progress starts again from 0."""
+        request = cache_pb2.FreeRequest(
+            seq_ids=[s.seq_id for s in seqs], num_computed={s.seq_id: s.num_computed for s in seqs}
+        )
+        reply = self._stub.Free(request, timeout=self._timeout, metadata=_ids(seqs))
+        self.available_blocks = reply.available_blocks
+        self._forget(seqs)
+
+    def release(self, seqs: Seqs[Sequence]) -> None:
+        """For sequences that ended: frees those the cache holds. A failed Free is logged and they are
+        forgotten all the same (nothing will run them again)."""
+        held = [seq for seq in seqs if seq.seq_id in self._seqs]
+        if not held:
+            return
+        try:
+            self.free(held)
+        except grpc.RpcError as err:
+            log.error("free_failed", seq_ids=[s.seq_id for s in held], error=err.details())
+            self._forget(held)
+
+    def _forget(self, seqs: Seqs[Sequence]) -> None:
+        for seq in seqs:
+            del self._seqs[seq.seq_id]
+            seq.drop_kv()
+
+
+def _ids(seqs: Seqs[Sequence]) -> tuple[tuple[str, str], ...]:
+    return request_metadata(seq.request_id for seq in seqs)
+
+
+def _seq_request(seq: Sequence, new_tokens: list[int]) -> cache_pb2.SequenceRequest:
+    return cache_pb2.SequenceRequest(
+        seq_id=seq.seq_id,
+        num_tokens=seq.chunk_end,
+        token_ids=new_tokens,
+        num_computed=seq.num_computed,
+        cache_salt=seq.cache_salt,
+    )

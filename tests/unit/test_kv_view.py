@@ -1,0 +1,96 @@
+"""The gateway's view of the cache: what it sends, what it keeps from the replies, fork and release."""
+
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from gateway.kv_view import KVView
+from gateway.sequence import Sampling, Sequence, Status
+from tests.fake_cache import FakeCache
+
+BS = 4
+GREEDY = Sampling(max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=None, ignore_eos=False,
+                  stop_token_ids=frozenset())  # fmt: skip
+
+
+def seq(name: str, prompt_len: int, sampling: Sampling = GREEDY) -> Sequence:
+    return Sequence(seq_id=name, prompt_ids=list(range(prompt_len)), sampling=sampling, max_len=64)
+
+
+class Gone(grpc.RpcError):
+    def details(self) -> str:
+        return "the cache service is gone"
+
+
+class Recording(FakeCache):
+    """Keeps every request; Reserve reports `hits` cached tokens for new sequences; Free can fail."""
+
+    def __init__(self, num_blocks: int, hits: int = 0, free_fails: bool = False) -> None:
+        super().__init__(num_blocks, BS)
+        self.requests, self.hits, self.free_fails = [], hits, free_fails
+
+    def Reserve(self, request, **kw):
+        self.requests.append(request)
+        reply = super().Reserve(request, **kw)
+        for table in reply.tables[: len(request.new_seqs)]:
+            table.cached_tokens = self.hits
+        return reply
+
+    def Free(self, request, **kw):
+        if self.free_fails:
+            raise Gone()
+        return super().Free(request, **kw)
+
+
+def test_reserve_sends_each_token_once_and_keeps_the_tables_from_their_tails():
+    cache = Recording(16)
+    kv, a = KVView(cache, BS, 16), seq("a", 6)
+    a.chunk_end = 6
+    kv.reserve([a])
+    assert list(cache.requests[0].new_seqs[0].token_ids) == list(range(6))
+    assert kv.holds(a) and len(kv.block_table(a)) == 2 and kv.available_blocks == 14
+    a.num_computed, a.output_ids, a.chunk_end = 6, [42], 7
+    kv.reserve([a])
+    (extend,) = cache.requests[1].running_seqs
+    assert (list(extend.token_ids), extend.num_computed, extend.num_tokens) == ([42], 6, 7)
+    assert kv.block_table(a) == cache.tables["a"], "the tail (from block 1) joined the table it had"
+    assert kv.blocks_needed(a, 9) == 1 and kv.room(a, 1) == 3 * BS - 6
+
+
+def test_a_prefix_hit_moves_progress_on_and_is_recorded_once():
+    kv, a = KVView(Recording(16, hits=4), BS, 16), seq("a", 6)
+    a.chunk_end = 6
+    kv.reserve([a])
+    assert (a.num_computed, a.cached_tokens) == (4, 4) and a.scheduled_at is not None
+
+
+def test_fork_shares_the_table_and_counts_the_copy_of_the_tail():
+    kv, parent = KVView(Recording(16), BS, 16), seq("p", 6, sampling=replace(GREEDY, n=3, seed=5))
+    parent.chunk_end, parent.status = 6, Status.RUNNING
+    kv.reserve([parent])
+    assert parent.forks_now
+    children = parent.fork()
+    kv.fork(parent, children)
+    assert [c.seq_id for c in children] == ["p/1", "p/2"] and [c.index for c in children] == [1, 2]
+    assert [c.sampling.seed for c in children] == [6, 7] and all(c.num_computed == 5 for c in children)
+    assert all(c.outbox is parent.outbox and c.output_ids is not parent.output_ids for c in children)
+    assert all(kv.block_table(c) == kv.block_table(parent) for c in children)
+    assert kv.blocks_needed(parent, 6) == kv.blocks_needed(children[0], 6) == 1
+
+
+def test_release_forgets_the_sequences_even_when_free_fails():
+    cache = Recording(16, free_fails=True)
+    kv, a, b = KVView(cache, BS, 16), seq("a", 6), seq("b", 3)
+    a.chunk_end = 6
+    kv.reserve([a])
+    with pytest.raises(grpc.RpcError):
+        kv.free([a])
+    assert kv.holds(a), "a failed Free forgets nothing"
+    kv.release([a, b])
+    assert not kv.holds(a) and a.num_computed == 0
+    cache.free_fails = False
+    b.chunk_end = 3
+    kv.reserve([b])
+    kv.release([b])
+    assert not kv.holds(b) and kv.available_blocks == 14, "a's blocks were never given back"

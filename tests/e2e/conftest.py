@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.model_files import local_copy
-from tests.e2e.stack import start_stack
+from tests.e2e.stack import SMALL_FLAGS, start_stack
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +35,14 @@ def stack_bf16(model_dir, logs):
     stack = start_stack(logs, "--dtype", "bfloat16", "--kv-blocks", "512")
     yield stack
     stack.stop()
+
+
+@pytest.fixture(scope="session")
+def small_stack(model_dir, logs):
+    """See SMALL_FLAGS: the stack the CLI and scheduling tests run out of blocks on."""
+    stack = start_stack(logs, *SMALL_FLAGS)
+    yield stack
+    assert stack.stop() == 0
 
 
 @pytest.fixture(scope="session")

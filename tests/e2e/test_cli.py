@@ -13,23 +13,14 @@ import grpc
 import pytest
 
 import cli.main
+from cli.scrape import scrape
 from sdk.client import GenerationError
 from tests import helpers
 from tests.e2e.prompts import prompt_ids
-from tests.e2e.stack import start_stack
+from tests.e2e.stack import SMALL_KV_BLOCKS
 from tests.helpers import PAGEDSERVE
 
 pytestmark = pytest.mark.e2e
-KV_BLOCKS = 24
-
-
-@pytest.fixture(scope="module")
-def small_stack(model_dir, logs):
-    stack = start_stack(
-        logs, "--dtype", "float32", "--kv-blocks", str(KV_BLOCKS), "--max-batched-tokens", "512"
-    )
-    yield stack
-    assert stack.stop() == 0
 
 
 def test_the_pagedserve_script_is_cli_main():
@@ -82,7 +73,7 @@ def test_generate_command_reports_errors(small_stack):
 
 
 def test_prompt_larger_than_the_pool_is_resource_exhausted(small_stack, tokenizer):
-    (ids,) = prompt_ids(tokenizer, [KV_BLOCKS * 16 + 10])
+    (ids,) = prompt_ids(tokenizer, [SMALL_KV_BLOCKS * 16 + 10])
     with small_stack.client() as client, pytest.raises(GenerationError) as err:
         client.generate(token_ids=ids, max_tokens=4)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -93,6 +84,7 @@ def test_prompt_larger_than_the_pool_is_resource_exhausted(small_stack, tokenize
 def test_running_out_of_blocks_preempts_instead_of_failing(small_stack, tokenizer):
     # 6 prompts of 90 tokens + 40 new need 6 * 9 = 54 blocks at the end; the pool has 24.
     prompts = prompt_ids(tokenizer, [90] * 6)
+    before = _preemptions(small_stack)
     with small_stack.client() as client:
         alone = [
             client.generate(token_ids=p, max_tokens=40, temperature=0.0, ignore_eos=True) for p in prompts[:2]
@@ -106,8 +98,12 @@ def test_running_out_of_blocks_preempts_instead_of_failing(small_stack, tokenize
             )
     assert [r.token_ids for r in together[:2]] == [r.token_ids for r in alone]
     assert all(len(r.token_ids) == 40 for r in together)
-    assert "preempted" in Path(small_stack.proc.log_path).read_text()
+    assert _preemptions(small_stack) > before
     assert small_stack.stats().used_blocks == 0
+
+
+def _preemptions(stack) -> float:
+    return scrape(stack.metrics_url("gateway"))["pagedserve_preemptions_total", ()]
 
 
 def test_up_prints_ready_and_cleans_up_on_sigint(model_dir, logs):

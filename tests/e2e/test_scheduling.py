@@ -18,12 +18,11 @@ from common.server import channel
 from protos.generation_pb2_grpc import GenerationStub
 from sdk.client import GenerationError, build_request
 from tests.e2e.greedy import hf_greedy
-from tests.e2e.stack import start_stack
+from tests.e2e.stack import SMALL_BUDGET, start_stack
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 PREEMPTIONS = "pagedserve_preemptions_total"
-SMALL_BUDGET = 64  # --max-batched-tokens of the real-model stack
 TIE = 1e-3  # float32 logprobs this close are a tie for greedy comparisons
 
 
@@ -48,16 +47,6 @@ def tiny_stack(tiny_model, logs):
 def serial_stack(tiny_model, logs):
     """The tiny model serving one sequence at a time: the queue order shows."""
     stack = start_stack(logs, "--model", str(tiny_model), "--dtype", "float32", "--max-seqs", "1")
-    yield stack
-    stack.stop()
-
-
-@pytest.fixture(scope="module")
-def small_stack(model_dir, logs):
-    """The real model behind 24 blocks of 16 tokens, 64-token steps, at most 12 sequences; debug logs."""
-    stack = start_stack(logs, "--dtype", "float32", "--kv-blocks", "24", "--max-batched-tokens",
-                        str(SMALL_BUDGET), "--max-seqs", "12", "--log-format", "json",
-                        "--log-level", "debug")  # fmt: skip
     yield stack
     stack.stop()
 

@@ -34,3 +34,22 @@ def forward_request(
         sample=sample,
         sampling=[compute_pb2.RowSampling(temperature=0)] * sum(sample),
     )
+
+
+def set_field(field: str, index: int, value):
+    """A mutation of a request: `field[index] = value`."""
+
+    def mutate(request: compute_pb2.ForwardRequest) -> None:
+        getattr(request, field)[index] = value
+
+    return mutate
+
+
+def replace_field(field: str, values: list):
+    """A mutation of a request: `field` becomes `values`."""
+
+    def mutate(request: compute_pb2.ForwardRequest) -> None:
+        del getattr(request, field)[:]
+        getattr(request, field).extend(values)
+
+    return mutate

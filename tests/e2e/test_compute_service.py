@@ -12,6 +12,8 @@ from common import shared_pool
 from common.server import channel
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
 from tests.forward import forward_request as paged_forward_request
+from tests.forward import replace_field as _replace
+from tests.forward import set_field as _set
 from tests.helpers import free_port, start, stop, wait_healthy
 from tests.tiny_model import save_tiny_llama
 
@@ -118,21 +120,6 @@ def test_paged_generation_matches_hugging_face_greedy(service, pool, model_dir):
             0, len(prompt) :
         ]
         assert generated[seq][: len(expected)] == expected.tolist()
-
-
-def _set(field: str, index: int, value):
-    def mutate(request: compute_pb2.ForwardRequest) -> None:
-        getattr(request, field)[index] = value
-
-    return mutate
-
-
-def _replace(field: str, values: list):
-    def mutate(request: compute_pb2.ForwardRequest) -> None:
-        del getattr(request, field)[:]
-        getattr(request, field).extend(values)
-
-    return mutate
 
 
 def _narrow_tables(request: compute_pb2.ForwardRequest) -> None:

@@ -13,6 +13,8 @@ from gateway.sampling import resolve_sampling
 from gateway.sequence import Sequence
 from protos import compute_pb2, generation_pb2
 from tests.forward import forward_request
+from tests.forward import replace_field as _replace
+from tests.forward import set_field as _set
 
 LIMITS = Limits(vocab_size=100, max_model_len=64, num_blocks=40, block_size=4)
 
@@ -64,21 +66,6 @@ def small_request() -> compute_pb2.ForwardRequest:
     return forward_request([[1, 2, 3, 4, 5, 6], [7, 8, 9]], [2, 0], [[20, 21], [22]], block_size=4)
 
 
-def _set(field: str, index: int, value):
-    def mutate(request: compute_pb2.ForwardRequest) -> None:
-        getattr(request, field)[index] = value
-
-    return mutate
-
-
-def _replace(field: str, values: list):
-    def mutate(request: compute_pb2.ForwardRequest) -> None:
-        del getattr(request, field)[:]
-        getattr(request, field).extend(values)
-
-    return mutate
-
-
 def _width(width: int):
     def mutate(request: compute_pb2.ForwardRequest) -> None:
         request.block_table_width = width
@@ -88,12 +75,18 @@ def _width(width: int):
 
 BAD_REQUESTS = {
     "no tokens": (_replace("token_ids", []), "token_ids is empty"),
-    "cu_seqlens_q not ending at the tokens": (_replace("cu_seqlens_q", [0, 6, 8]), "cu_seqlens_q must run"),
+    "cu_seqlens_q not ending at the tokens": (
+        _replace("cu_seqlens_q", [0, 6, 8]),
+        "cu_seqlens_q must run",
+    ),
     "empty sequence": (_replace("cu_seqlens_q", [0, 9, 9]), "not increasing at sequence 1"),
     "num_computed count": (_replace("num_computed", [2, 0, 0]), "num_computed has 3 entries for 2"),
     "sample count": (_replace("sample", [True]), "sample has 1 entries for 2"),
     "table size": (_width(3), "block_tables has 4 entries, expected num_seqs (2) * block_table_width (3)"),
-    "no table columns": (_replace("block_tables", []), "block_table_width (2) with block_table_width >= 1"),
+    "no table columns": (
+        _replace("block_tables", []),
+        "block_table_width (2) with block_table_width >= 1",
+    ),
     "sampling count": (
         _replace("sample", [False, True]),
         "2 sampling entries for 1 sequences",
@@ -104,9 +97,15 @@ BAD_REQUESTS = {
     ),
     "negative num_computed": (_set("num_computed", 1, -2), "num_computed[1] = -2 is negative"),
     "context beyond the model": (_set("num_computed", 1, 62), "sequence 1 reaches 65 tokens"),
-    "table narrower than the context": (_set("num_computed", 1, 6), "sequence 1 needs 3 blocks for 9 tokens"),
+    "table narrower than the context": (
+        _set("num_computed", 1, 6),
+        "sequence 1 needs 3 blocks for 9 tokens",
+    ),
     "block missing": (_set("block_tables", 1, -1), "block_tables[0][1] = -1 is outside the pool"),
-    "block outside the pool": (_set("block_tables", 2, 40), "block_tables[1][0] = 40 is outside the pool"),
+    "block outside the pool": (
+        _set("block_tables", 2, 40),
+        "block_tables[1][0] = 40 is outside the pool",
+    ),
     "shared block written": (_set("block_tables", 2, 21), "slot 84 is written by two new tokens"),
 }
 

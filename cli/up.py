@@ -1,18 +1,22 @@
-"""`pagedserve up`: the three services as separate processes, in the foreground, stopped together."""
+"""`pagedserve up`: the three services as separate processes, in the foreground, supervised: one that exits
+is restarted; Ctrl-C/SIGTERM drains the gateway, then stops compute and cache."""
 
 import argparse
 import signal
-import subprocess
 import sys
 import threading
 import time
 
 from cache_service.options import OPTIONS as CACHE
+from cli.supervisor import RestartPolicy, Supervisor
+from common import shared_pool
 from common.healthcheck import serving
 from compute_service.options import OPTIONS as COMPUTE
 from gateway.options import OPTIONS as GATEWAY
 
 START_TIMEOUT_S = 900.0
+# How long past --drain-timeout the gateway gets to stop before it is killed.
+DRAIN_MARGIN_S = 10.0
 # Cache and compute serve only the gateway, on this machine.
 INTERNAL_HOST = "127.0.0.1"
 # The order of their metrics ports: BASE, BASE+1, BASE+2.
@@ -32,6 +36,18 @@ def add_parser(commands) -> None:
         type=int,
         default=0,
         help="Prometheus /metrics on BASE (gateway), BASE+1 (cache), BASE+2 (compute); 0 is off",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=RestartPolicy.max_restarts,
+        help="stop the stack when a service exits more often than this within the window",
+    )
+    p.add_argument(
+        "--restart-window",
+        type=float,
+        default=RestartPolicy.window_s,
+        help="seconds over which --max-restarts counts a service's exits",
     )
     # Every service setting, each declaration once (the model and the log flags serve several services).
     for add in dict.fromkeys(add for options in OPTIONS.values() for add in options.settings):
@@ -65,14 +81,11 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     }
 
 
-def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
-    for proc in reversed(procs.values()):
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+def _remove_segments(name: str, pid: int) -> None:
+    """A cache that exited without unlinking its pool segment (kill -9) leaves it: remove it."""
+    if name == "cache":
+        for path in shared_pool.remove_segments_of(pid):
+            print(f"pagedserve: removed {path}, left by the cache (pid {pid})", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,17 +95,14 @@ def run(args: argparse.Namespace) -> int:
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     hosts = {"cache": INTERNAL_HOST, "compute": INTERNAL_HOST, "gateway": local}
     targets = {name: f"{hosts[name]}:{port}" for name, port in _ports(args).items()}
-    # NOTE: own sessions, so Ctrl-C reaches only this launcher and shutdown runs gateway → compute → cache.
-    procs = {
-        name: subprocess.Popen(cmd, start_new_session=True) for name, cmd in service_commands(args).items()
-    }
+    policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
+    supervisor = Supervisor(service_commands(args), policy, on_exit=_remove_segments)
+    supervisor.start()
     deadline = time.monotonic() + START_TIMEOUT_S
-    pending = set(procs)
+    pending = set(targets)
     code = 0
     while not stop.is_set():
-        dead = [name for name, proc in procs.items() if proc.poll() is not None]
-        if dead:
-            print(f"pagedserve: {', '.join(dead)} exited; stopping the stack", file=sys.stderr)
+        if supervisor.check():
             code = 1
             break
         pending = {name for name in pending if not serving(targets[name])}
@@ -107,5 +117,5 @@ def run(args: argparse.Namespace) -> int:
             code = 1
             break
         stop.wait(0.5)
-    _stop_all(procs)
+    supervisor.stop({"gateway": args.drain_timeout + DRAIN_MARGIN_S})
     return code

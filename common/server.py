@@ -98,9 +98,22 @@ class Server:
         self.grpc_server.stop(grace).wait()
         self._stopped.set()
 
-    def wait(self, on_stop: Callable[[], None] | None = None) -> None:
+    def wait(
+        self, on_stop: Callable[[], None] | None = None, drain: Callable[[], None] | None = None
+    ) -> None:
+        """Returns once SIGINT/SIGTERM has stopped the server (after `drain` returned, if given) and
+        `on_stop` ran; a second signal while the first is handled changes nothing."""
+        shutdown = threading.Event()
+
+        def stop_after_drain() -> None:
+            if drain is not None:
+                drain()
+            self.stop()
+
         def handle(signum, frame):
-            threading.Thread(target=self.stop, daemon=True).start()
+            if not shutdown.is_set():
+                shutdown.set()
+                threading.Thread(target=stop_after_drain, daemon=True).start()
 
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)

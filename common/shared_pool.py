@@ -72,6 +72,15 @@ def sweep_stale(shm_dir: Path = SHM_DIR) -> list[Path]:
     return removed
 
 
+def remove_segments_of(pid: int, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Removes the segments that process pid created; for whoever sees that owner exit."""
+    assert pid != os.getpid(), "an owner releases its own segments"
+    removed = sorted(shm_dir.glob(f"{SEGMENT_PREFIX}{pid}-*"))
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
+
+
 def create(spec: PoolSpec, shm_dir: Path = SHM_DIR) -> tuple[torch.Tensor, common_pb2.PoolHandle]:
     """Creates a zeroed, fully backed shared-memory pool; the caller owns it and must `release` it."""
     epoch = uuid.uuid4().hex

@@ -34,6 +34,10 @@ class Runner:
         self.k_caches = list(pool[:, 0].unbind(0))
         self.v_caches = list(pool[:, 1].unbind(0))
 
+    def detach(self) -> None:
+        """Drops the per-layer views: the pool is unmapped once the caller holds no tensor of it either."""
+        self.k_caches, self.v_caches = [], []
+
     @torch.inference_mode()
     def logits(self, batch: ForwardBatch, times: StepTimes | None = None) -> torch.Tensor:
         """Float32 logits [S, V] at the last new token of each sequence with `sample` set, in order."""

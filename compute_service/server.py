@@ -3,6 +3,7 @@
 import argparse
 import threading
 import time
+from pathlib import Path
 
 import torch
 from prometheus_client import Histogram
@@ -25,6 +26,10 @@ FORWARD_SECONDS = Histogram(
     "pagedserve_forward_step_duration_seconds", "Duration of one Forward step.", buckets=LATENCY_BUCKETS
 )
 STEP_TOKENS = Histogram("pagedserve_forward_step_tokens", "Tokens in one step.", buckets=TOKEN_BUCKETS)
+NO_POOL = "no KV pool attached: the gateway must call AttachPool first"
+SEGMENT_REMOVED = "the pool's segment was removed (cache restarted?): attach the new pool"
+# How often compute looks whether its pool's segment still exists.
+SEGMENT_CHECK_S = 1.0
 
 
 class ComputeServicer(compute_pb2_grpc.ComputeServicer):
@@ -37,6 +42,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         self._lock = threading.Lock()
         self._epoch: str | None = None
         self._limits: Limits | None = None
+        self._segment: Path | None = None
+        self._no_pool = NO_POOL
 
     def GetModelInfo(self, request, context) -> compute_pb2.ModelInfo:
         spec = self.spec
@@ -63,14 +70,16 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             self.runner.attach(pool)
             self._epoch = handle.epoch
             self._limits = Limits(self.spec.vocab_size, self.spec.max_model_len, num_blocks, block_size)
+            self._segment = Path(handle.shm.path)
         self.log.info("pool_attached", epoch=handle.epoch, num_blocks=num_blocks, block_size=block_size)
         return compute_pb2.AttachPoolResponse(epoch=handle.epoch, num_blocks=num_blocks)
 
     def Forward(self, request: compute_pb2.ForwardRequest, context) -> compute_pb2.ForwardResponse:
         with self._lock:
             start = time.perf_counter()
+            self._drop_removed_pool()
             if self._epoch is None:
-                raise FailedPrecondition("no KV pool attached: the gateway must call AttachPool first")
+                raise FailedPrecondition(self._no_pool)
             if request.pool_epoch != self._epoch:
                 raise FailedPrecondition(
                     f"stale pool epoch {request.pool_epoch!r}, attached pool is {self._epoch!r}: the cache "
@@ -97,6 +106,19 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             attention_ms=times.attention * 1e3,
             sample_ms=times.sample * 1e3,
         )
+
+    def drop_removed_pool(self) -> bool:
+        """Unmaps the attached pool once its segment is gone (its cache exited); True if it did."""
+        with self._lock:
+            return self._drop_removed_pool()
+
+    def _drop_removed_pool(self) -> bool:
+        if self._segment is None or self._segment.exists():
+            return False
+        self.log.warning("pool_segment_removed", path=str(self._segment), epoch=self._epoch)
+        self.runner.detach()
+        self._epoch, self._limits, self._segment, self._no_pool = None, None, None, SEGMENT_REMOVED
+        return True
 
     def _check_geometry(self, handle: common_pb2.PoolHandle) -> None:
         spec, shape = self.spec, list(handle.shape)
@@ -137,4 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     server = serve(
         [(compute_pb2_grpc.add_ComputeServicer_to_server, servicer, SERVICE_NAME)], args.host, args.port, log
     )
-    server.wait()
+    stop = threading.Event()
+    threading.Thread(target=_watch_segment, args=(servicer, stop), name="segment-watch", daemon=True).start()
+    server.wait(on_stop=stop.set)
+
+
+def _watch_segment(servicer: ComputeServicer, stop: threading.Event) -> None:
+    """Drops a dead cache's pool within SEGMENT_CHECK_S even while no Forward comes."""
+    while not stop.wait(SEGMENT_CHECK_S):
+        servicer.drop_removed_pool()

@@ -16,6 +16,12 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "--max-batched-tokens", type=int, default=4096, help="tokens of one step: decodes, then prompt chunks"
     )
     parser.add_argument("--max-seqs", type=int, default=64, help="sequences running at once")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM (new ones are refused meanwhile)",
+    )
 
 
 OPTIONS = ServiceOptions(

@@ -11,9 +11,10 @@ from common import logging as pslogging
 from common import metrics as psmetrics
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from common.model_files import local_copy
-from common.server import serve
+from common.server import Server, serve
 from gateway import metrics
 from gateway import tokenizer as tok
+from gateway.admission import Admission
 from gateway.engine import Engine, EngineConfig, Output
 from gateway.health import DownstreamWatcher
 from gateway.options import OPTIONS
@@ -27,9 +28,10 @@ FINISH_REASONS = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generat
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, tokenizer) -> None:
+    def __init__(self, engine: Engine, tokenizer, admission: Admission) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
+        self._admission = admission
 
     def _attached_model(self):
         if self._engine.model_info is None:
@@ -78,6 +80,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request_id = request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
         seq = self._new_sequence(request, request_id)
+        self._admission.enter(seq)
+        context.add_callback(lambda: self._admission.leave(seq.seq_id))
         completion_tokens = [0] * seq.sampling.n
         timer = metrics.RequestTimer()
         log.info("request", prompt_tokens=len(seq.prompt_ids), n=seq.sampling.n, seq_id=seq.seq_id)
@@ -157,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         ),
         tokenizer,
     )
-    servicer = GenerationServicer(engine, tokenizer)
+    admission = Admission()
+    servicer = GenerationServicer(engine, tokenizer, admission)
     metrics.register(lambda: engine.scheduler)
     psmetrics.serve_metrics(args.host, args.metrics_port, logger)
     server = serve(
@@ -177,4 +182,15 @@ def main(argv: list[str] | None = None) -> None:
     loop.start()
     watcher = DownstreamWatcher(server, SERVICE, {"cache": args.cache_target, "compute": args.compute_target})
     watcher.start()
-    server.wait(on_stop=lambda: (watcher.stop(), engine.stop()))
+    server.wait(
+        on_stop=lambda: (watcher.stop(), engine.stop()),
+        drain=lambda: _drain(server, watcher, admission, args.drain_timeout, logger),
+    )
+
+
+def _drain(server: Server, watcher: DownstreamWatcher, admission: Admission, timeout: float, log) -> None:
+    """On SIGTERM: NOT_SERVING for good at once, new requests refused, running ones finish (timeout)."""
+    watcher.stop()
+    server.health.enter_graceful_shutdown()
+    log.info("draining", running=admission.running(), timeout_s=timeout)
+    log.info("drained", cut=admission.drain(timeout))

@@ -1,6 +1,8 @@
 """The compute service as a real process: model info, pool attachment, paged generation, refusals."""
 
+import time
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
@@ -10,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from common import shared_pool
 from common.server import channel
+from compute_service.server import SEGMENT_CHECK_S, SEGMENT_REMOVED
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
 from tests.forward import forward_request as paged_forward_request
 from tests.forward import replace_field as _replace
@@ -66,7 +69,7 @@ def service(model_dir, tmp_path_factory):
             stub = compute_pb2_grpc.ComputeStub(ch)
             # before any AttachPool, so it does not depend on test order
             no_pool = refusal(stub.Forward, small_step(""))
-            yield SimpleNamespace(stub=stub, no_pool=no_pool)
+            yield SimpleNamespace(stub=stub, no_pool=no_pool, pid=proc.pid)
     finally:
         assert stop(proc) == 0
 
@@ -205,3 +208,26 @@ def test_reattach_replaces_the_pool(service, pool):
     finally:
         service.stub.AttachPool(pool.handle, timeout=30)
         shared_pool.release(handle)
+
+
+def _mapped(pid: int, path: str) -> bool:
+    return path in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_removed_segment_is_unmapped_and_refused(service, pool):
+    _, handle = make_pool()
+    try:
+        service.stub.AttachPool(handle, timeout=30)
+        service.stub.Forward(small_step(handle.epoch), timeout=30)
+        assert _mapped(service.pid, handle.shm.path)
+        shared_pool.release(handle)  # as a cache's exit does; no Forward comes meanwhile
+        deadline = time.monotonic() + 3 * SEGMENT_CHECK_S + 2
+        while _mapped(service.pid, handle.shm.path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _mapped(service.pid, handle.shm.path), "compute unmapped the removed segment"
+        error = refusal(service.stub.Forward, small_step(handle.epoch))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error.details() == SEGMENT_REMOVED
+    finally:
+        shared_pool.release(handle)
+        service.stub.AttachPool(pool.handle, timeout=30)

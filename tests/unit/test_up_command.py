@@ -156,3 +156,13 @@ def test_the_cache_service_refuses_an_unknown_allocator(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--allocator", "buddy"])
     assert "unknown allocator 'buddy'" in capsys.readouterr().err
+
+
+def test_the_restart_policy_flags_stay_with_up():
+    args = up_args("--max-restarts", "2", "--restart-window", "30", "--drain-timeout", "5")
+    assert (args.max_restarts, args.restart_window) == (2, 30.0)
+    commands = up.service_commands(args)
+    assert not any(
+        "--max-restarts" in command or "--restart-window" in command for command in commands.values()
+    )
+    assert service_args("gateway", commands["gateway"]).drain_timeout == 5.0

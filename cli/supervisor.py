@@ -1,0 +1,154 @@
+"""The services of `pagedserve up` as child processes: each dies with the launcher, one that exits
+unexpectedly is restarted with backoff, and the stack stops in a given order."""
+
+import ctypes
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT_S = 30.0
+
+
+def _die_with(parent: int) -> None:
+    """preexec_fn: the child gets SIGTERM when the launcher dies, also by kill -9 (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    # NOTE: a launcher that died before prctl sends no signal any more; the child is an orphan already.
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def spawn(argv: list[str]) -> subprocess.Popen:
+    """Starts argv in a session of its own (Ctrl-C reaches only the launcher), to die with this process.
+
+    NOTE: the parent-death signal follows the thread that forked: call this from the launcher's main thread.
+    """
+    return subprocess.Popen(
+        argv, start_new_session=True, preexec_fn=functools.partial(_die_with, os.getpid())
+    )
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Restart after first_delay_s, doubled for each earlier exit within window_s, at most max_delay_s;
+    give up when a service exits more than max_restarts times within window_s."""
+
+    max_restarts: int = 5
+    window_s: float = 60.0
+    first_delay_s: float = 0.5
+    max_delay_s: float = 10.0
+
+
+class Restarts:
+    """One service's exits under a policy, on a monotonic clock."""
+
+    def __init__(self, policy: RestartPolicy, clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.count = 0
+        self._exits: deque[float] = deque()
+
+    def delay(self) -> float | None:
+        """Records an exit now; returns the seconds to wait before restarting, or None: give up."""
+        now = self.clock()
+        while self._exits and now - self._exits[0] > self.policy.window_s:
+            self._exits.popleft()
+        if len(self._exits) >= self.policy.max_restarts:
+            return None
+        delay = min(self.policy.first_delay_s * 2 ** len(self._exits), self.policy.max_delay_s)
+        self._exits.append(now)
+        self.count += 1
+        return delay
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    restarts: Restarts
+    proc: subprocess.Popen | None = None
+    # When the service is due to start again after it exited; None while it runs.
+    restart_at: float | None = field(default=None)
+
+
+def describe_exit(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+class Supervisor:
+    """Starts services in order, restarts those that exit (`check`), stops them in reverse order (`stop`).
+
+    `on_exit(name, pid)` runs once for every exited process, expected or not (e.g. to remove what it left).
+    """
+
+    def __init__(
+        self,
+        commands: dict[str, list[str]],
+        policy: RestartPolicy,
+        on_exit: Callable[[str, int], None] = lambda name, pid: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.services = {
+            name: Service(name, argv, Restarts(policy, clock)) for name, argv in commands.items()
+        }
+        self.on_exit = on_exit
+        self.clock = clock
+
+    def start(self) -> None:
+        for service in self.services.values():
+            service.proc = spawn(service.argv)
+
+    def pids(self) -> dict[str, int]:
+        """The pid of each running service."""
+        return {name: s.proc.pid for name, s in self.services.items() if s.restart_at is None and s.proc}
+
+    def check(self) -> str | None:
+        """Restarts the services that exited once their delay passed; returns the name of one that exited
+        more often than the policy allows (the caller stops the stack), else None."""
+        for service in self.services.values():
+            exited = service.restart_at is None and service.proc.poll() is not None
+            if exited and not self._schedule_restart(service):
+                return service.name
+            if service.restart_at is not None and self.clock() >= service.restart_at:
+                service.restart_at = None
+                service.proc = spawn(service.argv)
+                print(f"pagedserve: {service.name} restarted (pid {service.proc.pid})", file=sys.stderr)
+        return None
+
+    def _schedule_restart(self, service: Service) -> bool:
+        self.on_exit(service.name, service.proc.pid)
+        delay = service.restarts.delay()
+        how = describe_exit(service.proc.returncode)
+        if delay is None:
+            policy = service.restarts.policy
+            print(f"pagedserve: {service.name} exited ({how}) more than {policy.max_restarts} times within "
+                  f"{policy.window_s:g}s; stopping the stack", file=sys.stderr)  # fmt: skip
+            return False
+        print(f"pagedserve: {service.name} exited ({how}); restart {service.restarts.count} in {delay:g}s",
+              file=sys.stderr)  # fmt: skip
+        service.restart_at = self.clock() + delay
+        return True
+
+    def stop(self, timeouts: dict[str, float]) -> None:
+        """SIGTERM each running service in reverse start order and waits for it (its timeout, else
+        STOP_TIMEOUT_S) before the next; SIGKILL when it does not exit in time."""
+        for service in reversed(self.services.values()):
+            proc = service.proc
+            if proc is None or (service.restart_at is not None):
+                continue
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeouts.get(service.name, STOP_TIMEOUT_S))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            self.on_exit(service.name, proc.pid)

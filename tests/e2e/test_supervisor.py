@@ -1,0 +1,116 @@
+"""`pagedserve up` as an operator meets it: a killed service comes back, a killed launcher takes its
+services along, SIGTERM drains the gateway; no segment is left in /dev/shm. The tiny model starts fast."""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cli.launch import Stack
+from common.healthcheck import serving
+from sdk.client import GenerationError
+from tests.helpers import ROOT
+from tests.processes import gone, segments, segments_of, services_of
+from tests.tiny_model import save_tiny_llama
+
+pytestmark = pytest.mark.e2e
+STREAMS, NEW_TOKENS = 8, 480
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, tokenizer):
+    model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
+    tokenizer.save_pretrained(model)
+    return model
+
+
+def start(tiny_model, logs, *flags: str) -> Stack:
+    return Stack.start("--model", str(tiny_model), "--dtype", "float32", "--kv-blocks", "64", *flags,
+                       log_dir=logs, cwd=ROOT, timeout=300)  # fmt: skip
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_killed_cache_is_restarted_and_its_segment_removed(tiny_model, logs):
+    before = segments()
+    stack = start(tiny_model, logs)
+    pids = {}
+    try:
+        pids = services_of(stack.proc.pid)
+        assert set(pids) == {"cache", "compute", "gateway"}
+        (old,) = segments_of(pids["cache"])
+        os.kill(pids["cache"], signal.SIGKILL)
+        restarted = lambda: services_of(stack.proc.pid).get("cache", pids["cache"]) != pids["cache"]  # noqa: E731
+        assert wait_until(restarted, 10)
+        assert wait_until(lambda: serving(stack.cache_target), 60), "the new cache serves"
+        assert not old.exists(), "the supervisor removed the dead cache's segment"
+        maps = Path(f"/proc/{pids['compute']}/maps")
+        assert wait_until(lambda: str(old) not in maps.read_text(), 5), "compute unmapped it"
+        assert stack.proc.poll() is None, "up keeps running"
+        log = stack.proc.log_path.read_text()
+        assert "cache exited (signal SIGKILL); restart 1 in 0.5s" in log
+        assert f"removed {old}" in log
+        pids = services_of(stack.proc.pid)
+        assert pids.keys() == {"cache", "compute", "gateway"}
+        stack.proc.kill()
+        stack.proc.wait()
+        assert wait_until(lambda: all(map(gone, pids.values())), 15), "the services died with up"
+    finally:
+        stack.stop()
+        for pid in pids.values():
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: segments() <= before, 5), "no segment is left"
+
+
+def stream(stack: Stack, seed: int, started: threading.Semaphore, results: list) -> None:
+    """Streams one request; started is released at its first token; its result is appended."""
+    chunks = []
+    try:
+        with stack.client() as client:
+            for chunk in client.stream(token_ids=[3 + seed, 40, 50, 60], max_tokens=NEW_TOKENS,
+                                       temperature=0.0, ignore_eos=True):  # fmt: skip
+                if not chunks:
+                    started.release()
+                chunks.append(chunk)
+        results.append((chunks[-1].finish_reason, chunks[-1].usage.completion_tokens))
+    except GenerationError as err:
+        results.append((err.code.name, len(chunks)))
+
+
+def test_sigterm_drains_the_running_requests_and_refuses_new_ones(tiny_model, logs):
+    before = segments()
+    stack = start(tiny_model, logs, "--drain-timeout", "60")
+    results, started = [], threading.Semaphore(0)
+    threads = [threading.Thread(target=stream, args=(stack, i, started, results)) for i in range(STREAMS)]
+    try:
+        for thread in threads:
+            thread.start()
+        assert all(started.acquire(timeout=60) for _ in threads), "every stream runs"
+        stack.proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: not serving(stack.target, timeout=1), 10), "NOT_SERVING at once"
+        with stack.client(timeout=30) as client, pytest.raises(GenerationError) as refused:
+            client.generate(token_ids=[5, 6, 7], max_tokens=4)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert refused.value.details.startswith("draining: the gateway is shutting down")
+        assert len(results) < STREAMS, "the streams ran on after SIGTERM"
+        for thread in threads:
+            thread.join(60)
+        assert results == [("length", NEW_TOKENS)] * STREAMS
+        assert stack.proc.wait(60) == 0
+    finally:
+        stack.stop()
+        for thread in threads:
+            thread.join(10)
+    assert wait_until(lambda: segments() <= before, 5), "no segment is left"

@@ -1,0 +1,151 @@
+"""`pagedserve up`'s supervisor: the restart policy on a fake clock, and real child processes."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cli.supervisor import RestartPolicy, Restarts, Supervisor, describe_exit
+from tests.processes import gone
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+FAILING = [sys.executable, "-c", "raise SystemExit(3)"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_delay_doubles_with_each_exit_up_to_the_cap():
+    clock = Clock()
+    restarts = Restarts(RestartPolicy(max_restarts=10, window_s=60, first_delay_s=0.5, max_delay_s=3), clock)
+    delays = []
+    for _ in range(5):
+        delays.append(restarts.delay())
+        clock.now += 1
+    assert delays == [0.5, 1.0, 2.0, 3.0, 3.0]
+    assert restarts.count == 5
+
+
+def test_exits_older_than_the_window_are_forgotten():
+    clock = Clock()
+    restarts = Restarts(RestartPolicy(max_restarts=2, window_s=60), clock)
+    assert restarts.delay() == 0.5
+    clock.now += 30
+    assert restarts.delay() == 1.0
+    clock.now += 31
+    assert restarts.delay() == 1.0, "the first exit left the window: one earlier exit counts"
+    clock.now += 61
+    assert restarts.delay() == 0.5
+
+
+def test_more_exits_than_max_restarts_within_the_window_give_up():
+    clock = Clock()
+    restarts = Restarts(RestartPolicy(max_restarts=3, window_s=60), clock)
+    assert [restarts.delay() for _ in range(3)] == [0.5, 1.0, 2.0]
+    clock.now += 59
+    assert restarts.delay() is None
+    assert restarts.count == 3
+
+
+def test_describe_exit_names_the_signal_or_the_code():
+    assert describe_exit(-signal.SIGKILL) == "signal SIGKILL"
+    assert describe_exit(3) == "exit code 3"
+
+
+def test_a_killed_service_is_restarted_and_reported(capsys):
+    exits = []
+    supervisor = Supervisor(
+        {"a": SLEEPER, "b": SLEEPER},
+        RestartPolicy(first_delay_s=0.0),
+        on_exit=lambda name, pid: exits.append((name, pid)),
+    )
+    supervisor.start()
+    try:
+        first = supervisor.pids()
+        os.kill(first["a"], signal.SIGKILL)
+        assert wait_until(
+            lambda: supervisor.check() is None and supervisor.pids().get("a") not in (None, first["a"])
+        )
+        assert supervisor.pids()["b"] == first["b"], "the others keep running"
+        assert exits == [("a", first["a"])]
+        assert "a exited (signal SIGKILL); restart 1 in 0s" in capsys.readouterr().err
+    finally:
+        supervisor.stop({})
+    assert all(gone(pid) for pid in supervisor.pids().values())
+
+
+def test_a_service_that_keeps_exiting_stops_the_stack(capsys):
+    supervisor = Supervisor({"a": FAILING}, RestartPolicy(max_restarts=2, first_delay_s=0.0))
+    supervisor.start()
+    try:
+        failed = []
+        assert wait_until(lambda: failed.append(supervisor.check()) or failed[-1] is not None)
+        assert failed[-1] == "a"
+        assert supervisor.services["a"].restarts.count == 2
+        assert "a exited (exit code 3) more than 2 times within 60s" in capsys.readouterr().err
+    finally:
+        supervisor.stop({})
+
+
+def test_stop_runs_in_reverse_order_and_reports_each_exit():
+    exits = []
+    supervisor = Supervisor(
+        {"a": SLEEPER, "b": SLEEPER}, RestartPolicy(), on_exit=lambda n, p: exits.append(n)
+    )
+    supervisor.start()
+    pids = supervisor.pids()
+    supervisor.stop({"b": 5})
+    assert exits == ["b", "a"]
+    assert all(gone(pid) for pid in pids.values())
+
+
+LAUNCHER = textwrap.dedent(
+    f"""
+    import sys, time
+    from cli.supervisor import RestartPolicy, Supervisor
+    supervisor = Supervisor({{"a": {SLEEPER!r}, "b": {SLEEPER!r}}}, RestartPolicy())
+    supervisor.start()
+    print(*supervisor.pids().values(), flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_the_services_die_with_a_killed_launcher():
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ}
+    )
+    pids = []
+    try:
+        pids = [int(pid) for pid in launcher.stdout.readline().split()]
+        assert len(pids) == 2
+        assert not any(gone(pid) for pid in pids)
+        launcher.kill()
+        launcher.wait()
+        assert wait_until(lambda: all(gone(pid) for pid in pids), timeout=5)
+    finally:
+        launcher.kill()
+        for pid in pids:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)

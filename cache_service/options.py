@@ -8,6 +8,8 @@ from cache_service.allocators import registry
 from common.options import ServiceOptions, add_logging
 
 DEFAULT_KV_MEMORY = 256 * 2**20
+# The TTL of a session opened with ttl_s 0 (capped at --max-session-ttl).
+DEFAULT_SESSION_TTL_S = 10.0
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -30,6 +32,16 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def add_settings(parser: argparse.ArgumentParser) -> None:
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--kv-blocks", type=_positive_int, help="default pool size in blocks")
@@ -43,6 +55,13 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-prefix-cache", dest="prefix_cache", action="store_false", help="never share cached blocks"
+    )
+    parser.add_argument(
+        "--max-session-ttl",
+        type=_positive_seconds,
+        default=60.0,
+        help="longest TTL a session may ask for, seconds; a session not renewed within its TTL lapses and "
+        f"its sequences are freed (default TTL: {DEFAULT_SESSION_TTL_S:g} s, or this if smaller)",
     )
 
 

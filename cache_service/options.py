@@ -5,7 +5,7 @@ import re
 from fractions import Fraction
 
 from cache_service.allocators import registry
-from common.options import ServiceOptions, add_logging
+from common.options import ServiceOptions, add_logging, positive_seconds
 
 DEFAULT_KV_MEMORY = 256 * 2**20
 # The TTL of a session opened with ttl_s 0 (capped at --max-session-ttl).
@@ -32,16 +32,6 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
-
-
 def add_settings(parser: argparse.ArgumentParser) -> None:
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--kv-blocks", type=_positive_int, help="default pool size in blocks")
@@ -58,7 +48,7 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-session-ttl",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=60.0,
         help="longest TTL a session may ask for, seconds; a session not renewed within its TTL lapses and "
         f"its sequences are freed (default TTL: {DEFAULT_SESSION_TTL_S:g} s, or this if smaller)",

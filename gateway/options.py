@@ -2,7 +2,7 @@
 
 import argparse
 
-from common.options import ServiceOptions, add_logging, add_model
+from common.options import ServiceOptions, add_logging, add_model, positive_seconds
 
 
 def add_targets(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +16,12 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "--max-batched-tokens", type=int, default=4096, help="tokens of one step: decodes, then prompt chunks"
     )
     parser.add_argument("--max-seqs", type=int, default=64, help="sequences running at once")
+    parser.add_argument(
+        "--session-ttl",
+        type=positive_seconds,
+        default=10.0,
+        help="seconds the cache service keeps this gateway's sequences unrenewed (renewed every third)",
+    )
 
 
 OPTIONS = ServiceOptions(

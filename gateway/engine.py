@@ -190,7 +190,7 @@ class Engine:
         """The cache service freed this gateway's sequences (its session lapsed, or the service restarted):
         they are preempted without a Free, and recomputed in a new session."""
         seqs = self.scheduler.preempt_all()
-        self.kv.drop(seqs)
+        self.kv.drop(list(self._by_id.values()))  # also a sequence whose preemption's Free failed
         log.error("session_lost_sequences_requeued", seq_ids=[seq.seq_id for seq in seqs])
         try:
             self.lease.open()

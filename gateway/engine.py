@@ -132,7 +132,7 @@ class Engine:
                 aborts, self._aborts = self._aborts, set()
                 lost, self._session_lost = self._session_lost, False
             if lost:
-                self._renew_session()
+                self._recover_session()
             timer = StepTimer()
             with timer.phase("schedule"):
                 for seq in intake:
@@ -169,6 +169,9 @@ class Engine:
             tables = [self.kv.block_table(seq) for seq in step.seqs]
             eos = frozenset(self.model_info.eos_token_ids)
             request = forward_request(step.seqs, tables, self.handle.epoch, eos)
+            if not self.lease.held():  # the blocks may be another's by now: compute must not write them
+                self._lose_session()
+                return
             with timer.phase("compute_rpc"):
                 reply = self._compute.Forward(
                     request, timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs)
@@ -186,7 +189,7 @@ class Engine:
         timer.compute = reply
         timer.finish(kind)
 
-    def _renew_session(self) -> None:
+    def _recover_session(self) -> None:
         """The cache service freed this gateway's sequences (its session lapsed, or the service restarted):
         they are preempted without a Free, and recomputed in a new session."""
         seqs = self.scheduler.preempt_all()

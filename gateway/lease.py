@@ -3,6 +3,7 @@ thread every TTL/3, closed on shutdown. The cache service frees the sequences of
 renewed within its TTL, so a gateway that dies (kill -9) holds no blocks for longer than that."""
 
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -44,30 +45,42 @@ class Lease:
         self._timeout = rpc_timeout_s
         self._closed = threading.Event()
         self._reported = ""
+        self._held_until = 0.0
         self._thread: threading.Thread | None = None
 
     def open(self) -> None:
-        """Opens a new session (a fresh id: whatever an earlier one held is not this one's) and renews it
-        from now on. Called at every handshake, and again after a loss; raises grpc.RpcError if the cache
-        service refuses or cannot be reached."""
-        session_id = uuid.uuid4().hex
+        """Opens a new session (a fresh id) and renews it from now on; an earlier one is closed first, so
+        that the sequence ids it held are free again (the gateway's tables are dropped before). Called at
+        every handshake, and again after a loss; raises grpc.RpcError if the cache service refuses or cannot
+        be reached."""
+        if self.session_id:
+            self._close_session(self.session_id)
+        session_id, sent = uuid.uuid4().hex, time.monotonic()
         request = cache_pb2.OpenSessionRequest(session_id=session_id, ttl_s=self._requested_ttl_s)
         reply = self._stub.OpenSession(request, timeout=self._timeout, wait_for_ready=True)
-        self.session_id, self.ttl_s = session_id, reply.ttl_s
+        self.session_id, self.ttl_s, self._held_until = session_id, reply.ttl_s, sent + reply.ttl_s
         log.info("session_opened", session_id=session_id, ttl_s=reply.ttl_s)
         if self._thread is None:
             self._thread = threading.Thread(target=self._renew_forever, name="lease", daemon=True)
             self._thread.start()
 
+    def held(self) -> bool:
+        """Whether the session is surely still open: less than a TTL has passed since the sending of the
+        last open or renewal the cache service granted (its deadline runs from a later moment)."""
+        return time.monotonic() < self._held_until
+
     def close(self) -> None:
         """Stops renewing and closes the session, so the cache service frees its sequences at once."""
         self._closed.set()
-        if not self.session_id:
-            return
+        if self.session_id:
+            self._close_session(self.session_id)
+
+    def _close_session(self, session_id: str) -> None:
+        """Best effort: a session not closed lapses within its TTL all the same."""
         try:
-            self._stub.CloseSession(cache_pb2.CloseSessionRequest(session_id=self.session_id), timeout=5.0)
+            self._stub.CloseSession(cache_pb2.CloseSessionRequest(session_id=session_id), timeout=5.0)
         except grpc.RpcError as err:
-            log.warning("session_close_failed", session_id=self.session_id, error=err.details())
+            log.warning("session_close_failed", session_id=session_id, error=err.details())
 
     def _renew_forever(self) -> None:
         delay = self.ttl_s / 3
@@ -80,8 +93,10 @@ class Lease:
         if session_id == self._reported:
             return True
         try:
-            request = cache_pb2.RenewSessionRequest(session_id=session_id)
+            request, sent = cache_pb2.RenewSessionRequest(session_id=session_id), time.monotonic()
             self._stub.RenewSession(request, timeout=self.ttl_s / 3)
+            if session_id == self.session_id:
+                self._held_until = sent + self.ttl_s
             return True
         except grpc.RpcError as err:
             if not is_lost(err):
@@ -89,5 +104,6 @@ class Lease:
                 return False
             log.error("session_lost", session_id=session_id, error=err.details())
             self._reported = session_id
-            self._on_lost()
+            if session_id == self.session_id:  # not reopened meanwhile (the engine saw the loss first)
+                self._on_lost()
             return True

@@ -81,8 +81,18 @@ def test_a_lost_session_is_reported_once_and_reopening_takes_a_fresh_id():
     time.sleep(0.2)  # no renewal of the lost session, and no second report
     assert [call for call in stub.calls if call[0] == "renew"] == [("renew", first)]
     lease.open()
-    assert lease.session_id != first
+    assert lease.session_id != first and ("close", first) in stub.calls  # its sequence ids are free again
     assert stub.renewed.wait(2.0)
+    lease.close()
+
+
+def test_a_lease_whose_renewals_fail_for_a_ttl_is_no_longer_held():
+    stub = FakeSessions([Status(grpc.StatusCode.UNAVAILABLE, "down")] * 100)
+    lease = Lease(stub, 0.3, lambda: None)
+    lease.open()
+    assert lease.held()
+    time.sleep(0.45)
+    assert not lease.held()
     lease.close()
 
 

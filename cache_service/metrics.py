@@ -38,6 +38,9 @@ class StatsCollector(Collector):
             "pagedserve_kv_sequences", "Sequences holding a block table.", stats.num_sequences
         )
         yield GaugeMetricFamily(
+            "pagedserve_cache_sessions", "Sessions (gateway leases) open.", stats.num_sessions
+        )
+        yield GaugeMetricFamily(
             "pagedserve_kv_token_utilisation_ratio",
             "Tokens stored / token slots of the blocks held by tables (1 when no table is held).",
             stats.stored_tokens / stats.table_slots if stats.table_slots else 1.0,

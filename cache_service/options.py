@@ -5,9 +5,11 @@ import re
 from fractions import Fraction
 
 from cache_service.allocators import registry
-from common.options import ServiceOptions, add_logging
+from common.options import ServiceOptions, add_logging, positive_seconds
 
 DEFAULT_KV_MEMORY = 256 * 2**20
+# The TTL of a session opened with ttl_s 0 (capped at --max-session-ttl).
+DEFAULT_SESSION_TTL_S = 10.0
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -43,6 +45,13 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-prefix-cache", dest="prefix_cache", action="store_false", help="never share cached blocks"
+    )
+    parser.add_argument(
+        "--max-session-ttl",
+        type=positive_seconds,
+        default=60.0,
+        help="longest TTL a session may ask for, seconds; a session not renewed within its TTL lapses and "
+        f"its sequences are freed (default TTL: {DEFAULT_SESSION_TTL_S:g} s, or this if smaller)",
     )
 
 

@@ -2,6 +2,7 @@
 
 import argparse
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -10,8 +11,9 @@ from cache_service import metrics
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
 from cache_service.kv_pool import KVPool, spec_from_request
-from cache_service.options import DEFAULT_KV_MEMORY, OPTIONS
+from cache_service.options import DEFAULT_KV_MEMORY, DEFAULT_SESSION_TTL_S, OPTIONS
 from cache_service.sequence import SeqRequest
+from cache_service.sessions import Sessions
 from common import shared_pool
 from common.errors import FailedPrecondition, InvalidArgument
 from common.logging import configure
@@ -20,13 +22,21 @@ from common.server import serve
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
+# How often lapsed sessions are looked for when no call arrives.
+SWEEP_INTERVAL_S = 0.5
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
     """Owns at most one pool; its budget defaults to the service's --kv-blocks or --kv-memory."""
 
     def __init__(
-        self, allocator: str, default_blocks: int, default_memory: int, log, prefix_caching: bool = True
+        self,
+        allocator: str,
+        default_blocks: int,
+        default_memory: int,
+        log,
+        prefix_caching: bool = True,
+        sessions: Sessions | None = None,
     ) -> None:
         self._allocator = allocator
         self._prefix_caching = prefix_caching
@@ -35,6 +45,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self._log = log
         self._lock = threading.Lock()
         self._pool: KVPool | None = None
+        # NOTE: `is None`, not `or`: Sessions has a length, and an empty one is falsy.
+        self._sessions = (
+            Sessions(DEFAULT_SESSION_TTL_S, DEFAULT_SESSION_TTL_S) if sessions is None else sessions
+        )
 
     def CreatePool(self, request: cache_pb2.CreatePoolRequest, context) -> common_pb2.PoolHandle:
         with self._lock:
@@ -64,10 +78,13 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
     def Reserve(self, request: cache_pb2.ReserveRequest, context) -> cache_pb2.BlockTables:
         with self._lock:
-            blocks = self._blocks()
+            blocks = self._owning(request.session_id, [seq.seq_id for seq in request.running_seqs])
             new = [_seq_request(seq) for seq in request.new_seqs]
             tails = blocks.reserve(new, [_seq_request(seq) for seq in request.running_seqs])
             seq_ids = [seq.seq_id for seq in (*request.new_seqs, *request.running_seqs)]
+            written = [tail.cached_tokens for tail in tails[: len(new)]]
+            written += [seq.num_computed for seq in request.running_seqs]
+            self._sessions.reserved(request.session_id, list(zip(seq_ids, written, strict=True)))
             return cache_pb2.BlockTables(
                 tables=[
                     cache_pb2.BlockTable(
@@ -83,8 +100,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
     def Fork(self, request: cache_pb2.ForkRequest, context) -> cache_pb2.BlockTables:
         with self._lock:
-            blocks = self._blocks()
+            blocks = self._owning(request.session_id, [request.parent_id])
             tables = blocks.fork(request.parent_id, list(request.child_ids))
+            self._sessions.forked(request.session_id, request.parent_id, list(request.child_ids))
             return cache_pb2.BlockTables(
                 tables=[
                     cache_pb2.BlockTable(seq_id=seq_id, block_ids=table)
@@ -95,14 +113,45 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
     def Free(self, request: cache_pb2.FreeRequest, context) -> cache_pb2.FreeResponse:
         with self._lock:
-            blocks = self._blocks()
+            blocks = self._owning(request.session_id, request.seq_ids)
             freed = blocks.free(list(request.seq_ids), dict(request.num_computed))
+            self._sessions.freed(request.session_id, list(request.seq_ids))
             return cache_pb2.FreeResponse(freed_blocks=freed, available_blocks=blocks.num_available)
+
+    def OpenSession(self, request: cache_pb2.OpenSessionRequest, context) -> cache_pb2.Session:
+        with self._lock:
+            self._sweep()
+            ttl, held = self._sessions.open(request.session_id, request.ttl_s)
+            self._log.info("session_opened", session_id=request.session_id, ttl_s=ttl)
+            return cache_pb2.Session(session_id=request.session_id, ttl_s=ttl, num_sequences=held)
+
+    def RenewSession(self, request: cache_pb2.RenewSessionRequest, context) -> cache_pb2.Session:
+        with self._lock:
+            self._sweep()
+            ttl, held = self._sessions.renew(request.session_id)
+            return cache_pb2.Session(session_id=request.session_id, ttl_s=ttl, num_sequences=held)
+
+    def CloseSession(self, request: cache_pb2.CloseSessionRequest, context) -> cache_pb2.CloseSessionResponse:
+        with self._lock:
+            self._sweep()
+            held, freed = self._sessions.close(request.session_id, self._pool and self._pool.blocks)
+            self._log.info("session_closed", session_id=request.session_id, num_sequences=held)
+            return cache_pb2.CloseSessionResponse(num_sequences=held, freed_blocks=freed)
+
+    def sweep(self) -> None:
+        """Lapses the sessions past their deadline (also done at the start of every session-aware call)."""
+        with self._lock:
+            self._sweep()
 
     def GetStats(self, request: cache_pb2.GetStatsRequest, context) -> cache_pb2.CacheStats:
         with self._lock:
+            self._sweep()
             if self._pool is None:
-                return cache_pb2.CacheStats(allocator=self._allocator, prefix_caching=self._prefix_caching)
+                return cache_pb2.CacheStats(
+                    allocator=self._allocator,
+                    prefix_caching=self._prefix_caching,
+                    num_sessions=len(self._sessions),
+                )
             stats = self._pool.blocks.stats()
             return cache_pb2.CacheStats(
                 total_blocks=stats.total_blocks,
@@ -122,6 +171,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 allocator_stats=self._pool.blocks.allocator.stats(),
                 stored_tokens=stats.stored_tokens,
                 table_slots=stats.table_slots,
+                num_sessions=len(self._sessions),
             )
 
     def ReadBlock(self, request: cache_pb2.ReadBlockRequest, context) -> cache_pb2.BlockContents:
@@ -154,6 +204,24 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def _blocks(self) -> BlockManager:
         return self._require_pool().blocks
 
+    def _owning(self, session_id: str, seq_ids) -> BlockManager:
+        """The block manager, once lapsed sessions are swept and the session is checked to hold seq_ids."""
+        self._sweep()
+        blocks = self._blocks()
+        self._sessions.check_owns(session_id, seq_ids)
+        return blocks
+
+    def _sweep(self) -> None:
+        for session_id in self._sessions.sweep(self._pool and self._pool.blocks):
+            self._log.warning("session_lapsed", session_id=session_id)
+
+
+def _sweep_every(servicer: CacheServicer, interval_s: float) -> None:
+    """Lapses sessions on time even when no call arrives (a daemon thread: ends with the process)."""
+    while True:
+        time.sleep(interval_s)
+        servicer.sweep()
+
 
 def _seq_request(seq: cache_pb2.SequenceRequest) -> SeqRequest:
     return SeqRequest(seq.seq_id, seq.num_tokens, list(seq.token_ids), seq.num_computed, seq.cache_salt)
@@ -176,7 +244,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     log = configure("cache", args.log_format, args.log_level)
     removed = shared_pool.sweep_stale()
     log.info("swept_stale_segments", count=len(removed), paths=[str(path) for path in removed])
-    servicer = CacheServicer(args.allocator, args.kv_blocks or 0, args.kv_memory or 0, log, args.prefix_cache)
+    sessions = Sessions(min(DEFAULT_SESSION_TTL_S, args.max_session_ttl), args.max_session_ttl)
+    servicer = CacheServicer(
+        args.allocator, args.kv_blocks or 0, args.kv_memory or 0, log, args.prefix_cache, sessions
+    )
+    sweeper = threading.Thread(target=_sweep_every, args=(servicer, SWEEP_INTERVAL_S), daemon=True)
+    sweeper.start()
     metrics.register(lambda: servicer.GetStats(cache_pb2.GetStatsRequest(), None))
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(

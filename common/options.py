@@ -19,6 +19,17 @@ Adder = Callable[[argparse.ArgumentParser], None]
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def positive_seconds(text: str) -> float:
+    """A flag's duration: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def add_address(parser: argparse.ArgumentParser, port: int) -> None:
     """Where a service listens: its gRPC address and its Prometheus endpoint."""
     parser.add_argument("--host", default="127.0.0.1", help="address the service and its /metrics bind")

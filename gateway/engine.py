@@ -11,6 +11,7 @@ from common.errors import Cancelled, PagedServeError, from_rpc_error
 from common.server import channel, request_metadata
 from gateway.forward import forward_request
 from gateway.kv_view import KVView
+from gateway.lease import Lease, is_lost
 from gateway.sampling import token_logprobs
 from gateway.scheduler import ScheduledStep, Scheduler
 from gateway.sequence import Sequence
@@ -31,6 +32,7 @@ class EngineConfig:
     max_batched_tokens: int = 4096
     max_seqs: int = 64
     rpc_timeout_s: float = 120.0
+    session_ttl_s: float = 10.0
 
 
 @dataclass(slots=True)
@@ -53,6 +55,8 @@ class Engine:
         self._intake: list[Sequence] = []
         self._aborts: set[str] = set()
         self._stopped = False
+        self._session_lost = False
+        self.lease = Lease(self._cache, config.session_ttl_s, self._lose_session, config.rpc_timeout_s)
         self._by_id: dict[str, Sequence] = {}
         self.model_info: compute_pb2.ModelInfo | None = None
         self.handle: common_pb2.PoolHandle | None = None
@@ -76,9 +80,12 @@ class Engine:
             timeout=HANDSHAKE_TIMEOUT_S,
         )
         self._compute.AttachPool(handle, timeout=self.config.rpc_timeout_s)
+        self.lease.open()
         self.model_info, self.handle = info, handle
         num_blocks = handle.shape[2]
-        self.kv = KVView(self._cache, self.config.block_size, num_blocks, self.config.rpc_timeout_s)
+        self.kv = KVView(
+            self._cache, self.config.block_size, num_blocks, self.config.rpc_timeout_s, self.lease
+        )
         self.scheduler = Scheduler(self.kv, self.config.max_batched_tokens, self.config.max_seqs)
         log.info("attached", model=info.model, dtype=info.dtype, num_blocks=num_blocks, epoch=handle.epoch)
 
@@ -99,8 +106,15 @@ class Engine:
             self._cond.notify()
 
     def stop(self) -> None:
+        """Ends the loop and closes the session (the cache service frees what it still holds)."""
         with self._cond:
             self._stopped = True
+            self._cond.notify()
+        self.lease.close()
+
+    def _lose_session(self) -> None:
+        with self._cond:
+            self._session_lost = True
             self._cond.notify()
 
     # loop
@@ -110,12 +124,15 @@ class Engine:
             with self._cond:
                 # NOTE: work that cannot be scheduled (none should exist) waits for news instead of spinning.
                 runnable = self.scheduler.has_work() and not blocked
-                while not (self._stopped or self._intake or self._aborts or runnable):
+                while not (self._stopped or self._intake or self._aborts or runnable or self._session_lost):
                     self._cond.wait()
                 if self._stopped:
                     return
                 intake, self._intake = self._intake, []
                 aborts, self._aborts = self._aborts, set()
+                lost, self._session_lost = self._session_lost, False
+            if lost:
+                self._recover_session()
             timer = StepTimer()
             with timer.phase("schedule"):
                 for seq in intake:
@@ -152,6 +169,9 @@ class Engine:
             tables = [self.kv.block_table(seq) for seq in step.seqs]
             eos = frozenset(self.model_info.eos_token_ids)
             request = forward_request(step.seqs, tables, self.handle.epoch, eos)
+            if not self.lease.held():  # the blocks may be another's by now: compute must not write them
+                self._lose_session()
+                return
             with timer.phase("compute_rpc"):
                 reply = self._compute.Forward(
                     request, timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs)
@@ -160,11 +180,26 @@ class Engine:
                 for seq in [seq for seq in step.seqs if seq.forks_now]:
                     self._fork(seq)
         except grpc.RpcError as err:
+            if is_lost(err):
+                self._lose_session()
+                return
             self._fail(step.seqs or step.preempted, from_rpc_error(err))
             return
         self._advance(step, reply)
         timer.compute = reply
         timer.finish(kind)
+
+    def _recover_session(self) -> None:
+        """The cache service freed this gateway's sequences (its session lapsed, or the service restarted):
+        they are preempted without a Free, and recomputed in a new session."""
+        seqs = self.scheduler.preempt_all()
+        self.kv.drop(list(self._by_id.values()))  # also a sequence whose preemption's Free failed
+        log.error("session_lost_sequences_requeued", seq_ids=[seq.seq_id for seq in seqs])
+        try:
+            self.lease.open()
+        except grpc.RpcError as err:
+            log.error("session_open_failed", code=err.code().name, error=err.details())
+            self._lose_session()
 
     def _fork(self, parent: Sequence) -> None:
         """After the prompt's prefill, samples 1..n-1 share the parent's blocks and run beside it."""

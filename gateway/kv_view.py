@@ -11,6 +11,7 @@ import structlog
 
 from common.paging import blocks_for
 from common.server import request_metadata
+from gateway.lease import Lease
 from gateway.sequence import Sequence
 from protos import cache_pb2, cache_pb2_grpc
 
@@ -37,9 +38,15 @@ class KVView:
     """
 
     def __init__(
-        self, stub: cache_pb2_grpc.CacheStub, block_size: int, num_blocks: int, rpc_timeout_s: float = 120.0
+        self,
+        stub: cache_pb2_grpc.CacheStub,
+        block_size: int,
+        num_blocks: int,
+        rpc_timeout_s: float = 120.0,
+        lease: Lease | None = None,
     ) -> None:
         self.block_size = block_size
+        self._lease = lease
         self.num_blocks = num_blocks
         self.available_blocks = num_blocks
         self._stub = stub
@@ -83,6 +90,7 @@ class KVView:
             new_seqs=[_seq_request(seq, seq.token_ids[: seq.chunk_end]) for seq in new],
             running_seqs=[_seq_request(seq, seq.token_ids[self._seqs[seq.seq_id].num_synced : seq.chunk_end])
                     for seq in running],
+            session_id=self._session_id,
         )  # fmt: skip
         reply = self._stub.Reserve(request, timeout=self._timeout, metadata=_ids(seqs))
         for seq, table in zip((*new, *running), reply.tables, strict=True):
@@ -99,7 +107,9 @@ class KVView:
     def fork(self, parent: Sequence, children: Seqs[Sequence]) -> None:
         """The children get tables sharing every block of the parent, which holds its whole sequence; the
         next write of each of them (and of the parent) copies the shared block it writes into."""
-        request = cache_pb2.ForkRequest(parent_id=parent.seq_id, child_ids=[c.seq_id for c in children])
+        request = cache_pb2.ForkRequest(
+            parent_id=parent.seq_id, child_ids=[c.seq_id for c in children], session_id=self._session_id
+        )
         reply = self._stub.Fork(request, timeout=self._timeout, metadata=_ids([parent]))
         self._seqs[parent.seq_id].shares_tail = True
         for child, table in zip(children, reply.tables, strict=True):
@@ -111,7 +121,9 @@ class KVView:
         """Releases the sequences' blocks (their written full blocks stay in the prefix cache) and forgets
         them; they keep their tokens, and their progress starts again from 0."""
         request = cache_pb2.FreeRequest(
-            seq_ids=[s.seq_id for s in seqs], num_computed={s.seq_id: s.num_computed for s in seqs}
+            seq_ids=[s.seq_id for s in seqs],
+            num_computed={s.seq_id: s.num_computed for s in seqs},
+            session_id=self._session_id,
         )
         reply = self._stub.Free(request, timeout=self._timeout, metadata=_ids(seqs))
         self.available_blocks = reply.available_blocks
@@ -128,6 +140,16 @@ class KVView:
         except grpc.RpcError as err:
             log.error("free_failed", seq_ids=[s.seq_id for s in held], error=err.details())
             self._forget(held)
+
+    def drop(self, seqs: Seqs[Sequence]) -> None:
+        """Forgets the sequences' tables without a Free: the cache service freed them itself (a lapsed
+        session)."""
+        self._forget([seq for seq in seqs if seq.seq_id in self._seqs])
+
+    @property
+    def _session_id(self) -> str:
+        """The session the calls name (the lease's current one; none without a lease)."""
+        return self._lease.session_id if self._lease else ""
 
     def _forget(self, seqs: Seqs[Sequence]) -> None:
         for seq in seqs:

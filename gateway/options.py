@@ -2,7 +2,7 @@
 
 import argparse
 
-from common.options import ServiceOptions, add_logging, add_model
+from common.options import ServiceOptions, add_logging, add_model, positive_seconds
 
 
 def add_targets(parser: argparse.ArgumentParser) -> None:
@@ -21,6 +21,12 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         help="seconds running requests get to finish after SIGTERM (new ones are refused meanwhile)",
+    )
+    parser.add_argument(
+        "--session-ttl",
+        type=positive_seconds,
+        default=10.0,
+        help="seconds the cache service keeps this gateway's sequences unrenewed (renewed every third)",
     )
 
 

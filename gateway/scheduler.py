@@ -101,6 +101,10 @@ class Scheduler:
         self.num_preemptions += 1
         return seq
 
+    def preempt_all(self) -> list[Sequence]:
+        """Every running sequence back to waiting, to be computed again (their blocks are gone)."""
+        return [self._preempt(seq) for seq in sorted(self.running, key=lambda s: s.rank)]
+
     def remove(self, seq: Sequence) -> None:
         """Takes a finished, aborted or failed sequence out of the queues."""
         if seq.status is Status.RUNNING:

@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
             block_size=args.block_size,
             max_batched_tokens=args.max_batched_tokens,
             max_seqs=args.max_seqs,
+            session_ttl_s=args.session_ttl,
         ),
         tokenizer,
     )

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/cache.proto\x12\rpagedserve.v1\x1a\x13protos/common.proto\"J\n\x0cPoolGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\"\xa1\x01\n\x11\x43reatePoolRequest\x12-\n\x08geometry\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.PoolGeometry\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x03\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\x12\r\n\x05model\x18\x06 \x01(\t\"r\n\x0fSequenceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x14\n\x0cnum_computed\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"x\n\x0eReserveRequest\x12\x30\n\x08new_seqs\x18\x01 \x03(\x0b\x32\x1e.pagedserve.v1.SequenceRequest\x12\x34\n\x0crunning_seqs\x18\x02 \x03(\x0b\x32\x1e.pagedserve.v1.SequenceRequest\"3\n\x0b\x46orkRequest\x12\x11\n\tparent_id\x18\x01 \x01(\t\x12\x11\n\tchild_ids\x18\x02 \x03(\t\"[\n\nBlockTable\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\"e\n\x0b\x42lockTables\x12)\n\x06tables\x18\x01 \x03(\x0b\x32\x19.pagedserve.v1.BlockTable\x12\x18\n\x10\x61vailable_blocks\x18\x03 \x01(\x03J\x04\x08\x02\x10\x03R\x0b\x66ree_blocks\"\x95\x01\n\x0b\x46reeRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12\x41\n\x0cnum_computed\x18\x02 \x03(\x0b\x32+.pagedserve.v1.FreeRequest.NumComputedEntry\x1a\x32\n\x10NumComputedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"Q\n\x0c\x46reeResponse\x12\x14\n\x0c\x66reed_blocks\x18\x01 \x01(\x03\x12\x18\n\x10\x61vailable_blocks\x18\x03 \x01(\x03J\x04\x08\x02\x10\x03R\x0b\x66ree_blocks\"\x11\n\x0fGetStatsRequest\"\xea\x03\n\nCacheStats\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\x03\x12\x13\n\x0bused_blocks\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x03\x12\x15\n\rcached_blocks\x18\x04 \x01(\x03\x12\x15\n\rnum_sequences\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\r\n\x05usage\x18\x07 \x01(\x01\x12\x11\n\tallocator\x18\x08 \x01(\t\x12\x12\n\npool_epoch\x18\t \x01(\t\x12\x16\n\x0eprefix_caching\x18\n \x01(\x08\x12\x1b\n\x13prefix_query_tokens\x18\x0b \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x0c \x01(\x03\x12\x16\n\x0e\x63opy_on_writes\x18\r \x01(\x03\x12\x11\n\tevictions\x18\x0e \x01(\x03\x12\x46\n\x0f\x61llocator_stats\x18\x0f \x03(\x0b\x32-.pagedserve.v1.CacheStats.AllocatorStatsEntry\x12\x15\n\rstored_tokens\x18\x14 \x01(\x03\x12\x13\n\x0btable_slots\x18\x15 \x01(\x03\x1a\x35\n\x13\x41llocatorStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"I\n\x10ReadBlockRequest\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x14\n\x0cinclude_data\x18\x03 \x01(\x08\"_\n\rBlockContents\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\x10\n\x08refcount\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x32\xac\x03\n\x05\x43\x61\x63he\x12I\n\nCreatePool\x12 .pagedserve.v1.CreatePoolRequest\x1a\x19.pagedserve.v1.PoolHandle\x12\x44\n\x07Reserve\x12\x1d.pagedserve.v1.ReserveRequest\x1a\x1a.pagedserve.v1.BlockTables\x12>\n\x04\x46ork\x12\x1a.pagedserve.v1.ForkRequest\x1a\x1a.pagedserve.v1.BlockTables\x12?\n\x04\x46ree\x12\x1a.pagedserve.v1.FreeRequest\x1a\x1b.pagedserve.v1.FreeResponse\x12\x45\n\x08GetStats\x12\x1e.pagedserve.v1.GetStatsRequest\x1a\x19.pagedserve.v1.CacheStats\x12J\n\tReadBlock\x12\x1f.pagedserve.v1.ReadBlockRequest\x1a\x1c.pagedserve.v1.BlockContentsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/cache.proto\x12\rpagedserve.v1\x1a\x13protos/common.proto\"J\n\x0cPoolGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\"\xa1\x01\n\x11\x43reatePoolRequest\x12-\n\x08geometry\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.PoolGeometry\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x03\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\x12\r\n\x05model\x18\x06 \x01(\t\"r\n\x0fSequenceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x14\n\x0cnum_computed\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\x8c\x01\n\x0eReserveRequest\x12\x30\n\x08new_seqs\x18\x01 \x03(\x0b\x32\x1e.pagedserve.v1.SequenceRequest\x12\x34\n\x0crunning_seqs\x18\x02 \x03(\x0b\x32\x1e.pagedserve.v1.SequenceRequest\x12\x12\n\nsession_id\x18\x03 \x01(\t\"G\n\x0b\x46orkRequest\x12\x11\n\tparent_id\x18\x01 \x01(\t\x12\x11\n\tchild_ids\x18\x02 \x03(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\"[\n\nBlockTable\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\"e\n\x0b\x42lockTables\x12)\n\x06tables\x18\x01 \x03(\x0b\x32\x19.pagedserve.v1.BlockTable\x12\x18\n\x10\x61vailable_blocks\x18\x03 \x01(\x03J\x04\x08\x02\x10\x03R\x0b\x66ree_blocks\"\xa9\x01\n\x0b\x46reeRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12\x41\n\x0cnum_computed\x18\x02 \x03(\x0b\x32+.pagedserve.v1.FreeRequest.NumComputedEntry\x12\x12\n\nsession_id\x18\x03 \x01(\t\x1a\x32\n\x10NumComputedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"Q\n\x0c\x46reeResponse\x12\x14\n\x0c\x66reed_blocks\x18\x01 \x01(\x03\x12\x18\n\x10\x61vailable_blocks\x18\x03 \x01(\x03J\x04\x08\x02\x10\x03R\x0b\x66ree_blocks\"\x11\n\x0fGetStatsRequest\"\x80\x04\n\nCacheStats\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\x03\x12\x13\n\x0bused_blocks\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x03\x12\x15\n\rcached_blocks\x18\x04 \x01(\x03\x12\x15\n\rnum_sequences\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\r\n\x05usage\x18\x07 \x01(\x01\x12\x11\n\tallocator\x18\x08 \x01(\t\x12\x12\n\npool_epoch\x18\t \x01(\t\x12\x16\n\x0eprefix_caching\x18\n \x01(\x08\x12\x1b\n\x13prefix_query_tokens\x18\x0b \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x0c \x01(\x03\x12\x16\n\x0e\x63opy_on_writes\x18\r \x01(\x03\x12\x11\n\tevictions\x18\x0e \x01(\x03\x12\x46\n\x0f\x61llocator_stats\x18\x0f \x03(\x0b\x32-.pagedserve.v1.CacheStats.AllocatorStatsEntry\x12\x15\n\rstored_tokens\x18\x14 \x01(\x03\x12\x13\n\x0btable_slots\x18\x15 \x01(\x03\x12\x14\n\x0cnum_sessions\x18\x16 \x01(\x03\x1a\x35\n\x13\x41llocatorStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"7\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\")\n\x13RenewSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"C\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x15\n\rnum_sequences\x18\x03 \x01(\x03\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"C\n\x14\x43loseSessionResponse\x12\x15\n\rnum_sequences\x18\x01 \x01(\x03\x12\x14\n\x0c\x66reed_blocks\x18\x02 \x01(\x03\"I\n\x10ReadBlockRequest\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x14\n\x0cinclude_data\x18\x03 \x01(\x08\"_\n\rBlockContents\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\x10\n\x08refcount\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x32\x9b\x05\n\x05\x43\x61\x63he\x12I\n\nCreatePool\x12 .pagedserve.v1.CreatePoolRequest\x1a\x19.pagedserve.v1.PoolHandle\x12\x44\n\x07Reserve\x12\x1d.pagedserve.v1.ReserveRequest\x1a\x1a.pagedserve.v1.BlockTables\x12>\n\x04\x46ork\x12\x1a.pagedserve.v1.ForkRequest\x1a\x1a.pagedserve.v1.BlockTables\x12?\n\x04\x46ree\x12\x1a.pagedserve.v1.FreeRequest\x1a\x1b.pagedserve.v1.FreeResponse\x12\x45\n\x08GetStats\x12\x1e.pagedserve.v1.GetStatsRequest\x1a\x19.pagedserve.v1.CacheStats\x12H\n\x0bOpenSession\x12!.pagedserve.v1.OpenSessionRequest\x1a\x16.pagedserve.v1.Session\x12J\n\x0cRenewSession\x12\".pagedserve.v1.RenewSessionRequest\x1a\x16.pagedserve.v1.Session\x12W\n\x0c\x43loseSession\x12\".pagedserve.v1.CloseSessionRequest\x1a#.pagedserve.v1.CloseSessionResponse\x12J\n\tReadBlock\x12\x1f.pagedserve.v1.ReadBlockRequest\x1a\x1c.pagedserve.v1.BlockContentsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,30 +42,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CREATEPOOLREQUEST']._serialized_end=296
   _globals['_SEQUENCEREQUEST']._serialized_start=298
   _globals['_SEQUENCEREQUEST']._serialized_end=412
-  _globals['_RESERVEREQUEST']._serialized_start=414
-  _globals['_RESERVEREQUEST']._serialized_end=534
-  _globals['_FORKREQUEST']._serialized_start=536
-  _globals['_FORKREQUEST']._serialized_end=587
-  _globals['_BLOCKTABLE']._serialized_start=589
-  _globals['_BLOCKTABLE']._serialized_end=680
-  _globals['_BLOCKTABLES']._serialized_start=682
-  _globals['_BLOCKTABLES']._serialized_end=783
-  _globals['_FREEREQUEST']._serialized_start=786
-  _globals['_FREEREQUEST']._serialized_end=935
-  _globals['_FREEREQUEST_NUMCOMPUTEDENTRY']._serialized_start=885
-  _globals['_FREEREQUEST_NUMCOMPUTEDENTRY']._serialized_end=935
-  _globals['_FREERESPONSE']._serialized_start=937
-  _globals['_FREERESPONSE']._serialized_end=1018
-  _globals['_GETSTATSREQUEST']._serialized_start=1020
-  _globals['_GETSTATSREQUEST']._serialized_end=1037
-  _globals['_CACHESTATS']._serialized_start=1040
-  _globals['_CACHESTATS']._serialized_end=1530
-  _globals['_CACHESTATS_ALLOCATORSTATSENTRY']._serialized_start=1477
-  _globals['_CACHESTATS_ALLOCATORSTATSENTRY']._serialized_end=1530
-  _globals['_READBLOCKREQUEST']._serialized_start=1532
-  _globals['_READBLOCKREQUEST']._serialized_end=1605
-  _globals['_BLOCKCONTENTS']._serialized_start=1607
-  _globals['_BLOCKCONTENTS']._serialized_end=1702
-  _globals['_CACHE']._serialized_start=1705
-  _globals['_CACHE']._serialized_end=2133
+  _globals['_RESERVEREQUEST']._serialized_start=415
+  _globals['_RESERVEREQUEST']._serialized_end=555
+  _globals['_FORKREQUEST']._serialized_start=557
+  _globals['_FORKREQUEST']._serialized_end=628
+  _globals['_BLOCKTABLE']._serialized_start=630
+  _globals['_BLOCKTABLE']._serialized_end=721
+  _globals['_BLOCKTABLES']._serialized_start=723
+  _globals['_BLOCKTABLES']._serialized_end=824
+  _globals['_FREEREQUEST']._serialized_start=827
+  _globals['_FREEREQUEST']._serialized_end=996
+  _globals['_FREEREQUEST_NUMCOMPUTEDENTRY']._serialized_start=946
+  _globals['_FREEREQUEST_NUMCOMPUTEDENTRY']._serialized_end=996
+  _globals['_FREERESPONSE']._serialized_start=998
+  _globals['_FREERESPONSE']._serialized_end=1079
+  _globals['_GETSTATSREQUEST']._serialized_start=1081
+  _globals['_GETSTATSREQUEST']._serialized_end=1098
+  _globals['_CACHESTATS']._serialized_start=1101
+  _globals['_CACHESTATS']._serialized_end=1613
+  _globals['_CACHESTATS_ALLOCATORSTATSENTRY']._serialized_start=1560
+  _globals['_CACHESTATS_ALLOCATORSTATSENTRY']._serialized_end=1613
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1615
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1670
+  _globals['_RENEWSESSIONREQUEST']._serialized_start=1672
+  _globals['_RENEWSESSIONREQUEST']._serialized_end=1713
+  _globals['_SESSION']._serialized_start=1715
+  _globals['_SESSION']._serialized_end=1782
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1784
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1825
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1827
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1894
+  _globals['_READBLOCKREQUEST']._serialized_start=1896
+  _globals['_READBLOCKREQUEST']._serialized_end=1969
+  _globals['_BLOCKCONTENTS']._serialized_start=1971
+  _globals['_BLOCKCONTENTS']._serialized_end=2066
+  _globals['_CACHE']._serialized_start=2069
+  _globals['_CACHE']._serialized_end=2736
 # @@protoc_insertion_point(module_scope)

@@ -48,20 +48,24 @@ class SequenceRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("new_seqs", "running_seqs")
+    __slots__ = ("new_seqs", "running_seqs", "session_id")
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     new_seqs: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
     running_seqs: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
-    def __init__(self, new_seqs: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ..., running_seqs: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, new_seqs: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ..., running_seqs: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
-    __slots__ = ("parent_id", "child_ids")
+    __slots__ = ("parent_id", "child_ids", "session_id")
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     CHILD_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     parent_id: str
     child_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, parent_id: _Optional[str] = ..., child_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, parent_id: _Optional[str] = ..., child_ids: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class BlockTable(_message.Message):
     __slots__ = ("seq_id", "block_ids", "cached_tokens", "first_block")
@@ -84,7 +88,7 @@ class BlockTables(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., available_blocks: _Optional[int] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("seq_ids", "num_computed")
+    __slots__ = ("seq_ids", "num_computed", "session_id")
     class NumComputedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -94,9 +98,11 @@ class FreeRequest(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     num_computed: _containers.ScalarMap[str, int]
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_computed: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_computed: _Optional[_Mapping[str, int]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("freed_blocks", "available_blocks")
@@ -111,7 +117,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_sequences", "block_size", "usage", "allocator", "pool_epoch", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "copy_on_writes", "evictions", "allocator_stats", "stored_tokens", "table_slots")
+    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_sequences", "block_size", "usage", "allocator", "pool_epoch", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "copy_on_writes", "evictions", "allocator_stats", "stored_tokens", "table_slots", "num_sessions")
     class AllocatorStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +142,7 @@ class CacheStats(_message.Message):
     ALLOCATOR_STATS_FIELD_NUMBER: _ClassVar[int]
     STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TABLE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     used_blocks: int
     free_blocks: int
@@ -153,7 +160,46 @@ class CacheStats(_message.Message):
     allocator_stats: _containers.ScalarMap[str, float]
     stored_tokens: int
     table_slots: int
-    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., usage: _Optional[float] = ..., allocator: _Optional[str] = ..., pool_epoch: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., copy_on_writes: _Optional[int] = ..., evictions: _Optional[int] = ..., allocator_stats: _Optional[_Mapping[str, float]] = ..., stored_tokens: _Optional[int] = ..., table_slots: _Optional[int] = ...) -> None: ...
+    num_sessions: int
+    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., usage: _Optional[float] = ..., allocator: _Optional[str] = ..., pool_epoch: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., copy_on_writes: _Optional[int] = ..., evictions: _Optional[int] = ..., allocator_stats: _Optional[_Mapping[str, float]] = ..., stored_tokens: _Optional[int] = ..., table_slots: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("session_id", "ttl_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ttl_s: float
+    def __init__(self, session_id: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class RenewSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class Session(_message.Message):
+    __slots__ = ("session_id", "ttl_s", "num_sequences")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ttl_s: float
+    num_sequences: int
+    def __init__(self, session_id: _Optional[str] = ..., ttl_s: _Optional[float] = ..., num_sequences: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("num_sequences", "freed_blocks")
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_sequences: int
+    freed_blocks: int
+    def __init__(self, num_sequences: _Optional[int] = ..., freed_blocks: _Optional[int] = ...) -> None: ...
 
 class ReadBlockRequest(_message.Message):
     __slots__ = ("block_id", "layer", "include_data")

@@ -64,6 +64,21 @@ class CacheStub:
                 request_serializer=protos_dot_cache__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=protos_dot_cache__pb2.CacheStats.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_unary(
+                '/pagedserve.v1.Cache/OpenSession',
+                request_serializer=protos_dot_cache__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=protos_dot_cache__pb2.Session.FromString,
+                _registered_method=True)
+        self.RenewSession = channel.unary_unary(
+                '/pagedserve.v1.Cache/RenewSession',
+                request_serializer=protos_dot_cache__pb2.RenewSessionRequest.SerializeToString,
+                response_deserializer=protos_dot_cache__pb2.Session.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/pagedserve.v1.Cache/CloseSession',
+                request_serializer=protos_dot_cache__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=protos_dot_cache__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
         self.ReadBlock = channel.unary_unary(
                 '/pagedserve.v1.Cache/ReadBlock',
                 request_serializer=protos_dot_cache__pb2.ReadBlockRequest.SerializeToString,
@@ -115,6 +130,29 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSession(self, request, context):
+        """Sessions (leases): a caller opens one, renews it within its TTL and names it in Reserve, Fork and Free;
+        it owns the sequences it creates. A session that lapses (or is closed) has all its sequences freed,
+        their written full blocks kept cached; a lapsed session's calls then fail with FAILED_PRECONDITION.
+        Opening an open session renews it (idempotent); reopening a lapsed one starts it afresh, empty.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Frees every sequence the session holds, and ends it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadBlock(self, request, context):
         """Debugging aid: a block's refcount and, if asked, its raw K/V bytes for one layer.
         """
@@ -149,6 +187,21 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=protos_dot_cache__pb2.GetStatsRequest.FromString,
                     response_serializer=protos_dot_cache__pb2.CacheStats.SerializeToString,
+            ),
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=protos_dot_cache__pb2.OpenSessionRequest.FromString,
+                    response_serializer=protos_dot_cache__pb2.Session.SerializeToString,
+            ),
+            'RenewSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewSession,
+                    request_deserializer=protos_dot_cache__pb2.RenewSessionRequest.FromString,
+                    response_serializer=protos_dot_cache__pb2.Session.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=protos_dot_cache__pb2.CloseSessionRequest.FromString,
+                    response_serializer=protos_dot_cache__pb2.CloseSessionResponse.SerializeToString,
             ),
             'ReadBlock': grpc.unary_unary_rpc_method_handler(
                     servicer.ReadBlock,
@@ -295,6 +348,87 @@ class Cache:
             '/pagedserve.v1.Cache/GetStats',
             protos_dot_cache__pb2.GetStatsRequest.SerializeToString,
             protos_dot_cache__pb2.CacheStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Cache/OpenSession',
+            protos_dot_cache__pb2.OpenSessionRequest.SerializeToString,
+            protos_dot_cache__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Cache/RenewSession',
+            protos_dot_cache__pb2.RenewSessionRequest.SerializeToString,
+            protos_dot_cache__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Cache/CloseSession',
+            protos_dot_cache__pb2.CloseSessionRequest.SerializeToString,
+            protos_dot_cache__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

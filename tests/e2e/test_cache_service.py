@@ -3,6 +3,7 @@
 import os
 import stat
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -193,6 +194,23 @@ def test_new_layout_is_refused_while_sequences_hold_blocks(stub, handle, service
     assert "holds 1 sequences" in details
     assert (service.stats().pool_epoch, service.stats().block_size) == (handle.epoch, BLOCK_SIZE)
     stub.Free(cache_pb2.FreeRequest(seq_ids=["held"]))
+
+
+def test_sessions_over_grpc_refuse_each_others_sequences_and_a_lapsed_one_is_told(stub, service):
+    stub.OpenSession(cache_pb2.OpenSessionRequest(session_id="b"))
+    granted = stub.OpenSession(cache_pb2.OpenSessionRequest(session_id="a", ttl_s=0.5))
+    assert (granted.ttl_s, service.stats().num_sessions) == (0.5, 2)
+    stub.Reserve(cache_pb2.ReserveRequest(new_seqs=seqs(("a1", 20)), session_id="a"))
+    foreign = cache_pb2.FreeRequest(seq_ids=["a1"], session_id="b")
+    assert "session 'b'" in refused(stub.Free, foreign, grpc.StatusCode.NOT_FOUND)
+    time.sleep(1.5)  # no renewal: the sweep lapses a within about a second
+    assert (service.stats().used_blocks, service.stats().num_sessions) == (0, 1)
+    details = refused(
+        stub.RenewSession, cache_pb2.RenewSessionRequest(session_id="a"), grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert "session 'a' expired: its sequences were freed; re-register" in details
+    assert stub.CloseSession(cache_pb2.CloseSessionRequest(session_id="b")).num_sequences == 0
+    assert "session_lapsed" in service.log()
 
 
 def test_read_block_sees_what_another_process_wrote(stub, handle):

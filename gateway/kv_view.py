@@ -115,7 +115,12 @@ class KVView:
         )
         reply = self._stub.Free(request, timeout=self._timeout, metadata=_ids(seqs))
         self.available_blocks = reply.available_blocks
-        self._forget(seqs)
+        self.forget(seqs)
+
+    def reset(self, num_blocks: int) -> None:
+        """For a newly attached pool (its size may differ): every table forgotten, every block available."""
+        assert not self._seqs, f"{len(self._seqs)} sequences still held: free or forget them first"
+        self.num_blocks = self.available_blocks = num_blocks
 
     def release(self, seqs: Seqs[Sequence]) -> None:
         """For sequences that ended: frees those the cache holds. A failed Free is logged and they are
@@ -127,9 +132,10 @@ class KVView:
             self.free(held)
         except grpc.RpcError as err:
             log.error("free_failed", seq_ids=[s.seq_id for s in held], error=err.details())
-            self._forget(held)
+            self.forget(held)
 
-    def _forget(self, seqs: Seqs[Sequence]) -> None:
+    def forget(self, seqs: Seqs[Sequence]) -> None:
+        """Drops the sequences' tables from the view without a call (the cache lost them, or will)."""
         for seq in seqs:
             del self._seqs[seq.seq_id]
             seq.drop_kv()

@@ -74,6 +74,7 @@ class Engine:
         targets = {"cache": config.cache_target, "compute": config.compute_target}
         self.recovery = PeerRecovery(config.peer_restart_grace_s, targets)
         self._lost: set[str] = set()
+        self._attached_at = 0.0
         self._deadline = StepDeadline(config.step_timeout_s, config.rpc_timeout_s)
         # Set when the loop died: every request is refused with it.
         self.dead: Unavailable | None = None
@@ -91,6 +92,7 @@ class Engine:
         same_pool = self.handle is not None and self.handle.epoch == handle.epoch
         self.model_info, self.handle = info, handle
         self._attach(handle.shape[2], same_pool)
+        self._attached_at = time.monotonic()
         log.info(
             "attached", model=info.model, num_blocks=handle.shape[2], epoch=handle.epoch, again=same_pool
         )
@@ -136,9 +138,12 @@ class Engine:
             self._aborts.add(seq_id)
             self._cond.notify()
 
-    def peer_lost(self, service: str) -> None:
-        """From the health watcher: `service` restarted (or serves another pool); re-handshake."""
+    def peer_restarted(self, service: str, seen_at: float) -> None:
+        """From the health watcher: `service` restarted (or serves another pool) after `seen_at`
+        (time.monotonic()); the engine attaches again unless it did since."""
         with self._cond:
+            if self._attached_at >= seen_at:
+                return
             self._lost.add(service)
             self._cond.notify()
 
@@ -209,7 +214,7 @@ class Engine:
         """A peer is lost: stop stepping, every running sequence back to waiting (recomputed once the
         handshake is done again)."""
         if not self.recovery.active:
-            log.warning("peer_lost", service=service, running=len(self.scheduler.running))
+            log.warning("peer_lost", peer=service, running=len(self.scheduler.running))
         self.recovery.lost(service)
         self.scheduler.requeue_running()
 
@@ -221,14 +226,14 @@ class Engine:
             except PeerFault as fault:
                 self.recovery.failed(fault.service)
             else:
-                log.info("peer_recovered", service=self.recovery.service, waiting=len(self.scheduler.waiting))
+                log.info("peer_recovered", peer=self.recovery.service, waiting=len(self.scheduler.waiting))
                 with self._cond:
                     self.recovery.recovered()
                 return
         with self._cond:
             error = self.recovery.expire()
         if error is not None:
-            log.error("peer_unavailable", service=self.recovery.service, error=str(error))
+            log.error("peer_unavailable", peer=self.recovery.service, error=str(error))
             seqs = list(self._by_id.values())
             # NOTE: a lost cache holds nothing to free; a lost compute leaves the tables in a live cache.
             self._release(seqs, free=self.recovery.service != "cache")

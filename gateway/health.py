@@ -2,6 +2,7 @@
 SERVING and the engine steps on the pool the cache serves now (same epoch)."""
 
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -19,8 +20,9 @@ class DownstreamWatcher:
     """Polls grpc.health.v1 on each downstream target (and the cache's pool epoch, when `attached_epoch`
     is given) and flips `service` on `server` when the answer changes.
 
-    `on_restart(name)` is called when a peer that could not be reached answers again, or when the cache
-    serves another pool than the attached one: either restarted, so the gateway must attach again.
+    `on_restart(name, seen_at)` is called when a peer that could not be reached answers again, or when the
+    cache serves another pool than the attached one: either restarted after `seen_at` (time.monotonic() of
+    the check that saw it down or different), so the gateway must attach again unless it did since.
     """
 
     def __init__(
@@ -29,27 +31,28 @@ class DownstreamWatcher:
         service: str,
         targets: dict[str, str],
         attached_epoch: Callable[[], str | None] | None = None,
-        on_restart: Callable[[str], None] | None = None,
+        on_restart: Callable[[str, float], None] | None = None,
     ) -> None:
         self._server = server
         self._service = service
         self._targets = targets
         self._attached_epoch = attached_epoch
-        self._on_restart = on_restart or (lambda name: None)
-        self._unreachable: set[str] = set()
+        self._on_restart = on_restart or (lambda name, seen_at: None)
+        # The peers that could not be reached, and when they were last seen so.
+        self._unreachable: dict[str, float] = {}
         self._stop = threading.Event()
         self.serving: bool | None = None
 
     def down(self) -> list[str]:
         """Names of the downstream services that do not answer SERVING within one interval (and notes which
         of them could not be reached: a peer that answers again after that has restarted)."""
+        now = time.monotonic()
         answers = {name: status(target, timeout=CHECK_INTERVAL_S) for name, target in self._targets.items()}
         for name, answer in answers.items():
             if answer == grpc.StatusCode.UNAVAILABLE.name:
-                self._unreachable.add(name)
+                self._unreachable[name] = now
             elif answer == SERVING and name in self._unreachable:
-                self._unreachable.discard(name)
-                self._on_restart(name)
+                self._on_restart(name, self._unreachable.pop(name))
         return [name for name, answer in answers.items() if answer != SERVING]
 
     def stale_pool(self) -> str | None:
@@ -59,6 +62,7 @@ class DownstreamWatcher:
         attached = self._attached_epoch()
         if attached is None:
             return "no pool attached"
+        asked_at = time.monotonic()
         try:
             with channel(self._targets["cache"]) as ch:
                 stats = cache_pb2_grpc.CacheStub(ch).GetStats(
@@ -67,7 +71,7 @@ class DownstreamWatcher:
         except grpc.RpcError as err:
             return f"cache GetStats: {err.code().name}"
         if stats.pool_epoch != attached:
-            self._on_restart("cache")
+            self._on_restart("cache", asked_at)
             return f"the cache serves pool {stats.pool_epoch!r}, attached is {attached!r}"
         return None
 

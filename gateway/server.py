@@ -181,12 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         engine.handshake()
     except PeerFault as fault:
-        logger.error("handshake_failed", service=fault.service, code=fault.err.code().name, error=str(fault))
+        logger.error("handshake_failed", peer=fault.service, code=fault.err.code().name, error=str(fault))
         server.stop(0)
         raise SystemExit(1) from fault
     loop = threading.Thread(target=engine.run, name="engine", daemon=True)
     loop.start()
     targets = {"cache": args.cache_target, "compute": args.compute_target}
-    watcher = DownstreamWatcher(server, SERVICE, targets, engine.attached_epoch, engine.peer_lost)
+    watcher = DownstreamWatcher(server, SERVICE, targets, engine.attached_epoch, engine.peer_restarted)
     watcher.start()
     server.wait(on_stop=lambda: (watcher.stop(), engine.stop()))

@@ -56,7 +56,11 @@ def test_serving_needs_the_attached_pool_to_be_the_caches_and_a_restart_is_repor
     target = f"127.0.0.1:{cache.port}"
     attached, restarts = ["e1"], []
     watcher = DownstreamWatcher(
-        gateway, SERVICE, {"cache": target, "compute": target}, lambda: attached[0], restarts.append
+        gateway,
+        SERVICE,
+        {"cache": target, "compute": target},
+        lambda: attached[0],
+        lambda name, _: restarts.append(name),
     )
     try:
         watcher.check()

@@ -13,16 +13,15 @@ from common.server import channel, request_metadata
 from gateway.forward import forward_request
 from gateway.handshake import handshake
 from gateway.kv_view import KVView
+from gateway.outputs import Output, advance, by_request, tell
 from gateway.recovery import PeerFault, PeerRecovery, calling
-from gateway.sampling import token_logprobs
 from gateway.scheduler import ScheduledStep, Scheduler
 from gateway.sequence import Sequence
 from gateway.step_deadline import StepDeadline
 from gateway.step_timer import StepTimer
-from gateway.text_stream import TextStream
-from gateway.tokenizer import Detokenizer
-from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc, generation_pb2
+from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 
+__all__ = ["Engine", "EngineConfig", "Output"]
 log = structlog.get_logger()
 HANDSHAKE_TIMEOUT_S = 900.0
 # Each call of a handshake retried after a peer was lost: short, so that a hung peer is retried too.
@@ -44,16 +43,6 @@ class EngineConfig:
     peer_restart_grace_s: float = 30.0
     # A Forward's deadline (0: derived from the recent steps, see StepDeadline).
     step_timeout_s: float = 0.0
-
-
-@dataclass(slots=True)
-class Output:
-    token_ids: list[int]
-    finish_reason: str | None
-    index: int = 0
-    # Text released by these tokens (see TextStream), and per token its logprobs when asked.
-    text: str = ""
-    logprobs: list[generation_pb2.TokenLogprobs] | None = None
 
 
 class Engine:
@@ -127,7 +116,7 @@ class Engine:
         the grace)."""
         with self._cond:
             if self.dead is not None:
-                raise self.dead
+                raise Unavailable(str(self.dead))
             if self.recovery.expired:
                 raise self.recovery.error()
             self._intake.append(seq)
@@ -154,7 +143,7 @@ class Engine:
             self._stopped = True
             self._cond.notify()
             pending = [*self._intake, *list(self._by_id.values())]
-        _tell(pending, Unavailable("the gateway is shutting down; retry on another replica or later"))
+        tell(pending, Unavailable("the gateway is shutting down; retry on another replica or later"))
 
     # loop
     def run(self) -> None:
@@ -168,7 +157,7 @@ class Engine:
                     f"the gateway's engine stopped ({type(exc).__name__}: {exc}): restart it"
                 )
                 pending = [*self._intake, *list(self._by_id.values())]
-            _tell(pending, self.dead)
+            tell(pending, self.dead)
 
     def _loop(self) -> None:
         blocked = False
@@ -237,7 +226,7 @@ class Engine:
             seqs = list(self._by_id.values())
             # NOTE: a lost cache holds nothing to free; a lost compute leaves the tables in a live cache.
             self._release(seqs, free=self.recovery.service != "cache")
-            _tell(seqs, error)
+            tell(seqs, error)
 
     def _abort_now(self, group_ids: set[str]) -> None:
         seqs = [seq for seq in self._by_id.values() if seq.group_id in group_ids] if group_ids else []
@@ -245,8 +234,7 @@ class Engine:
             self._release(seqs)
             log.info("aborted", seq_ids=[s.seq_id for s in seqs])
         # NOTE: wakes the RPC thread still waiting for the request's outputs, so that it ends too.
-        for outbox in {id(seq.outbox): seq.outbox for seq in seqs}.values():
-            outbox.put(Cancelled("the request was cancelled or its deadline passed"))
+        tell(seqs, Cancelled("the request was cancelled or its deadline passed"))
 
     def _run_step(self, step: ScheduledStep, timer: StepTimer) -> None:
         """One step: the cache reserves its blocks (or frees the preempted), compute runs it, then the
@@ -302,32 +290,11 @@ class Engine:
 
     def _advance(self, step: ScheduledStep, reply: compute_pb2.ForwardResponse) -> None:
         eos = frozenset(self.model_info.eos_token_ids)
-        sampled = [seq for seq in step.seqs if seq.samples_now]
-        for seq in step.seqs:
-            seq.num_computed = seq.chunk_end
-        finished, outputs = [], []
-        logprobs = token_logprobs(reply, sampled)
-        for seq, token, token_logprob in zip(sampled, reply.token_ids, logprobs, strict=True):
-            text = self._append(seq, token, eos)
-            if seq.finish_reason:
-                finished.append(seq)
-            per_token = None if token_logprob is None else [token_logprob]
-            outputs.append(Output([token], seq.finish_reason, seq.index, text, per_token))
+        outputs = advance(step.seqs, reply, eos, self.tokenizer)
         # NOTE: blocks are back in the pool before the client hears that its request ended.
-        self._release(finished)
-        for seq, output in zip(sampled, outputs, strict=True):
+        self._release([seq for seq, output in outputs if output.finish_reason])
+        for seq, output in outputs:
             seq.outbox.put(output)
-
-    def _append(self, seq: Sequence, token: int, eos: frozenset[int]) -> str:
-        """Adds the token, sets finish_reason (stop strings first) and returns the text it releases."""
-        seq.output_ids.append(token)
-        if seq.text is None:  # made at the first token, so forked samples get their own
-            seq.text = TextStream(Detokenizer(self.tokenizer), seq.sampling.stop)
-        text = seq.text.append([token], match=seq.reached_min_tokens)
-        seq.finish_reason = "stop" if seq.text.stopped else seq.stop_reason(eos)
-        if seq.finish_reason:
-            text += seq.text.finish(match=seq.reached_min_tokens)
-        return text
 
     def _release(self, seqs: list[Sequence], free: bool = True) -> None:
         """Takes ended sequences out; `free`: their blocks are freed in the cache, else only forgotten."""
@@ -342,29 +309,16 @@ class Engine:
     def _fail(self, seqs: list[Sequence], error: PagedServeError) -> None:
         log.error("step_failed", seq_ids=[s.seq_id for s in seqs], code=error.code.name, error=str(error))
         self._release(seqs)
-        _tell(seqs, error)
+        tell(seqs, error)
 
     def _fail_internal(self, seqs: list[Sequence], exc: Exception) -> None:
         """A fault of the gateway's own code in one step: its requests fail with INTERNAL, naming them."""
         log.exception("step_fault", seq_ids=[s.seq_id for s in seqs])
         seqs = [seq for seq in seqs if seq.seq_id in self._by_id]
-        for request_id, group in _by_request(seqs).items():
+        for request_id, group in by_request(seqs).items():
             error = PagedServeError(f"{type(exc).__name__}: {exc} (request {request_id})")
             self._release(group)
-            _tell(group, error)
-
-
-def _tell(seqs: list[Sequence], error: PagedServeError) -> None:
-    """Ends the requests' streams with the error (one per request: the RPC thread raises the first)."""
-    for outbox in {id(seq.outbox): seq.outbox for seq in seqs}.values():
-        outbox.put(error)
-
-
-def _by_request(seqs: list[Sequence]) -> dict[str, list[Sequence]]:
-    groups: dict[str, list[Sequence]] = {}
-    for seq in seqs:
-        groups.setdefault(seq.request_id, []).append(seq)
-    return groups
+            tell(group, error)
 
 
 def _ids(seqs: list[Sequence]) -> tuple[tuple[str, str], ...]:

@@ -36,8 +36,9 @@ class FakePoolCache(FakeCache):
         super().__init__(num_blocks, block_size)
         self.num_blocks, self.epoch, self.restarts, self.down = num_blocks, "", 0, False
 
-    def restart(self) -> None:
-        self.__init__(self.num_blocks, self.block_size)  # noqa: PLC2801 - a new process, same address
+    def restart(self, num_blocks: int | None = None) -> None:
+        """A new process at the same address (with another pool size if given): no pool, no tables."""
+        self.__init__(num_blocks or self.num_blocks, self.block_size)
 
     def CreatePool(self, request: cache_pb2.CreatePoolRequest, **_) -> common_pb2.PoolHandle:
         self._check()

@@ -69,9 +69,9 @@ class Services:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
 
-    def stop_all(self) -> None:
-        for proc in reversed(self.procs.values()):
-            stop(proc)
+    def stop_all(self) -> dict[str, int]:
+        """SIGTERM to each (SIGKILL after 20 s); their exit codes."""
+        return {name: stop(proc) for name, proc in reversed(self.procs.items())}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,8 @@ def services(tmp_path_factory, tokenizer):
         svc.gateway = svc.start("gateway", port=free_port(), env={FAIL_STEP_ENV: FAULTY_REQUEST})
         yield svc
     finally:
-        svc.stop_all()
+        codes = svc.stop_all()
+    assert set(codes.values()) == {0}, f"not every service stopped on SIGTERM: {codes}"
     caches = [proc.pid for name, proc in svc.all_procs if name == "cache"]
     assert len(caches) == 2 and segments(caches) == [], "a segment was left in /dev/shm"
 

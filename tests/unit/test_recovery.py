@@ -102,10 +102,25 @@ def test_a_restarted_compute_is_attached_again_and_the_requests_end_with_the_sam
 def test_a_restarted_cache_gets_a_new_pool_and_every_sequence_is_recomputed(start, reference):
     engine, cache, compute = start()
     epoch = cache.epoch
-    compute.before[4] = cache.restart
+    compute.before[4] = lambda: cache.restart(num_blocks=BLOCKS // 2)
     assert run_all(engine) == reference
     assert not compute.before, "the fault happened"
     assert cache.epoch not in ("", epoch) and compute.epoch == cache.epoch
+    assert engine.kv.num_blocks == engine.kv.available_blocks == BLOCKS // 2, (
+        "the view has the new pool's size"
+    )
+    assert cache.tables == {} and len(cache.free) == BLOCKS // 2
+
+
+def test_a_compute_step_past_its_deadline_counts_as_compute_lost(start, reference):
+    engine, cache, compute = start()
+
+    def too_slow():
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    compute.before[3] = too_slow
+    assert run_all(engine) == reference
+    assert not compute.before, "the fault happened"
     assert_nothing_held(engine, cache)
 
 

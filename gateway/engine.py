@@ -13,7 +13,7 @@ from common.server import channel, request_metadata
 from gateway.forward import forward_request
 from gateway.handshake import handshake
 from gateway.kv_view import KVView
-from gateway.outputs import Output, advance, by_request, tell
+from gateway.outputs import advance, by_request, tell
 from gateway.recovery import PeerFault, PeerRecovery, calling
 from gateway.scheduler import ScheduledStep, Scheduler
 from gateway.sequence import Sequence
@@ -21,7 +21,6 @@ from gateway.step_deadline import StepDeadline
 from gateway.step_timer import StepTimer
 from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 
-__all__ = ["Engine", "EngineConfig", "Output"]
 log = structlog.get_logger()
 HANDSHAKE_TIMEOUT_S = 900.0
 # Each call of a handshake retried after a peer was lost: short, so that a hung peer is retried too.
@@ -71,12 +70,9 @@ class Engine:
 
     # start-up
     def handshake(self, timeout: float = HANDSHAKE_TIMEOUT_S, wait: bool = True) -> None:
-        """gateway.handshake.handshake, then the engine steps on that pool. Raises PeerFault.
-
-        Re-runnable: on a pool that was attached before, the sequences the cache held are freed there
-        (same pool: the compute service restarted) or forgotten (new epoch: the cache restarted), and the
-        KV view starts afresh; their tokens are kept for recompute.
-        """
+        """gateway.handshake.handshake, then the engine steps on that pool (PeerFault if a call fails).
+        Re-runnable: the tables the cache held are freed (same pool) or forgotten (new epoch), the KV view
+        starts afresh, the sequences keep their tokens for recompute."""
         info, handle = handshake(self._cache, self._compute, self.config.block_size, timeout, wait)
         same_pool = self.handle is not None and self.handle.epoch == handle.epoch
         self.model_info, self.handle = info, handle
@@ -87,7 +83,7 @@ class Engine:
         )
 
     def _attach(self, num_blocks: int, same_pool: bool) -> None:
-        if self.kv is None:
+        if self.kv is None:  # the first handshake
             self.kv = KVView(self._cache, self.config.block_size, num_blocks, self.config.rpc_timeout_s)
             self.scheduler = Scheduler(self.kv, self.config.max_batched_tokens, self.config.max_seqs)
             return
@@ -112,8 +108,7 @@ class Engine:
 
     # requests
     def submit(self, seq: Sequence) -> None:
-        """Queues the sequence; raises Unavailable while the engine cannot serve (loop dead, peer lost past
-        the grace)."""
+        """Queues the sequence; Unavailable while the loop is dead or a peer is lost past the grace."""
         with self._cond:
             if self.dead is not None:
                 raise Unavailable(str(self.dead))
@@ -137,8 +132,7 @@ class Engine:
             self._cond.notify()
 
     def stop(self) -> None:
-        """Ends the loop after its current step; every request still waiting for outputs gets UNAVAILABLE
-        now, so no RPC thread outlives the server."""
+        """Ends the loop after its step; pending requests get UNAVAILABLE now (no RPC thread outlives it)."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
@@ -200,8 +194,7 @@ class Engine:
 
     # recovery
     def _lose(self, service: str) -> None:
-        """A peer is lost: stop stepping, every running sequence back to waiting (recomputed once the
-        handshake is done again)."""
+        """Stops stepping; running sequences wait again, to be recomputed after the next handshake."""
         if not self.recovery.active:
             log.warning("peer_lost", peer=service, running=len(self.scheduler.running))
         self.recovery.lost(service)

@@ -13,9 +13,10 @@ from common.model_files import local_copy
 from common.server import serve
 from gateway import metrics
 from gateway import tokenizer as tok
-from gateway.engine import Engine, EngineConfig, Output
+from gateway.engine import Engine, EngineConfig
 from gateway.health import DownstreamWatcher
 from gateway.options import OPTIONS
+from gateway.outputs import Output
 from gateway.recovery import PeerFault
 from gateway.sampling import resolve_sampling
 from gateway.sequence import Sequence

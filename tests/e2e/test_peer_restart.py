@@ -1,6 +1,7 @@
 """The gateway when its peers die (real processes, a tiny random-weight model): a compute or cache service
-killed and restarted mid-stream (the request ends with the tokens of a fault-free run), a compute gone past
-the grace (UNAVAILABLE naming it), one step's fault (only its request fails), health under 200 streams."""
+killed and restarted or hung (SIGSTOP) mid-stream (the request ends with the tokens of a fault-free run), a
+compute gone past the grace (UNAVAILABLE naming it), one step's fault (only its request fails), health under
+200 streams."""
 
 import json
 import signal
@@ -148,6 +149,23 @@ def test_a_cache_killed_and_restarted_mid_stream_changes_no_token(services, refe
     while status(services.gateway, GATEWAY_SERVICE) != "SERVING" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert status(services.gateway, GATEWAY_SERVICE) == "SERVING", "the new pool is attached"
+
+
+def test_a_hung_compute_is_lost_at_the_step_deadline_and_attached_again_once_it_answers(services, reference):
+    compute = services.procs[f"compute:{services.ports['compute']}"]
+
+    def hang_compute():
+        compute.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(7)  # past the derived step deadline's 5 s floor
+        finally:
+            compute.send_signal(signal.SIGCONT)
+
+    started = time.monotonic()
+    tokens = stream_through(services, hang_compute)
+    assert tokens == reference
+    assert recoveries(services) == ["compute", "cache", "compute"], "the step deadline passed"
+    assert time.monotonic() - started < 60, "not the 120 s RPC timeout"
 
 
 def test_a_fault_in_one_step_fails_only_its_request(services, reference):

@@ -1,27 +1,34 @@
 """The serving loop: start-up handshake, then one step = one Cache.Reserve + one Compute.Forward."""
 
+import os
 import threading
+import time
 from dataclasses import dataclass
 
-import grpc
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from common.errors import Cancelled, PagedServeError, from_rpc_error
+from common.errors import Cancelled, PagedServeError, Unavailable, from_rpc_error
 from common.server import channel, request_metadata
 from gateway.forward import forward_request
+from gateway.handshake import handshake
 from gateway.kv_view import KVView
-from gateway.lease import Lease, is_lost
-from gateway.sampling import token_logprobs
+from gateway.lease import Lease
+from gateway.outputs import advance, by_request, tell
+from gateway.recovery import PeerFault, PeerRecovery, calling
 from gateway.scheduler import ScheduledStep, Scheduler
 from gateway.sequence import Sequence
+from gateway.step_deadline import StepDeadline
 from gateway.step_timer import StepTimer
-from gateway.text_stream import TextStream
-from gateway.tokenizer import Detokenizer
-from protos import cache_pb2, cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc, generation_pb2
+from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 
 log = structlog.get_logger()
 HANDSHAKE_TIMEOUT_S = 900.0
+# Each call of a handshake retried after a peer was lost: short, so that a hung peer is retried too.
+RETRY_TIMEOUT_S = 5.0
+# TEST HOOK, off unless set when the engine starts: a step containing this request id raises RuntimeError
+# (tests/e2e/test_peer_restart.py checks that only that step's requests fail).
+FAIL_STEP_ENV = "PAGEDSERVE_TEST_FAIL_STEP"
 
 
 @dataclass(frozen=True)
@@ -32,17 +39,11 @@ class EngineConfig:
     max_batched_tokens: int = 4096
     max_seqs: int = 64
     rpc_timeout_s: float = 120.0
+    # Seconds a lost peer has to come back before the waiting requests fail.
+    peer_restart_grace_s: float = 30.0
+    # A Forward's deadline (0: derived from the recent steps, see StepDeadline).
+    step_timeout_s: float = 0.0
     session_ttl_s: float = 10.0
-
-
-@dataclass(slots=True)
-class Output:
-    token_ids: list[int]
-    finish_reason: str | None
-    index: int = 0
-    # Text released by these tokens (see TextStream), and per token its logprobs when asked.
-    text: str = ""
-    logprobs: list[generation_pb2.TokenLogprobs] | None = None
 
 
 class Engine:
@@ -55,39 +56,57 @@ class Engine:
         self._intake: list[Sequence] = []
         self._aborts: set[str] = set()
         self._stopped = False
-        self._session_lost = False
-        self.lease = Lease(self._cache, config.session_ttl_s, self._lose_session, config.rpc_timeout_s)
         self._by_id: dict[str, Sequence] = {}
         self.model_info: compute_pb2.ModelInfo | None = None
         self.handle: common_pb2.PoolHandle | None = None
         self.kv: KVView | None = None
         self.scheduler: Scheduler | None = None
+        targets = {"cache": config.cache_target, "compute": config.compute_target}
+        self.recovery = PeerRecovery(config.peer_restart_grace_s, targets)
+        self._lost: set[str] = set()
+        self._attached_at = 0.0
+        self._deadline = StepDeadline(config.step_timeout_s, config.rpc_timeout_s)
+        # Set when the loop died: every request is refused with it.
+        self.dead: Unavailable | None = None
+        self._fail_step = os.environ.get(FAIL_STEP_ENV) or None
+        self.lease = Lease(self._cache, config.session_ttl_s, self._lose_session, config.rpc_timeout_s)
 
     # start-up
-    def handshake(self) -> None:
-        """Model info from compute, a pool sized for it from cache, the pool attached to compute."""
-        info = self._compute.GetModelInfo(
-            compute_pb2.GetModelInfoRequest(), wait_for_ready=True, timeout=HANDSHAKE_TIMEOUT_S
-        )
-        geometry = cache_pb2.PoolGeometry(
-            num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim
-        )
-        handle = self._cache.CreatePool(
-            cache_pb2.CreatePoolRequest(
-                geometry=geometry, block_size=self.config.block_size, kv_dtype=info.dtype, model=info.model
-            ),
-            wait_for_ready=True,
-            timeout=HANDSHAKE_TIMEOUT_S,
-        )
-        self._compute.AttachPool(handle, timeout=self.config.rpc_timeout_s)
-        self.lease.open()
+    def handshake(self, timeout: float = HANDSHAKE_TIMEOUT_S, wait: bool = True) -> None:
+        """gateway.handshake.handshake, then the engine steps on that pool (PeerFault if a call fails).
+        Re-runnable: the tables the cache held are freed (same pool) or forgotten (new epoch), the KV view
+        starts afresh, the sequences keep their tokens for recompute, in a new session."""
+        info, handle = handshake(self._cache, self._compute, self.config.block_size, timeout, wait)
+        same_pool = self.handle is not None and self.handle.epoch == handle.epoch
         self.model_info, self.handle = info, handle
-        num_blocks = handle.shape[2]
-        self.kv = KVView(
-            self._cache, self.config.block_size, num_blocks, self.config.rpc_timeout_s, self.lease
+        self._attach(handle.shape[2], same_pool)
+        with calling("cache"):
+            self.lease.open()
+        self._attached_at = time.monotonic()
+        log.info(
+            "attached", model=info.model, num_blocks=handle.shape[2], epoch=handle.epoch, again=same_pool
         )
-        self.scheduler = Scheduler(self.kv, self.config.max_batched_tokens, self.config.max_seqs)
-        log.info("attached", model=info.model, dtype=info.dtype, num_blocks=num_blocks, epoch=handle.epoch)
+
+    def _attach(self, num_blocks: int, same_pool: bool) -> None:
+        if self.kv is None:  # the first handshake
+            self.kv = KVView(
+                self._cache, self.config.block_size, num_blocks, self.config.rpc_timeout_s, self.lease
+            )
+            self.scheduler = Scheduler(self.kv, self.config.max_batched_tokens, self.config.max_seqs)
+            return
+        held = [seq for seq in self._by_id.values() if self.kv.holds(seq)]
+        # NOTE: num_computed counts only steps that completed, so the blocks it keeps cached were written.
+        if same_pool:
+            self.kv.release(held)
+        else:
+            self.kv.forget(held)
+        self.kv.reset(num_blocks)
+
+    def attached_epoch(self) -> str | None:
+        """The epoch of the pool the engine steps on; None while a peer is lost or the loop is dead."""
+        if self.handle is None or self.recovery.active or self.dead is not None:
+            return None
+        return self.handle.epoch
 
     @property
     def max_len(self) -> int:
@@ -96,7 +115,12 @@ class Engine:
 
     # requests
     def submit(self, seq: Sequence) -> None:
+        """Queues the sequence; Unavailable while the loop is dead or a peer is lost past the grace."""
         with self._cond:
+            if self.dead is not None:
+                raise Unavailable(str(self.dead))
+            if self.recovery.expired:
+                raise self.recovery.error()
             self._intake.append(seq)
             self._cond.notify()
 
@@ -105,44 +129,113 @@ class Engine:
             self._aborts.add(seq_id)
             self._cond.notify()
 
+    def peer_restarted(self, service: str, seen_at: float) -> None:
+        """From the health watcher: `service` restarted (or serves another pool) after `seen_at`
+        (time.monotonic()); the engine attaches again unless it did since."""
+        with self._cond:
+            if self._attached_at >= seen_at:
+                return
+            self._lost.add(service)
+            self._cond.notify()
+
+    def _lose_session(self) -> None:
+        """From the lease: the cache service dropped this gateway's session (it lapsed, or the service
+        restarted), and with it the tables: recovered like a lost cache."""
+        with self._cond:
+            self._lost.add("cache")
+            self._cond.notify()
+
     def stop(self) -> None:
-        """Ends the loop and closes the session (the cache service frees what it still holds)."""
+        """Ends the loop after its step; pending requests get UNAVAILABLE now (no RPC thread outlives it);
+        the session is closed (the cache service frees what it still holds)."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
+            pending = [*self._intake, *list(self._by_id.values())]
+        tell(pending, Unavailable("the gateway is shutting down; retry on another replica or later"))
         self.lease.close()
-
-    def _lose_session(self) -> None:
-        with self._cond:
-            self._session_lost = True
-            self._cond.notify()
 
     # loop
     def run(self) -> None:
+        """The loop; if it cannot go on, `dead` is set (health turns NOT_SERVING) and every request fails."""
+        try:
+            self._loop()
+        except Exception as exc:  # noqa: BLE001 - a dead loop must fail its requests, not hang them
+            log.exception("engine_loop_failed")
+            with self._cond:
+                self.dead = Unavailable(
+                    f"the gateway's engine stopped ({type(exc).__name__}: {exc}): restart it"
+                )
+                pending = [*self._intake, *list(self._by_id.values())]
+            tell(pending, self.dead)
+
+    def _loop(self) -> None:
         blocked = False
         while True:
             with self._cond:
                 # NOTE: work that cannot be scheduled (none should exist) waits for news instead of spinning.
-                runnable = self.scheduler.has_work() and not blocked
-                while not (self._stopped or self._intake or self._aborts or runnable or self._session_lost):
-                    self._cond.wait()
+                runnable = self.scheduler.has_work() and not blocked and not self.recovery.active
+                timeout = self.recovery.retry_in() if self.recovery.active else None
+                while not (self._stopped or self._intake or self._aborts or runnable or self._lost):
+                    if not self._cond.wait(timeout) and timeout is not None:
+                        break
                 if self._stopped:
                     return
                 intake, self._intake = self._intake, []
                 aborts, self._aborts = self._aborts, set()
-                lost, self._session_lost = self._session_lost, False
-            if lost:
-                self._recover_session()
+                lost, self._lost = self._lost, set()
+            for service in lost:
+                self._lose(service)
             timer = StepTimer()
             with timer.phase("schedule"):
                 for seq in intake:
                     self._by_id[seq.seq_id] = seq
                     self.scheduler.add(seq)
                 self._abort_now(aborts)
-                step = self.scheduler.schedule()
+                if self.recovery.active:
+                    self._recover()
+                    continue
+                step = self._schedule()
             blocked = step is None
             if step is not None:
                 self._run_step(step, timer)
+
+    def _schedule(self) -> ScheduledStep | None:
+        """The next step; if scheduling raises, the requests it chose from fail (INTERNAL) instead."""
+        try:
+            return self.scheduler.schedule()
+        except Exception as exc:  # noqa: BLE001
+            self._fail_internal([*self.scheduler.running, *self.scheduler.waiting], exc)
+            return None
+
+    # recovery
+    def _lose(self, service: str) -> None:
+        """Stops stepping; running sequences wait again, to be recomputed after the next handshake."""
+        if not self.recovery.active:
+            log.warning("peer_lost", peer=service, running=len(self.scheduler.running))
+        self.recovery.lost(service)
+        self.scheduler.requeue_running()
+
+    def _recover(self) -> None:
+        """One handshake attempt when due; past the grace, the requests fail (and new ones are refused)."""
+        if self.recovery.retry_in() == 0:
+            try:
+                self.handshake(timeout=RETRY_TIMEOUT_S, wait=False)
+            except PeerFault as fault:
+                self.recovery.failed(fault.service)
+            else:
+                log.info("peer_recovered", peer=self.recovery.service, waiting=len(self.scheduler.waiting))
+                with self._cond:
+                    self.recovery.recovered()
+                return
+        with self._cond:
+            error = self.recovery.expire()
+        if error is not None:
+            log.error("peer_unavailable", peer=self.recovery.service, error=str(error))
+            seqs = list(self._by_id.values())
+            # NOTE: a lost cache holds nothing to free; a lost compute leaves the tables in a live cache.
+            self._release(seqs, free=self.recovery.service != "cache")
+            tell(seqs, error)
 
     def _abort_now(self, group_ids: set[str]) -> None:
         seqs = [seq for seq in self._by_id.values() if seq.group_id in group_ids] if group_ids else []
@@ -150,56 +243,54 @@ class Engine:
             self._release(seqs)
             log.info("aborted", seq_ids=[s.seq_id for s in seqs])
         # NOTE: wakes the RPC thread still waiting for the request's outputs, so that it ends too.
-        for outbox in {id(seq.outbox): seq.outbox for seq in seqs}.values():
-            outbox.put(Cancelled("the request was cancelled or its deadline passed"))
+        tell(seqs, Cancelled("the request was cancelled or its deadline passed"))
 
     def _run_step(self, step: ScheduledStep, timer: StepTimer) -> None:
         """One step: the cache reserves its blocks (or frees the preempted), compute runs it, then the
-        tokens are appended; a failed call ends the step's sequences with the error."""
+        tokens are appended. A lost peer stops the loop's stepping until it is back (see _recover); another
+        failed call ends the step's sequences with the error, and any other exception with INTERNAL."""
+        seqs = step.seqs or step.preempted
         try:
-            kind = "decode" if step.is_decode else "prefill"
-            with timer.phase("cache_rpc"):
-                if step.preempted:
-                    self.kv.free(step.preempted)
-                    log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
-                    return
-                self.kv.reserve(step.seqs)
-            chunks = [[s.request_id, s.index, s.chunk_end - s.num_computed] for s in step.seqs]
-            log.debug("step", chunks=chunks)
-            tables = [self.kv.block_table(seq) for seq in step.seqs]
-            eos = frozenset(self.model_info.eos_token_ids)
-            request = forward_request(step.seqs, tables, self.handle.epoch, eos)
-            if not self.lease.held():  # the blocks may be another's by now: compute must not write them
-                self._lose_session()
+            self._step(step, timer)
+        except PeerFault as fault:
+            if fault.lost:
+                self._lose(fault.service)
+            else:
+                self._fail(seqs, from_rpc_error(fault.err))
+        except Exception as exc:  # noqa: BLE001 - one step's fault must not end the loop
+            self._fail_internal(seqs, exc)
+
+    def _step(self, step: ScheduledStep, timer: StepTimer) -> None:
+        kind = "decode" if step.is_decode else "prefill"
+        with timer.phase("cache_rpc"), calling("cache"):
+            if step.preempted:
+                self.kv.free(step.preempted)
+                log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
                 return
-            with timer.phase("compute_rpc"):
-                reply = self._compute.Forward(
-                    request, timeout=self.config.rpc_timeout_s, metadata=_ids(step.seqs)
-                )
-            with timer.phase("cache_rpc"):
-                for seq in [seq for seq in step.seqs if seq.forks_now]:
-                    self._fork(seq)
-        except grpc.RpcError as err:
-            if is_lost(err):
-                self._lose_session()
-                return
-            self._fail(step.seqs or step.preempted, from_rpc_error(err))
+            self.kv.reserve(step.seqs)
+        chunks = [[s.request_id, s.index, s.chunk_end - s.num_computed] for s in step.seqs]
+        log.debug("step", chunks=chunks)
+        if self._fail_step in {seq.request_id for seq in step.seqs}:
+            raise RuntimeError(f"injected step fault ({FAIL_STEP_ENV})")
+        tables = [self.kv.block_table(seq) for seq in step.seqs]
+        eos = frozenset(self.model_info.eos_token_ids)
+        request = forward_request(step.seqs, tables, self.handle.epoch, eos)
+        if not self.lease.held():  # the blocks may be another gateway's by now: compute must not write them
+            self._lose("cache")
             return
+        tokens = len(request.token_ids)
+        with timer.phase("compute_rpc"), calling("compute"):
+            start = time.monotonic()
+            reply = self._compute.Forward(
+                request, timeout=self._deadline.timeout(tokens), metadata=_ids(step.seqs)
+            )
+            self._deadline.observe(time.monotonic() - start, tokens)
+        with timer.phase("cache_rpc"), calling("cache"):
+            for seq in [seq for seq in step.seqs if seq.forks_now]:
+                self._fork(seq)
         self._advance(step, reply)
         timer.compute = reply
         timer.finish(kind)
-
-    def _recover_session(self) -> None:
-        """The cache service freed this gateway's sequences (its session lapsed, or the service restarted):
-        they are preempted without a Free, and recomputed in a new session."""
-        seqs = self.scheduler.preempt_all()
-        self.kv.drop(list(self._by_id.values()))  # also a sequence whose preemption's Free failed
-        log.error("session_lost_sequences_requeued", seq_ids=[seq.seq_id for seq in seqs])
-        try:
-            self.lease.open()
-        except grpc.RpcError as err:
-            log.error("session_open_failed", code=err.code().name, error=err.details())
-            self._lose_session()
 
     def _fork(self, parent: Sequence) -> None:
         """After the prompt's prefill, samples 1..n-1 share the parent's blocks and run beside it."""
@@ -211,44 +302,35 @@ class Engine:
 
     def _advance(self, step: ScheduledStep, reply: compute_pb2.ForwardResponse) -> None:
         eos = frozenset(self.model_info.eos_token_ids)
-        sampled = [seq for seq in step.seqs if seq.samples_now]
-        for seq in step.seqs:
-            seq.num_computed = seq.chunk_end
-        finished, outputs = [], []
-        logprobs = token_logprobs(reply, sampled)
-        for seq, token, token_logprob in zip(sampled, reply.token_ids, logprobs, strict=True):
-            text = self._append(seq, token, eos)
-            if seq.finish_reason:
-                finished.append(seq)
-            per_token = None if token_logprob is None else [token_logprob]
-            outputs.append(Output([token], seq.finish_reason, seq.index, text, per_token))
+        outputs = advance(step.seqs, reply, eos, self.tokenizer)
         # NOTE: blocks are back in the pool before the client hears that its request ended.
-        self._release(finished)
-        for seq, output in zip(sampled, outputs, strict=True):
+        self._release([seq for seq, output in outputs if output.finish_reason])
+        for seq, output in outputs:
             seq.outbox.put(output)
 
-    def _append(self, seq: Sequence, token: int, eos: frozenset[int]) -> str:
-        """Adds the token, sets finish_reason (stop strings first) and returns the text it releases."""
-        seq.output_ids.append(token)
-        if seq.text is None:  # made at the first token, so forked samples get their own
-            seq.text = TextStream(Detokenizer(self.tokenizer), seq.sampling.stop)
-        text = seq.text.append([token], match=seq.reached_min_tokens)
-        seq.finish_reason = "stop" if seq.text.stopped else seq.stop_reason(eos)
-        if seq.finish_reason:
-            text += seq.text.finish(match=seq.reached_min_tokens)
-        return text
-
-    def _release(self, seqs: list[Sequence]) -> None:
+    def _release(self, seqs: list[Sequence], free: bool = True) -> None:
+        """Takes ended sequences out; `free`: their blocks are freed in the cache, else only forgotten."""
         for seq in seqs:
             self.scheduler.remove(seq)
             del self._by_id[seq.seq_id]
-        self.kv.release(seqs)
+        if free:
+            self.kv.release(seqs)
+        else:
+            self.kv.forget([seq for seq in seqs if self.kv.holds(seq)])
 
     def _fail(self, seqs: list[Sequence], error: PagedServeError) -> None:
         log.error("step_failed", seq_ids=[s.seq_id for s in seqs], code=error.code.name, error=str(error))
         self._release(seqs)
-        for seq in seqs:
-            seq.outbox.put(error)
+        tell(seqs, error)
+
+    def _fail_internal(self, seqs: list[Sequence], exc: Exception) -> None:
+        """A fault of the gateway's own code in one step: its requests fail with INTERNAL, naming them."""
+        log.exception("step_fault", seq_ids=[s.seq_id for s in seqs])
+        seqs = [seq for seq in seqs if seq.seq_id in self._by_id]
+        for request_id, group in by_request(seqs).items():
+            error = PagedServeError(f"{type(exc).__name__}: {exc} (request {request_id})")
+            self._release(group)
+            tell(group, error)
 
 
 def _ids(seqs: list[Sequence]) -> tuple[tuple[str, str], ...]:

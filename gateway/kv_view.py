@@ -127,7 +127,12 @@ class KVView:
         )
         reply = self._stub.Free(request, timeout=self._timeout, metadata=_ids(seqs))
         self.available_blocks = reply.available_blocks
-        self._forget(seqs)
+        self.forget(seqs)
+
+    def reset(self, num_blocks: int) -> None:
+        """For a newly attached pool (its size may differ): every table forgotten, every block available."""
+        assert not self._seqs, f"{len(self._seqs)} sequences still held: free or forget them first"
+        self.num_blocks = self.available_blocks = num_blocks
 
     def release(self, seqs: Seqs[Sequence]) -> None:
         """For sequences that ended: frees those the cache holds. A failed Free is logged and they are
@@ -139,19 +144,15 @@ class KVView:
             self.free(held)
         except grpc.RpcError as err:
             log.error("free_failed", seq_ids=[s.seq_id for s in held], error=err.details())
-            self._forget(held)
-
-    def drop(self, seqs: Seqs[Sequence]) -> None:
-        """Forgets the sequences' tables without a Free: the cache service freed them itself (a lapsed
-        session)."""
-        self._forget([seq for seq in seqs if seq.seq_id in self._seqs])
+            self.forget(held)
 
     @property
     def _session_id(self) -> str:
         """The session the calls name (the lease's current one; none without a lease)."""
         return self._lease.session_id if self._lease else ""
 
-    def _forget(self, seqs: Seqs[Sequence]) -> None:
+    def forget(self, seqs: Seqs[Sequence]) -> None:
+        """Drops the sequences' tables from the view without a call (the cache lost them, or will)."""
         for seq in seqs:
             del self._seqs[seq.seq_id]
             seq.drop_kv()

@@ -28,6 +28,24 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds the cache service keeps this gateway's sequences unrenewed (renewed every third)",
     )
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        default=256,
+        help="concurrent Generate streams; more are refused (RESOURCE_EXHAUSTED), so threads stay for health",
+    )
+    parser.add_argument(
+        "--peer-restart-grace",
+        type=float,
+        default=30.0,
+        help="seconds a lost cache or compute service has to come back before waiting requests fail",
+    )
+    parser.add_argument(
+        "--step-timeout",
+        type=float,
+        default=0.0,
+        help="seconds a compute step may take before compute counts as lost; 0: 10x the recent p99, >= 5 s",
+    )
 
 
 OPTIONS = ServiceOptions(

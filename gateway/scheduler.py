@@ -34,12 +34,15 @@ class Scheduler:
         self.kv = kv
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
-        # NOTE: admitting a new prompt leaves this many blocks free for the running sequences to grow into,
-        # so that admissions do not preempt at once what they just admitted.
-        self.watermark = max(1, kv.num_blocks // 100)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+
+    @property
+    def watermark(self) -> int:
+        """NOTE: admitting a new prompt leaves this many blocks free for the running sequences to grow into,
+        so that admissions do not preempt at once what they just admitted."""
+        return max(1, self.kv.num_blocks // 100)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -101,9 +104,12 @@ class Scheduler:
         self.num_preemptions += 1
         return seq
 
-    def preempt_all(self) -> list[Sequence]:
-        """Every running sequence back to waiting, to be computed again (their blocks are gone)."""
-        return [self._preempt(seq) for seq in sorted(self.running, key=lambda s: s.rank)]
+    def requeue_running(self) -> None:
+        """Every running sequence back to waiting, tokens kept, to be computed again (a peer was lost)."""
+        for seq in self.running:
+            seq.status = Status.WAITING
+        self.waiting.extend(self.running)
+        self.running = []
 
     def remove(self, seq: Sequence) -> None:
         """Takes a finished, aborted or failed sequence out of the queues."""

@@ -4,7 +4,6 @@ import argparse
 import threading
 import uuid
 
-import grpc
 import structlog
 
 from common import logging as pslogging
@@ -15,11 +14,14 @@ from common.server import Server, serve
 from gateway import metrics
 from gateway import tokenizer as tok
 from gateway.admission import Admission
-from gateway.engine import Engine, EngineConfig, Output
+from gateway.engine import Engine, EngineConfig
 from gateway.health import DownstreamWatcher
 from gateway.options import OPTIONS
+from gateway.outputs import Output
+from gateway.recovery import PeerFault
 from gateway.sampling import resolve_sampling
 from gateway.sequence import Sequence
+from gateway.streams import StreamSlots
 from protos import generation_pb2, generation_pb2_grpc
 
 log = structlog.get_logger()
@@ -28,10 +30,11 @@ FINISH_REASONS = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generat
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, tokenizer, admission: Admission) -> None:
+    def __init__(self, engine: Engine, tokenizer, admission: Admission, slots: StreamSlots) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
         self._admission = admission
+        self._slots = slots
 
     def _attached_model(self):
         if self._engine.model_info is None:
@@ -74,8 +77,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """Streams one response per token (of each of the n samples); ends at finish, cancel or deadline.
 
         The request id (the request's, else x-request-id metadata, else a new one) is in every
-        response and in the gateway, cache and compute logs of the steps that serve it.
+        response and in the gateway, cache and compute logs of the steps that serve it. Refused at once
+        (RESOURCE_EXHAUSTED) beyond --max-streams concurrent streams.
         """
+        with self._slots.hold():
+            yield from self._generate(request, context)
+
+    def _generate(self, request, context):
         request_id = request.request_id or structlog.contextvars.get_contextvars().get("request_id")
         request_id = request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
@@ -159,11 +167,14 @@ def main(argv: list[str] | None = None) -> None:
             max_batched_tokens=args.max_batched_tokens,
             max_seqs=args.max_seqs,
             session_ttl_s=args.session_ttl,
+            peer_restart_grace_s=args.peer_restart_grace,
+            step_timeout_s=args.step_timeout,
         ),
         tokenizer,
     )
     admission = Admission()
-    servicer = GenerationServicer(engine, tokenizer, admission)
+    slots = StreamSlots(args.max_streams)
+    servicer = GenerationServicer(engine, tokenizer, admission, slots)
     metrics.register(lambda: engine.scheduler)
     psmetrics.serve_metrics(args.host, args.metrics_port, logger)
     server = serve(
@@ -172,16 +183,18 @@ def main(argv: list[str] | None = None) -> None:
         args.port,
         logger,
         serving=False,
+        max_workers=slots.server_threads,
     )
     try:
         engine.handshake()
-    except grpc.RpcError as err:
-        logger.error("handshake_failed", code=err.code().name, error=err.details())
+    except PeerFault as fault:
+        logger.error("handshake_failed", peer=fault.service, code=fault.err.code().name, error=str(fault))
         server.stop(0)
-        raise SystemExit(1) from err
+        raise SystemExit(1) from fault
     loop = threading.Thread(target=engine.run, name="engine", daemon=True)
     loop.start()
-    watcher = DownstreamWatcher(server, SERVICE, {"cache": args.cache_target, "compute": args.compute_target})
+    targets = {"cache": args.cache_target, "compute": args.compute_target}
+    watcher = DownstreamWatcher(server, SERVICE, targets, engine.attached_epoch, engine.peer_restarted)
     watcher.start()
     server.wait(
         on_stop=lambda: (watcher.stop(), engine.stop()),

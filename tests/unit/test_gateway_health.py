@@ -5,6 +5,7 @@ from grpc_health.v1 import health_pb2
 
 from common.server import serve
 from gateway.health import DownstreamWatcher
+from protos import cache_pb2, cache_pb2_grpc
 from tests.helpers import free_port
 
 SERVICE = "pagedserve.v1.Generation"
@@ -32,6 +33,59 @@ def test_watcher_flips_with_downstream_health():
         assert _status(gateway) == health_pb2.HealthCheckResponse.SERVING
         cache.set_serving("", False)
         assert watcher.down() == ["cache", "compute"]
+    finally:
+        gateway.stop(0)
+        cache.stop(0)
+
+
+class EpochCache(cache_pb2_grpc.CacheServicer):
+    def __init__(self, epoch: str) -> None:
+        self.epoch = epoch
+
+    def GetStats(self, request, context):
+        return cache_pb2.CacheStats(pool_epoch=self.epoch)
+
+
+def test_serving_needs_the_attached_pool_to_be_the_caches_and_a_restart_is_reported():
+    log = structlog.get_logger()
+    stats = EpochCache("e1")
+    cache = serve(
+        [(cache_pb2_grpc.add_CacheServicer_to_server, stats, "pagedserve.v1.Cache")], "127.0.0.1", 0, log
+    )
+    gateway = serve([], "127.0.0.1", 0, log)
+    target = f"127.0.0.1:{cache.port}"
+    attached, restarts = ["e1"], []
+    watcher = DownstreamWatcher(
+        gateway,
+        SERVICE,
+        {"cache": target, "compute": target},
+        lambda: attached[0],
+        lambda name, _: restarts.append(name),
+    )
+    try:
+        watcher.check()
+        assert _status(gateway) == health_pb2.HealthCheckResponse.SERVING and restarts == []
+        stats.epoch = "e2"
+        watcher.check()
+        assert _status(gateway) == health_pb2.HealthCheckResponse.NOT_SERVING and restarts == ["cache"]
+        attached[0] = None
+        assert watcher.stale_pool() == "no pool attached"
+        attached[0] = "e2"
+        watcher.check()
+        assert _status(gateway) == health_pb2.HealthCheckResponse.SERVING
+        cache.stop(0)
+        assert watcher.down() == ["cache", "compute"]
+        restarted = serve(
+            [(cache_pb2_grpc.add_CacheServicer_to_server, stats, "pagedserve.v1.Cache")],
+            "127.0.0.1",
+            cache.port,
+            log,
+        )
+        try:
+            assert watcher.down() == []
+            assert sorted(restarts) == ["cache", "cache", "compute"], "both names answered again"
+        finally:
+            restarted.stop(0)
     finally:
         gateway.stop(0)
         cache.stop(0)

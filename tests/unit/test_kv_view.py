@@ -94,3 +94,17 @@ def test_release_forgets_the_sequences_even_when_free_fails():
     kv.reserve([b])
     kv.release([b])
     assert not kv.holds(b) and kv.available_blocks == 14, "a's blocks were never given back"
+
+
+def test_reset_takes_the_new_pools_size_once_nothing_is_held():
+    kv = KVView(Recording(8), BS, 8)
+    a = seq("a", 5)
+    a.chunk_end = 5
+    kv.reserve([a])
+    a.num_computed = 5
+    with pytest.raises(AssertionError, match="1 sequences still held"):
+        kv.reset(16)
+    kv.forget([a])
+    assert a.num_computed == 0
+    kv.reset(16)
+    assert kv.num_blocks == kv.available_blocks == 16 and not kv.holds(a)

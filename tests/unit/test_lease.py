@@ -111,9 +111,10 @@ def test_the_kv_view_names_the_session_and_a_lost_one_requeues_its_sequences_wit
     assert kv.holds(a) and a.output_ids
     held = dict(cache.tables)
 
-    requeued = scheduler.preempt_all()
-    kv.drop(requeued)
-    assert [s.seq_id for s in requeued] == ["a", "b"] and scheduler.waiting == requeued
+    running = list(scheduler.running)
+    scheduler.requeue_running()
+    kv.forget(running)
+    assert [s.seq_id for s in running] == ["a", "b"] and scheduler.waiting == running
     assert not kv.holds(a) and (a.num_computed, b.num_computed) == (0, 0)
     assert cache.calls.count("Free") == 0 and cache.tables == held  # the cache service frees them itself
     assert recording.sessions == {"s1"}

@@ -1,0 +1,34 @@
+"""The start-up handshake (and the one after a peer was lost): model info from compute, a pool sized for
+it from cache, the pool attached to compute. The gateway orchestrates; cache and compute never call each
+other."""
+
+from gateway.recovery import calling
+from protos import cache_pb2, cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
+
+
+def handshake(
+    cache: cache_pb2_grpc.CacheStub,
+    compute: compute_pb2_grpc.ComputeStub,
+    block_size: int,
+    timeout: float,
+    wait: bool,
+) -> tuple[compute_pb2.ModelInfo, common_pb2.PoolHandle]:
+    """The model's info and the attached pool's handle. `wait`: wait for the peers to come up, each call
+    within `timeout`. Raises PeerFault naming the peer whose call failed.
+
+    Idempotent: CreatePool returns the pool the cache holds for this layout (its tables intact), and
+    attaching it again changes nothing in compute.
+    """
+    with calling("compute"):
+        info = compute.GetModelInfo(compute_pb2.GetModelInfoRequest(), wait_for_ready=wait, timeout=timeout)
+    geometry = cache_pb2.PoolGeometry(
+        num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim
+    )
+    request = cache_pb2.CreatePoolRequest(
+        geometry=geometry, block_size=block_size, kv_dtype=info.dtype, model=info.model
+    )
+    with calling("cache"):
+        handle = cache.CreatePool(request, wait_for_ready=wait, timeout=timeout)
+    with calling("compute"):
+        compute.AttachPool(handle, timeout=timeout)
+    return info, handle

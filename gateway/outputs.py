@@ -1,0 +1,67 @@
+"""What the engine hands to the RPC threads: a step's sampled tokens appended to their sequences (text
+released, finish reason set) as Outputs, or an error that ends a request's stream."""
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from common.errors import PagedServeError
+from gateway.sampling import token_logprobs
+from gateway.sequence import Sequence
+from gateway.text_stream import TextStream
+from gateway.tokenizer import Detokenizer
+from protos import compute_pb2, generation_pb2
+
+
+@dataclass(slots=True)
+class Output:
+    token_ids: list[int]
+    finish_reason: str | None
+    index: int = 0
+    # Text released by these tokens (see TextStream), and per token its logprobs when asked.
+    text: str = ""
+    logprobs: list[generation_pb2.TokenLogprobs] | None = None
+
+
+def advance(
+    seqs: list[Sequence],
+    reply: compute_pb2.ForwardResponse,
+    eos: frozenset[int],
+    tokenizer: PreTrainedTokenizerBase,
+) -> list[tuple[Sequence, Output]]:
+    """The step's chunks are computed; each sequence that sampled gets its token, and its Output."""
+    sampled = [seq for seq in seqs if seq.samples_now]
+    for seq in seqs:
+        seq.num_computed = seq.chunk_end
+    outputs = []
+    logprobs = token_logprobs(reply, sampled)
+    for seq, token, token_logprob in zip(sampled, reply.token_ids, logprobs, strict=True):
+        text = _append(seq, token, eos, tokenizer)
+        per_token = None if token_logprob is None else [token_logprob]
+        outputs.append((seq, Output([token], seq.finish_reason, seq.index, text, per_token)))
+    return outputs
+
+
+def _append(seq: Sequence, token: int, eos: frozenset[int], tokenizer: PreTrainedTokenizerBase) -> str:
+    """Adds the token, sets finish_reason (stop strings first) and returns the text it releases."""
+    seq.output_ids.append(token)
+    if seq.text is None:  # made at the first token, so forked samples get their own
+        seq.text = TextStream(Detokenizer(tokenizer), seq.sampling.stop)
+    text = seq.text.append([token], match=seq.reached_min_tokens)
+    seq.finish_reason = "stop" if seq.text.stopped else seq.stop_reason(eos)
+    if seq.finish_reason:
+        text += seq.text.finish(match=seq.reached_min_tokens)
+    return text
+
+
+def tell(seqs: list[Sequence], error: PagedServeError) -> None:
+    """Ends the requests' streams with the error (once per request: the RPC thread raises the first)."""
+    for outbox in {id(seq.outbox): seq.outbox for seq in seqs}.values():
+        outbox.put(error)
+
+
+def by_request(seqs: list[Sequence]) -> dict[str, list[Sequence]]:
+    groups: dict[str, list[Sequence]] = {}
+    for seq in seqs:
+        groups.setdefault(seq.request_id, []).append(seq)
+    return groups

@@ -1,0 +1,216 @@
+"""The gateway when its peers die (real processes, a tiny random-weight model): a compute or cache service
+killed and restarted or hung (SIGSTOP) mid-stream (the request ends with the tokens of a fault-free run), a
+compute gone past the grace (UNAVAILABLE naming it), one step's fault (only its request fails), health under
+200 streams."""
+
+import json
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from common import shared_pool
+from common.healthcheck import status
+from gateway.engine import FAIL_STEP_ENV
+from sdk.client import Client, GenerationError
+from tests.helpers import free_port, start, stop, wait_healthy
+from tests.tiny_model import save_tiny_llama
+
+pytestmark = pytest.mark.e2e
+GATEWAY_SERVICE = "pagedserve.v1.Generation"
+FAULTY_REQUEST = "inject-a-step-fault"
+PROMPT = [5, 17, 99, 42, 7, 200, 31, 64, 3, 150]
+GREEDY = dict(token_ids=PROMPT, max_tokens=300, temperature=0.0, ignore_eos=True)
+
+
+def segments(owners: list[int]) -> list[Path]:
+    """The /dev/shm segments of these cache processes (other tests may run caches of their own)."""
+    return [
+        path for pid in owners for path in shared_pool.SHM_DIR.glob(f"{shared_pool.SEGMENT_PREFIX}{pid}-*")
+    ]
+
+
+class Services:
+    """Cache, compute and gateway processes on free ports; each can be killed and started again."""
+
+    def __init__(self, model: Path, logs: Path) -> None:
+        self.model, self.logs = model, logs
+        self.ports = {name: free_port() for name in ("cache", "compute")}
+        self.targets = {name: f"127.0.0.1:{port}" for name, port in self.ports.items()}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.all_procs: list[tuple[str, subprocess.Popen]] = []
+        self.starts = 0
+
+    def start(self, name: str, *args: str, port: int | None = None, env: dict | None = None) -> str:
+        """Starts the service (on its own port unless given) and waits until it serves; returns its target."""
+        self.starts += 1
+        port = port or self.ports[name]
+        argv = {
+            "cache": ["--kv-blocks", "64"],
+            "compute": ["--model", str(self.model), "--dtype", "float32", "--threads", "1"],
+            "gateway": ["--model", str(self.model), "--block-size", "16", "--log-format", "json",
+                        "--cache-target", self.targets["cache"], "--compute-target", self.targets["compute"]],
+        }[name]  # fmt: skip
+        module = {"cache": "cache_service", "compute": "compute_service", "gateway": "gateway"}[name]
+        log_path = self.logs / f"{name}-{self.starts}.log"
+        proc = start(module, *argv, "--port", str(port), *args, log_path=log_path, env=env)
+        self.procs[f"{name}:{port}"] = proc
+        self.all_procs.append((name, proc))
+        target = f"127.0.0.1:{port}"
+        wait_healthy(target, proc, 120, GATEWAY_SERVICE if name == "gateway" else "")
+        return target
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.pop(f"{name}:{self.ports[name]}")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def stop_all(self) -> dict[str, int]:
+        """SIGTERM to each (SIGKILL after 20 s); their exit codes."""
+        return {name: stop(proc) for name, proc in reversed(self.procs.items())}
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory, tokenizer):
+    model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
+    tokenizer.save_pretrained(model)
+    svc = Services(model, tmp_path_factory.mktemp("logs"))
+    try:
+        svc.start("cache")
+        svc.start("compute")
+        svc.gateway = svc.start("gateway", port=free_port(), env={FAIL_STEP_ENV: FAULTY_REQUEST})
+        yield svc
+    finally:
+        codes = svc.stop_all()
+    assert set(codes.values()) == {0}, f"not every service stopped on SIGTERM: {codes}"
+    caches = [proc.pid for name, proc in svc.all_procs if name == "cache"]
+    assert len(caches) == 2 and segments(caches) == [], "a segment was left in /dev/shm"
+
+
+@pytest.fixture(scope="module")
+def reference(services):
+    with Client(services.gateway, timeout=60) as client:
+        return greedy(client).token_ids
+
+
+def greedy(client: Client, **kwargs):
+    return client.generate(**GREEDY, **kwargs)
+
+
+def recoveries(services: Services) -> list[str]:
+    """The peers the first gateway attached again after, in order (from its log)."""
+    log = Path(services.procs[f"gateway:{services.gateway.rsplit(':', 1)[1]}"].log_path).read_text()
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    return [line["peer"] for line in lines if line["event"] == "peer_recovered"]
+
+
+def stream_through(services: Services, fault) -> list[int]:
+    """Streams the greedy request; after its first token, `fault()` runs; returns the tokens streamed."""
+    tokens, started = [], threading.Event()
+
+    def consume():
+        with Client(services.gateway, timeout=120) as client:
+            for chunk in client.stream(**GREEDY):
+                tokens.extend(chunk.token_ids)
+                started.set()
+
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(consume)
+        assert started.wait(60)
+        fault()
+        done.result(timeout=120)
+    return tokens
+
+
+def test_a_compute_killed_and_restarted_mid_stream_changes_no_token(services, reference):
+    def restart_compute():
+        services.kill("compute")
+        services.start("compute")
+
+    tokens = stream_through(services, restart_compute)
+    assert tokens == reference
+    assert recoveries(services) == ["compute"], "the stream was still running when compute died"
+
+
+def test_a_cache_killed_and_restarted_mid_stream_changes_no_token(services, reference):
+    def restart_cache():
+        services.kill("cache")
+        services.start("cache")
+
+    tokens = stream_through(services, restart_cache)
+    assert tokens == reference
+    assert recoveries(services) == ["compute", "cache"], "the stream was still running when the cache died"
+    deadline = time.monotonic() + 10
+    while status(services.gateway, GATEWAY_SERVICE) != "SERVING" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert status(services.gateway, GATEWAY_SERVICE) == "SERVING", "the new pool is attached"
+
+
+def test_a_hung_compute_is_lost_at_the_step_deadline_and_attached_again_once_it_answers(services, reference):
+    compute = services.procs[f"compute:{services.ports['compute']}"]
+
+    def hang_compute():
+        compute.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(7)  # past the derived step deadline's 5 s floor
+        finally:
+            compute.send_signal(signal.SIGCONT)
+
+    started = time.monotonic()
+    tokens = stream_through(services, hang_compute)
+    assert tokens == reference
+    assert recoveries(services) == ["compute", "cache", "compute"], "the step deadline passed"
+    assert time.monotonic() - started < 60, "not the 120 s RPC timeout"
+
+
+def test_a_fault_in_one_step_fails_only_its_request(services, reference):
+    with Client(services.gateway, timeout=60) as client:
+        with pytest.raises(GenerationError) as info:
+            greedy(client, request_id=FAULTY_REQUEST)
+        assert info.value.code == grpc.StatusCode.INTERNAL
+        assert "RuntimeError" in info.value.details and f"request {FAULTY_REQUEST}" in info.value.details
+        assert greedy(client).token_ids == reference
+
+
+def test_health_is_answered_within_a_second_under_200_streams(services):
+    with Client(services.gateway, timeout=120) as client, ThreadPoolExecutor(200) as pool:
+        requests = [pool.submit(client.generate, token_ids=[3 + i % 200, 9], max_tokens=64, temperature=0.0,
+                                ignore_eos=True) for i in range(200)]  # fmt: skip
+        time.sleep(0.5)
+        checks = []
+        for _ in range(3):
+            start_at = time.monotonic()
+            checks.append(
+                (status(services.gateway, GATEWAY_SERVICE, timeout=1.0), time.monotonic() - start_at)
+            )
+            time.sleep(0.2)
+        busy = sum(not r.done() for r in requests)
+        results = [r.result() for r in requests]
+    assert all(answer == "SERVING" and took < 1.0 for answer, took in checks), checks
+    assert busy > 0, "the checks ran while streams were open"
+    assert all(len(r.token_ids) == 64 for r in results)
+
+
+def test_a_compute_gone_past_the_grace_fails_requests_naming_it(services, reference):
+    gateway = services.start("gateway", "--peer-restart-grace", "3", port=free_port())
+    services.kill("compute")
+    with Client(gateway, timeout=60) as client:
+        started = time.monotonic()
+        with pytest.raises(GenerationError) as info:
+            greedy(client)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert f"compute service at {services.targets['compute']} unreachable" in info.value.details
+        assert time.monotonic() - started < 30
+        with pytest.raises(GenerationError) as again:
+            greedy(client)
+        assert again.value.code == grpc.StatusCode.UNAVAILABLE and "compute service" in again.value.details
+        services.start("compute")
+        deadline = time.monotonic() + 20
+        while status(gateway, GATEWAY_SERVICE) != "SERVING" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert greedy(client).token_ids == reference

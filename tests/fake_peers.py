@@ -1,0 +1,133 @@
+"""Stand-ins for the cache and compute stubs that can die and restart, for the engine's unit tests.
+
+`FakeCompute` keeps the K/V it was given per (epoch, block, offset) and samples from what it reads back
+through the block tables, so a recompute that skips tokens or trusts a lost pool fails (KeyError) or
+samples differently."""
+
+from collections.abc import Callable
+
+import grpc
+
+from protos import cache_pb2, common_pb2, compute_pb2
+from tests.fake_cache import FakeCache
+
+VOCAB = 100
+
+
+class RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def unreachable(service: str) -> RpcError:
+    return RpcError(grpc.StatusCode.UNAVAILABLE, f"failed to connect to the {service} service")
+
+
+class FakePoolCache(FakeCache):
+    """A FakeCache with CreatePool and sessions; `down` refuses every call, `restart()` loses the pool, every
+    table and every session."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self.num_blocks, self.epoch, self.restarts, self.down = num_blocks, "", 0, False
+        self.sessions: set[str] = set()
+
+    def restart(self, num_blocks: int | None = None) -> None:
+        """A new process at the same address (with another pool size if given): no pool, no tables."""
+        self.__init__(num_blocks or self.num_blocks, self.block_size)
+
+    def CreatePool(self, request: cache_pb2.CreatePoolRequest, **_) -> common_pb2.PoolHandle:
+        self._check()
+        self.epoch = self.epoch or f"epoch-{id(self.free)}"
+        shape = [request.geometry.num_layers, 2, self.num_blocks, request.block_size, 1, 4]
+        return common_pb2.PoolHandle(epoch=self.epoch, shape=shape, dtype=request.kv_dtype)
+
+    def OpenSession(self, request: cache_pb2.OpenSessionRequest, **_) -> cache_pb2.Session:
+        self._check()
+        self.sessions.add(request.session_id)
+        return cache_pb2.Session(session_id=request.session_id, ttl_s=request.ttl_s)
+
+    def RenewSession(self, request: cache_pb2.RenewSessionRequest, **_) -> cache_pb2.Session:
+        self._check()
+        if request.session_id not in self.sessions:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"unknown session {request.session_id!r}")
+        return cache_pb2.Session(session_id=request.session_id)
+
+    def CloseSession(self, request: cache_pb2.CloseSessionRequest, **_) -> cache_pb2.CloseSessionResponse:
+        self._check()
+        self.sessions.discard(request.session_id)
+        return cache_pb2.CloseSessionResponse()
+
+    def Reserve(self, request, **kw):
+        self._check(pool=True)
+        return super().Reserve(request, **kw)
+
+    def Fork(self, request, **kw):
+        self._check(pool=True)
+        return super().Fork(request, **kw)
+
+    def Free(self, request, **kw):
+        self._check(pool=True)
+        return super().Free(request, **kw)
+
+    def _check(self, pool: bool = False) -> None:
+        if self.down:
+            raise unreachable("cache")
+        if pool and not self.epoch:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "no pool: call CreatePool first")
+
+
+class FakeCompute:
+    """`down` refuses every call; `restart()` detaches the pool; `before[n]()` runs at the start of the n-th
+    Forward (and may raise, as a dying process's call does). Block size 4."""
+
+    def __init__(self) -> None:
+        self.kv: dict[tuple[str, int, int], int] = {}
+        self.epoch: str | None = None
+        self.down = False
+        self.before: dict[int, Callable[[], None]] = {}
+        self.forwards = 0
+
+    def restart(self) -> None:
+        self.epoch = None
+
+    def GetModelInfo(self, request, **_) -> compute_pb2.ModelInfo:
+        self._check()
+        return compute_pb2.ModelInfo(model="fake", num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32",
+                                     vocab_size=VOCAB, max_model_len=512)  # fmt: skip
+
+    def AttachPool(self, handle: common_pb2.PoolHandle, **_) -> compute_pb2.AttachPoolResponse:
+        self._check()
+        self.epoch = handle.epoch
+        return compute_pb2.AttachPoolResponse(epoch=handle.epoch, num_blocks=handle.shape[2])
+
+    def Forward(self, request: compute_pb2.ForwardRequest, **_) -> compute_pb2.ForwardResponse:
+        self._check()
+        self.forwards += 1
+        if self.forwards in self.before:
+            self.before.pop(self.forwards)()
+        if request.pool_epoch != self.epoch:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "no KV pool attached")
+        width, block_size, tokens = request.block_table_width, 4, []
+        for i, computed in enumerate(request.num_computed):
+            table = request.block_tables[i * width : (i + 1) * width]
+            chunk = request.token_ids[request.cu_seqlens_q[i] : request.cu_seqlens_q[i + 1]]
+            slots = [
+                (self.epoch, table[p // block_size], p % block_size) for p in range(computed + len(chunk))
+            ]
+            for slot, token in zip(slots[computed:], chunk, strict=True):
+                self.kv[slot] = token
+            if request.sample[i]:
+                context = [self.kv[slot] for slot in slots]
+                tokens.append(3 + sum((pos + 1) * t for pos, t in enumerate(context)) % (VOCAB - 3))
+        return compute_pb2.ForwardResponse(token_ids=tokens, logprobs=[0.0] * len(tokens))
+
+    def _check(self) -> None:
+        if self.down:
+            raise unreachable("compute")

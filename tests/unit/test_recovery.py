@@ -1,0 +1,242 @@
+"""The engine when a peer is lost: re-handshake and recompute with the same tokens, the grace period, fault
+isolation of one step, a dead loop, shutdown; and the recovery state machine, step deadline, stream cap."""
+
+import threading
+
+import grpc
+import pytest
+from transformers import AutoTokenizer
+
+from common.errors import PagedServeError, Unavailable
+from common.model_files import local_copy
+from gateway.engine import FAIL_STEP_ENV, Engine, EngineConfig
+from gateway.lease import Lease
+from gateway.recovery import FIRST_DELAY_S, MAX_DELAY_S, PeerFault, PeerRecovery
+from gateway.sequence import Sampling, Sequence
+from gateway.step_deadline import FLOOR_S, WARMUP, StepDeadline
+from gateway.streams import SPARE_THREADS, StreamSlots
+from tests.fake_peers import FakeCompute, FakePoolCache, RpcError, unreachable
+
+CACHE, COMPUTE = "127.0.0.1:1", "127.0.0.1:2"
+BLOCKS = 64
+GREEDY = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 19)), list(range(20, 33))]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(local_copy("smollm2").path)
+
+
+@pytest.fixture
+def start(tokenizer):
+    engines = []
+
+    def start(grace: float = 30.0) -> tuple[Engine, FakePoolCache, FakeCompute]:
+        config = EngineConfig(CACHE, COMPUTE, block_size=4, max_batched_tokens=16, max_seqs=8,
+                              peer_restart_grace_s=grace)  # fmt: skip
+        engine = Engine(config, tokenizer)
+        engine._cache, engine._compute = cache, compute = FakePoolCache(BLOCKS, 4), FakeCompute()
+        engine.lease = Lease(cache, config.session_ttl_s, engine._lose_session)
+        engine.handshake(timeout=1.0, wait=False)
+        thread = threading.Thread(target=engine.run, daemon=True)
+        thread.start()
+        engines.append((engine, thread))
+        return engine, cache, compute
+
+    yield start
+    for engine, thread in engines:
+        engine.stop()
+        thread.join(5)
+        assert not thread.is_alive(), "the engine loop did not stop"
+
+
+def submit(engine: Engine, prompt: list[int], request_id: str = "") -> Sequence:
+    seq = Sequence(seq_id=f"s{id(prompt)}-{request_id}", prompt_ids=prompt, sampling=GREEDY, max_len=512,
+                   request_id=request_id or str(prompt[0]))  # fmt: skip
+    engine.submit(seq)
+    return seq
+
+
+def collect(seq: Sequence, timeout: float = 20.0) -> list[int] | Exception:
+    tokens = []
+    while True:
+        item = seq.outbox.get(timeout=timeout)
+        if isinstance(item, Exception):
+            return item
+        tokens += item.token_ids
+        if item.finish_reason:
+            return tokens
+
+
+def run_all(engine: Engine) -> list:
+    return [collect(seq) for seq in [submit(engine, prompt) for prompt in PROMPTS]]
+
+
+def assert_nothing_held(engine: Engine, cache: FakePoolCache) -> None:
+    assert cache.tables == {} and len(cache.free) == BLOCKS
+    assert not engine.scheduler.has_work() and engine.attached_epoch() == cache.epoch
+
+
+@pytest.fixture
+def reference(start):
+    engine, cache, _ = start()
+    outputs = run_all(engine)
+    assert all(len(tokens) == GREEDY.max_tokens for tokens in outputs), outputs
+    return outputs
+
+
+def test_a_restarted_compute_is_attached_again_and_the_requests_end_with_the_same_tokens(start, reference):
+    engine, cache, compute = start()
+    epoch = cache.epoch
+
+    def die_and_restart():
+        compute.restart()
+        raise unreachable("compute")
+
+    compute.before[4] = die_and_restart
+    assert run_all(engine) == reference
+    assert not compute.before, "the fault happened"
+    assert compute.epoch == epoch == cache.epoch, "the cache kept its pool: the same one is attached again"
+    assert_nothing_held(engine, cache)
+
+
+def test_a_restarted_cache_gets_a_new_pool_and_every_sequence_is_recomputed(start, reference):
+    engine, cache, compute = start()
+    epoch = cache.epoch
+    compute.before[4] = lambda: cache.restart(num_blocks=BLOCKS // 2)
+    assert run_all(engine) == reference
+    assert not compute.before, "the fault happened"
+    assert cache.epoch not in ("", epoch) and compute.epoch == cache.epoch
+    assert engine.kv.num_blocks == engine.kv.available_blocks == BLOCKS // 2, (
+        "the view has the new pool's size"
+    )
+    assert cache.tables == {} and len(cache.free) == BLOCKS // 2
+
+
+def test_a_compute_step_past_its_deadline_counts_as_compute_lost(start, reference):
+    engine, cache, compute = start()
+
+    def too_slow():
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    compute.before[3] = too_slow
+    assert run_all(engine) == reference
+    assert not compute.before, "the fault happened"
+    assert_nothing_held(engine, cache)
+
+
+def test_past_the_grace_requests_fail_naming_the_lost_service_and_new_ones_are_refused(start, reference):
+    engine, cache, compute = start(grace=0.5)
+
+    def die():
+        compute.down = True
+        raise unreachable("compute")
+
+    compute.before[2] = die
+    for result in run_all(engine):
+        assert isinstance(result, Unavailable), result
+        assert f"compute service at {COMPUTE} unreachable" in str(result)
+    with pytest.raises(Unavailable, match="compute service"):
+        submit(engine, PROMPTS[0])
+    assert cache.tables == {}, "the live cache freed the failed requests' blocks"
+    compute.down = False
+    for _ in range(100):
+        if engine.attached_epoch() is not None:
+            break
+        threading.Event().wait(0.05)
+    assert collect(submit(engine, PROMPTS[0])) == reference[0]
+
+
+def test_an_exception_in_one_step_fails_only_its_request_with_internal(start, monkeypatch, reference):
+    monkeypatch.setenv(FAIL_STEP_ENV, "bad")
+    engine, cache, _ = start()
+    error = collect(submit(engine, PROMPTS[1], request_id="bad"))
+    assert isinstance(error, PagedServeError) and error.code == grpc.StatusCode.INTERNAL
+    assert "RuntimeError" in str(error) and "request bad" in str(error)
+    assert cache.tables == {}
+    assert run_all(engine) == reference
+    assert_nothing_held(engine, cache)
+
+
+def test_a_dead_loop_fails_every_request_fast_and_refuses_new_ones(start, monkeypatch):
+    engine, _, compute = start()
+    compute.before[1] = lambda: monkeypatch.setattr(engine.scheduler, "add", _raise)
+    first = submit(engine, PROMPTS[0])
+    assert collect(first) and isinstance(collect(submit(engine, PROMPTS[1])), Unavailable)
+    assert engine.dead is not None and engine.attached_epoch() is None
+    with pytest.raises(Unavailable, match="engine stopped"):
+        submit(engine, PROMPTS[2])
+
+
+def test_stop_ends_waiting_requests_at_once(start):
+    engine, _, compute = start()
+    compute.down = True
+    seq = submit(engine, PROMPTS[0])
+    engine.stop()
+    assert isinstance(collect(seq, timeout=2), Unavailable)
+
+
+def _raise(*_):
+    raise IndexError("packing went wrong")
+
+
+def test_recovery_retries_with_backoff_and_expires_once():
+    now = [0.0]
+    recovery = PeerRecovery(3.0, {"cache": CACHE, "compute": COMPUTE}, clock=lambda: now[0])
+    assert not recovery.active and recovery.expire() is None
+    recovery.lost("compute")
+    assert recovery.active and recovery.retry_in() == 0
+    delays = []
+    for _ in range(6):
+        recovery.failed("cache")
+        delays.append(recovery.retry_in())
+    assert delays == [FIRST_DELAY_S * 2**i for i in range(5)] + [MAX_DELAY_S]
+    now[0] = 2.9
+    assert recovery.expire() is None
+    now[0] = 3.0
+    error = recovery.expire()
+    assert isinstance(error, Unavailable) and str(error).startswith(
+        f"cache service at {CACHE} unreachable for 3 s"
+    )
+    assert recovery.expired and recovery.expire() is None
+    recovery.recovered()
+    assert not recovery.active and not recovery.expired
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "lost"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, "connection refused", True),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "", True),
+        (grpc.StatusCode.FAILED_PRECONDITION, "no KV pool attached", True),
+        (grpc.StatusCode.FAILED_PRECONDITION, "stale pool epoch 'a'", True),
+        (grpc.StatusCode.INVALID_ARGUMENT, "token id 5 is outside the vocabulary", False),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "not enough blocks", False),
+    ],
+)
+def test_which_failures_mean_a_lost_peer(code, details, lost):
+    assert PeerFault("compute", RpcError(code, details)).lost == lost
+
+
+def test_step_deadline_is_fixed_or_derived_from_recent_steps():
+    assert StepDeadline(2.5, cold_s=120).timeout(1000) == 2.5
+    deadline = StepDeadline(0, cold_s=120)
+    assert deadline.timeout(1) == 120, "no history yet: the RPC timeout"
+    for _ in range(WARMUP):
+        deadline.observe(0.1, 10)
+    assert deadline.timeout(10) == FLOOR_S
+    assert deadline.timeout(10_000) == pytest.approx(10 * 0.01 * 10_000), "a long chunk gets its due"
+    deadline.observe(2.0, 10)
+    assert deadline.timeout(10) == pytest.approx(20.0), "the p99 step, times 10"
+
+
+def test_streams_beyond_the_cap_are_refused_at_once():
+    slots = StreamSlots(2)
+    assert slots.server_threads == 2 + SPARE_THREADS
+    refused = pytest.raises(PagedServeError, match=r"too many concurrent streams \(2\); retry")
+    with slots.hold(), slots.hold(), refused as info, slots.hold():
+        pass
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with slots.hold():
+        pass

@@ -3,13 +3,13 @@
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 import structlog
 from transformers import PreTrainedTokenizerBase
 
 from common.errors import Cancelled, PagedServeError, Unavailable, from_rpc_error
 from common.server import channel, request_metadata
+from gateway.config import FAIL_STEP_ENV, HANDSHAKE_TIMEOUT_S, RETRY_TIMEOUT_S, EngineConfig
 from gateway.forward import forward_request
 from gateway.handshake import handshake
 from gateway.kv_view import KVView
@@ -23,27 +23,6 @@ from gateway.step_timer import StepTimer
 from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 
 log = structlog.get_logger()
-HANDSHAKE_TIMEOUT_S = 900.0
-# Each call of a handshake retried after a peer was lost: short, so that a hung peer is retried too.
-RETRY_TIMEOUT_S = 5.0
-# TEST HOOK, off unless set when the engine starts: a step containing this request id raises RuntimeError
-# (tests/e2e/test_peer_restart.py checks that only that step's requests fail).
-FAIL_STEP_ENV = "PAGEDSERVE_TEST_FAIL_STEP"
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    cache_target: str
-    compute_target: str
-    block_size: int = 16
-    max_batched_tokens: int = 4096
-    max_seqs: int = 64
-    rpc_timeout_s: float = 120.0
-    # Seconds a lost peer has to come back before the waiting requests fail.
-    peer_restart_grace_s: float = 30.0
-    # A Forward's deadline (0: derived from the recent steps, see StepDeadline).
-    step_timeout_s: float = 0.0
-    session_ttl_s: float = 10.0
 
 
 class Engine:
@@ -69,7 +48,8 @@ class Engine:
         # Set when the loop died: every request is refused with it.
         self.dead: Unavailable | None = None
         self._fail_step = os.environ.get(FAIL_STEP_ENV) or None
-        self.lease = Lease(self._cache, config.session_ttl_s, self._lose_session, config.rpc_timeout_s)
+        # NOTE: a session the cache service dropped (lapsed, or it restarted) took the tables with it.
+        self.lease = Lease(self._cache, config.session_ttl_s, self.session_lost, config.rpc_timeout_s)
 
     # start-up
     def handshake(self, timeout: float = HANDSHAKE_TIMEOUT_S, wait: bool = True) -> None:
@@ -94,13 +74,7 @@ class Engine:
             )
             self.scheduler = Scheduler(self.kv, self.config.max_batched_tokens, self.config.max_seqs)
             return
-        held = [seq for seq in self._by_id.values() if self.kv.holds(seq)]
-        # NOTE: num_computed counts only steps that completed, so the blocks it keeps cached were written.
-        if same_pool:
-            self.kv.release(held)
-        else:
-            self.kv.forget(held)
-        self.kv.reset(num_blocks)
+        self.kv.reattach([seq for seq in self._by_id.values() if self.kv.holds(seq)], num_blocks, same_pool)
 
     def attached_epoch(self) -> str | None:
         """The epoch of the pool the engine steps on; None while a peer is lost or the loop is dead."""
@@ -138,12 +112,9 @@ class Engine:
             self._lost.add(service)
             self._cond.notify()
 
-    def _lose_session(self) -> None:
-        """From the lease: the cache service dropped this gateway's session (it lapsed, or the service
-        restarted), and with it the tables: recovered like a lost cache."""
-        with self._cond:
-            self._lost.add("cache")
-            self._cond.notify()
+    def session_lost(self) -> None:
+        """From the lease: recovered like a lost cache."""
+        self.peer_restarted("cache", time.monotonic())
 
     def stop(self) -> None:
         """Ends the loop after its step; pending requests get UNAVAILABLE now (no RPC thread outlives it);

@@ -134,6 +134,13 @@ class KVView:
         assert not self._seqs, f"{len(self._seqs)} sequences still held: free or forget them first"
         self.num_blocks = self.available_blocks = num_blocks
 
+    def reattach(self, held: Seqs[Sequence], num_blocks: int, same_pool: bool) -> None:
+        """After a new handshake: the sequences the view holds are freed in the cache if it kept its pool,
+        else forgotten; then the view starts afresh on a pool of `num_blocks`."""
+        # NOTE: num_computed counts only steps that completed, so the blocks it keeps cached were written.
+        (self.release if same_pool else self.forget)(held)
+        self.reset(num_blocks)
+
     def release(self, seqs: Seqs[Sequence]) -> None:
         """For sequences that ended: frees those the cache holds. A failed Free is logged and they are
         forgotten all the same (nothing will run them again)."""

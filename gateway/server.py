@@ -14,7 +14,8 @@ from common.server import Server, serve
 from gateway import metrics
 from gateway import tokenizer as tok
 from gateway.admission import Admission
-from gateway.engine import Engine, EngineConfig
+from gateway.config import EngineConfig
+from gateway.engine import Engine
 from gateway.health import DownstreamWatcher
 from gateway.options import OPTIONS
 from gateway.outputs import Output

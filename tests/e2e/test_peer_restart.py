@@ -16,7 +16,7 @@ import pytest
 
 from common import shared_pool
 from common.healthcheck import status
-from gateway.engine import FAIL_STEP_ENV
+from gateway.config import FAIL_STEP_ENV
 from sdk.client import Client, GenerationError
 from tests.helpers import free_port, start, stop, wait_healthy
 from tests.tiny_model import save_tiny_llama

@@ -9,7 +9,8 @@ from transformers import AutoTokenizer
 
 from common.errors import PagedServeError, Unavailable
 from common.model_files import local_copy
-from gateway.engine import FAIL_STEP_ENV, Engine, EngineConfig
+from gateway.config import FAIL_STEP_ENV, EngineConfig
+from gateway.engine import Engine
 from gateway.lease import Lease
 from gateway.recovery import FIRST_DELAY_S, MAX_DELAY_S, PeerFault, PeerRecovery
 from gateway.sequence import Sampling, Sequence
@@ -37,7 +38,7 @@ def start(tokenizer):
                               peer_restart_grace_s=grace)  # fmt: skip
         engine = Engine(config, tokenizer)
         engine._cache, engine._compute = cache, compute = FakePoolCache(BLOCKS, 4), FakeCompute()
-        engine.lease = Lease(cache, config.session_ttl_s, engine._lose_session)
+        engine.lease = Lease(cache, config.session_ttl_s, engine.session_lost)
         engine.handshake(timeout=1.0, wait=False)
         thread = threading.Thread(target=engine.run, daemon=True)
         thread.start()

@@ -1,0 +1,25 @@
+"""The engine's settings."""
+
+from dataclasses import dataclass
+
+HANDSHAKE_TIMEOUT_S = 900.0
+# Each call of a handshake retried after a peer was lost: short, so that a hung peer is retried too.
+RETRY_TIMEOUT_S = 5.0
+# TEST HOOK, off unless set when the engine starts: a step containing this request id raises RuntimeError
+# (tests/e2e/test_peer_restart.py checks that only that step's requests fail).
+FAIL_STEP_ENV = "PAGEDSERVE_TEST_FAIL_STEP"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    cache_target: str
+    compute_target: str
+    block_size: int = 16
+    max_batched_tokens: int = 4096
+    max_seqs: int = 64
+    rpc_timeout_s: float = 120.0
+    # Seconds a lost peer has to come back before the waiting requests fail.
+    peer_restart_grace_s: float = 30.0
+    # A Forward's deadline (0: derived from the recent steps, see StepDeadline).
+    step_timeout_s: float = 0.0
+    session_ttl_s: float = 10.0

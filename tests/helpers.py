@@ -1,7 +1,9 @@
 """Real service processes for tests: started, waited for and stopped with `cli.launch`."""
 
+import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from cli.launch import free_port, free_ports, log_tail, spawn, stop, wait_healthy  # noqa: F401 - tests use them
@@ -14,3 +16,20 @@ PAGEDSERVE = [sys.executable, "-m", "cli"]
 def start(module: str, *args: str, log_path: Path, env: dict | None = None) -> subprocess.Popen:
     """Starts `python -m module args...` in the repository root (so `tests.*` imports), output to log_path."""
     return spawn([sys.executable, "-m", module, *args], log_path, env, cwd=ROOT)
+
+
+def log_events(path: Path) -> Iterator[dict]:
+    """The JSON events of a log file that several processes write (a stack's): a line where two processes'
+    writes interleaved still yields each whole event in it; text that is not JSON yields nothing."""
+    decoder = json.JSONDecoder()
+    for line in Path(path).read_text(errors="replace").splitlines():
+        start = line.find("{")
+        while start != -1:
+            try:
+                event, end = decoder.raw_decode(line, start)
+            except json.JSONDecodeError:
+                start = line.find("{", start + 1)
+                continue
+            if isinstance(event, dict) and "event" in event:
+                yield event
+            start = line.find("{", end)

@@ -6,12 +6,11 @@ import subprocess
 import threading
 import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 
 from cli.scrape import scrape
-from tests.helpers import PAGEDSERVE
+from tests.helpers import PAGEDSERVE, log_events
 
 pytestmark = pytest.mark.e2e
 PROMPT = "The capital of France is"
@@ -112,11 +111,7 @@ def test_one_request_id_is_followed_through_the_three_logs(stack_fp32):
         result = client.generate(prompt=PROMPT, max_tokens=3, temperature=0, request_id=request_id)
     assert result.request_id == request_id
     seen: dict[str, set[str]] = {}
-    for line in Path(stack_fp32.proc.log_path).read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for event in log_events(stack_fp32.proc.log_path):
         if request_id in event.get("request_id", "").split(","):
             seen.setdefault(event["service"], set()).add(event["event"])
     assert set(seen) == {"gateway", "cache", "compute"}, seen

@@ -1,13 +1,11 @@
 """The scheduler on real services under a small KV budget: preemption by recompute, chunked prefill beside
 decodes, cancellation and deadlines mid-prefill, timings."""
 
-import json
 import random
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
@@ -19,6 +17,7 @@ from protos.generation_pb2_grpc import GenerationStub
 from sdk.client import GenerationError, build_request
 from tests.e2e.greedy import hf_greedy
 from tests.e2e.stack import SMALL_BUDGET, start_stack
+from tests.helpers import log_events
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -191,10 +190,7 @@ class Background:
 def steps_of(stack, request_id: str) -> list[list[list]]:
     """The `chunks` of every step (gateway debug log) that computed tokens of the request."""
     steps = []
-    for line in Path(stack.proc.log_path).read_text().splitlines():
-        if '"chunks"' not in line:
-            continue
-        event = json.loads(line)
+    for event in log_events(stack.proc.log_path):
         if event["event"] == "step" and any(c[0] == request_id for c in event["chunks"]):
             steps.append(event["chunks"])
     return steps
@@ -251,9 +247,9 @@ def _blocks_back(stack, background: Background, sequences: int) -> int:
 
 
 def _handler_ended(stack, request_id: str) -> bool:
-    for line in Path(stack.proc.log_path).read_text().splitlines():
-        if request_id in line and '"rpc_refused"' in line:
-            return json.loads(line)["code"] == "CANCELLED"
+    for event in log_events(stack.proc.log_path):
+        if event["event"] == "rpc_refused" and request_id in event.get("request_id", "").split(","):
+            return event["code"] == "CANCELLED"
     return False
 
 
@@ -300,7 +296,8 @@ def test_waiting_requests_are_served_by_priority_then_arrival(serial_stack):
             order.append(name)
 
     with serial_stack.client() as client, ThreadPoolExecutor(4) as pool:
-        running = client.stream(token_ids=[9, 10, 11], max_tokens=300, ignore_eos=True)
+        # NOTE: as long as the tiny model allows (512 tokens), so the others queue behind it on a fast machine
+        running = client.stream(token_ids=[9, 10, 11], max_tokens=500, ignore_eos=True)
         next(running)
         jobs = []
         for name, priority in (("late", 5), ("normal-1", 0), ("urgent", -3), ("normal-2", 0)):

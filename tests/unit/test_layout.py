@@ -33,3 +33,17 @@ def test_no_service_imports_the_tools():
             if path == ROOT / "gateway" / "client.py":
                 continue
             assert not _imported(path) & set(TOOLS), f"{path.relative_to(ROOT)} imports a tool package"
+
+
+def test_no_service_imports_another_and_no_test_module_imports_another():
+    services = {"gateway", "cache_service", "compute_service"}
+    for package in services:
+        for path in (ROOT / package).rglob("*.py"):
+            others = _imported(path) & (services - {package})
+            assert not others, f"{path.relative_to(ROOT)} imports {sorted(others)}: share it through common/"
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.split(".")[-1].startswith("test_"), (
+                    f"{path.relative_to(ROOT)} imports {node.module}: move what it shares to a helper module"
+                )

@@ -11,18 +11,8 @@ from gateway.kv_view import KVView
 from gateway.lease import Lease, is_lost
 from protos import cache_pb2
 from tests.fake_cache import FakeCache
-from tests.unit.test_scheduler import make, run, seq
-
-
-class Status(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+from tests.fake_peers import RpcError as Status
+from tests.scheduling import make, run, seq
 
 
 class FakeSessions:

@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common import shared_pool
 from common.healthcheck import status
 from gateway.config import FAIL_STEP_ENV
 from sdk.client import Client, GenerationError
 from tests.helpers import free_port, start, stop, wait_healthy
+from tests.processes import segments_of
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -26,13 +26,6 @@ GATEWAY_SERVICE = "pagedserve.v1.Generation"
 FAULTY_REQUEST = "inject-a-step-fault"
 PROMPT = [5, 17, 99, 42, 7, 200, 31, 64, 3, 150]
 GREEDY = dict(token_ids=PROMPT, max_tokens=300, temperature=0.0, ignore_eos=True)
-
-
-def segments(owners: list[int]) -> list[Path]:
-    """The /dev/shm segments of these cache processes (other tests may run caches of their own)."""
-    return [
-        path for pid in owners for path in shared_pool.SHM_DIR.glob(f"{shared_pool.SEGMENT_PREFIX}{pid}-*")
-    ]
 
 
 class Services:
@@ -89,7 +82,7 @@ def services(tmp_path_factory, tokenizer):
         codes = svc.stop_all()
     assert set(codes.values()) == {0}, f"not every service stopped on SIGTERM: {codes}"
     caches = [proc.pid for name, proc in svc.all_procs if name == "cache"]
-    assert len(caches) == 2 and segments(caches) == [], "a segment was left in /dev/shm"
+    assert len(caches) == 2 and not any(map(segments_of, caches)), "a segment was left in /dev/shm"
 
 
 @pytest.fixture(scope="module")

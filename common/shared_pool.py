@@ -1,16 +1,23 @@
 """The segment: the shared memory holding the KV pool tensor, created by the cache service (its owner) and
-mapped zero-copy by the compute service through a PoolHandle. (The KV pool is the tensor, see
-cache_service/kv_pool.py; the block pool is the refcounted block ids, see cache_service/block_pool.py.)"""
+mapped zero-copy by the compute service through a PoolHandle. The file is the pool data, then a header page
+(common/segment_header.py) by which the compute service refuses any file the cache did not create. (The KV
+pool is the tensor, see cache_service/kv_pool.py; the block pool is the refcounted block ids, see
+cache_service/block_pool.py.)"""
 
+import errno
 import math
+import mmap
 import os
+import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from common.errors import FailedPrecondition, InvalidArgument
+from common import segment_header
+from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from common.segment_header import HEADER_BYTES, SegmentHeader
 from protos import common_pb2
 
 SHM_DIR = Path(os.environ.get("PAGEDSERVE_SHM_DIR", "/dev/shm"))
@@ -82,33 +89,49 @@ def remove_segments_of(pid: int, shm_dir: Path = SHM_DIR) -> list[Path]:
 
 
 def create(spec: PoolSpec, shm_dir: Path = SHM_DIR) -> tuple[torch.Tensor, common_pb2.PoolHandle]:
-    """Creates a zeroed, fully backed shared-memory pool; the caller owns it and must `release` it."""
+    """Creates a zeroed, fully backed shared-memory pool (mode 0600, its header after the data, a new
+    epoch and secret token); the caller owns it and must `release` it."""
     epoch = uuid.uuid4().hex
     path = shm_dir / f"{SEGMENT_PREFIX}{os.getpid()}-{epoch}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    header = SegmentHeader(epoch, dtype_name(spec.dtype), spec.shape, segment_header.new_token())
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        # NOTE: a sparse tmpfs file raises SIGBUS when an unbacked page is touched; reserve every page now.
-        os.posix_fallocate(fd, 0, spec.nbytes)
-    except OSError as exc:
-        os.close(fd)
+        os.fchmod(fd, 0o600)  # NOTE: exactly 0600 whatever the umask: compute refuses any other mode.
+        _reserve(fd, spec.nbytes + HEADER_BYTES, shm_dir)
+        segment_header.write(fd, spec.nbytes, header)
+        pool = _map(fd, spec)
+    except BaseException:
         path.unlink(missing_ok=True)
-        raise FailedPrecondition(
-            f"cannot reserve {spec.nbytes / 2**20:.0f} MiB in {shm_dir} ({exc.strerror}): "
-            "lower --kv-memory/--kv-blocks or enlarge the shared memory (docker: shm_size)"
-        ) from exc
-    os.close(fd)
-    pool = torch.from_file(str(path), shared=True, size=math.prod(spec.shape), dtype=spec.dtype).view(
-        spec.shape
-    )
+        raise
+    finally:
+        os.close(fd)
     handle = common_pb2.PoolHandle(
         device="cpu",
         shape=spec.shape,
-        dtype=dtype_name(spec.dtype),
+        dtype=header.dtype,
         strides=pool.stride(),
         epoch=epoch,
-        shm=common_pb2.SharedMemoryHandle(path=str(path), nbytes=spec.nbytes),
+        shm=common_pb2.SharedMemoryHandle(path=str(path), nbytes=spec.nbytes, token=header.token),
     )
     return pool, handle
+
+
+def _reserve(fd: int, nbytes: int, shm_dir: Path) -> None:
+    # NOTE: a sparse tmpfs file raises SIGBUS when an unbacked page is touched; reserve every page now.
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        raise ResourceExhausted(
+            f"cannot reserve {nbytes / 2**20:.0f} MiB in {shm_dir} ({exc.strerror}): "
+            "lower --kv-memory/--kv-blocks or enlarge the shared memory (docker: shm_size)"
+        ) from exc
+
+
+def _map(fd: int, spec: PoolSpec) -> torch.Tensor:
+    """The pool tensor over the first spec.nbytes of the open segment fd, shared with every other mapper;
+    the mapping outlives fd and lasts as long as the tensor's storage."""
+    mapping = mmap.mmap(fd, spec.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapping, dtype=spec.dtype).view(spec.shape)
 
 
 def release(handle: common_pb2.PoolHandle) -> None:
@@ -116,30 +139,84 @@ def release(handle: common_pb2.PoolHandle) -> None:
         Path(handle.shm.path).unlink(missing_ok=True)
 
 
-def open_pool(handle: common_pb2.PoolHandle) -> torch.Tensor:
-    """Maps a pool from its handle after checking the handle against the segment it names."""
+def open_pool(handle: common_pb2.PoolHandle, shm_dir: Path = SHM_DIR) -> torch.Tensor:
+    """Maps the pool a handle names, only if its segment is one the cache created for this handle: a
+    regular file in shm_dir (not a symlink), owned by this process's euid, mode 0600, one link, the pool's
+    size plus a header whose magic, epoch, dtype, shape and token match the handle. Every check and the
+    mapping use one open fd (no second lookup by path). Raises InvalidArgument, or FailedPrecondition if
+    the segment is gone; a refusal maps nothing."""
+    spec = _spec_of(handle)
+    path = Path(handle.shm.path)
+    if path.parent != shm_dir or not path.name.startswith(SEGMENT_PREFIX):
+        raise InvalidArgument(f"{path} is not a pagedserve pool segment ({shm_dir}/{SEGMENT_PREFIX}*)")
+    fd = _open_segment(path)
+    try:
+        _check_file(os.fstat(fd), path, spec.nbytes)
+        _check_header(segment_header.read(fd, spec.nbytes), handle, path)
+        pool = _map(fd, spec)
+    finally:
+        os.close(fd)
+    if tuple(pool.stride()) != tuple(handle.strides):
+        raise InvalidArgument(f"pool strides {list(handle.strides)} are not contiguous {list(pool.stride())}")
+    return pool
+
+
+def _spec_of(handle: common_pb2.PoolHandle) -> PoolSpec:
+    """The pool a handle describes; InvalidArgument if the handle is not self-consistent."""
     if handle.device != "cpu" or handle.WhichOneof("payload") != "shm":
         raise InvalidArgument(
             f"this compute service maps cpu shared-memory pools, got device {handle.device!r}"
         )
-    if len(handle.shape) != 6:
-        raise InvalidArgument(f"pool shape must have 6 dimensions, got {list(handle.shape)}")
-    dtype = dtype_from_name(handle.dtype)
-    numel = math.prod(handle.shape)
-    if handle.shm.nbytes != numel * dtype.itemsize:
-        raise InvalidArgument(f"handle size {handle.shm.nbytes} does not match shape {list(handle.shape)}")
-    path = Path(handle.shm.path)
-    if path.parent != SHM_DIR or not path.name.startswith(SEGMENT_PREFIX):
-        raise InvalidArgument(f"{path} is not a pagedserve pool segment")
+    shape = tuple(handle.shape)
+    if len(shape) != 6 or shape[1] != 2 or min(shape) < 1:
+        raise InvalidArgument(
+            f"pool shape must be [layers, 2, blocks, block_size, kv_heads, head_dim] > 0, got {list(shape)}"
+        )
+    layers, _, blocks, block_size, heads, head_dim = shape
+    spec = PoolSpec(layers, blocks, block_size, heads, head_dim, dtype_from_name(handle.dtype))
+    if handle.shm.nbytes != spec.nbytes:
+        raise InvalidArgument(f"handle size {handle.shm.nbytes} does not match shape {list(shape)}")
+    return spec
+
+
+def _open_segment(path: Path) -> int:
+    # NOTE: O_NOFOLLOW refuses a symlink; O_NONBLOCK keeps a FIFO planted under the name from blocking.
     try:
-        size = path.stat().st_size
+        return os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError as exc:
         raise FailedPrecondition(
             f"pool segment {path} is gone: the cache service restarted; re-attach"
         ) from exc
-    if size != handle.shm.nbytes:
-        raise FailedPrecondition(f"pool segment {path} holds {size} bytes, handle says {handle.shm.nbytes}")
-    pool = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(tuple(handle.shape))
-    if tuple(pool.stride()) != tuple(handle.strides):
-        raise InvalidArgument(f"pool strides {list(handle.strides)} are not contiguous {list(pool.stride())}")
-    return pool
+    except OSError as exc:
+        reason = f"it cannot be opened ({exc.strerror})"
+        raise _refused(path, "it is a symbolic link" if exc.errno == errno.ELOOP else reason) from exc
+
+
+def _check_file(info: os.stat_result, path: Path, nbytes: int) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise _refused(path, "it is not a regular file")
+    if info.st_uid != os.geteuid():
+        raise _refused(path, f"it is owned by uid {info.st_uid}, not by this service's uid {os.geteuid()}")
+    if stat.S_IMODE(info.st_mode) != 0o600:
+        raise _refused(path, f"its mode is {stat.S_IMODE(info.st_mode):04o}, not 0600")
+    if info.st_nlink != 1:
+        raise _refused(path, f"it has {info.st_nlink} links, not 1")
+    if info.st_size != nbytes + HEADER_BYTES:
+        raise _refused(
+            path, f"it holds {info.st_size} bytes, not the handle's {nbytes} and a {HEADER_BYTES}-byte header"
+        )
+
+
+def _check_header(header: SegmentHeader | None, handle: common_pb2.PoolHandle, path: Path) -> None:
+    if header is None:
+        raise _refused(path, "it has no pagedserve segment header (magic missing)")
+    differ = header.mismatches(handle.epoch, handle.dtype, tuple(handle.shape), handle.shm.token)
+    if differ:
+        raise _refused(path, f"its header does not match the handle's {', '.join(differ)}")
+
+
+def _refused(path: Path, reason: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"refusing pool segment {path}: {reason}; AttachPool maps only the segment the cache service "
+        "created: pass the handle its CreatePool returned"
+    )

@@ -61,6 +61,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         )
 
     def AttachPool(self, handle: common_pb2.PoolHandle, context) -> compute_pb2.AttachPoolResponse:
+        """Maps the pool only if its segment is the one the cache created for this handle (see
+        common/shared_pool.py open_pool) and fits the model; a refusal leaves the attached pool in place."""
         if not handle.epoch:
             raise InvalidArgument("pool handle has no epoch: pass the handle CreatePool returned")
         pool = open_pool(handle)

@@ -23,9 +23,11 @@ class PoolHandle(_message.Message):
     def __init__(self, device: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., epoch: _Optional[str] = ..., shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ...) -> None: ...
 
 class SharedMemoryHandle(_message.Message):
-    __slots__ = ("path", "nbytes")
+    __slots__ = ("path", "nbytes", "token")
     PATH_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     path: str
     nbytes: int
-    def __init__(self, path: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    token: bytes
+    def __init__(self, path: _Optional[str] = ..., nbytes: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...

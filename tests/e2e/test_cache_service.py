@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 
+from common.segment_header import HEADER_BYTES, TOKEN_BYTES
 from common.shared_pool import SEGMENT_PREFIX, SHM_DIR, open_pool
 from protos import cache_pb2
 from tests.e2e.cache_process import BLOCK_SIZE, HEAD_DIM, HEADS, LAYERS, Service, pool_request, refused, seqs
@@ -40,7 +41,7 @@ def stub(service, handle):
     assert service.stats().num_sequences == 0
 
 
-def test_create_pool_returns_a_private_fully_sized_segment(service, handle):
+def test_create_pool_returns_a_private_fully_sized_segment_with_its_header(service, handle):
     assert handle.device == "cpu"
     assert list(handle.shape) == [LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM]
     assert handle.dtype == "float32"
@@ -49,8 +50,9 @@ def test_create_pool_returns_a_private_fully_sized_segment(service, handle):
     assert path.parent == SHM_DIR and path.name.startswith(f"{SEGMENT_PREFIX}{service.proc.pid}-")
     info = path.stat()
     assert stat.S_IMODE(info.st_mode) == 0o600
-    assert info.st_size == handle.shm.nbytes == NUM_BLOCKS * BLOCK_BYTES
+    assert handle.shm.nbytes == NUM_BLOCKS * BLOCK_BYTES and info.st_size == handle.shm.nbytes + HEADER_BYTES
     assert info.st_blocks * 512 >= info.st_size, "the segment must be fully backed, not sparse"
+    assert len(handle.shm.token) == TOKEN_BYTES
 
 
 def test_create_pool_again_returns_the_same_pool(service, handle):

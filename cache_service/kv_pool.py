@@ -5,15 +5,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from cache_service import host_memory
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
 from common import shared_pool
-from common.errors import InvalidArgument, ResourceExhausted
+from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from common.shared_pool import PoolSpec
 from protos import cache_pb2, common_pb2
 
 MAX_BLOCK_SIZE = 1024
 MAX_BLOCKS = 2**31 - 1  # block ids travel as int32
+MAX_POOL_BYTES = 2**63 - 1  # a handle's sizes travel as int64
 
 
 def spec_from_request(
@@ -21,8 +23,9 @@ def spec_from_request(
 ) -> PoolSpec:
     """The pool a CreatePool asks for; its budget is the request's if set, else the service's defaults.
 
-    Raises InvalidArgument for a bad geometry, block size, dtype or budget, and ResourceExhausted when the
-    budget holds no block.
+    Raises InvalidArgument for a bad geometry, block size, dtype or budget (also one beyond int32 block ids
+    or int64 bytes), and ResourceExhausted when the budget holds no block. Whether the host can back the
+    pool is cache_service/host_memory.py's check.
     """
     geometry = request.geometry
     for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -54,7 +57,12 @@ def spec_from_request(
         )
     if num_blocks > MAX_BLOCKS:
         raise InvalidArgument(f"{num_blocks} blocks is more than block ids can address ({MAX_BLOCKS})")
-    return replace(one_block, num_blocks=num_blocks)
+    spec = replace(one_block, num_blocks=num_blocks)
+    if spec.nbytes > MAX_POOL_BYTES:
+        raise InvalidArgument(
+            f"a pool of {spec.nbytes} bytes is more than a handle can address ({MAX_POOL_BYTES})"
+        )
+    return spec
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,9 @@ class KVPool:
 
     @classmethod
     def create(cls, spec: PoolSpec, model: str, allocator: str, prefix_caching: bool) -> "KVPool":
-        """A new zeroed segment with a new epoch; the caller must `release` it."""
+        """A new zeroed segment with a new epoch; the caller must `release` it. ResourceExhausted, before
+        anything is allocated (the allocator's state too), unless the host can back it."""
+        host_memory.require_room_here(spec.nbytes, spec.num_blocks)
         allocator_ = registry.create(allocator, spec.num_blocks)
         tensor, handle = shared_pool.create(spec)
 
@@ -79,9 +89,16 @@ class KVPool:
         blocks = BlockManager(allocator_, spec.block_size, copy_block, prefix_caching, model)
         return cls(spec, model, tensor, handle, blocks)
 
-    def same_layout(self, spec: PoolSpec, model: str) -> bool:
-        """Whether `spec` differs from this pool's at most in its number of blocks, for the same model."""
-        return replace(spec, num_blocks=self.spec.num_blocks) == self.spec and model == self.model
+    def require_layout(self, spec: PoolSpec, model: str) -> None:
+        """FailedPrecondition unless `spec` differs from this pool's at most in its number of blocks, for the
+        same model: a live pool's layout never changes (callers hold its handle and block ids)."""
+        if replace(spec, num_blocks=self.spec.num_blocks) == self.spec and model == self.model:
+            return
+        raise FailedPrecondition(
+            f"the cache service holds a pool of another layout ({_layout(self.spec, self.model)}) than asked "
+            f"({_layout(spec, model)}): a pool keeps its layout while the cache service runs; restart the "
+            "cache service to change the layout"
+        )
 
     def read_block(self, layer: int, block_id: int) -> torch.Tensor:
         """K then V of one block in one layer, [2, block_size, num_kv_heads, head_dim], a view of the pool."""
@@ -96,3 +113,10 @@ class KVPool:
     def release(self) -> None:
         """Unlinks the segment; mappings others hold stay valid until they drop them."""
         shared_pool.release(self.handle)
+
+
+def _layout(spec: PoolSpec, model: str) -> str:
+    return (
+        f"{spec.num_layers} layers, {spec.num_kv_heads} kv heads, head_dim {spec.head_dim}, "
+        f"block_size {spec.block_size}, {shared_pool.dtype_name(spec.dtype)}, model {model!r}"
+    )

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cache_service import metrics
+from cache_service import host_memory, metrics
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
 from cache_service.kv_pool import KVPool, spec_from_request
@@ -15,7 +15,7 @@ from cache_service.options import DEFAULT_KV_MEMORY, DEFAULT_SESSION_TTL_S, OPTI
 from cache_service.sequence import SeqRequest
 from cache_service.sessions import Sessions
 from common import shared_pool
-from common.errors import FailedPrecondition, InvalidArgument
+from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from common.logging import configure
 from common.metrics import serve_metrics
 from common.server import serve
@@ -27,7 +27,8 @@ SWEEP_INTERVAL_S = 0.5
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
-    """Owns at most one pool; its budget defaults to the service's --kv-blocks or --kv-memory."""
+    """Owns at most one pool, whose layout is fixed once created; its budget defaults to the service's
+    --kv-blocks or --kv-memory. Raw K/V leaves only with debug_read_kv (--debug-read-kv)."""
 
     def __init__(
         self,
@@ -53,19 +54,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def CreatePool(self, request: cache_pb2.CreatePoolRequest, context) -> common_pb2.PoolHandle:
         with self._lock:
             spec = spec_from_request(request, self._default_blocks, self._default_memory)
-            old = self._pool
-            if old is not None and old.same_layout(spec, request.model):
-                return old.handle
-            held = old.blocks.stats().num_sequences if old is not None else 0
-            if held:
-                raise FailedPrecondition(
-                    f"a pool with another layout holds {held} sequences: "
-                    "Free them before creating a pool with a new geometry, block_size or dtype"
-                )
-            # NOTE: create before releasing, so a failed create leaves the old pool in place.
+            if self._pool is not None:
+                self._pool.require_layout(spec, request.model)
+                return self._pool.handle
             self._pool = KVPool.create(spec, request.model, self._allocator, self._prefix_caching)
-            if old is not None:
-                old.release()
             self._log.info(
                 "pool_created",
                 shape=list(spec.shape),
@@ -236,6 +228,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(err))
     if args.kv_blocks is None and args.kv_memory is None:
         args.kv_memory = DEFAULT_KV_MEMORY
+    try:
+        host_memory.require_room_here(args.kv_memory or 0, 0)
+    except ResourceExhausted as err:
+        parser.error(f"--kv-memory: {err}")
     return args
 
 

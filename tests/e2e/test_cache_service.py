@@ -193,7 +193,7 @@ def test_free_with_an_unknown_id_frees_nothing(stub, service):
 def test_new_layout_is_refused_while_sequences_hold_blocks(stub, handle, service):
     stub.Reserve(cache_pb2.ReserveRequest(new_seqs=seqs(("held", 1))))
     details = refused(stub.CreatePool, pool_request(block_size=32), grpc.StatusCode.FAILED_PRECONDITION)
-    assert "holds 1 sequences" in details
+    assert "restart the cache service to change the layout" in details
     assert (service.stats().pool_epoch, service.stats().block_size) == (handle.epoch, BLOCK_SIZE)
     stub.Free(cache_pb2.FreeRequest(seq_ids=["held"]))
 
@@ -243,7 +243,7 @@ def test_read_block_sees_what_another_process_wrote(stub, handle):
     assert stub.ReadBlock(cache_pb2.ReadBlockRequest(block_id=block_id)).refcount == 0
 
 
-# fresh processes: start-up, the state before CreatePool, replacing the pool, shutdown
+# fresh processes: start-up, the state before CreatePool, keeping the pool's layout, shutdown
 
 
 def dead_pid() -> int:
@@ -281,22 +281,19 @@ def test_start_sweeps_stale_segments_and_refuses_calls_before_create_pool(tmp_pa
         live.unlink(missing_ok=True)
 
 
-def test_a_free_pool_is_replaced_by_a_new_layout_and_sigterm_unlinks_it(tmp_path):
+def test_an_idle_pool_keeps_its_layout_and_sigterm_unlinks_it(tmp_path):
     service = Service(tmp_path, "--kv-memory", "1MiB")
     try:
         first = service.stub.CreatePool(pool_request(num_blocks=10))
         assert service.stats().total_blocks == 10
-        second = service.stub.CreatePool(pool_request(block_size=32))
-        assert second.epoch != first.epoch
-        assert not Path(first.shm.path).exists()
-        assert Path(second.shm.path).exists()
-        stats = service.stats()
-        assert (stats.total_blocks, stats.block_size, stats.pool_epoch) == (
-            2**20 // (2 * BLOCK_BYTES),
-            32,
-            second.epoch,
+        details = refused(
+            service.stub.CreatePool, pool_request(block_size=32), grpc.StatusCode.FAILED_PRECONDITION
         )
+        assert "block_size 16" in details and "block_size 32" in details
+        assert Path(first.shm.path).exists()
+        stats = service.stats()
+        assert (stats.total_blocks, stats.block_size, stats.pool_epoch) == (10, BLOCK_SIZE, first.epoch)
     finally:
         assert service.stop() == 0
-    assert not Path(second.shm.path).exists()
+    assert not Path(first.shm.path).exists()
     assert "pool_released" in service.log()

@@ -53,6 +53,11 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         help="longest TTL a session may ask for, seconds; a session not renewed within its TTL lapses and "
         f"its sequences are freed (default TTL: {DEFAULT_SESSION_TTL_S:g} s, or this if smaller)",
     )
+    parser.add_argument(
+        "--debug-read-kv",
+        action="store_true",
+        help="let ReadBlock return raw K/V bytes (include_data): other requests' prompts; debugging only",
+    )
 
 
 OPTIONS = ServiceOptions("cache_service", 50052, settings=(add_settings, add_logging))

@@ -38,8 +38,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         log,
         prefix_caching: bool = True,
         sessions: Sessions | None = None,
+        debug_read_kv: bool = False,
     ) -> None:
         self._allocator = allocator
+        self._debug_read_kv = debug_read_kv
         self._prefix_caching = prefix_caching
         self._default_blocks = default_blocks
         self._default_memory = default_memory
@@ -167,6 +169,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             )
 
     def ReadBlock(self, request: cache_pb2.ReadBlockRequest, context) -> cache_pb2.BlockContents:
+        if request.include_data and not self._debug_read_kv:
+            raise FailedPrecondition(
+                "ReadBlock include_data returns raw K/V, which holds other requests' prompts: start the "
+                "cache service with --debug-read-kv to allow it (refcounts need no flag)"
+            )
         with self._lock:
             pool = self._require_pool()
             data = pool.read_block(request.layer, request.block_id)
@@ -242,7 +249,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     log.info("swept_stale_segments", count=len(removed), paths=[str(path) for path in removed])
     sessions = Sessions(min(DEFAULT_SESSION_TTL_S, args.max_session_ttl), args.max_session_ttl)
     servicer = CacheServicer(
-        args.allocator, args.kv_blocks or 0, args.kv_memory or 0, log, args.prefix_cache, sessions
+        args.allocator,
+        args.kv_blocks or 0,
+        args.kv_memory or 0,
+        log,
+        args.prefix_cache,
+        sessions,
+        args.debug_read_kv,
     )
     sweeper = threading.Thread(target=_sweep_every, args=(servicer, SWEEP_INTERVAL_S), daemon=True)
     sweeper.start()

@@ -157,7 +157,9 @@ class CacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReadBlock(self, request, context):
-        """Debugging aid: a block's refcount and, if asked, its raw K/V bytes for one layer.
+        """Debugging aid: a block's refcount and, if asked (include_data), its raw K/V bytes for one layer.
+        Raw K/V holds other requests' prompts: include_data is refused with FAILED_PRECONDITION unless the
+        cache service runs with --debug-read-kv.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -23,9 +23,11 @@ def logs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def stack_fp32(model_dir, logs):
+    # --debug-read-kv: test_shared_pool.py and test_errors.py read raw K/V through ReadBlock.
     stack = start_stack(
-        logs, "--dtype", "float32", "--kv-blocks", "512", "--log-format", "json", "--log-level", "debug"
-    )
+        logs, "--dtype", "float32", "--kv-blocks", "512", "--log-format", "json", "--log-level", "debug",
+        "--debug-read-kv",
+    )  # fmt: skip
     yield stack
     stack.stop()
 

@@ -24,7 +24,7 @@ BLOCK_BYTES = LAYERS * 2 * BLOCK_SIZE * HEADS * HEAD_DIM * 4  # float32, every l
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    service = Service(tmp_path_factory.mktemp("cache"), "--kv-blocks", str(NUM_BLOCKS))
+    service = Service(tmp_path_factory.mktemp("cache"), "--kv-blocks", str(NUM_BLOCKS), "--debug-read-kv")
     yield service
     service.stop()
 

@@ -147,7 +147,7 @@ def open_pool(handle: common_pb2.PoolHandle, shm_dir: Path = SHM_DIR) -> torch.T
     the segment is gone; a refusal maps nothing."""
     spec = _spec_of(handle)
     path = Path(handle.shm.path)
-    if path.parent != shm_dir or not path.name.startswith(SEGMENT_PREFIX):
+    if path.parent != shm_dir or not path.name.startswith(SEGMENT_PREFIX) or "\0" in path.name:
         raise InvalidArgument(f"{path} is not a pagedserve pool segment ({shm_dir}/{SEGMENT_PREFIX}*)")
     fd = _open_segment(path)
     try:

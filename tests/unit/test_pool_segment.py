@@ -146,6 +146,8 @@ def test_a_gone_segment_and_a_path_elsewhere_are_refused(segment, tmp_path):
     gone = _with(handle, shm__path=str(tmp_path / f"{shared_pool.SEGMENT_PREFIX}gone"))
     assert "is gone" in _refusal(gone, tmp_path, FailedPrecondition)
     assert "is not a pagedserve pool segment" in _refusal(handle, tmp_path / "elsewhere")
+    nul = _with(handle, shm__path=handle.shm.path + "\0")
+    assert "is not a pagedserve pool segment" in _refusal(nul, tmp_path)
 
 
 def test_a_handle_inconsistent_in_itself_is_refused(segment, tmp_path):

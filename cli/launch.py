@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from cli import runtime_dir
 from cli.up import SERVICES, START_TIMEOUT_S
 from common.healthcheck import serving
@@ -63,14 +65,20 @@ def log_tail(proc: subprocess.Popen, lines: int = 40) -> str:
     return "\n".join(Path(proc.log_path).read_text(errors="replace").splitlines()[-lines:])
 
 
-def wait_healthy(target: str, proc: subprocess.Popen, timeout: float = 300.0, service: str = "") -> None:
-    """Returns once target answers SERVING for service; RuntimeError if proc exits first, TimeoutError when
-    time runs out (proc left running), both with the tail of its log."""
+def wait_healthy(
+    target: str,
+    proc: subprocess.Popen,
+    timeout: float = 300.0,
+    service: str = "",
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
+    """Returns once target answers SERVING for service (asked with credentials, if given); RuntimeError if
+    proc exits first, TimeoutError when time runs out (proc left running), both with the tail of its log."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{target} exited with {proc.returncode}:\n{log_tail(proc)}")
-        if serving(target, service):
+        if serving(target, service, credentials=credentials):
             return
         time.sleep(0.2)
     raise TimeoutError(f"{target} not healthy after {timeout}s:\n{log_tail(proc)}")

@@ -40,12 +40,16 @@ def serving(
     return status(target, service, timeout, credentials) == SERVING
 
 
+def parser() -> argparse.ArgumentParser:
+    result = argparse.ArgumentParser(prog="python -m common.healthcheck", description=__doc__)
+    result.add_argument("target", help="HOST:PORT or unix:PATH")
+    result.add_argument("service", nargs="?", default="", help="the service to ask about ('': the server)")
+    transport.add_client_certs(result)
+    return result
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m common.healthcheck", description=__doc__)
-    parser.add_argument("target", help="HOST:PORT or unix:PATH")
-    parser.add_argument("service", nargs="?", default="", help="the service to ask about ('': the server)")
-    transport.add_client_certs(parser)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     reply = status(args.target, args.service, timeout=3.0, credentials=transport.credentials_of(args))
     out = sys.stdout if reply == SERVING else sys.stderr
     print(f"{args.target} {args.service or '(server)'}: {reply}", file=out)

@@ -137,7 +137,9 @@ def _supervise(args: argparse.Namespace) -> int:
             break
         pending = {name for name in pending if not serving(targets[name])}
         if not pending and deadline:
-            print(f"pagedserve ready on {local}:{args.port} (model {args.model}, {args.dtype})", flush=True)
+            sockets = runtime_path(args)
+            print(f"pagedserve ready on {local}:{args.port} (model {args.model}, {args.dtype}; "
+                  f"cache and compute sockets in {sockets})", flush=True)  # fmt: skip
             deadline = 0.0
         if deadline and time.monotonic() > deadline:
             print(

@@ -124,7 +124,7 @@ def test_up_prints_ready_and_cleans_up_on_sigint(model_dir, logs):
             lines.append(line)
             if "pagedserve ready" in line:
                 break
-        assert f"127.0.0.1:{port}" in lines[-1]
+        assert f"127.0.0.1:{port}" in lines[-1] and str(runtime_dir.default_path(port)) in lines[-1]
         ours = {p for p in _segments() - before if p.name.startswith(f"pagedserve-kv-{_cache_pid(proc)}-")}
         assert len(ours) == 1, "the cache service maps one pool segment"
         proc.send_signal(signal.SIGINT)

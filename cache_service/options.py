@@ -6,6 +6,7 @@ from fractions import Fraction
 
 from cache_service.allocators import registry
 from common.options import ServiceOptions, add_logging, positive_seconds
+from common.transport import add_listen
 
 DEFAULT_KV_MEMORY = 256 * 2**20
 # The TTL of a session opened with ttl_s 0 (capped at --max-session-ttl).
@@ -60,4 +61,4 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     )
 
 
-OPTIONS = ServiceOptions("cache_service", 50052, settings=(add_settings, add_logging))
+OPTIONS = ServiceOptions("cache_service", 50052, settings=(add_settings, add_logging), wiring=(add_listen,))

@@ -10,11 +10,12 @@ import torch
 from cache_service import host_memory, metrics
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
+from cache_service.callers import CALLERS
 from cache_service.kv_pool import KVPool, spec_from_request
 from cache_service.options import DEFAULT_KV_MEMORY, DEFAULT_SESSION_TTL_S, OPTIONS
 from cache_service.sequence import SeqRequest
 from cache_service.sessions import Sessions
-from common import shared_pool
+from common import shared_pool, transport
 from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from common.logging import configure
 from common.metrics import serve_metrics
@@ -233,6 +234,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         registry.resolve(args.allocator)
     except InvalidArgument as err:
         parser.error(str(err))
+    transport.check_listen(parser, args)
     if args.kv_blocks is None and args.kv_memory is None:
         args.kv_memory = DEFAULT_KV_MEMORY
     try:
@@ -262,6 +264,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     metrics.register(lambda: servicer.GetStats(cache_pb2.GetStatsRequest(), None))
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(
-        [(cache_pb2_grpc.add_CacheServicer_to_server, servicer, SERVICE_NAME)], args.host, args.port, log
+        [(cache_pb2_grpc.add_CacheServicer_to_server, servicer, SERVICE_NAME)],
+        args.host,
+        args.port,
+        log,
+        **transport.listen(args, "cache", CALLERS, log),
     )
     server.wait(on_stop=servicer.close)

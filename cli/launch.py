@@ -6,13 +6,18 @@ start and wait for any one server.
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
+from cli import runtime_dir
 from cli.up import SERVICES, START_TIMEOUT_S
 from common.healthcheck import serving
 from common.server import channel
@@ -60,14 +65,20 @@ def log_tail(proc: subprocess.Popen, lines: int = 40) -> str:
     return "\n".join(Path(proc.log_path).read_text(errors="replace").splitlines()[-lines:])
 
 
-def wait_healthy(target: str, proc: subprocess.Popen, timeout: float = 300.0, service: str = "") -> None:
-    """Returns once target answers SERVING for service; RuntimeError if proc exits first, TimeoutError when
-    time runs out (proc left running), both with the tail of its log."""
+def wait_healthy(
+    target: str,
+    proc: subprocess.Popen,
+    timeout: float = 300.0,
+    service: str = "",
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
+    """Returns once target answers SERVING for service (asked with credentials, if given); RuntimeError if
+    proc exits first, TimeoutError when time runs out (proc left running), both with the tail of its log."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{target} exited with {proc.returncode}:\n{log_tail(proc)}")
-        if serving(target, service):
+        if serving(target, service, credentials=credentials):
             return
         time.sleep(0.2)
     raise TimeoutError(f"{target} not healthy after {timeout}s:\n{log_tail(proc)}")
@@ -87,13 +98,15 @@ def stop(proc: subprocess.Popen, timeout: float = 20.0) -> int:
 
 @dataclass
 class Stack:
-    """A running `pagedserve up`: its process, its services' addresses, stubs and /metrics URLs."""
+    """A running `pagedserve up`: its process, its services' addresses (cache and compute: unix sockets in
+    its own runtime directory), stubs and /metrics URLs."""
 
     proc: subprocess.Popen
     target: str
     cache_target: str
     compute_target: str
     metrics_base: int
+    runtime_dir: Path
 
     @classmethod
     def start(
@@ -103,16 +116,17 @@ class Stack:
         cwd: Path | None = None,
         timeout: float = START_TIMEOUT_S,
     ) -> "Stack":
-        """`pagedserve up` with these flags in cwd on free ports, metrics on free ports too, its output in
-        log_dir/stack-PORT.log (discarded without log_dir); returns once the gateway serves."""
-        port, cache_port, compute_port = free_port(), free_port(), free_port()
-        metrics_base = free_ports(len(SERVICES))
-        argv = [sys.executable, "-m", "cli", "up", "--port", str(port), "--cache-port", str(cache_port),
-                "--compute-port", str(compute_port), "--metrics-port", str(metrics_base), *flags]  # fmt: skip
+        """`pagedserve up` with these flags in cwd on a free port, metrics on free ports too, the sockets in
+        a new temporary runtime directory, its output in log_dir/stack-PORT.log (discarded without log_dir);
+        returns once the gateway serves."""
+        port, metrics_base = free_port(), free_ports(len(SERVICES))
+        # NOTE: a short path: a unix socket's path holds at most 107 bytes.
+        sockets = Path(tempfile.mkdtemp(prefix="ps-"))
+        argv = [sys.executable, "-m", "cli", "up", "--port", str(port), "--runtime-dir", str(sockets),
+                "--metrics-port", str(metrics_base), *flags]  # fmt: skip
         proc = spawn(argv, log_dir / f"stack-{port}.log" if log_dir else None, cwd=cwd)
-        stack = cls(
-            proc, f"127.0.0.1:{port}", f"127.0.0.1:{cache_port}", f"127.0.0.1:{compute_port}", metrics_base
-        )
+        cache, compute = (f"unix:{runtime_dir.socket_path(sockets, name)}" for name in ("cache", "compute"))
+        stack = cls(proc, f"127.0.0.1:{port}", cache, compute, metrics_base, sockets)
         try:
             wait_healthy(stack.target, proc, timeout, GATEWAY_SERVICE)
         except BaseException:
@@ -137,4 +151,6 @@ class Stack:
         return self.cache().GetStats(cache_pb2.GetStatsRequest(), timeout=10)
 
     def stop(self) -> int:
-        return stop(self.proc, timeout=60)
+        code = stop(self.proc, timeout=60)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        return code

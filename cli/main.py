@@ -2,7 +2,7 @@
 
 import argparse
 
-from cli import generate, monitor, stats, up
+from cli import certs, generate, monitor, stats, up
 from cli.bench import command as bench
 
 
@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="pagedserve", description="pagedserve: a paged-KV LLM inference server"
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in (up, generate, bench, monitor, stats):
+    for module in (up, generate, bench, monitor, stats, certs):
         module.add_parser(commands)
     args = parser.parse_args(argv)
     raise SystemExit(args.run(args))

@@ -6,20 +6,26 @@ import sys
 
 import grpc
 
+from common import transport
 from common.server import channel
 from protos import cache_pb2, cache_pb2_grpc
 
 
 def add_parser(commands) -> None:
     p = commands.add_parser("stats", help="print the cache service's block statistics")
-    p.add_argument("--cache-target", default="127.0.0.1:50052", help="cache service address HOST:PORT")
+    p.add_argument(
+        "--cache-target",
+        default="127.0.0.1:50052",
+        help="cache service address HOST:PORT, or unix:PATH (`pagedserve up`: unix:RUNTIME_DIR/cache.sock)",
+    )
+    transport.add_client_certs(p)
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.add_argument("--timeout", type=float, default=10.0)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    with channel(args.cache_target) as ch:
+    with channel(args.cache_target, transport.credentials_of(args)) as ch:
         try:
             stats = cache_pb2_grpc.CacheStub(ch).GetStats(cache_pb2.GetStatsRequest(), timeout=args.timeout)
         except grpc.RpcError as err:

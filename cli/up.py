@@ -1,13 +1,19 @@
 """`pagedserve up`: the three services as separate processes, in the foreground, supervised: one that exits
-is restarted; Ctrl-C/SIGTERM drains the gateway, then stops compute and cache."""
+is restarted; Ctrl-C/SIGTERM drains the gateway, then stops compute and cache.
+
+Cache and compute listen only on unix sockets in a 0700 runtime directory (cli.runtime_dir): `up` opens no
+TCP port but the gateway's (and /metrics ones when asked).
+"""
 
 import argparse
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 from cache_service.options import OPTIONS as CACHE
+from cli import runtime_dir
 from cli.supervisor import RestartPolicy, Supervisor
 from common import shared_pool
 from common.healthcheck import serving
@@ -17,7 +23,7 @@ from gateway.options import OPTIONS as GATEWAY
 START_TIMEOUT_S = 900.0
 # How long past --drain-timeout the gateway gets to stop before it is killed.
 DRAIN_MARGIN_S = 10.0
-# Cache and compute serve only the gateway, on this machine.
+# Where cache and compute bind /metrics (when asked): this machine only.
 INTERNAL_HOST = "127.0.0.1"
 # The order of their metrics ports: BASE, BASE+1, BASE+2.
 SERVICES = ("gateway", "cache", "compute")
@@ -29,8 +35,11 @@ def add_parser(commands) -> None:
     p = commands.add_parser("up", help="start cache, compute and gateway services and wait for Ctrl-C")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     p.add_argument("--port", type=int, default=GATEWAY.port)
-    p.add_argument("--cache-port", type=int, default=CACHE.port)
-    p.add_argument("--compute-port", type=int, default=COMPUTE.port)
+    p.add_argument(
+        "--runtime-dir",
+        help="0700 directory for the cache and compute unix sockets "
+        "(default: $XDG_RUNTIME_DIR/pagedserve-PORT, else /tmp/pagedserve-UID-PORT)",
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -55,20 +64,29 @@ def add_parser(commands) -> None:
     p.set_defaults(run=run)
 
 
-def _ports(args: argparse.Namespace) -> dict[str, int]:
-    return {"cache": args.cache_port, "compute": args.compute_port, "gateway": args.port}
+def runtime_path(args: argparse.Namespace) -> Path:
+    return Path(args.runtime_dir) if args.runtime_dir else runtime_dir.default_path(args.port)
+
+
+def internal_targets(args: argparse.Namespace) -> dict[str, str]:
+    """The gRPC targets of cache and compute: unix sockets in the runtime directory."""
+    return {name: f"unix:{runtime_dir.socket_path(runtime_path(args), name)}" for name in runtime_dir.SOCKETS}
 
 
 def _placement(args: argparse.Namespace) -> dict[str, list[str]]:
     """Where each service listens, and whom the gateway calls: the flags `up` decides itself."""
-    hosts = {"cache": INTERNAL_HOST, "compute": INTERNAL_HOST, "gateway": args.host}
+    metrics = {
+        name: str(args.metrics_port + SERVICES.index(name) if args.metrics_port else 0) for name in SERVICES
+    }
+    targets = internal_targets(args)
     placement = {
-        name: ["--host", hosts[name], "--port", str(port), "--metrics-port",
-               str(args.metrics_port + SERVICES.index(name) if args.metrics_port else 0)]
-        for name, port in _ports(args).items()
+        name: ["--host", INTERNAL_HOST, "--socket", str(runtime_dir.socket_path(runtime_path(args), name)),
+               "--metrics-port", metrics[name]]
+        for name in runtime_dir.SOCKETS
     }  # fmt: skip
-    placement["gateway"] += ["--cache-target", f"{INTERNAL_HOST}:{args.cache_port}",
-                             "--compute-target", f"{INTERNAL_HOST}:{args.compute_port}"]  # fmt: skip
+    placement["gateway"] = ["--host", args.host, "--port", str(args.port), "--metrics-port",
+                            metrics["gateway"], "--cache-target", targets["cache"],
+                            "--compute-target", targets["compute"]]  # fmt: skip
     return placement
 
 
@@ -89,12 +107,24 @@ def _remove_segments(name: str, pid: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    path = runtime_path(args)
+    try:
+        created = runtime_dir.prepare(path)
+    except (runtime_dir.UnsafeRuntimeDir, OSError) as err:
+        print(f"pagedserve: {err}", file=sys.stderr)
+        return 2
+    try:
+        return _supervise(args)
+    finally:
+        runtime_dir.clean(path, created)
+
+
+def _supervise(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    hosts = {"cache": INTERNAL_HOST, "compute": INTERNAL_HOST, "gateway": local}
-    targets = {name: f"{hosts[name]}:{port}" for name, port in _ports(args).items()}
+    targets = {**internal_targets(args), "gateway": f"{local}:{args.port}"}
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     supervisor = Supervisor(service_commands(args), policy, on_exit=_remove_segments)
     supervisor.start()
@@ -107,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
             break
         pending = {name for name in pending if not serving(targets[name])}
         if not pending and deadline:
-            print(f"pagedserve ready on {local}:{args.port} (model {args.model}, {args.dtype})", flush=True)
+            sockets = runtime_path(args)
+            print(f"pagedserve ready on {local}:{args.port} (model {args.model}, {args.dtype}; "
+                  f"cache and compute sockets in {sockets})", flush=True)  # fmt: skip
             deadline = 0.0
         if deadline and time.monotonic() > deadline:
             print(

@@ -1,24 +1,31 @@
 """The one grpc.health.v1 probe: `serving(target, service)` for launchers, tests and the gateway's watcher.
 
-`python -m common.healthcheck HOST:PORT [SERVICE]` exits 0 if the server answers SERVING, else 1: for
-container health checks (docker-compose.yml), no grpcurl or proto files needed in the image.
+`python -m common.healthcheck [--internal-certs DIR --identity NAME] TARGET [SERVICE]` exits 0 if the server
+at TARGET (HOST:PORT or unix:PATH) answers SERVING, else 1: for container health checks (docker-compose.yml),
+no grpcurl or proto files needed in the image.
 """
 
+import argparse
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import transport
+from common.server import channel
+
 SERVING = health_pb2.HealthCheckResponse.ServingStatus.Name(health_pb2.HealthCheckResponse.SERVING)
 
 
-def status(target: str, service: str = "", timeout: float = 1.0) -> str:
+def status(
+    target: str, service: str = "", timeout: float = 1.0, credentials: grpc.ChannelCredentials | None = None
+) -> str:
     """What the server at target reports for service ('' is the whole server): a ServingStatus name
     (SERVING, NOT_SERVING, ...), or the status code of the failed check (UNAVAILABLE, DEADLINE_EXCEEDED, ...).
     """
-    with grpc.insecure_channel(target) as channel:
+    with channel(target, credentials) as ch:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
+            reply = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )
         except grpc.RpcError as err:
@@ -26,18 +33,26 @@ def status(target: str, service: str = "", timeout: float = 1.0) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def serving(target: str, service: str = "", timeout: float = 1.0) -> bool:
+def serving(
+    target: str, service: str = "", timeout: float = 1.0, credentials: grpc.ChannelCredentials | None = None
+) -> bool:
     """True when the server at target answers SERVING for service within timeout seconds."""
-    return status(target, service, timeout) == SERVING
+    return status(target, service, timeout, credentials) == SERVING
+
+
+def parser() -> argparse.ArgumentParser:
+    result = argparse.ArgumentParser(prog="python -m common.healthcheck", description=__doc__)
+    result.add_argument("target", help="HOST:PORT or unix:PATH")
+    result.add_argument("service", nargs="?", default="", help="the service to ask about ('': the server)")
+    transport.add_client_certs(result)
+    return result
 
 
 def main(argv: list[str]) -> int:
-    if not 1 <= len(argv) <= 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    target, service = argv[0], argv[1] if len(argv) == 2 else ""
-    reply = status(target, service, timeout=3.0)
-    print(f"{target} {service or '(server)'}: {reply}", file=sys.stdout if reply == SERVING else sys.stderr)
+    args = parser().parse_args(argv)
+    reply = status(args.target, args.service, timeout=3.0, credentials=transport.credentials_of(args))
+    out = sys.stdout if reply == SERVING else sys.stderr
+    print(f"{args.target} {args.service or '(server)'}: {reply}", file=out)
     return 0 if reply == SERVING else 1
 
 

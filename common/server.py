@@ -1,8 +1,10 @@
 """One gRPC server bootstrap for every service: error mapping, health, reflection, graceful stop."""
 
+import contextlib
+import os
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 
 import grpc
@@ -80,10 +82,17 @@ class _ErrorInterceptor(grpc.ServerInterceptor):
 class Server:
     """A started gRPC server with the health service; `wait()` blocks until SIGINT/SIGTERM."""
 
-    def __init__(self, server: grpc.Server, health_servicer: health.HealthServicer, port: int) -> None:
+    def __init__(
+        self,
+        server: grpc.Server,
+        health_servicer: health.HealthServicer,
+        port: int,
+        socket: str | None = None,
+    ) -> None:
         self.grpc_server = server
         self.health = health_servicer
         self.port = port
+        self.socket = socket
         self._stopped = threading.Event()
 
     def set_serving(self, service: str, serving: bool) -> None:
@@ -96,6 +105,9 @@ class Server:
     def stop(self, grace: float = 2.0) -> None:
         self.health.enter_graceful_shutdown()
         self.grpc_server.stop(grace).wait()
+        if self.socket is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket)
         self._stopped.set()
 
     def wait(
@@ -130,12 +142,18 @@ def serve(
     log,
     serving: bool = True,
     max_workers: int = 64,
+    *,
+    socket: str | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> Server:
-    """Starts a server for (add_servicer_fn, servicer, full service name) triples on host:port."""
+    """Starts a server for (add_servicer_fn, servicer, full service name) triples on host:port, or only on
+    the unix socket at path `socket` (mode 0600, removed on stop), with TLS when `credentials` are given.
+    `interceptors` see each call before the error mapping (an abort of theirs keeps its status code)."""
     services = list(services)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[_ErrorInterceptor(log)],
+        interceptors=[*interceptors, _ErrorInterceptor(log)],
         options=CHANNEL_OPTIONS,
     )
     health_servicer = health.HealthServicer()
@@ -145,14 +163,18 @@ def serve(
         add(servicer, server)
         names.append(name)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"unix:{socket}" if socket is not None else f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}: is another server using this port?")
+        raise OSError(f"cannot bind {address}: is another server using it?")
+    if socket is not None:
+        # NOTE: the socket is created with the umask's mode; connecting needs write permission on it.
+        os.chmod(socket, 0o600)
     server.start()
-    result = Server(server, health_servicer, bound)
+    result = Server(server, health_servicer, bound, socket)
     for _, _, name in services:
         result.set_serving(name, serving)
-    log.info("listening", address=f"{host}:{bound}")
+    log.info("listening", address=address if socket else f"{host}:{bound}", tls=credentials is not None)
     return result
 
 
@@ -161,5 +183,8 @@ def request_metadata(request_ids: Iterable[str]) -> tuple[tuple[str, str], ...]:
     return ((REQUEST_ID_KEY, ",".join(request_ids)),)
 
 
-def channel(target: str) -> grpc.Channel:
+def channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A channel to target (HOST:PORT or unix:PATH), over TLS when credentials are given."""
+    if credentials is not None:
+        return grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
     return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from prometheus_client import Histogram
 
+from common import transport
 from common.errors import FailedPrecondition, InvalidArgument
 from common.logging import configure
 from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, serve_metrics
@@ -15,6 +16,7 @@ from common.precision import resolve_dtype
 from common.server import serve
 from common.shared_pool import dtype_from_name, open_pool
 from compute_service.batch import ForwardBatch
+from compute_service.callers import CALLERS
 from compute_service.model_loader import ModelSpec, load
 from compute_service.options import OPTIONS
 from compute_service.runner import Runner, StepTimes
@@ -134,7 +136,10 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return OPTIONS.parser(__doc__).parse_args(argv)
+    parser = OPTIONS.parser(__doc__)
+    args = parser.parse_args(argv)
+    transport.check_listen(parser, args)
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,7 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     servicer = ComputeServicer(Runner(model), spec, log)
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(
-        [(compute_pb2_grpc.add_ComputeServicer_to_server, servicer, SERVICE_NAME)], args.host, args.port, log
+        [(compute_pb2_grpc.add_ComputeServicer_to_server, servicer, SERVICE_NAME)],
+        args.host,
+        args.port,
+        log,
+        **transport.listen(args, "compute", CALLERS, log),
     )
     stop = threading.Event()
     threading.Thread(target=_watch_segment, args=(servicer, stop), name="segment-watch", daemon=True).start()

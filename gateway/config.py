@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+import grpc
+
 HANDSHAKE_TIMEOUT_S = 900.0
 # Each call of a handshake retried after a peer was lost: short, so that a hung peer is retried too.
 RETRY_TIMEOUT_S = 5.0
@@ -23,3 +25,5 @@ class EngineConfig:
     # A Forward's deadline (0: derived from the recent steps, see StepDeadline).
     step_timeout_s: float = 0.0
     session_ttl_s: float = 10.0
+    # mTLS to cache and compute (--internal-certs); None: plaintext (a unix socket or --insecure).
+    internal_credentials: grpc.ChannelCredentials | None = None

@@ -29,8 +29,10 @@ class Engine:
     def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self._cache = cache_pb2_grpc.CacheStub(channel(config.cache_target))
-        self._compute = compute_pb2_grpc.ComputeStub(channel(config.compute_target))
+        self._cache = cache_pb2_grpc.CacheStub(channel(config.cache_target, config.internal_credentials))
+        self._compute = compute_pb2_grpc.ComputeStub(
+            channel(config.compute_target, config.internal_credentials)
+        )
         self._cond = threading.Condition()
         self._intake: list[Sequence] = []
         self._aborts: set[str] = set()

@@ -32,12 +32,14 @@ class DownstreamWatcher:
         targets: dict[str, str],
         attached_epoch: Callable[[], str | None] | None = None,
         on_restart: Callable[[str, float], None] | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self._server = server
         self._service = service
         self._targets = targets
         self._attached_epoch = attached_epoch
         self._on_restart = on_restart or (lambda name, seen_at: None)
+        self._credentials = credentials
         # The peers that could not be reached, and when they were last seen so.
         self._unreachable: dict[str, float] = {}
         self._stop = threading.Event()
@@ -47,7 +49,10 @@ class DownstreamWatcher:
         """Names of the downstream services that do not answer SERVING within one interval (and notes which
         of them could not be reached: a peer that answers again after that has restarted)."""
         now = time.monotonic()
-        answers = {name: status(target, timeout=CHECK_INTERVAL_S) for name, target in self._targets.items()}
+        answers = {
+            name: status(target, timeout=CHECK_INTERVAL_S, credentials=self._credentials)
+            for name, target in self._targets.items()
+        }
         for name, answer in answers.items():
             if answer == grpc.StatusCode.UNAVAILABLE.name:
                 self._unreachable[name] = now
@@ -64,7 +69,7 @@ class DownstreamWatcher:
             return "no pool attached"
         asked_at = time.monotonic()
         try:
-            with channel(self._targets["cache"]) as ch:
+            with channel(self._targets["cache"], self._credentials) as ch:
                 stats = cache_pb2_grpc.CacheStub(ch).GetStats(
                     cache_pb2.GetStatsRequest(), timeout=CHECK_INTERVAL_S
                 )

@@ -3,11 +3,17 @@
 import argparse
 
 from common.options import ServiceOptions, add_logging, add_model, positive_seconds
+from common.transport import add_client_certs
 
 
 def add_targets(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cache-target", default="127.0.0.1:50052", help="the cache service, HOST:PORT")
-    parser.add_argument("--compute-target", default="127.0.0.1:50053", help="the compute service, HOST:PORT")
+    parser.add_argument(
+        "--cache-target", default="127.0.0.1:50052", help="the cache service, HOST:PORT or unix:PATH"
+    )
+    parser.add_argument(
+        "--compute-target", default="127.0.0.1:50053", help="the compute service, HOST:PORT or unix:PATH"
+    )
+    add_client_certs(parser, with_identity=False)
 
 
 def add_settings(parser: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ import structlog
 
 from common import logging as pslogging
 from common import metrics as psmetrics
+from common import transport
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from common.model_files import local_copy
 from common.server import Server, serve
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logger = pslogging.configure("gateway", args.log_format, args.log_level)
     tokenizer = tok.load(str(local_copy(args.model).path))
+    internal = transport.credentials_of(args, "gateway")
     engine = Engine(
         EngineConfig(
             cache_target=args.cache_target,
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
             session_ttl_s=args.session_ttl,
             peer_restart_grace_s=args.peer_restart_grace,
             step_timeout_s=args.step_timeout,
+            internal_credentials=internal,
         ),
         tokenizer,
     )
@@ -195,7 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     loop = threading.Thread(target=engine.run, name="engine", daemon=True)
     loop.start()
     targets = {"cache": args.cache_target, "compute": args.compute_target}
-    watcher = DownstreamWatcher(server, SERVICE, targets, engine.attached_epoch, engine.peer_restarted)
+    watcher = DownstreamWatcher(
+        server, SERVICE, targets, engine.attached_epoch, engine.peer_restarted, credentials=internal
+    )
     watcher.start()
     server.wait(
         on_stop=lambda: (watcher.stop(), engine.stop()),

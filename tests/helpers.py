@@ -1,8 +1,11 @@
 """Real service processes for tests: started, waited for and stopped with `cli.launch`."""
 
+import contextlib
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +19,19 @@ PAGEDSERVE = [sys.executable, "-m", "cli"]
 def start(module: str, *args: str, log_path: Path, env: dict | None = None) -> subprocess.Popen:
     """Starts `python -m module args...` in the repository root (so `tests.*` imports), output to log_path."""
     return spawn([sys.executable, "-m", module, *args], log_path, env, cwd=ROOT)
+
+
+@contextlib.contextmanager
+def socket_dir() -> Iterator[Path]:
+    """A new temporary directory (mode 0700) for unix sockets, removed with what is left in it at exit.
+
+    NOTE: under /tmp with a short name: a socket's path holds at most 107 bytes, pytest's tmp_path can be
+    longer."""
+    path = Path(tempfile.mkdtemp(prefix="ps-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def log_events(path: Path) -> Iterator[dict]:

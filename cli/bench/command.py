@@ -21,7 +21,11 @@ def add_parser(commands) -> None:
     )
     p.add_argument("--workload", choices=list(WORKLOADS), required=True)
     p.add_argument("--target", help="gateway HOST:PORT of a running stack (default: start one)")
-    p.add_argument("--cache-target", default="127.0.0.1:50052", help="its cache service, with --target")
+    p.add_argument(
+        "--cache-target",
+        default="127.0.0.1:50052",
+        help="its cache service (HOST:PORT or unix:PATH), with --target",
+    )
     add_model(p)
     add_dtype(p)
     p.add_argument("--block-size", type=int, default=16)

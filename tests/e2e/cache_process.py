@@ -1,5 +1,7 @@
 """The cache service as a real process for tests, a small pool geometry and request builders."""
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -7,7 +9,7 @@ import pytest
 
 from common.server import channel
 from protos import cache_pb2, cache_pb2_grpc
-from tests.helpers import free_port, start, stop, wait_healthy
+from tests.helpers import start, stop, wait_healthy
 
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 2, 2, 16, 16
 
@@ -22,14 +24,18 @@ def seqs(*pairs: tuple[str, int]) -> list[cache_pb2.SequenceRequest]:
 
 
 class Service:
+    """The cache service on a unix socket in a temporary directory of its own (removed by stop())."""
+
     def __init__(self, tmp: Path, *args: str) -> None:
-        self.target = f"127.0.0.1:{free_port()}"
-        port = self.target.rsplit(":", 1)[1]
-        self.proc = start("cache_service", "--port", port, *args, log_path=tmp / "cache.log")
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="ps-"))
+        socket = self.socket_dir / "cache.sock"
+        self.target = f"unix:{socket}"
+        self.proc = start("cache_service", "--socket", str(socket), *args, log_path=tmp / "cache.log")
         try:
             wait_healthy(self.target, self.proc, timeout=60)
         except Exception:
             stop(self.proc)
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
             raise
         self.channel = channel(self.target)
         self.stub = cache_pb2_grpc.CacheStub(self.channel)
@@ -42,7 +48,9 @@ class Service:
 
     def stop(self) -> int:
         self.channel.close()
-        return stop(self.proc)
+        code = stop(self.proc)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        return code
 
 
 def refused(call, request, code: grpc.StatusCode) -> str:

@@ -51,8 +51,8 @@ class Services:
 
     def start(self, name: str, *args: str) -> None:
         argv = {
-            "cache": ["--kv-blocks", "512", "--max-session-ttl", "30"],
-            "compute": ["--model", "smollm2", "--dtype", "float32"],
+            "cache": ["--kv-blocks", "512", "--max-session-ttl", "30", "--insecure"],
+            "compute": ["--model", "smollm2", "--dtype", "float32", "--insecure"],
             "gateway": ["--model", "smollm2", "--cache-target", self.targets["cache"], "--log-format", "json",
                         "--compute-target", self.targets["compute"], "--session-ttl", str(TTL_S)],
         }[name]  # fmt: skip

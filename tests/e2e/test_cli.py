@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 import cli.main
+from cli import runtime_dir
 from cli.scrape import scrape
 from sdk.client import GenerationError
 from tests import helpers
@@ -111,8 +112,7 @@ def test_up_prints_ready_and_cleans_up_on_sigint(model_dir, logs):
     ours = set()
     port = helpers.free_port()
     proc = subprocess.Popen(
-        [*PAGEDSERVE, "up", "--port", str(port), "--cache-port", str(helpers.free_port()),
-         "--compute-port", str(helpers.free_port()), "--kv-blocks", "32"],
+        [*PAGEDSERVE, "up", "--port", str(port), "--kv-blocks", "32"],
         cwd=helpers.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
@@ -124,7 +124,7 @@ def test_up_prints_ready_and_cleans_up_on_sigint(model_dir, logs):
             lines.append(line)
             if "pagedserve ready" in line:
                 break
-        assert f"127.0.0.1:{port}" in lines[-1]
+        assert f"127.0.0.1:{port}" in lines[-1] and str(runtime_dir.default_path(port)) in lines[-1]
         ours = {p for p in _segments() - before if p.name.startswith(f"pagedserve-kv-{_cache_pid(proc)}-")}
         assert len(ours) == 1, "the cache service maps one pool segment"
         proc.send_signal(signal.SIGINT)
@@ -132,3 +132,4 @@ def test_up_prints_ready_and_cleans_up_on_sigint(model_dir, logs):
     finally:
         helpers.stop(proc)
     assert not ours & _segments(), "the pool segment is removed on shutdown"
+    assert not runtime_dir.default_path(port).exists(), "the sockets and their directory are removed"

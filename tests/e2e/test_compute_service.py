@@ -60,7 +60,17 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(model_dir, tmp_path_factory):
     port = free_port()
-    args = ["--model", str(model_dir), "--dtype", "float32", "--port", str(port), "--threads", "2"]
+    args = [
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--port",
+        str(port),
+        "--threads",
+        "2",
+        "--insecure",
+    ]
     proc = start("compute_service", *args, log_path=tmp_path_factory.mktemp("logs") / "compute.log")
     target = f"127.0.0.1:{port}"
     try:

@@ -27,12 +27,12 @@ def grpcurl(*args: str) -> str:
 )
 def test_list_describe_and_health_on_every_port(stack_fp32, target, service):
     address = getattr(stack_fp32, target)
-    listed = grpcurl(address, "list").split()
+    # Cache and compute listen on unix sockets: grpcurl -unix PATH.
+    at = ["-unix", address.removeprefix("unix:")] if address.startswith("unix:") else [address]
+    listed = grpcurl(*at, "list").split()
     assert service in listed and "grpc.health.v1.Health" in listed
-    assert f"service {service.rsplit('.', 1)[1]} {{" in grpcurl(address, "describe", service)
-    health = json.loads(
-        grpcurl("-d", json.dumps({"service": service}), address, "grpc.health.v1.Health/Check")
-    )
+    assert f"service {service.rsplit('.', 1)[1]} {{" in grpcurl(*at, "describe", service)
+    health = json.loads(grpcurl("-d", json.dumps({"service": service}), *at, "grpc.health.v1.Health/Check"))
     assert health == {"status": "SERVING"}
 
 

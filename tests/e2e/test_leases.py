@@ -48,7 +48,7 @@ def services(tmp_path_factory):
     cache = Service(tmp, "--kv-blocks", "256")
     compute_target = f"127.0.0.1:{free_port()}"
     compute = start(
-        "compute_service", "--port", compute_target.rsplit(":", 1)[1], "--dtype", "float32",
+        "compute_service", "--port", compute_target.rsplit(":", 1)[1], "--dtype", "float32", "--insecure",
         log_path=tmp / "compute.log",
     )  # fmt: skip
     try:

@@ -44,8 +44,8 @@ class Services:
         self.starts += 1
         port = port or self.ports[name]
         argv = {
-            "cache": ["--kv-blocks", "64"],
-            "compute": ["--model", str(self.model), "--dtype", "float32", "--threads", "1"],
+            "cache": ["--kv-blocks", "64", "--insecure"],
+            "compute": ["--model", str(self.model), "--dtype", "float32", "--threads", "1", "--insecure"],
             "gateway": ["--model", str(self.model), "--block-size", "16", "--log-format", "json",
                         "--cache-target", self.targets["cache"], "--compute-target", self.targets["compute"]],
         }[name]  # fmt: skip

@@ -1,6 +1,7 @@
 """`pagedserve up` takes every service setting with the service's own declaration and forwards it."""
 
 import argparse
+import os
 
 import pytest
 
@@ -13,6 +14,13 @@ from gateway.server import parse_args as gateway_args
 
 # What up decides for each service itself instead of taking it as a flag of the same meaning.
 PLACEMENT = {"--host", "--port", "--metrics-port", "--cache-target", "--compute-target"}
+PLACEMENT |= {"--socket", "--internal-certs", "--insecure"}
+# The placement flags up gives each service: cache and compute listen on unix sockets only.
+UP_PLACES = {
+    "cache": {"--host", "--socket", "--metrics-port"},
+    "compute": {"--host", "--socket", "--metrics-port"},
+    "gateway": {"--host", "--port", "--metrics-port", "--cache-target", "--compute-target"},
+}
 # A value each flag accepts other than its default (switches and choices are derived).
 VALUES = {"--kv-memory": "512MiB", "--allocator": "bitmap", "--model": "/models/other.gguf"}
 
@@ -58,8 +66,12 @@ def other_value(action: argparse.Action) -> list[str]:
 
 
 def test_each_entry_point_parses_with_its_declared_options():
-    for name, parse in (("cache", parse_args), ("compute", compute_args), ("gateway", gateway_args)):
-        assert vars(parse([])).keys() == vars(up.OPTIONS[name].parser().parse_args([])).keys()
+    for name, parse, argv in (
+        ("cache", parse_args, ["--insecure"]),
+        ("compute", compute_args, ["--insecure"]),
+        ("gateway", gateway_args, []),
+    ):
+        assert vars(parse(argv)).keys() == vars(up.OPTIONS[name].parser().parse_args([])).keys()
 
 
 def test_every_service_flag_is_a_setting_or_placed_by_up():
@@ -69,7 +81,7 @@ def test_every_service_flag_is_a_setting_or_placed_by_up():
         placed = set(flags(options.parser())) & PLACEMENT
         assert set(flags(address)) - {"-h"} <= placed, f"{name} listens where up says"
         command = up.service_commands(up_args())[name]
-        assert placed <= set(command), f"up sets every placement flag of {name}"
+        assert set(command) & placed == UP_PLACES[name], f"up sets the placement flags of {name}"
 
 
 @pytest.mark.parametrize(("service", "flag"), settings())
@@ -102,8 +114,9 @@ def test_a_setting_given_to_up_reaches_the_service(service, flag):
 
 
 def test_up_places_each_service():
-    args = up_args("--host", "0.0.0.0", "--port", "7001", "--cache-port", "7002", "--compute-port", "7003",
-                   "--metrics-port", "9500")  # fmt: skip
+    args = up_args(
+        "--host", "0.0.0.0", "--port", "7001", "--runtime-dir", "/run/ps", "--metrics-port", "9500"
+    )
     commands = up.service_commands(args)
     assert list(commands) == ["cache", "compute", "gateway"], "start order"
     placed = {name: service_args(name, command) for name, command in commands.items()}
@@ -112,16 +125,17 @@ def test_up_places_each_service():
         7001,
         9500,
     )
-    assert (placed["cache"].host, placed["cache"].port, placed["cache"].metrics_port) == (
+    assert (placed["cache"].host, placed["cache"].socket, placed["cache"].metrics_port) == (
         "127.0.0.1",
-        7002,
+        "/run/ps/cache.sock",
         9501,
     )
-    assert (placed["compute"].port, placed["compute"].metrics_port) == (7003, 9502)
+    assert (placed["compute"].socket, placed["compute"].metrics_port) == ("/run/ps/compute.sock", 9502)
     assert (placed["gateway"].cache_target, placed["gateway"].compute_target) == (
-        "127.0.0.1:7002",
-        "127.0.0.1:7003",
+        "unix:/run/ps/cache.sock",
+        "unix:/run/ps/compute.sock",
     )
+    assert not any(placed[name].insecure or placed[name].internal_certs for name in ("cache", "compute"))
     assert all(
         a.metrics_port == 0 for a in map(service_args, commands, up.service_commands(up_args()).values())
     )
@@ -166,3 +180,26 @@ def test_the_restart_policy_flags_stay_with_up():
         "--max-restarts" in command or "--restart-window" in command for command in commands.values()
     )
     assert service_args("gateway", commands["gateway"]).drain_timeout == 5.0
+
+
+def test_up_puts_the_sockets_in_a_per_user_runtime_dir_by_default(monkeypatch):
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    command = up.service_commands(up_args("--port", "7001"))["cache"]
+    assert service_args("cache", command).socket.endswith(f"/pagedserve-{os.getuid()}-7001/cache.sock")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    command = up.service_commands(up_args("--port", "7001"))["compute"]
+    assert service_args("compute", command).socket == "/run/user/1000/pagedserve-7001/compute.sock"
+
+
+@pytest.mark.parametrize("parse", [parse_args, compute_args])
+def test_cache_and_compute_refuse_plaintext_tcp_unless_told(parse, capsys):
+    with pytest.raises(SystemExit):
+        parse(["--port", "7002"])
+    assert "refusing plaintext TCP on 127.0.0.1:7002: give --socket PATH" in capsys.readouterr().err
+    assert parse(["--insecure"]).insecure and parse(["--internal-certs", "/certs"]).internal_certs == "/certs"
+    assert parse(["--socket", "/run/ps/s.sock"]).socket == "/run/ps/s.sock"
+    with pytest.raises(SystemExit):
+        parse(["--socket", "/run/ps/s.sock", "--insecure"])
+    with pytest.raises(SystemExit):
+        parse(["--socket", "/" + "s" * 120])
+    assert "the kernel's limit" in capsys.readouterr().err

@@ -1,0 +1,23 @@
+"""Who may call which Cache RPC under mutual TLS (common.authz): only the gateway changes blocks, sessions or
+the pool; an operator may read statistics and blocks. Over a unix socket or --insecure every caller may."""
+
+from common.authz import GATEWAY, OPERATORS, table
+from protos import cache_pb2
+
+SERVICE = cache_pb2.DESCRIPTOR.services_by_name["Cache"]
+
+CALLERS = table(
+    SERVICE.full_name,
+    {
+        "CreatePool": GATEWAY,
+        "Reserve": GATEWAY,
+        "Fork": GATEWAY,
+        "Free": GATEWAY,
+        "OpenSession": GATEWAY,
+        "RenewSession": GATEWAY,
+        "CloseSession": GATEWAY,
+        "GetStats": OPERATORS,
+        "ReadBlock": OPERATORS,
+    },
+    [method.name for method in SERVICE.methods],
+)

@@ -52,6 +52,7 @@ def compute(tmp_path_factory, handle):
     model_dir = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
     port = free_port()
     args = ["--model", str(model_dir), "--dtype", "float32", "--port", str(port), "--threads", "2"]
+    args.append("--insecure")
     log_path = tmp_path_factory.mktemp("logs") / "compute.log"
     proc = start("compute_service", *args, log_path=log_path)
     try:

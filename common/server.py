@@ -10,6 +10,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.decoding import DecodingInterceptor
 from common.errors import PagedServeError
 
 REQUEST_ID_KEY = "x-request-id"
@@ -135,7 +136,7 @@ def serve(
     services = list(services)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[_ErrorInterceptor(log)],
+        interceptors=[_ErrorInterceptor(log), DecodingInterceptor()],
         options=CHANNEL_OPTIONS,
     )
     health_servicer = health.HealthServicer()

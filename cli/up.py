@@ -13,6 +13,7 @@ from common import shared_pool
 from common.healthcheck import serving
 from compute_service.options import OPTIONS as COMPUTE
 from gateway.options import OPTIONS as GATEWAY
+from gateway.tls import TlsError, probe_credentials
 
 START_TIMEOUT_S = 900.0
 # How long past --drain-timeout the gateway gets to stop before it is killed.
@@ -95,6 +96,14 @@ def run(args: argparse.Namespace) -> int:
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     hosts = {"cache": INTERNAL_HOST, "compute": INTERNAL_HOST, "gateway": local}
     targets = {name: f"{hosts[name]}:{port}" for name, port in _ports(args).items()}
+    probes = {name: {} for name in targets}
+    if args.tls_cert is not None:
+        try:
+            credentials, options = probe_credentials(args.tls_cert)
+        except TlsError as err:
+            print(f"pagedserve: {err}", file=sys.stderr)
+            return 2
+        probes["gateway"] = {"credentials": credentials, "options": options}
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     supervisor = Supervisor(service_commands(args), policy, on_exit=_remove_segments)
     supervisor.start()
@@ -105,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         if supervisor.check():
             code = 1
             break
-        pending = {name for name in pending if not serving(targets[name])}
+        pending = {name for name in pending if not serving(targets[name], **probes[name])}
         if not pending and deadline:
             print(f"pagedserve ready on {local}:{args.port} (model {args.model}, {args.dtype})", flush=True)
             deadline = 0.0

@@ -12,11 +12,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 SERVING = health_pb2.HealthCheckResponse.ServingStatus.Name(health_pb2.HealthCheckResponse.SERVING)
 
 
-def status(target: str, service: str = "", timeout: float = 1.0) -> str:
+def status(
+    target: str,
+    service: str = "",
+    timeout: float = 1.0,
+    credentials: grpc.ChannelCredentials | None = None,
+    options: tuple = (),
+) -> str:
     """What the server at target reports for service ('' is the whole server): a ServingStatus name
     (SERVING, NOT_SERVING, ...), or the status code of the failed check (UNAVAILABLE, DEADLINE_EXCEEDED, ...).
+    With credentials, over TLS.
     """
-    with grpc.insecure_channel(target) as channel:
+    if credentials is None:
+        channel = grpc.insecure_channel(target)
+    else:
+        channel = grpc.secure_channel(target, credentials, options)
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -26,9 +37,10 @@ def status(target: str, service: str = "", timeout: float = 1.0) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def serving(target: str, service: str = "", timeout: float = 1.0) -> bool:
-    """True when the server at target answers SERVING for service within timeout seconds."""
-    return status(target, service, timeout) == SERVING
+def serving(target: str, service: str = "", timeout: float = 1.0, **channel) -> bool:
+    """True when the server at target answers SERVING for service within timeout seconds (`channel`:
+    status's credentials and options)."""
+    return status(target, service, timeout, **channel) == SERVING
 
 
 def main(argv: list[str]) -> int:

@@ -131,13 +131,19 @@ def serve(
     log,
     serving: bool = True,
     max_workers: int = 64,
+    credentials: grpc.ServerCredentials | None = None,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ) -> Server:
-    """Starts a server for (add_servicer_fn, servicer, full service name) triples on host:port."""
+    """Starts a server for (add_servicer_fn, servicer, full service name) triples on host:port (TLS with
+    credentials); a request larger than max_receive_bytes is refused (RESOURCE_EXHAUSTED) unread."""
     services = list(services)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=[_ErrorInterceptor(log), DecodingInterceptor()],
-        options=CHANNEL_OPTIONS,
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_receive_bytes),
+        ],
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -146,14 +152,15 @@ def serve(
         add(servicer, server)
         names.append(name)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}: is another server using this port?")
     server.start()
     result = Server(server, health_servicer, bound)
     for _, _, name in services:
         result.set_serving(name, serving)
-    log.info("listening", address=f"{host}:{bound}")
+    log.info("listening", address=f"{host}:{bound}", tls=credentials is not None)
     return result
 
 

@@ -12,7 +12,7 @@ import structlog
 from gateway import auth
 from gateway.limits import Limits
 from gateway.streams import KeySlots
-from gateway.tls import server_credentials
+from gateway.tls import TlsError, server_credentials
 
 
 class EdgeConfigError(ValueError):
@@ -38,7 +38,7 @@ class Edge:
             if args.api_keys is not None:
                 keys, warning = auth.load(args.api_keys, args.shared_prefix_cache)
                 warnings += [warning] if warning else []
-        except ValueError as err:
+        except (TlsError, auth.KeyFileError) as err:
             raise EdgeConfigError(str(err)) from err
         return cls(Limits.from_args(args), keys, credentials), warnings
 

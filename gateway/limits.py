@@ -138,7 +138,6 @@ def check_request(request: generation_pb2.GenerateRequest, limits: Limits, max_m
     """InvalidArgument for the first field beyond its limit; cheap: no field is encoded whole beyond its
     limit and the token ids are only counted."""
     prompt_bytes = limits.prompt_bytes(max_model_len)
-    _check_size("request_id", request.request_id, limits.max_request_id_bytes, "max_request_id_bytes")
     _check_size("cache_salt", request.cache_salt, limits.max_cache_salt_bytes, "max_cache_salt_bytes")
     _check_size("prompt", request.prompt, prompt_bytes, "max_prompt_bytes")
     _check_messages(request, limits, prompt_bytes)
@@ -157,6 +156,12 @@ def check_request(request: generation_pb2.GenerateRequest, limits: Limits, max_m
     _check_count("sampling.logit_bias", len(sampling.logit_bias), limits.max_logit_bias, "max_logit_bias")
     for i, stop in enumerate(sampling.stop):
         _check_size(f"sampling.stop[{i}]", stop, limits.max_stop_bytes, "max_stop_bytes")
+
+
+def check_request_id(request_id: str, limits: Limits) -> None:
+    """InvalidArgument if the id the caller gave (the request's field, else its x-request-id metadata) is
+    too long."""
+    _check_size("request_id", request_id, limits.max_request_id_bytes, "max_request_id_bytes")
 
 
 def check_queue(waiting: int, limits: Limits) -> None:

@@ -19,7 +19,7 @@ from gateway.config import EngineConfig
 from gateway.edge import Edge, EdgeConfigError
 from gateway.engine import Engine
 from gateway.health import DownstreamWatcher
-from gateway.limits import check_queue, check_request
+from gateway.limits import check_queue, check_request, check_request_id
 from gateway.options import OPTIONS
 from gateway.outputs import Output
 from gateway.recovery import PeerFault
@@ -99,6 +99,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         info = self._attached_model()
         check_request(request, self._edge.limits, info.max_model_len)
         request_id = request.request_id or structlog.contextvars.get_contextvars().get("request_id")
+        check_request_id(request_id or "", self._edge.limits)
         request_id = request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
         seq = self._new_sequence(request, request_id, tenant, info)

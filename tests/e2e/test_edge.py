@@ -298,13 +298,22 @@ def rss(pid: int) -> int:
     return int(line.split()[1]) * 1024
 
 
-def raw_generate(target: str, request: bytes, key: str = "bob") -> grpc.RpcError:
-    """The error of a Generate whose request is already serialized (so only the call is timed)."""
+def raw_generate(target: str, request: bytes, *metadata: tuple[str, str]) -> grpc.RpcError:
+    """The error of Bob's Generate whose request is already serialized (so only the call is timed)."""
     with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         call = channel.unary_stream(f"/{GENERATION}/Generate")
         with pytest.raises(grpc.RpcError) as err:
-            list(call(request, timeout=60, metadata=(("authorization", f"Bearer {KEYS[key]}"),)))
+            list(call(request, timeout=60, metadata=(("authorization", f"Bearer {KEYS['bob']}"), *metadata)))
     return err.value
+
+
+def test_a_request_id_in_metadata_takes_the_limit_too(edge):
+    request = build_request("hi", max_tokens=1).SerializeToString()
+    err = raw_generate(edge.shared, request, ("x-request-id", "r" * 129))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id has at least 129 bytes; the limit is 128 (--max-request-id-bytes)" in err.details()
+    with edge.client(edge.shared, "bob") as client:
+        assert client.generate(prompt="hi", request_id="r" * 128, **GREEDY).request_id == "r" * 128
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,15 @@ import pytest
 
 from common.errors import InvalidArgument, ResourceExhausted
 from common.sampling_controls import CONTROLS, Kind
-from gateway.limits import PROMPT_BYTES_PER_TOKEN, Limits, add_limits, check_queue, check_request, table
+from gateway.limits import (
+    PROMPT_BYTES_PER_TOKEN,
+    Limits,
+    add_limits,
+    check_queue,
+    check_request,
+    check_request_id,
+    table,
+)
 from gateway.sampling import resolve_sampling
 from protos import generation_pb2
 from tests.helpers import ROOT
@@ -59,8 +67,6 @@ EDGES = [
      "sampling.logit_bias has 6 entries; the limit is 5 (--max-logit-bias)"),
     ("cache_salt", dict(cache_salt="s" * 10), dict(cache_salt="s" * 11),
      "cache_salt has at least 11 bytes; the limit is 10 (--max-cache-salt-bytes)"),
-    ("request_id", dict(request_id="r" * 12), dict(request_id="r" * 13),
-     "request_id has at least 13 bytes; the limit is 12 (--max-request-id-bytes)"),
     ("token_ids", dict(token_ids=[1] * (MAX_MODEL_LEN - 1)), dict(token_ids=[1] * MAX_MODEL_LEN),
      f"the model takes at most {MAX_MODEL_LEN - 1}"),
 ]  # fmt: skip
@@ -73,6 +79,14 @@ def test_each_limit_takes_its_edge_and_refuses_one_past(what, edge, past, messag
         check_request(request(**past), LIMITS, MAX_MODEL_LEN)
     assert message in str(err.value)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_request_id_takes_its_limit():
+    check_request_id("r" * 12, LIMITS)
+    with pytest.raises(
+        InvalidArgument, match=r"request_id has at least 13 bytes; the limit is 12 \(--max-request-id"
+    ):
+        check_request_id("r" * 13, LIMITS)
 
 
 def test_the_default_prompt_limit_follows_the_context_length():

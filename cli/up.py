@@ -19,6 +19,7 @@ from common import shared_pool
 from common.healthcheck import serving
 from compute_service.options import OPTIONS as COMPUTE
 from gateway.options import OPTIONS as GATEWAY
+from gateway.tls import TlsError, probe_credentials
 
 START_TIMEOUT_S = 900.0
 # How long past --drain-timeout the gateway gets to stop before it is killed.
@@ -125,6 +126,14 @@ def _supervise(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     targets = {**internal_targets(args), "gateway": f"{local}:{args.port}"}
+    probes = {name: {} for name in targets}
+    if args.tls_cert is not None:
+        try:
+            credentials, options = probe_credentials(args.tls_cert)
+        except TlsError as err:
+            print(f"pagedserve: {err}", file=sys.stderr)
+            return 2
+        probes["gateway"] = {"credentials": credentials, "options": options}
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     supervisor = Supervisor(service_commands(args), policy, on_exit=_remove_segments)
     supervisor.start()
@@ -135,7 +144,7 @@ def _supervise(args: argparse.Namespace) -> int:
         if supervisor.check():
             code = 1
             break
-        pending = {name for name in pending if not serving(targets[name])}
+        pending = {name for name in pending if not serving(targets[name], **probes[name])}
         if not pending and deadline:
             sockets = runtime_path(args)
             print(f"pagedserve ready on {local}:{args.port} (model {args.model}, {args.dtype}; "

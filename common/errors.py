@@ -37,6 +37,10 @@ class Cancelled(PagedServeError):
     code = grpc.StatusCode.CANCELLED
 
 
+class Unauthenticated(PagedServeError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 _BY_CODE = {cls.code: cls for cls in PagedServeError.__subclasses__()}
 
 

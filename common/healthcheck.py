@@ -18,12 +18,17 @@ SERVING = health_pb2.HealthCheckResponse.ServingStatus.Name(health_pb2.HealthChe
 
 
 def status(
-    target: str, service: str = "", timeout: float = 1.0, credentials: grpc.ChannelCredentials | None = None
+    target: str,
+    service: str = "",
+    timeout: float = 1.0,
+    credentials: grpc.ChannelCredentials | None = None,
+    options: tuple = (),
 ) -> str:
     """What the server at target reports for service ('' is the whole server): a ServingStatus name
     (SERVING, NOT_SERVING, ...), or the status code of the failed check (UNAVAILABLE, DEADLINE_EXCEEDED, ...).
+    With credentials, over TLS.
     """
-    with channel(target, credentials) as ch:
+    with channel(target, credentials, options) as ch:
         try:
             reply = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -33,11 +38,10 @@ def status(
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def serving(
-    target: str, service: str = "", timeout: float = 1.0, credentials: grpc.ChannelCredentials | None = None
-) -> bool:
-    """True when the server at target answers SERVING for service within timeout seconds."""
-    return status(target, service, timeout, credentials) == SERVING
+def serving(target: str, service: str = "", timeout: float = 1.0, **channel) -> bool:
+    """True when the server at target answers SERVING for service within timeout seconds (`channel`:
+    status's credentials and options)."""
+    return status(target, service, timeout, **channel) == SERVING
 
 
 def parser() -> argparse.ArgumentParser:

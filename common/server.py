@@ -12,6 +12,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.decoding import DecodingInterceptor
 from common.errors import PagedServeError
 
 REQUEST_ID_KEY = "x-request-id"
@@ -146,15 +147,21 @@ def serve(
     socket: str | None = None,
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ) -> Server:
     """Starts a server for (add_servicer_fn, servicer, full service name) triples on host:port, or only on
     the unix socket at path `socket` (mode 0600, removed on stop), with TLS when `credentials` are given.
-    `interceptors` see each call before the error mapping (an abort of theirs keeps its status code)."""
+    `interceptors` see each call before the error mapping (an abort of theirs keeps its status code); a
+    request larger than max_receive_bytes is refused (RESOURCE_EXHAUSTED) unread, one that does not decode
+    is INVALID_ARGUMENT."""
     services = list(services)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[*interceptors, _ErrorInterceptor(log)],
-        options=CHANNEL_OPTIONS,
+        interceptors=[*interceptors, _ErrorInterceptor(log), DecodingInterceptor()],
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_receive_bytes),
+        ],
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -183,8 +190,11 @@ def request_metadata(request_ids: Iterable[str]) -> tuple[tuple[str, str], ...]:
     return ((REQUEST_ID_KEY, ",".join(request_ids)),)
 
 
-def channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
-    """A channel to target (HOST:PORT or unix:PATH), over TLS when credentials are given."""
+def channel(
+    target: str, credentials: grpc.ChannelCredentials | None = None, options: Sequence[tuple] = ()
+) -> grpc.Channel:
+    """A channel to target (HOST:PORT or unix:PATH), over TLS when credentials are given; `options` are
+    added to the message-size ones."""
     if credentials is not None:
-        return grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
-    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        return grpc.secure_channel(target, credentials, options=[*CHANNEL_OPTIONS, *options])
+    return grpc.insecure_channel(target, options=[*CHANNEL_OPTIONS, *options])

@@ -100,6 +100,10 @@ class Engine:
             self._intake.append(seq)
             self._cond.notify()
 
+    def queued(self) -> int:
+        """Requests waiting for a step: submitted, or in the scheduler's queue (read without a lock)."""
+        return len(self._intake) + (len(self.scheduler.waiting) if self.scheduler else 0)
+
     def abort(self, seq_id: str) -> None:
         with self._cond:
             self._aborts.add(seq_id)

@@ -1,9 +1,11 @@
 """The gateway's flags, for `python -m gateway` and `pagedserve up`."""
 
 import argparse
+from pathlib import Path
 
 from common.options import ServiceOptions, add_logging, add_model, positive_seconds
 from common.transport import add_client_certs
+from gateway.limits import add_limits
 
 
 def add_targets(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +56,23 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_edge(parser: argparse.ArgumentParser) -> None:
+    """The public edge: TLS, API keys, prefix-cache namespaces (the README's Security section)."""
+    parser.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate (chain): serve TLS")
+    parser.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--api-keys", type=Path, default=None, help="file of NAME:KEY lines: requests need a key (Bearer)"
+    )
+    parser.add_argument(
+        "--shared-prefix-cache",
+        action="store_true",
+        help="let requests of different API keys share prefix-cache blocks (default: one namespace per key)",
+    )
+
+
 OPTIONS = ServiceOptions(
-    "gateway", 50051, settings=(add_model, add_settings, add_logging), wiring=(add_targets,)
+    "gateway",
+    50051,
+    settings=(add_model, add_settings, add_edge, add_limits, add_logging),
+    wiring=(add_targets,),
 )

@@ -15,9 +15,12 @@ from common.server import Server, serve
 from gateway import metrics
 from gateway import tokenizer as tok
 from gateway.admission import Admission
+from gateway.auth import Tenant, salted
 from gateway.config import EngineConfig
+from gateway.edge import Edge, EdgeConfigError
 from gateway.engine import Engine
 from gateway.health import DownstreamWatcher
+from gateway.limits import check_queue, check_request, check_request_id
 from gateway.options import OPTIONS
 from gateway.outputs import Output
 from gateway.recovery import PeerFault
@@ -32,11 +35,14 @@ FINISH_REASONS = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generat
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, tokenizer, admission: Admission, slots: StreamSlots) -> None:
+    def __init__(
+        self, engine: Engine, tokenizer, admission: Admission, slots: StreamSlots, edge: Edge
+    ) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
         self._admission = admission
         self._slots = slots
+        self._edge = edge
 
     def _attached_model(self):
         if self._engine.model_info is None:
@@ -45,10 +51,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         return self._engine.model_info
 
-    def _new_sequence(self, request: generation_pb2.GenerateRequest, request_id: str) -> Sequence:
-        info = self._attached_model()
-        prompt_ids = tok.encode(self._tokenizer, request, info.vocab_size)
+    def _new_sequence(
+        self, request: generation_pb2.GenerateRequest, request_id: str, tenant: Tenant, info
+    ) -> Sequence:
+        """The request's sequence; refused before tokenizing if the queue is full or a control is bad."""
+        check_queue(self._engine.queued(), self._edge.limits)
         sampling = resolve_sampling(request.sampling, info.vocab_size)
+        prompt_ids = tok.encode(self._tokenizer, request, info.vocab_size)
         max_len = self._engine.max_len
         if len(prompt_ids) >= info.max_model_len:
             raise InvalidArgument(
@@ -71,7 +80,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             sampling=sampling,
             max_len=max_len,
             request_id=request_id,
-            cache_salt=request.cache_salt,
+            cache_salt=salted(tenant, request.cache_salt),
             priority=request.priority,
         )
 
@@ -79,17 +88,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """Streams one response per token (of each of the n samples); ends at finish, cancel or deadline.
 
         The request id (the request's, else x-request-id metadata, else a new one) is in every
-        response and in the gateway, cache and compute logs of the steps that serve it. Refused at once
-        (RESOURCE_EXHAUSTED) beyond --max-streams concurrent streams.
+        response and in the gateway, cache and compute logs of the steps that serve it. Refused at once:
+        UNAUTHENTICATED without a configured API key, RESOURCE_EXHAUSTED beyond --max-streams concurrent
+        streams (--max-streams-per-key of one key) or a full queue, INVALID_ARGUMENT beyond a limit.
         """
-        with self._slots.hold():
-            yield from self._generate(request, context)
+        tenant = self._edge.authenticate(context)
+        with self._slots.hold(), self._edge.stream_slot(tenant):
+            yield from self._generate(request, context, tenant)
 
-    def _generate(self, request, context):
+    def _generate(self, request, context, tenant: Tenant):
+        info = self._attached_model()
+        check_request(request, self._edge.limits, info.max_model_len)
         request_id = request.request_id or structlog.contextvars.get_contextvars().get("request_id")
+        check_request_id(request_id or "", self._edge.limits)
         request_id = request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
-        seq = self._new_sequence(request, request_id)
+        seq = self._new_sequence(request, request_id, tenant, info)
         self._admission.enter(seq)
         context.add_callback(lambda: self._admission.leave(seq.seq_id))
         completion_tokens = [0] * seq.sampling.n
@@ -133,6 +147,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return reply
 
     def GetInfo(self, request, context):
+        self._edge.authenticate(context)
         info = self._attached_model()
         return generation_pb2.GetInfoResponse(
             model=info.model,
@@ -160,6 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logger = pslogging.configure("gateway", args.log_format, args.log_level)
+    edge = _edge(args, logger)
     tokenizer = tok.load(str(local_copy(args.model).path))
     internal = transport.credentials_of(args, "gateway")
     engine = Engine(
@@ -178,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     admission = Admission()
     slots = StreamSlots(args.max_streams)
-    servicer = GenerationServicer(engine, tokenizer, admission, slots)
+    servicer = GenerationServicer(engine, tokenizer, admission, slots, edge)
     metrics.register(lambda: engine.scheduler)
     psmetrics.serve_metrics(args.host, args.metrics_port, logger)
     server = serve(
@@ -188,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         logger,
         serving=False,
         max_workers=slots.server_threads,
+        credentials=edge.credentials,
+        max_receive_bytes=edge.limits.max_request_bytes,
     )
     try:
         engine.handshake()
@@ -206,6 +224,20 @@ def main(argv: list[str] | None = None) -> None:
         on_stop=lambda: (watcher.stop(), engine.stop()),
         drain=lambda: _drain(server, watcher, admission, args.drain_timeout, logger),
     )
+
+
+def _edge(args: argparse.Namespace, log) -> Edge:
+    """The edge from the flags; exits (status 1, the reason on stderr) when it cannot be served."""
+    try:
+        edge, warnings = Edge.from_args(args)
+    except EdgeConfigError as err:
+        log.error("bad_edge_config", error=str(err))
+        raise SystemExit(f"pagedserve gateway: {err}") from None
+    for warning in warnings:
+        log.warning("api_keys_readable", warning=warning)
+    keys = edge.keys.names if edge.keys else None
+    log.info("edge", tls=edge.credentials is not None, api_keys=keys, limits=vars(edge.limits))
+    return edge
 
 
 def _drain(server: Server, watcher: DownstreamWatcher, admission: Admission, timeout: float, log) -> None:

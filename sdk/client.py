@@ -1,10 +1,15 @@
 """The Python SDK: `Client(target).generate(...)` or `.stream(...)`; one client may serve many threads.
 
 `AsyncClient` has the same surface for asyncio (`await generate(...)`, `async for chunk in stream(...)`).
+
+A gateway with TLS: `Client(target, tls=True)` (the system's trusted roots) or `ca_file="ca.pem"`. A gateway
+with API keys: `api_key="..."`, or the PAGEDSERVE_API_KEY environment variable.
 """
 
+import os
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -162,6 +167,23 @@ def to_chunk(response: generation_pb2.GenerateResponse) -> Chunk:
     )
 
 
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+
+
+def credentials(tls: bool = False, ca_file: str | Path | None = None) -> grpc.ChannelCredentials | None:
+    """TLS channel credentials (ca_file's roots, else the system's), None for plaintext (neither given)."""
+    if not tls and ca_file is None:
+        return None
+    roots = Path(ca_file).read_bytes() if ca_file is not None else None
+    return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
+def auth_metadata(api_key: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The metadata carrying api_key (else $PAGEDSERVE_API_KEY) as a bearer token; empty without one."""
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
 def _error(err: grpc.RpcError) -> GenerationError:
     return GenerationError(err.code(), err.details())
 
@@ -180,17 +202,31 @@ class Client:
     """Unset sampling fields take the server's defaults (the README's sampling table).
 
     The keyword arguments are `build_request`'s: the prompt (prompt, token_ids or messages) and the
-    sampling controls of `pagedserve.v1.SamplingParams` (stop may be one string or several).
+    sampling controls of `pagedserve.v1.SamplingParams` (stop may be one string or several). `tls`,
+    `ca_file` and `api_key` are for a gateway with TLS or API keys (the module's docstring).
     """
 
-    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
-        self._channel = channel(target)
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        timeout: float | None = None,
+        tls: bool = False,
+        ca_file: str | Path | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        secure = credentials(tls, ca_file)
+        self._channel = (
+            channel(target) if secure is None else grpc.secure_channel(target, secure, CHANNEL_OPTIONS)
+        )
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._metadata = auth_metadata(api_key)
         self.timeout = timeout
 
     def stream(self, prompt: str | None = None, **kwargs) -> Iterator[Chunk]:
         """Yields chunks as the server produces them; GenerationError on a refused or failed request."""
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout)
+        call = self._stub.Generate(
+            build_request(prompt, **kwargs), timeout=self.timeout, metadata=self._metadata
+        )
         try:
             for response in call:
                 yield to_chunk(response)
@@ -213,7 +249,9 @@ class Client:
 
     def info(self) -> generation_pb2.GetInfoResponse:
         try:
-            return self._stub.GetInfo(generation_pb2.GetInfoRequest(), timeout=self.timeout)
+            return self._stub.GetInfo(
+                generation_pb2.GetInfoRequest(), timeout=self.timeout, metadata=self._metadata
+            )
         except grpc.RpcError as err:
             raise _error(err) from None
 
@@ -233,14 +271,28 @@ class AsyncClient:
     `timeout` bounds each whole request; when it passes the request ends with DEADLINE_EXCEEDED.
     """
 
-    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        timeout: float | None = None,
+        tls: bool = False,
+        ca_file: str | Path | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        secure = credentials(tls, ca_file)
+        if secure is None:
+            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.secure_channel(target, secure, options=CHANNEL_OPTIONS)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._metadata = auth_metadata(api_key)
         self.timeout = timeout
 
     async def stream(self, prompt: str | None = None, **kwargs) -> AsyncIterator[Chunk]:
         """Yields chunks as the server produces them; GenerationError on a refused or failed request."""
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout)
+        call = self._stub.Generate(
+            build_request(prompt, **kwargs), timeout=self.timeout, metadata=self._metadata
+        )
         try:
             async for response in call:
                 yield to_chunk(response)
@@ -263,7 +315,9 @@ class AsyncClient:
 
     async def info(self) -> generation_pb2.GetInfoResponse:
         try:
-            return await self._stub.GetInfo(generation_pb2.GetInfoRequest(), timeout=self.timeout)
+            return await self._stub.GetInfo(
+                generation_pb2.GetInfoRequest(), timeout=self.timeout, metadata=self._metadata
+            )
         except grpc.RpcError as err:
             raise _error(err) from None
 

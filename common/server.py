@@ -23,6 +23,7 @@ CHANNEL_OPTIONS = [
 def _abort(context: grpc.ServicerContext, exc: Exception, method: str, log) -> None:
     if isinstance(exc, PagedServeError):
         log.info("rpc_refused", method=method, code=exc.code.name, error=str(exc))
+        context.set_trailing_metadata(exc.trailing_metadata())
         context.abort(exc.code, str(exc))
     log.exception("rpc_failed", method=method)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")

@@ -12,6 +12,7 @@ from compute_service.batch import ForwardBatch
 from compute_service.validation import Limits
 from gateway.forward import forward_rows
 from gateway.recovery import PeerFault
+from gateway.sequence import Sampling, Sequence
 from gateway.tokenizer import encode
 from protos import compute_pb2, generation_pb2
 from tests.fake_peers import RpcError
@@ -121,3 +122,13 @@ def test_the_gateway_checks_text_and_chat_prompts_against_the_models_vocabulary(
         with pytest.raises(InvalidArgument, match=r"outside the vocabulary \[0, 256\)"):
             encode(tokenizer, request, vocab_size=256)
         assert max(encode(tokenizer, request, vocab_size=len(tokenizer))) < len(tokenizer)
+
+
+def test_forked_samples_wrap_their_seeds_at_two_to_the_64():
+    """Found by the fuzz suite: seed 2**64 - 1 with n = 2 gave sample 1 the seed 2**64, which no RowSampling
+    holds; building the step raised and every request co-batched with it failed with INTERNAL."""
+    parent = Sequence(seq_id="p", prompt_ids=[1, 2], sampling=Sampling(seed=2**64 - 1, n=3), max_len=64)
+    parent.num_computed = parent.chunk_end = 2
+    seeds = [child.sampling.seed for child in parent.fork()]
+    assert seeds == [0, 1]
+    assert [compute_pb2.RowSampling(seed=seed).seed for seed in seeds] == seeds

@@ -13,6 +13,8 @@ from grpc_reflection.v1alpha import reflection
 from common.errors import PagedServeError
 
 REQUEST_ID_KEY = "x-request-id"
+# NOTE: gRPC refuses a call whose metadata is not printable ASCII or exceeds its size limit (8 KiB).
+MAX_REQUEST_IDS_CHARS = 2048
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -158,8 +160,12 @@ def serve(
 
 
 def request_metadata(request_ids: Iterable[str]) -> tuple[tuple[str, str], ...]:
-    """gRPC metadata naming the requests a downstream call serves, for the callee's logs."""
-    return ((REQUEST_ID_KEY, ",".join(request_ids)),)
+    """gRPC metadata naming the requests a downstream call serves, for the callee's logs. Printable ASCII
+    (other characters escaped as \\xNN, \\uNNNN) and at most MAX_REQUEST_IDS_CHARS long: a client's request
+    id must not make the call fail for every request it serves."""
+    ids = ",".join(request_ids).encode("ascii", "backslashreplace").decode("ascii")
+    ids = "".join(c if " " <= c <= "~" else f"\\x{ord(c):02x}" for c in ids)
+    return ((REQUEST_ID_KEY, ids[:MAX_REQUEST_IDS_CHARS]),)
 
 
 def channel(target: str) -> grpc.Channel:

@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 
 from common.errors import BAD_ROWS_KEY, InvalidArgument, RowsRefused, refused_rows
 from common.model_files import local_copy
+from common.server import MAX_REQUEST_IDS_CHARS, REQUEST_ID_KEY, request_metadata
 from compute_service.batch import ForwardBatch
 from compute_service.validation import Limits
 from gateway.forward import forward_rows
@@ -132,3 +133,11 @@ def test_forked_samples_wrap_their_seeds_at_two_to_the_64():
     seeds = [child.sampling.seed for child in parent.fork()]
     assert seeds == [0, 1]
     assert [compute_pb2.RowSampling(seed=seed).seed for seed in seeds] == seeds
+
+
+def test_request_ids_travel_downstream_as_printable_ascii_of_bounded_length():
+    """Found by the fuzz suite: a request_id of "\\x1f" made the gateway's Forward carry metadata gRPC refuses
+    ("Invalid metadata"), so the step failed for every request in it."""
+    ((key, value),) = request_metadata(["plain-id", "a\x1fb", "é😀", "x" * 10_000])
+    assert key == REQUEST_ID_KEY and value.startswith("plain-id,a\\x1fb,\\xe9\\U0001f600,xxx")
+    assert all(" " <= c <= "~" for c in value) and len(value) == MAX_REQUEST_IDS_CHARS

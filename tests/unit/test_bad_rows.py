@@ -8,7 +8,13 @@ from transformers import AutoTokenizer
 
 from common.errors import BAD_ROWS_KEY, InvalidArgument, RowsRefused, refused_rows
 from common.model_files import local_copy
-from common.server import MAX_REQUEST_IDS_CHARS, REQUEST_ID_KEY, request_metadata
+from common.server import (
+    MAX_DETAILS_BYTES,
+    MAX_REQUEST_IDS_CHARS,
+    REQUEST_ID_KEY,
+    bounded_details,
+    request_metadata,
+)
 from compute_service.batch import ForwardBatch
 from compute_service.validation import Limits
 from gateway.forward import forward_rows
@@ -141,3 +147,13 @@ def test_request_ids_travel_downstream_as_printable_ascii_of_bounded_length():
     ((key, value),) = request_metadata(["plain-id", "a\x1fb", "é😀", "x" * 10_000])
     assert key == REQUEST_ID_KEY and value.startswith("plain-id,a\\x1fb,\\xe9\\U0001f600,xxx")
     assert all(" " <= c <= "~" for c in value) and len(value) == MAX_REQUEST_IDS_CHARS
+
+
+def test_error_messages_are_cut_to_fit_the_trailers():
+    """Found by the fuzz suite: a refusal quoting a 100 KB session id exceeded gRPC's metadata limit, and the
+    caller saw RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit") instead of the status."""
+    short = "unknown session 'abc'"
+    assert bounded_details(short) == short
+    cut = bounded_details("unknown session '" + "é" * 50_000 + "'")
+    assert len(cut.encode()) <= MAX_DETAILS_BYTES + 40 and cut.endswith("more bytes)")
+    assert cut.startswith("unknown session 'éé")

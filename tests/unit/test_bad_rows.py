@@ -4,6 +4,8 @@ refused the whole step naming no row, and every co-batched request failed with i
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from common.errors import BAD_ROWS_KEY, InvalidArgument, RowsRefused, refused_rows
@@ -17,13 +19,16 @@ from common.server import (
 )
 from compute_service.batch import ForwardBatch
 from compute_service.validation import Limits
+from gateway.forward import forward_request as gateway_request
 from gateway.forward import forward_rows
 from gateway.recovery import PeerFault
+from gateway.sampling import resolve_sampling
 from gateway.sequence import Sampling, Sequence
 from gateway.tokenizer import encode
-from protos import compute_pb2, generation_pb2
+from protos import common_pb2, compute_pb2, generation_pb2
 from tests.fake_peers import RpcError
 from tests.forward import forward_request
+from tests.fuzz_strategies import Live, hints, messages, near_valid, valid_sampling
 
 LIMITS = Limits(vocab_size=100, max_model_len=64, num_blocks=8, block_size=4)
 
@@ -157,3 +162,36 @@ def test_error_messages_are_cut_to_fit_the_trailers():
     cut = bounded_details("unknown session '" + "é" * 50_000 + "'")
     assert len(cut.encode()) <= MAX_DETAILS_BYTES + 40 and cut.endswith("more bytes)")
     assert cut.startswith("unknown session 'éé")
+
+
+VOCAB_LIMITS = Limits(vocab_size=256, max_model_len=512, num_blocks=64, block_size=4)
+HOSTILE = Live(64, 4, 256, 512, "epoch", {"s": 3}, "session", common_pb2.PoolHandle())
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    params=st.one_of(
+        messages(generation_pb2.SamplingParams.DESCRIPTOR, hints(HOSTILE)),
+        near_valid(valid_sampling(HOSTILE), HOSTILE),
+    ),
+    generated=st.integers(0, 8),
+)
+def test_every_request_the_gateway_accepts_makes_rows_compute_accepts(params, generated):
+    """The gateway checks everything compute would refuse: any sampling the gateway accepts (hostile values
+    from tests/fuzz_strategies.py) gives, for the request and each of its forked samples, at its first token
+    and after `generated` more (min_tokens pending or not), a Forward compute accepts."""
+    try:
+        sampling = resolve_sampling(params, VOCAB_LIMITS.vocab_size)
+    except InvalidArgument:
+        return
+    parent = Sequence(seq_id="p", prompt_ids=[1, 2, 3], sampling=sampling, max_len=64)
+    parent.num_computed = parent.chunk_end = 3
+    seqs = [parent, *(parent.fork() if sampling.n > 1 else [])]
+    for seq in seqs:
+        seq.output_ids = [5] * generated
+        seq.num_computed, seq.chunk_end = (
+            (0 if seq is parent and not generated else seq.num_tokens - 1),
+            seq.num_tokens,
+        )
+    tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(len(seqs))]
+    ForwardBatch.from_request(gateway_request(seqs, tables, "epoch", frozenset({2})), VOCAB_LIMITS)

@@ -332,7 +332,7 @@ def neighbour(fuzzed):
 
     def run():
         with Client(fuzzed.services.targets["gateway"], timeout=60) as client:
-            while not stopped.is_set():
+            while not (outputs and stopped.is_set()):
                 try:
                     outputs.append(client.generate(**REFERENCE, cache_salt=uuid.uuid4().hex).token_ids)
                 except Exception as exc:  # noqa: BLE001 - reported below

@@ -24,7 +24,7 @@ import threading
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -137,7 +137,6 @@ class Fuzzed:
     live: Live
     create_pool: cache_pb2.CreatePoolRequest
     reference: list[int]
-    neighbours: list = field(default_factory=list)
 
     def counts(self) -> tuple[int, ...]:
         s = self.cache.GetStats(cache_pb2.GetStatsRequest(), timeout=10)

@@ -144,7 +144,7 @@ CONTROLS = {
         Control("logprobs", Kind.INT, _ROW, None,
                 "return each token's log-probability and that many most likely alternatives",
                 Range(0, MAX_LOGPROBS), note="top alternatives per token"),
-        # NOTE: sample i of n draws with seed + i; the gateway offsets the seed when it forks the samples.
+        # NOTE: sample i of n draws with (seed + i) mod 2**64: the gateway offsets it when it forks them.
         Control("n", Kind.INT, _GATEWAY, 1, "samples of one prompt (below)", Range(1, MAX_SAMPLES)),
     )
 }  # fmt: skip

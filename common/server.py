@@ -16,6 +16,10 @@ from common.decoding import DecodingInterceptor
 from common.errors import PagedServeError
 
 REQUEST_ID_KEY = "x-request-id"
+# NOTE: gRPC refuses a call whose metadata is not printable ASCII or exceeds its size limit (8 KiB).
+MAX_REQUEST_IDS_CHARS = 2048
+# An error message's UTF-8 bytes at most (percent-encoded in the trailers: up to 3 characters a byte).
+MAX_DETAILS_BYTES = 2000
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -26,9 +30,20 @@ CHANNEL_OPTIONS = [
 def _abort(context: grpc.ServicerContext, exc: Exception, method: str, log) -> None:
     if isinstance(exc, PagedServeError):
         log.info("rpc_refused", method=method, code=exc.code.name, error=str(exc))
-        context.abort(exc.code, str(exc))
+        context.set_trailing_metadata(exc.trailing_metadata())
+        context.abort(exc.code, bounded_details(str(exc)))
     log.exception("rpc_failed", method=method)
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")
+    context.abort(grpc.StatusCode.INTERNAL, bounded_details(f"internal error in {method}: {exc!r}"))
+
+
+def bounded_details(message: str) -> str:
+    """The message cut to MAX_DETAILS_BYTES of UTF-8. NOTE: messages quote the request (ids, values); a
+    100 KB id quoted whole made the trailers exceed gRPC's limit, and the caller saw RESOURCE_EXHAUSTED."""
+    data = message.encode()
+    if len(data) <= MAX_DETAILS_BYTES:
+        return message
+    kept = data[:MAX_DETAILS_BYTES].decode(errors="ignore")
+    return f"{kept}... ({len(data) - len(kept.encode())} more bytes)"
 
 
 def _bind_request_id(handler_call_details) -> None:
@@ -186,8 +201,12 @@ def serve(
 
 
 def request_metadata(request_ids: Iterable[str]) -> tuple[tuple[str, str], ...]:
-    """gRPC metadata naming the requests a downstream call serves, for the callee's logs."""
-    return ((REQUEST_ID_KEY, ",".join(request_ids)),)
+    """gRPC metadata naming the requests a downstream call serves, for the callee's logs. Printable ASCII
+    (other characters escaped as \\xNN, \\uNNNN) and at most MAX_REQUEST_IDS_CHARS long: a client's request
+    id must not make the call fail for every request it serves."""
+    ids = ",".join(request_ids).encode("ascii", "backslashreplace").decode("ascii")
+    ids = "".join(c if " " <= c <= "~" else f"\\x{ord(c):02x}" for c in ids)
+    return ((REQUEST_ID_KEY, ids[:MAX_REQUEST_IDS_CHARS]),)
 
 
 def channel(

@@ -6,7 +6,7 @@ import torch
 
 from common import paging
 from compute_service.sampling import SamplingBatch
-from compute_service.validation import Limits, Sent, check_sent, check_writes
+from compute_service.validation import Limits, Sent, check_sent, check_writes, row_of_token
 from protos import compute_pb2
 
 
@@ -33,15 +33,14 @@ class ForwardBatch:
         sent = Sent.from_request(request)
         check_sent(sent, limits)
         batch = cls.derive(sent, limits.block_size)
-        check_writes(batch.slot_mapping)
+        check_writes(batch.slot_mapping, batch.cu_seqlens_q)
         return batch
 
     @classmethod
     def derive(cls, sent: Sent, block_size: int) -> "ForwardBatch":
         """Positions, context lengths and slots of a checked request (see compute_service.validation)."""
         cu, width = sent.cu_seqlens_q, sent.block_table_width
-        num_tokens, q_lens = len(sent.token_ids), cu.diff()
-        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens, output_size=num_tokens)
+        num_tokens, seq_of_token = len(sent.token_ids), row_of_token(cu)
         # new tokens follow the computed ones: token cu[i] + j of sequence i sits at num_computed[i] + j
         positions = torch.arange(num_tokens) + (sent.num_computed - cu[:-1])[seq_of_token]
         # NOTE: the tables laid end to end are one table in which position p of sequence i is at

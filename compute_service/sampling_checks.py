@@ -1,19 +1,24 @@
 """Checks a step's sampling rows against the declared ranges (common.sampling_controls) and its token lists
-and history against the vocabulary; every refusal names the row and field and says what is allowed."""
+and history against the vocabulary; every refusal names the row and field and says what is allowed. A
+refusal caused by some rows only is a RowsRefused naming, as sequences of the step, every row that fails
+that check; a malformed layout (counts that do not fit together) names none."""
 
 import torch
 
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, RowsRefused
 from common.sampling_controls import CONTROLS, Range
 from compute_service.sampling import NUMBER_CONTROLS, SamplingBatch
 
 
-def check_sampling(params: SamplingBatch, vocab_size: int) -> None:
+def check_sampling(params: SamplingBatch, vocab_size: int, sequences: torch.Tensor | None = None) -> None:
     """Raises InvalidArgument unless every row's controls lie in their ranges and its lists are well formed
-    (token ids inside the vocabulary, the history and generated counts one per row)."""
-    _check_ranges(params)
-    _check_token_lists(params, vocab_size)
-    _check_history(params, vocab_size)
+    (token ids inside the vocabulary, the history and generated counts one per row). `sequences` [S]: the
+    step's sequence of each sampling row, what RowsRefused names (default: the sampling rows themselves)."""
+    sequences = torch.arange(len(params.seeds)) if sequences is None else sequences
+    assert len(sequences) == len(params.seeds), (len(sequences), len(params.seeds))
+    _check_ranges(params, sequences)
+    _check_token_lists(params, vocab_size, sequences)
+    _check_history(params, vocab_size, sequences)
 
 
 def _first(bad: torch.Tensor) -> int | None:
@@ -32,43 +37,55 @@ def _outside(values: torch.Tensor, bounds: Range) -> torch.Tensor:
     return bad
 
 
-def _check_ranges(params: SamplingBatch) -> None:
+def _check_ranges(params: SamplingBatch, sequences: torch.Tensor) -> None:
     for name in (*NUMBER_CONTROLS, "logprobs"):
         control, values = CONTROLS[name], getattr(params, name)
-        if (i := _first(_outside(values, control.range))) is not None:
-            raise InvalidArgument(
-                f"sampling[{i}].{name} = {values[i].item()} is invalid: it must be {control.allowed()}"
+        bad = _outside(values, control.range)
+        if (i := _first(bad)) is not None:
+            raise RowsRefused(
+                f"sampling[{i}].{name} = {values[i].item()} is invalid: it must be {control.allowed()}",
+                sequences[bad].tolist(),
             )
     bias = CONTROLS["logit_bias"]
-    if (i := _first(_outside(params.bias_values, bias.range))) is not None:
-        raise InvalidArgument(
+    bad = _outside(params.bias_values, bias.range)
+    if (i := _first(bad)) is not None:
+        raise RowsRefused(
             f"sampling[{int(params.bias_rows[i])}].logit_bias[{int(params.bias_ids[i])}] = "
-            f"{params.bias_values[i].item()} is invalid: biases lie {bias.allowed()}"
+            f"{params.bias_values[i].item()} is invalid: biases lie {bias.allowed()}",
+            sequences[params.bias_rows[bad]].tolist(),
         )
 
 
-def _check_token_lists(params: SamplingBatch, vocab_size: int) -> None:
+def _check_token_lists(params: SamplingBatch, vocab_size: int, sequences: torch.Tensor) -> None:
     """logit_bias and suppressed ids inside the vocabulary; the history and generated counts well formed."""
     num_rows = len(params.seeds)
     for name, rows, ids in (
         ("logit_bias", params.bias_rows, params.bias_ids),
         ("suppress_token_ids", params.suppress_rows, params.suppress_ids),
     ):
-        if (i := _first((ids < 0) | (ids >= vocab_size))) is not None:
-            raise InvalidArgument(
+        bad = (ids < 0) | (ids >= vocab_size)
+        if (i := _first(bad)) is not None:
+            raise RowsRefused(
                 f"sampling[{int(rows[i])}].{name} has token id {int(ids[i])}, outside the vocabulary "
-                f"[0, {vocab_size})"
+                f"[0, {vocab_size})",
+                sequences[rows[bad]].tolist(),
             )
     if (params.min_tokens > 0).any() and len(params.output_lens) != num_rows:
         raise InvalidArgument(
             f"output_lens has {len(params.output_lens)} entries for {num_rows} sampling rows: min_tokens "
             "needs each row's generated token count"
         )
-    if len(params.output_lens) not in (0, num_rows) or (params.output_lens < 0).any():
+    if len(params.output_lens) not in (0, num_rows):
         raise InvalidArgument(f"output_lens must be empty or {num_rows} counts >= 0, one per sampling row")
+    if (row := _first(params.output_lens < 0)) is not None:
+        raise RowsRefused(
+            f"output_lens must be empty or {num_rows} counts >= 0, one per sampling row; "
+            f"output_lens[{row}] is {int(params.output_lens[row])}",
+            sequences[params.output_lens < 0].tolist(),
+        )
 
 
-def _check_history(params: SamplingBatch, vocab_size: int) -> None:
+def _check_history(params: SamplingBatch, vocab_size: int, sequences: torch.Tensor) -> None:
     num_rows, cu, history = len(params.seeds), params.cu_history, params.history
     if not len(cu):
         if len(history) or len(params.history_prompt_lens):
@@ -80,12 +97,19 @@ def _check_history(params: SamplingBatch, vocab_size: int) -> None:
             f"one offset per sampling row plus one ({num_rows + 1}); got {len(cu)} offsets"
         )
     prompt_lens = params.history_prompt_lens
-    if len(prompt_lens) != num_rows or (prompt_lens < 0).any() or (prompt_lens > cu.diff()).any():
-        raise InvalidArgument(
-            "history_prompt_lens needs one count per sampling row, each between 0 and the length of the "
-            "row's history"
+    if len(prompt_lens) != num_rows:
+        raise InvalidArgument(f"history_prompt_lens needs one count per sampling row ({num_rows})")
+    bad = (prompt_lens < 0) | (prompt_lens > cu.diff())
+    if (row := _first(bad)) is not None:
+        raise RowsRefused(
+            f"history_prompt_lens[{row}] = {int(prompt_lens[row])} must lie between 0 and the length of the "
+            f"row's history ({int(cu[row + 1] - cu[row])})",
+            sequences[bad].tolist(),
         )
-    if (t := _first((history < 0) | (history >= vocab_size))) is not None:
-        raise InvalidArgument(
-            f"history_token_ids[{t}] = {int(history[t])} is outside the vocabulary [0, {vocab_size})"
+    outside = (history < 0) | (history >= vocab_size)
+    if (t := _first(outside)) is not None:
+        row_of = torch.repeat_interleave(torch.arange(num_rows), cu.diff(), output_size=len(history))
+        raise RowsRefused(
+            f"history_token_ids[{t}] = {int(history[t])} is outside the vocabulary [0, {vocab_size})",
+            sequences[row_of[outside]].tolist(),
         )

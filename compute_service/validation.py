@@ -1,12 +1,13 @@
 """Checks a Forward request as sent, before anything is derived from it or touches the pool; every refusal
-says which field is wrong and how."""
+says which field is wrong and how. A refusal caused by some sequences (rows) only is a RowsRefused naming
+every row that fails that check, so the caller can drop those and send the rest again."""
 
 from dataclasses import dataclass
 
 import torch
 
 from common import paging
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, RowsRefused
 from compute_service.sampling import SamplingBatch
 from compute_service.sampling_checks import check_sampling
 from protos import compute_pb2
@@ -59,16 +60,26 @@ def check_sent(sent: Sent, limits: Limits) -> None:
     context_lens = sent.context_lens()
     _check_sequences(sent, context_lens, limits)
     _check_blocks(sent, context_lens, limits)
-    check_sampling(sent.sampling, limits.vocab_size)
+    check_sampling(sent.sampling, limits.vocab_size, sent.sample.nonzero()[:, 0])
 
 
-def check_writes(slot_mapping: torch.Tensor) -> None:
-    """Raises InvalidArgument if two new tokens write one pool slot (sequences sharing a block they write)."""
-    slots = slot_mapping.sort().values
-    if (i := _first(slots[1:] == slots[:-1])) is not None:
-        raise InvalidArgument(
+def row_of_token(cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+    """[T] the sequence (row) each packed token belongs to; needs consistent counts."""
+    q_lens = cu_seqlens_q.diff()
+    return torch.repeat_interleave(torch.arange(len(q_lens)), q_lens, output_size=int(cu_seqlens_q[-1]))
+
+
+def check_writes(slot_mapping: torch.Tensor, cu_seqlens_q: torch.Tensor) -> None:
+    """Raises RowsRefused, naming the sequences involved, if two new tokens write one pool slot (sequences
+    sharing a block they write)."""
+    slots, order = slot_mapping.sort()
+    twice = slots[1:] == slots[:-1]
+    if (i := _first(twice)) is not None:
+        tokens = torch.cat([order[1:][twice], order[:-1][twice]])
+        raise RowsRefused(
             f"slot {int(slots[i])} is written by two new tokens in one step: sequences writing in this step "
-            "must not share blocks in block_tables (copy on write first)"
+            "must not share blocks in block_tables (copy on write first)",
+            row_of_token(cu_seqlens_q)[tokens].tolist(),
         )
 
 
@@ -111,22 +122,31 @@ def _check_counts(sent: Sent) -> None:
         )
 
 
+def _rows(bad: torch.Tensor) -> list[int]:
+    """The rows where a 1-D mask is true."""
+    return bad.nonzero()[:, 0].tolist()
+
+
 def _check_sequences(sent: Sent, context_lens: torch.Tensor, limits: Limits) -> None:
     tokens, num_computed = sent.token_ids, sent.num_computed
-    if (t := _first((tokens < 0) | (tokens >= limits.vocab_size))) is not None:
-        raise InvalidArgument(
-            f"token_ids[{t}] = {int(tokens[t])} is outside the vocabulary [0, {limits.vocab_size})"
+    outside = (tokens < 0) | (tokens >= limits.vocab_size)
+    if (t := _first(outside)) is not None:
+        raise RowsRefused(
+            f"token_ids[{t}] = {int(tokens[t])} is outside the vocabulary [0, {limits.vocab_size})",
+            row_of_token(sent.cu_seqlens_q)[outside].tolist(),
         )
     if (seq := _first(num_computed < 0)) is not None:
-        raise InvalidArgument(
+        raise RowsRefused(
             f"num_computed[{seq}] = {int(num_computed[seq])} is negative: it counts the sequence's tokens "
-            "already in the KV cache before this step"
+            "already in the KV cache before this step",
+            _rows(num_computed < 0),
         )
     if (seq := _first(context_lens > limits.max_model_len)) is not None:
-        raise InvalidArgument(
+        raise RowsRefused(
             f"sequence {seq} reaches {int(context_lens[seq])} tokens (num_computed[{seq}] = "
             f"{int(num_computed[seq])} plus its new tokens), beyond the model's maximum length "
-            f"{limits.max_model_len}"
+            f"{limits.max_model_len}",
+            _rows(context_lens > limits.max_model_len),
         )
 
 
@@ -134,17 +154,19 @@ def _check_blocks(sent: Sent, context_lens: torch.Tensor, limits: Limits) -> Non
     width = sent.block_table_width
     needed_blocks = paging.blocks_for(context_lens, limits.block_size)
     if (seq := _first(needed_blocks > width)) is not None:
-        raise InvalidArgument(
+        raise RowsRefused(
             f"sequence {seq} needs {int(needed_blocks[seq])} blocks for {int(context_lens[seq])} tokens "
-            f"(block size {limits.block_size}) but block_table_width is {width}"
+            f"(block size {limits.block_size}) but block_table_width is {width}",
+            _rows(needed_blocks > width),
         )
     tables = sent.block_tables.view(-1, width)
     outside = (tables < 0) | (tables >= limits.num_blocks)
-    bad = (outside & (torch.arange(width) < needed_blocks[:, None])).flatten()
-    if (entry := _first(bad)) is not None:
+    bad = outside & (torch.arange(width) < needed_blocks[:, None])
+    if (entry := _first(bad.flatten())) is not None:
         seq, col = divmod(entry, width)
-        raise InvalidArgument(
+        raise RowsRefused(
             f"block_tables[{seq}][{col}] = {int(tables[seq, col])} is outside the pool (block ids 0 .. "
             f"{limits.num_blocks - 1}), and sequence {seq} needs its first {int(needed_blocks[seq])} blocks "
-            f"for {int(context_lens[seq])} tokens: use the tables the cache service returned for this pool"
+            f"for {int(context_lens[seq])} tokens: use the tables the cache service returned for this pool",
+            _rows(bad.any(dim=1)),
         )

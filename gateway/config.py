@@ -10,6 +10,9 @@ RETRY_TIMEOUT_S = 5.0
 # TEST HOOK, off unless set when the engine starts: a step containing this request id raises RuntimeError
 # (tests/e2e/test_peer_restart.py checks that only that step's requests fail).
 FAIL_STEP_ENV = "PAGEDSERVE_TEST_FAIL_STEP"
+# TEST HOOK, off unless set when the engine starts: the Forward rows of this request id carry a token id
+# compute refuses (tests/e2e/test_bad_rows.py checks that only that request fails, by compute's naming).
+BAD_ROW_ENV = "PAGEDSERVE_TEST_BAD_ROW"
 
 
 @dataclass(frozen=True)

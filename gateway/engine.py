@@ -8,9 +8,9 @@ import structlog
 from transformers import PreTrainedTokenizerBase
 
 from common.errors import Cancelled, PagedServeError, Unavailable, from_rpc_error
-from common.server import channel, request_metadata
+from common.server import channel
 from gateway.config import FAIL_STEP_ENV, HANDSHAKE_TIMEOUT_S, RETRY_TIMEOUT_S, EngineConfig
-from gateway.forward import forward_request
+from gateway.forward import ComputeSteps, forward_rows
 from gateway.handshake import handshake
 from gateway.kv_view import KVView
 from gateway.lease import Lease
@@ -18,7 +18,6 @@ from gateway.outputs import advance, by_request, tell
 from gateway.recovery import PeerFault, PeerRecovery, calling
 from gateway.scheduler import ScheduledStep, Scheduler
 from gateway.sequence import Sequence
-from gateway.step_deadline import StepDeadline
 from gateway.step_timer import StepTimer
 from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 
@@ -46,7 +45,7 @@ class Engine:
         self.recovery = PeerRecovery(config.peer_restart_grace_s, targets)
         self._lost: set[str] = set()
         self._attached_at = 0.0
-        self._deadline = StepDeadline(config.step_timeout_s, config.rpc_timeout_s)
+        self._steps = ComputeSteps(config.step_timeout_s, config.rpc_timeout_s)
         # Set when the loop died: every request is refused with it.
         self.dead: Unavailable | None = None
         self._fail_step = os.environ.get(FAIL_STEP_ENV) or None
@@ -249,25 +248,31 @@ class Engine:
         log.debug("step", chunks=chunks)
         if self._fail_step in {seq.request_id for seq in step.seqs}:
             raise RuntimeError(f"injected step fault ({FAIL_STEP_ENV})")
-        tables = [self.kv.block_table(seq) for seq in step.seqs]
-        eos = frozenset(self.model_info.eos_token_ids)
-        request = forward_request(step.seqs, tables, self.handle.epoch, eos)
         if not self.lease.held():  # the blocks may be another gateway's by now: compute must not write them
             self._lose("cache")
             return
-        tokens = len(request.token_ids)
-        with timer.phase("compute_rpc"), calling("compute"):
-            start = time.monotonic()
-            reply = self._compute.Forward(
-                request, timeout=self._deadline.timeout(tokens), metadata=_ids(step.seqs)
-            )
-            self._deadline.observe(time.monotonic() - start, tokens)
+        with timer.phase("compute_rpc"):
+            seqs, reply = forward_rows(step.seqs, self._forward, self._refuse)
+        if reply is None:
+            return
         with timer.phase("cache_rpc"), calling("cache"):
-            for seq in [seq for seq in step.seqs if seq.forks_now]:
+            for seq in [seq for seq in seqs if seq.forks_now]:
                 self._fork(seq)
-        self._advance(step, reply)
+        self._advance(seqs, reply)
         timer.compute = reply
         timer.finish(kind)
+
+    def _forward(self, seqs: list[Sequence]) -> compute_pb2.ForwardResponse:
+        tables = [self.kv.block_table(seq) for seq in seqs]
+        eos = frozenset(self.model_info.eos_token_ids)
+        return self._steps.send(self._compute, seqs, tables, self.handle.epoch, eos)
+
+    def _refuse(self, seqs: list[Sequence], error: PagedServeError) -> set[str]:
+        """Compute refused these rows alone: their requests (every sample) fail; returns the seq ids ended."""
+        groups = {seq.group_id for seq in seqs}
+        ended = [seq for seq in self._by_id.values() if seq.group_id in groups]
+        self._fail(ended, error)
+        return {seq.seq_id for seq in ended}
 
     def _fork(self, parent: Sequence) -> None:
         """After the prompt's prefill, samples 1..n-1 share the parent's blocks and run beside it."""
@@ -277,9 +282,9 @@ class Engine:
             self._by_id[child.seq_id] = child
         self.scheduler.add_running(children)
 
-    def _advance(self, step: ScheduledStep, reply: compute_pb2.ForwardResponse) -> None:
+    def _advance(self, seqs: list[Sequence], reply: compute_pb2.ForwardResponse) -> None:
         eos = frozenset(self.model_info.eos_token_ids)
-        outputs = advance(step.seqs, reply, eos, self.tokenizer)
+        outputs = advance(seqs, reply, eos, self.tokenizer)
         # NOTE: blocks are back in the pool before the client hears that its request ended.
         self._release([seq for seq, output in outputs if output.finish_reason])
         for seq, output in outputs:
@@ -296,6 +301,7 @@ class Engine:
             self.kv.forget([seq for seq in seqs if self.kv.holds(seq)])
 
     def _fail(self, seqs: list[Sequence], error: PagedServeError) -> None:
+        seqs = [seq for seq in seqs if seq.seq_id in self._by_id]
         log.error("step_failed", seq_ids=[s.seq_id for s in seqs], code=error.code.name, error=str(error))
         self._release(seqs)
         tell(seqs, error)
@@ -308,7 +314,3 @@ class Engine:
             error = PagedServeError(f"{type(exc).__name__}: {exc} (request {request_id})")
             self._release(group)
             tell(group, error)
-
-
-def _ids(seqs: list[Sequence]) -> tuple[tuple[str, str], ...]:
-    return request_metadata(seq.request_id for seq in seqs)

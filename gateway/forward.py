@@ -1,13 +1,22 @@
 """The Forward request of a scheduled step: what only the gateway knows (the new tokens, how many tokens each
-sequence already has in the KV cache, the block tables, sampling); compute derives positions and slots."""
+sequence already has in the KV cache, the block tables, sampling); compute derives positions and slots. And
+the step sent until compute runs it: rows compute refuses by name are dropped, the rest sent again."""
 
+import os
+import time
+from collections.abc import Callable
 from itertools import accumulate
 
 import numpy as np
 
+from common.errors import InvalidArgument, refused_rows
+from common.server import request_metadata
+from gateway.config import BAD_ROW_ENV
+from gateway.recovery import PeerFault, calling
 from gateway.sampling import forward_sampling
 from gateway.sequence import Sequence
-from protos import compute_pb2
+from gateway.step_deadline import StepDeadline
+from protos import compute_pb2, compute_pb2_grpc
 
 
 def forward_request(
@@ -29,3 +38,55 @@ def forward_request(
         sample=[seq.samples_now for seq in seqs],
         **forward_sampling([seq for seq in seqs if seq.samples_now], eos_ids),
     )
+
+
+def forward_rows(
+    seqs: list[Sequence],
+    send: Callable[[list[Sequence]], compute_pb2.ForwardResponse],
+    refuse: Callable[[list[Sequence], InvalidArgument], set[str]],
+) -> tuple[list[Sequence], compute_pb2.ForwardResponse | None]:
+    """Sends the step of `seqs` (`send` raises PeerFault as compute's refusal); while compute refuses it
+    naming rows (common.errors.RowsRefused: it wrote no K/V then), `refuse(rows' sequences, compute's
+    error)` ends their requests and returns the seq ids it ended, and the rest is sent again. Returns the
+    sequences that ran and compute's reply (None when every row was refused). A refusal naming no row, or
+    rows that are not in the step, is raised as it came."""
+    while seqs:
+        try:
+            return seqs, send(seqs)
+        except PeerFault as fault:
+            rows = refused_rows(fault.err)
+            if not rows or rows[-1] >= len(seqs):
+                raise
+            ended = refuse([seqs[row] for row in rows], InvalidArgument(fault.err.details()))
+            assert all(seqs[row].seq_id in ended for row in rows), "a refused row is still running"
+            seqs = [seq for seq in seqs if seq.seq_id not in ended]
+    return [], None
+
+
+class ComputeSteps:
+    """Sends steps to compute, each under the step deadline (see StepDeadline)."""
+
+    def __init__(self, step_timeout_s: float, rpc_timeout_s: float) -> None:
+        self._deadline = StepDeadline(step_timeout_s, rpc_timeout_s)
+        # TEST HOOK (BAD_ROW_ENV): the rows of this request id carry a token id compute refuses.
+        self._bad_row = os.environ.get(BAD_ROW_ENV) or None
+
+    def send(
+        self,
+        compute: compute_pb2_grpc.ComputeStub,
+        seqs: list[Sequence],
+        tables: list[list[int]],
+        epoch: str,
+        eos_ids: frozenset[int],
+    ) -> compute_pb2.ForwardResponse:
+        """One Forward of the chunks of `seqs` to `compute` (PeerFault naming compute if it fails)."""
+        request = forward_request(seqs, tables, epoch, eos_ids)
+        for row, seq in enumerate(seqs):
+            if self._bad_row is not None and seq.request_id == self._bad_row:
+                request.token_ids[request.cu_seqlens_q[row]] = -1
+        tokens, metadata = len(request.token_ids), request_metadata(seq.request_id for seq in seqs)
+        with calling("compute"):
+            start = time.monotonic()
+            reply = compute.Forward(request, timeout=self._deadline.timeout(tokens), metadata=metadata)
+        self._deadline.observe(time.monotonic() - start, tokens)
+        return reply

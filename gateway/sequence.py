@@ -105,7 +105,7 @@ class Sequence:
     def fork(self) -> list["Sequence"]:
         """Samples 1..n-1 of the request, made after its prompt's prefill: each shares the prompt (and,
         once the cache service forks them, its blocks) and recomputes the last prompt token to sample its
-        own first token, seeded with seed + index."""
+        own first token, seeded with seed + index (mod 2**64: seeds are uint64)."""
         assert self.index == 0 and not self.output_ids, (self.seq_id, self.index)
         seed = self.sampling.seed
         return [
@@ -113,7 +113,8 @@ class Sequence:
                 self,
                 seq_id=f"{self.seq_id}/{index}",
                 index=index,
-                sampling=replace(self.sampling, seed=None if seed is None else seed + index),
+                # NOTE: unwrapped, seed 2**64 - 1 made a RowSampling that failed the whole step (INTERNAL).
+                sampling=replace(self.sampling, seed=None if seed is None else (seed + index) % 2**64),
                 num_computed=self.num_tokens - 1,
                 chunk_end=0,
                 num_preemptions=0,

@@ -29,13 +29,15 @@ def encode(
         raise InvalidArgument(f"set exactly one of prompt, token_ids or messages, got {' and '.join(given)}")
     if request.token_ids:
         ids = list(request.token_ids)
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        return ids
-    if request.messages:
-        return _render_chat(tokenizer, request.messages)
-    return tokenizer.encode(request.prompt, add_special_tokens=True)
+    elif request.messages:
+        ids = _render_chat(tokenizer, request.messages)
+    else:
+        ids = tokenizer.encode(request.prompt, add_special_tokens=True)
+    # NOTE: checked for text too: a tokenizer may know more tokens than the model (compute refuses those).
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids
 
 
 def _render_chat(tokenizer: PreTrainedTokenizerBase, messages) -> list[int]:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import grpc
 
+from common.errors import RowsRefused
 from protos import cache_pb2, common_pb2, compute_pb2
 from tests.fake_cache import FakeCache
 
@@ -15,14 +16,17 @@ VOCAB = 100
 
 
 class RpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self._code, self._details = code, details
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple = ()) -> None:
+        self._code, self._details, self._trailing = code, details, trailing_metadata
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
         return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return self._trailing
 
 
 def unreachable(service: str) -> RpcError:
@@ -85,7 +89,9 @@ class FakePoolCache(FakeCache):
 
 class FakeCompute:
     """`down` refuses every call; `restart()` detaches the pool; `before[n]()` runs at the start of the n-th
-    Forward (and may raise, as a dying process's call does). Block size 4."""
+    Forward (and may raise, as a dying process's call does); a step with a row holding a token of `refused`
+    is refused (INVALID_ARGUMENT) naming those rows, as the real compute does, before anything is written.
+    Block size 4."""
 
     def __init__(self) -> None:
         self.kv: dict[tuple[str, int, int], int] = {}
@@ -93,6 +99,7 @@ class FakeCompute:
         self.down = False
         self.before: dict[int, Callable[[], None]] = {}
         self.forwards = 0
+        self.refused: set[int] = set()
 
     def restart(self) -> None:
         self.epoch = None
@@ -114,6 +121,7 @@ class FakeCompute:
             self.before.pop(self.forwards)()
         if request.pool_epoch != self.epoch:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "no KV pool attached")
+        self._refuse_rows(request)
         width, block_size, tokens = request.block_table_width, 4, []
         for i, computed in enumerate(request.num_computed):
             table = request.block_tables[i * width : (i + 1) * width]
@@ -127,6 +135,13 @@ class FakeCompute:
                 context = [self.kv[slot] for slot in slots]
                 tokens.append(3 + sum((pos + 1) * t for pos, t in enumerate(context)) % (VOCAB - 3))
         return compute_pb2.ForwardResponse(token_ids=tokens, logprobs=[0.0] * len(tokens))
+
+    def _refuse_rows(self, request: compute_pb2.ForwardRequest) -> None:
+        cu = request.cu_seqlens_q
+        rows = [i for i in range(len(cu) - 1) if self.refused & set(request.token_ids[cu[i] : cu[i + 1]])]
+        if rows:
+            error = RowsRefused(f"token_ids hold a token of {sorted(self.refused)}", rows)
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(error), error.trailing_metadata())
 
     def _check(self) -> None:
         if self.down:

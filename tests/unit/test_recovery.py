@@ -1,13 +1,15 @@
 """The engine when a peer is lost: re-handshake and recompute with the same tokens, the grace period, fault
-isolation of one step, a dead loop, shutdown; and the recovery state machine, step deadline, stream cap."""
+isolation of one step (and of the rows compute refuses by name), a dead loop, shutdown; and the recovery state
+machine, step deadline, stream cap."""
 
 import threading
+from dataclasses import replace
 
 import grpc
 import pytest
 from transformers import AutoTokenizer
 
-from common.errors import PagedServeError, Unavailable
+from common.errors import InvalidArgument, PagedServeError, Unavailable
 from common.model_files import local_copy
 from gateway.config import FAIL_STEP_ENV, EngineConfig
 from gateway.engine import Engine
@@ -113,6 +115,34 @@ def test_a_restarted_cache_gets_a_new_pool_and_every_sequence_is_recomputed(star
         "the view has the new pool's size"
     )
     assert cache.tables == {} and len(cache.free) == BLOCKS // 2
+
+
+def test_the_engine_fails_only_the_refused_request_and_the_others_end_with_their_tokens(start, reference):
+    engine, cache, compute = start()
+    compute.refused = {1}
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 1, 43], list(range(10, 19)), list(range(20, 33))]
+    seqs = [submit(engine, prompt) for prompt in prompts]
+    outputs = [collect(seq) for seq in seqs]
+    assert isinstance(outputs[1], InvalidArgument) and "token_ids hold a token of [1]" in str(outputs[1])
+    assert [outputs[0], *outputs[2:]] == reference
+    assert cache.tables == {} and len(cache.free) == 64, "the refused request's blocks are freed"
+    assert not engine.scheduler.has_work()
+
+
+def test_a_refused_row_ends_every_sample_of_its_request(start):
+    engine, cache, compute = start()
+    # NOTE: samples 1 and 2 fork after the first step and recompute the prompt's last token (2) in the second
+    compute.before[2] = lambda: compute.refused.add(2)
+    samples = Sequence(seq_id="n3", prompt_ids=[5, 6, 2], sampling=replace(GREEDY, n=3), max_len=512,
+                       request_id="n3")  # fmt: skip
+    engine.submit(samples)
+    good = submit(engine, [5, 6, 7, 8, 9])
+    first = samples.outbox.get(timeout=20)
+    assert first.index == 0 and len(first.token_ids) == 1, "the parent sampled its first token"
+    assert isinstance(collect(samples), InvalidArgument)
+    assert samples.outbox.empty(), "the request ended once, with every sample"
+    assert len(collect(good)) == GREEDY.max_tokens
+    assert not engine.scheduler.has_work() and cache.tables == {}
 
 
 def test_a_compute_step_past_its_deadline_counts_as_compute_lost(start, reference):

@@ -42,9 +42,11 @@ LIMITS = {
     "--max-logit-bias": 5, "--max-cache-salt-bytes": 10, "--max-request-id-bytes": 12,
     "--max-streams-per-key": 1, "--max-waiting": 1,
 }  # fmt: skip
-# A huge prompt is refused within this many seconds (the median of three calls; on an idle machine 0.15 s
-# for 50 MB, most of it the client sending), growing the gateway's RSS by less than this.
-HUGE_PROMPT_S, HUGE_PROMPT_RSS = 1.0, 64 * 2**20
+# A refusal comes within this many seconds: far below the work it saves (tokenizing 50 MB took 103 s),
+# far above the 0.15 s it takes on an idle machine (most of it the client sending), so a loaded CI host
+# cannot fail it. A huge prompt's refusal (the median of three calls) grows the gateway's RSS by less than
+# HUGE_PROMPT_RSS.
+REFUSED_S, HUGE_PROMPT_RSS = 5.0, 64 * 2**20
 GREEDY = dict(temperature=0.0, max_tokens=1)
 
 
@@ -291,7 +293,7 @@ def test_each_limit_takes_its_edge_and_refuses_one_past_at_once(edge, field, at,
         assert client.generate(**with_field(field, at)).finish_reason is not None
         too_much = with_field(field, past)
         details, seconds = refused(lambda: client.generate(**too_much), grpc.StatusCode.INVALID_ARGUMENT)
-    assert message in details and seconds < 1.0
+    assert message in details and seconds < REFUSED_S
 
 
 def rss(pid: int) -> int:
@@ -329,7 +331,7 @@ def test_a_request_id_in_metadata_takes_the_limit_too(edge):
 def test_a_huge_prompt_is_refused_at_once_leaving_the_gateway_its_size(edge, megabytes, code, message):
     """At the default limits: 50 MB is over --max-request-bytes (8 MiB), so gRPC refuses it unread; 4 MB is
     over --max-prompt-bytes (32 bytes x 4096 tokens = 128 KiB), refused before tokenizing. Each within
-    HUGE_PROMPT_S (the median of three calls), the gateway's RSS growing by less than HUGE_PROMPT_RSS."""
+    REFUSED_S (the median of three calls), the gateway's RSS growing by less than HUGE_PROMPT_RSS."""
     pid = edge.procs["shared"].pid
     request = build_request("word " * (megabytes * 200_000), max_tokens=1).SerializeToString()
     before, seconds = rss(pid), []
@@ -338,7 +340,7 @@ def test_a_huge_prompt_is_refused_at_once_leaving_the_gateway_its_size(edge, meg
         err = raw_generate(edge.shared, request)
         seconds.append(time.monotonic() - began)
         assert err.code() == code and message in err.details(), err
-    assert sorted(seconds)[1] < HUGE_PROMPT_S, seconds
+    assert sorted(seconds)[1] < REFUSED_S, seconds
     assert rss(pid) - before < HUGE_PROMPT_RSS, (before, rss(pid))
 
 
@@ -356,7 +358,8 @@ def test_streams_per_key_and_the_queue_are_capped_while_others_complete(edge):
         details, seconds = refused(
             lambda: alice.generate(prompt="hi", **GREEDY), grpc.StatusCode.RESOURCE_EXHAUSTED
         )
-        assert "'alice' has 1 streams open; the limit is 1 (--max-streams-per-key)" in details and seconds < 1
+        assert "'alice' has 1 streams open; the limit is 1 (--max-streams-per-key)" in details
+        assert seconds < REFUSED_S
         bob = pool.submit(
             lambda: edge.edge_client("bob").generate(token_ids=[8, 9], max_tokens=4, temperature=0.0)
         )
@@ -368,7 +371,8 @@ def test_streams_per_key_and_the_queue_are_capped_while_others_complete(edge):
             details, seconds = refused(
                 lambda: carol.generate(prompt="hi", **GREEDY), grpc.StatusCode.RESOURCE_EXHAUSTED
             )
-            assert "queue is full" in details and "the limit is 1 (--max-waiting)" in details and seconds < 1
+            assert "queue is full" in details and "the limit is 1 (--max-waiting)" in details
+            assert seconds < REFUSED_S
             long.close()
             assert len(bob.result(timeout=60).token_ids) == 4
             assert len(carol.generate(prompt="hi", **GREEDY).token_ids) == 1

@@ -165,7 +165,8 @@ def test_a_pool_the_host_cannot_back_is_refused_at_once(tmp_path):
         start_s = time.monotonic()
         huge = pool_request(1024, memory_bytes=10**15)  # ~1.9e9 blocks of 512 KiB: ids fit in int32
         details = refused(service.stub.CreatePool, huge, grpc.StatusCode.RESOURCE_EXHAUSTED)
-        assert time.monotonic() - start_s < 1.0
+        # NOTE: a generous bound (milliseconds here): refused before allocating, on a loaded host too.
+        assert time.monotonic() - start_s < 5.0
         assert "does not fit this host" in details and "MemAvailable" in details
         size = r"\d+ bytes \([\d.]+ GiB\)"
         assert re.search(rf"{SHM_DIR} has {size} free and {size} of memory is available", details), details

@@ -1,0 +1,1 @@
+"""The gateway's HTTP front (FastAPI, served by uvicorn in the gateway process beside gRPC)."""

@@ -214,10 +214,7 @@ class Client:
         ca_file: str | Path | None = None,
         api_key: str | None = None,
     ) -> None:
-        secure = credentials(tls, ca_file)
-        self._channel = (
-            channel(target) if secure is None else grpc.secure_channel(target, secure, CHANNEL_OPTIONS)
-        )
+        self._channel = channel(target, credentials(tls, ca_file))
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._metadata = auth_metadata(api_key)
         self.timeout = timeout

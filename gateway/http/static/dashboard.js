@@ -4,7 +4,9 @@
 "use strict";
 
 const POLL_MS = 500;
-const CHART_SECONDS = 300;
+// The charts span the samples there are, at least one minute and at most five.
+const CHART_MIN_S = 60;
+const CHART_MAX_S = 300;
 const MAX_CHIPS = 64;
 const STATE_NAMES = { f: "free", u: "used", s: "shared", c: "cached", "?": "unknown" };
 
@@ -110,7 +112,7 @@ function highlight() {
 }
 
 function seqRow(seq) {
-  const row = el("div", "seq");
+  const row = el("div", seq.own ? "seq own" : "seq other");
   row.dataset.seq = seq.id;
   const top = el("div", "top");
   const name = seq.index ? `${seq.id.slice(0, 8)}…/${seq.index}` : seq.id.slice(0, 8);
@@ -167,7 +169,8 @@ function drawChart(canvas, times, values, options) {
   const numbers = values.filter((v) => v !== null);
   const top = options.max || Math.max(1, ...numbers) * 1.15;
   const now = times.length ? times[times.length - 1] : 0;
-  const x = (t) => width - ((now - t) / CHART_SECONDS) * width;
+  const span = Math.min(CHART_MAX_S, Math.max(CHART_MIN_S, times.length ? now - times[0] : 0));
+  const x = (t) => width - ((now - t) / span) * width;
   const y = (v) => height - 14 - (v / top) * (height - 22);
   ctx.strokeStyle = "#e2e5eb";
   ctx.lineWidth = 1;
@@ -199,7 +202,7 @@ function drawChart(canvas, times, values, options) {
   ctx.fillStyle = "#6b7385";
   ctx.font = "11px system-ui, sans-serif";
   ctx.fillText(options.format(top), 2, 10);
-  ctx.fillText(`${CHART_SECONDS / 60} min`, 2, height - 2);
+  ctx.fillText(`last ${Math.round(span / 60)} min`, 2, height - 2);
   const last = values.length ? values[values.length - 1] : null;
   const label = last === null ? "–" : options.format(last);
   ctx.fillStyle = options.color;

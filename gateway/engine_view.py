@@ -15,6 +15,8 @@ from gateway.sequence import Sequence
 
 # Waiting sequences a snapshot lists (the count covers all of them): a long queue stays cheap to publish.
 MAX_WAITING_SHOWN = 64
+# Seconds a reader's watch() keeps the sequences listed in the snapshots.
+WATCH_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,9 +37,12 @@ class SeqView:
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
+    # Whether the sequences are listed (only while watched); the counts always are.
+    listed: bool = False
     running: tuple[SeqView, ...] = ()
     # The first MAX_WAITING_SHOWN in rank order; num_waiting counts them all.
     waiting: tuple[SeqView, ...] = ()
+    num_running: int = 0
     num_waiting: int = 0
     num_blocks: int = 0
     # Free plus cached (evictable) blocks, as the cache service's last reply said.
@@ -63,17 +68,30 @@ class Totals:
 
 
 class EngineView:
+    """NOTE: listing the sequences costs the engine ~0.8 ms a step at 64 running sequences of 100 blocks and
+    200 waiting, so it lists them only while a reader watches (a dashboard is open); else only counts."""
+
     def __init__(self) -> None:
         self.snapshot = EngineSnapshot()
         self.totals = Totals()
+        self._watched_until = float("-inf")
+
+    def watch(self, seconds: float = WATCH_S) -> None:
+        """Any thread: the snapshots published in the next `seconds` list the sequences."""
+        self._watched_until = time.monotonic() + seconds
 
     def publish(self, scheduler: Scheduler, kv: KVView) -> None:
         """Engine thread: the queues and tables as they are now, between steps."""
-        waiting = sorted(scheduler.waiting, key=lambda seq: seq.rank)
+        # NOTE: empty queues are listed too (for nothing), so an idle engine's snapshot is never stale.
+        listed = time.monotonic() < self._watched_until or not (scheduler.running or scheduler.waiting)
+        waiting = sorted(scheduler.waiting, key=lambda seq: seq.rank)[:MAX_WAITING_SHOWN] if listed else []
+        running = sorted(scheduler.running, key=lambda seq: seq.rank) if listed else []
         self.snapshot = EngineSnapshot(
-            running=tuple(_view(seq, kv) for seq in sorted(scheduler.running, key=lambda seq: seq.rank)),
-            waiting=tuple(_view(seq, kv) for seq in waiting[:MAX_WAITING_SHOWN]),
-            num_waiting=len(waiting),
+            listed=listed,
+            running=tuple(_view(seq, kv) for seq in running),
+            waiting=tuple(_view(seq, kv) for seq in waiting),
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
             num_blocks=kv.num_blocks,
             available_blocks=kv.available_blocks,
             preemptions=scheduler.num_preemptions,

@@ -104,6 +104,7 @@ class DashboardSource:
 
     def state(self, viewer: Tenant | None) -> dict:
         """Everything the page shows, for `viewer` (None: a gateway without keys)."""
+        self.engine.view.watch()
         snapshot, totals = self.engine.view.snapshot, self.engine.view.totals
         pool, pool_error = self.pool()
         info = self.engine.model_info
@@ -117,7 +118,8 @@ class DashboardSource:
             "pool": pool,
             "pool_error": pool_error,
             "sequences": seqs_json(views, viewer),
-            "num_running": len(snapshot.running),
+            "listed": snapshot.listed,
+            "num_running": snapshot.num_running,
             "num_waiting": snapshot.num_waiting,
             "kv_usage": snapshot.kv_usage,
             "totals": {

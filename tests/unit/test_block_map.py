@@ -3,11 +3,17 @@ the block manager holds, and small."""
 
 import time
 
+import pytest
+import structlog
+
 from cache_service import block_map
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
 from cache_service.block_map import CACHED, FREE, MAX_REFCOUNT, USED
 from cache_service.sequence import SeqRequest
+from cache_service.server import CacheServicer
+from common.errors import FailedPrecondition
+from protos import cache_pb2
 from tests.blocks import allocate
 
 BLOCK_SIZE = 4
@@ -67,3 +73,9 @@ def test_a_large_pool_maps_in_a_few_bytes_per_block_and_milliseconds():
     assert list(reply.states).count(USED) == blocks.stats().used_blocks
     # NOTE: measured 13 ms on the 2-CPU dev host; the bound leaves room for a loaded one.
     assert took < 0.5, took
+
+
+def test_before_a_pool_exists_the_map_is_refused_with_what_to_do():
+    servicer = CacheServicer("freelist", 16, 0, structlog.get_logger())
+    with pytest.raises(FailedPrecondition, match="call CreatePool first"):
+        servicer.GetBlockMap(cache_pb2.GetBlockMapRequest(), None)

@@ -71,7 +71,13 @@ def test_the_engine_publishes_its_queues_and_tables_as_they_are_between_steps():
         scheduler.add(replace(seq(name, 9), request_id=f"r-{name}", tenant="alice"))
     run(scheduler, scheduler.schedule())
     engine_view.publish(scheduler, scheduler.kv)
+    unwatched = engine_view.snapshot
+    assert not unwatched.listed and unwatched.running == unwatched.waiting == ()
+    assert (unwatched.num_running, unwatched.num_waiting) == (2, MAX_WAITING_SHOWN + 5), "counts always"
+    engine_view.watch()
+    engine_view.publish(scheduler, scheduler.kv)
     snapshot = engine_view.snapshot
+    assert snapshot.listed
     assert [v.seq_id for v in snapshot.running] == ["a", "b"]
     assert snapshot.running[0].block_ids == tuple(scheduler.kv.block_table(scheduler.running[0]))
     assert len(snapshot.running[0].block_ids) == 3 and snapshot.running[0].generated_tokens == 1
@@ -81,6 +87,13 @@ def test_the_engine_publishes_its_queues_and_tables_as_they_are_between_steps():
     assert snapshot.kv_usage == pytest.approx(6 / 400)
     scheduler.running[0].output_ids.append(5)
     assert engine_view.snapshot.running[0].generated_tokens == 1, "a snapshot does not change"
+
+
+def test_an_idle_engine_lists_its_empty_queues_unwatched():
+    scheduler = make(block_size=4, num_blocks=40, max_batched_tokens=100, max_seqs=2)
+    engine_view = EngineView()
+    engine_view.publish(scheduler, scheduler.kv)
+    assert engine_view.snapshot.listed and engine_view.snapshot.num_running == 0
 
 
 def test_totals_count_generated_tokens_and_prompts_at_their_first_token():
@@ -114,7 +127,9 @@ def test_history_samples_rates_over_each_interval():
 class FakeEngine:
     def __init__(self, views: list[SeqView]) -> None:
         self.view = EngineView()
-        self.view.snapshot = EngineSnapshot(running=tuple(views), num_blocks=8, available_blocks=6)
+        self.view.snapshot = EngineSnapshot(
+            listed=True, running=tuple(views), num_running=len(views), num_blocks=8, available_blocks=6
+        )
         self.model_info = None
 
     def attached_epoch(self) -> str | None:

@@ -136,8 +136,9 @@ function drawSequences(state) {
   sequences = state.sequences;
   const rows = sequences.map(seqRow);
   const hidden = state.num_waiting - sequences.filter((s) => s.status === "waiting").length;
-  if (hidden > 0) rows.push(el("div", "empty", `and ${hidden} more waiting`));
-  if (!rows.length) rows.push(el("div", "empty", "no sequence running or waiting"));
+  if (state.listed && hidden > 0) rows.push(el("div", "empty", `and ${hidden} more waiting`));
+  if (!state.listed) rows.push(el("div", "empty", "listing the sequences from the next step…"));
+  else if (!rows.length) rows.push(el("div", "empty", "no sequence running or waiting"));
   seqList.replaceChildren(...rows);
   highlight();
 }

@@ -158,8 +158,6 @@ def test_the_page_draws_one_cell_per_block_without_console_errors(stack, browser
 
 
 def test_cells_are_used_while_requests_run_and_hovering_one_lights_its_blocks(stack, browser, tmp_path):
-    from selenium.webdriver.common.action_chains import ActionChains
-
     system = "You are a careful assistant who answers in one short paragraph. " * 30  # ~22 blocks
     with Client(stack.target, api_key=KEYS["alice"]) as client:
         # both leave their full blocks cached: the first's for the long request to share, the other's unused
@@ -174,12 +172,10 @@ def test_cells_are_used_while_requests_run_and_hovering_one_lights_its_blocks(st
         wait_for(browser, lambda d: len(d.find_elements("css selector", row)) == 2, "alice's 2 samples")
         wait_for(browser, lambda d: cell_states(d).count("u") >= 4, "no used cells while requests run")
         assert "s" in cell_states(browser), "the samples share their prompt's blocks"
-        first = browser.find_elements("css selector", row)[0]
-        ActionChains(browser).move_to_element(first).perform()
-        lit = wait_for(browser, lambda d: lit_blocks(d), "hovering a sequence lit none of its blocks")
-        assert len(lit["cells"]) >= 4 and lit["cells"] == lit["chips"]
-        assert "dash-long" in browser.find_element("css selector", ".seq.hl").text
         time.sleep(SCREENSHOT_DWELL_S if os.environ.get(SCREENSHOT_ENV) else 0)
+        lit = wait_for(browser, hover_own, "hovering a sequence lit none of its blocks")
+        assert len(lit["cells"]) >= 4 and lit["cells"] == lit["chips"]
+        assert "dash-long" in lit["row"]
         assert browser.save_screenshot(str(tmp_path / "dashboard.png"))
         assert (tmp_path / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         if os.environ.get(SCREENSHOT_ENV):
@@ -196,6 +192,20 @@ def test_cells_are_used_while_requests_run_and_hovering_one_lights_its_blocks(st
     assert (after.count("f"), after.count("c")) == (stats.free_blocks, stats.cached_blocks)
     assert list(block_map.states).count(cache_pb2.BLOCK_STATE_CACHED) == stats.cached_blocks
     assert block_map.num_blocks == NUM_BLOCKS and not any(block_map.refcounts)
+
+
+def hover_own(driver) -> dict | None:
+    """Hovers alice's first row; its lit blocks (see lit_blocks) and its text, or None to try again (the
+    page redraws the rows every poll, so the row may be replaced under the pointer)."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    try:
+        ActionChains(driver).move_to_element(driver.find_element("css selector", ".seq.own")).perform()
+        lit = lit_blocks(driver)
+        return lit and {**lit, "row": driver.find_element("css selector", ".seq.hl").text}
+    except (NoSuchElementException, StaleElementReferenceException):
+        return None
 
 
 def lit_blocks(driver) -> dict | None:

@@ -3,6 +3,8 @@ history, and /dashboard/state over a real HTTP server (API keys, what another ke
 
 import base64
 import json
+import socket
+import ssl
 import urllib.error
 import urllib.request
 from dataclasses import replace
@@ -24,6 +26,7 @@ from gateway.http.serve import start_http
 from gateway.outputs import Output
 from protos import cache_pb2
 from tests.blocks import allocate
+from tests.certs import self_signed
 from tests.scheduling import make, run, seq
 
 KEYS = {"alice": "alice-0123456789abcdef", "bob": "bob-0123456789abcdef"}
@@ -229,3 +232,25 @@ def test_a_cache_that_cannot_be_reached_is_reported_not_raised():
     state = source.state(None)
     assert state["pool"] is None
     assert "UNAVAILABLE: connection refused" in state["pool_error"]
+
+
+def test_with_the_gateway_certificate_the_front_speaks_only_https(tmp_path):
+    cert, key = self_signed(tmp_path)
+    source = DashboardSource(FakeEngine([]), FakeCache(), None)
+    server = start_http(create_app([dashboard.installer(source)]), "127.0.0.1", 0, (cert, key))
+    try:
+        trusted = ssl.create_default_context(cafile=str(cert))
+        with urllib.request.urlopen(f"https://127.0.0.1:{server.port}/dashboard", context=trusted) as reply:
+            assert reply.status == 200
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/dashboard", timeout=5)
+    finally:
+        server.stop()
+
+
+def test_a_taken_port_fails_the_start_not_a_thread():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError):
+            start_http(create_app([]), "127.0.0.1", taken.getsockname()[1])

@@ -1,5 +1,6 @@
 """Who may call which Cache RPC under mutual TLS (common.authz): only the gateway changes blocks, sessions or
-the pool; an operator may read statistics and blocks. Over a unix socket or --insecure every caller may."""
+the pool; an operator may read statistics, blocks and the block map. Over a unix socket or --insecure every
+caller may."""
 
 from common.authz import GATEWAY, OPERATORS, table
 from protos import cache_pb2
@@ -18,6 +19,7 @@ CALLERS = table(
         "CloseSession": GATEWAY,
         "GetStats": OPERATORS,
         "ReadBlock": OPERATORS,
+        "GetBlockMap": OPERATORS,
     },
     [method.name for method in SERVICE.methods],
 )

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cache_service import host_memory, metrics
+from cache_service import block_map, host_memory, metrics
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
 from cache_service.callers import CALLERS
@@ -187,6 +187,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             if request.include_data:
                 reply.data = data.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
             return reply
+
+    def GetBlockMap(self, request: cache_pb2.GetBlockMapRequest, context) -> cache_pb2.BlockMap:
+        with self._lock:
+            pool = self._require_pool()
+            return block_map.encode(pool.blocks, pool.handle.epoch)
 
     def close(self) -> None:
         """Unlinks the pool's segment; called once the server has stopped."""

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from common.errors import Cancelled, PagedServeError, Unavailable, from_rpc_error
 from common.server import channel
 from gateway.config import FAIL_STEP_ENV, HANDSHAKE_TIMEOUT_S, RETRY_TIMEOUT_S, EngineConfig
+from gateway.engine_view import EngineView
 from gateway.forward import ComputeSteps, forward_rows
 from gateway.handshake import handshake
 from gateway.kv_view import KVView
@@ -41,6 +42,7 @@ class Engine:
         self.handle: common_pb2.PoolHandle | None = None
         self.kv: KVView | None = None
         self.scheduler: Scheduler | None = None
+        self.view = EngineView()  # for the dashboard
         targets = {"cache": config.cache_target, "compute": config.compute_target}
         self.recovery = PeerRecovery(config.peer_restart_grace_s, targets)
         self._lost: set[str] = set()
@@ -148,6 +150,7 @@ class Engine:
     def _loop(self) -> None:
         blocked = False
         while True:
+            self.view.publish(self.scheduler, self.kv)
             with self._cond:
                 # NOTE: work that cannot be scheduled (none should exist) waits for news instead of spinning.
                 runnable = self.scheduler.has_work() and not blocked and not self.recovery.active
@@ -285,6 +288,7 @@ class Engine:
     def _advance(self, seqs: list[Sequence], reply: compute_pb2.ForwardResponse) -> None:
         eos = frozenset(self.model_info.eos_token_ids)
         outputs = advance(seqs, reply, eos, self.tokenizer)
+        self.view.account(outputs)
         # NOTE: blocks are back in the pool before the client hears that its request ended.
         self._release([seq for seq, output in outputs if output.finish_reason])
         for seq, output in outputs:

@@ -64,6 +64,12 @@ def add_edge(parser: argparse.ArgumentParser) -> None:
         "--api-keys", type=Path, default=None, help="file of NAME:KEY lines: requests need a key (Bearer)"
     )
     parser.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="serve HTTP on this port of --host (the /dashboard; TLS and API keys as the gRPC edge); 0: off",
+    )
+    parser.add_argument(
         "--shared-prefix-cache",
         action="store_true",
         help="let requests of different API keys share prefix-cache blocks (default: one namespace per key)",

@@ -69,6 +69,8 @@ class Sequence:
     # Leading prompt tokens the first reservation found in the prefix cache (reported in the usage).
     cached_tokens: int = 0
     cache_salt: str = ""
+    # The name of the API key that sent the request ("" without keys): the dashboard shows a key its own.
+    tenant: str = ""
     # Which of the request's sampling.n samples this is; samples share the first one's seq_id as group_id.
     index: int = 0
     group_id: str = ""

@@ -11,7 +11,7 @@ from common import metrics as psmetrics
 from common import transport
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from common.model_files import local_copy
-from common.server import Server, serve
+from common.server import Server, channel, serve
 from gateway import metrics
 from gateway import tokenizer as tok
 from gateway.admission import Admission
@@ -20,6 +20,10 @@ from gateway.config import EngineConfig
 from gateway.edge import Edge, EdgeConfigError
 from gateway.engine import Engine
 from gateway.health import DownstreamWatcher
+from gateway.http import dashboard
+from gateway.http.app import create_app
+from gateway.http.dashboard_state import DashboardSource
+from gateway.http.serve import HttpFront, start_http
 from gateway.limits import check_queue, check_request, check_request_id
 from gateway.options import OPTIONS
 from gateway.outputs import Output
@@ -27,7 +31,7 @@ from gateway.recovery import PeerFault
 from gateway.sampling import resolve_sampling
 from gateway.sequence import Sequence
 from gateway.streams import StreamSlots
-from protos import generation_pb2, generation_pb2_grpc
+from protos import cache_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 log = structlog.get_logger()
 SERVICE = "pagedserve.v1.Generation"
@@ -81,6 +85,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_len=max_len,
             request_id=request_id,
             cache_salt=salted(tenant, request.cache_salt),
+            tenant=tenant.name,
             priority=request.priority,
         )
 
@@ -207,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         credentials=edge.credentials,
         max_receive_bytes=edge.limits.max_request_bytes,
     )
+    http = _http_front(args, engine, edge, internal, logger)
     try:
         engine.handshake()
     except PeerFault as fault:
@@ -221,9 +227,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     watcher.start()
     server.wait(
-        on_stop=lambda: (watcher.stop(), engine.stop()),
+        on_stop=lambda: (watcher.stop(), engine.stop(), http and http.stop()),
         drain=lambda: _drain(server, watcher, admission, args.drain_timeout, logger),
     )
+
+
+def _http_front(args: argparse.Namespace, engine: Engine, edge: Edge, internal, log) -> HttpFront | None:
+    """The HTTP front on --http-port (none when 0): the dashboard, with the edge's TLS and API keys."""
+    if not args.http_port:
+        return None
+    cache = cache_pb2_grpc.CacheStub(channel(args.cache_target, internal))
+    source = DashboardSource(engine, cache, edge.keys)
+    source.start()
+    tls = (args.tls_cert, args.tls_key) if edge.credentials is not None else None
+    front = start_http(create_app([dashboard.installer(source)]), args.host, args.http_port, tls)
+    log.info("http_serving", host=args.host, port=front.port, tls=tls is not None, dashboard="/dashboard")
+    return front
 
 
 def _edge(args: argparse.Namespace, log) -> Edge:

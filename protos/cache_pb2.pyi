@@ -1,11 +1,21 @@
 from protos import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class BlockState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOCK_STATE_FREE: _ClassVar[BlockState]
+    BLOCK_STATE_USED: _ClassVar[BlockState]
+    BLOCK_STATE_CACHED: _ClassVar[BlockState]
+BLOCK_STATE_FREE: BlockState
+BLOCK_STATE_USED: BlockState
+BLOCK_STATE_CACHED: BlockState
 
 class PoolGeometry(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim")
@@ -224,3 +234,21 @@ class BlockContents(_message.Message):
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, block_id: _Optional[int] = ..., refcount: _Optional[int] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetBlockMapRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BlockMap(_message.Message):
+    __slots__ = ("num_blocks", "block_size", "states", "refcounts", "pool_epoch")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    REFCOUNTS_FIELD_NUMBER: _ClassVar[int]
+    POOL_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    block_size: int
+    states: bytes
+    refcounts: bytes
+    pool_epoch: str
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., states: _Optional[bytes] = ..., refcounts: _Optional[bytes] = ..., pool_epoch: _Optional[str] = ...) -> None: ...

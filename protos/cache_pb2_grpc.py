@@ -84,6 +84,11 @@ class CacheStub:
                 request_serializer=protos_dot_cache__pb2.ReadBlockRequest.SerializeToString,
                 response_deserializer=protos_dot_cache__pb2.BlockContents.FromString,
                 _registered_method=True)
+        self.GetBlockMap = channel.unary_unary(
+                '/pagedserve.v1.Cache/GetBlockMap',
+                request_serializer=protos_dot_cache__pb2.GetBlockMapRequest.SerializeToString,
+                response_deserializer=protos_dot_cache__pb2.BlockMap.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -165,6 +170,15 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetBlockMap(self, request, context):
+        """The state of every block, one byte each, for a live view of the pool (the gateway's /dashboard): a
+        few KB for thousands of blocks, read under the same lock as every change, so it is one consistent
+        moment. No block contents and no tokens. FAILED_PRECONDITION before CreatePool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -212,6 +226,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.ReadBlock,
                     request_deserializer=protos_dot_cache__pb2.ReadBlockRequest.FromString,
                     response_serializer=protos_dot_cache__pb2.BlockContents.SerializeToString,
+            ),
+            'GetBlockMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBlockMap,
+                    request_deserializer=protos_dot_cache__pb2.GetBlockMapRequest.FromString,
+                    response_serializer=protos_dot_cache__pb2.BlockMap.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -461,6 +480,33 @@ class Cache:
             '/pagedserve.v1.Cache/ReadBlock',
             protos_dot_cache__pb2.ReadBlockRequest.SerializeToString,
             protos_dot_cache__pb2.BlockContents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBlockMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Cache/GetBlockMap',
+            protos_dot_cache__pb2.GetBlockMapRequest.SerializeToString,
+            protos_dot_cache__pb2.BlockMap.FromString,
             options,
             channel_credentials,
             insecure,

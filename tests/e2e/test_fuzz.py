@@ -275,6 +275,13 @@ def test_cache_read_block(fuzzed, data):
 
 @FUZZ
 @given(data=st.data())
+def test_cache_get_block_map(fuzzed, data):
+    request = message(data, cache_pb2.GetBlockMapRequest, live=fuzzed.live)
+    exercise(fuzzed, "cache", "GetBlockMap", lambda: fuzzed.cache.GetBlockMap(request, timeout=10))
+
+
+@FUZZ
+@given(data=st.data())
 def test_cache_reserve(fuzzed, data):
     live = fuzzed.live
     request = message(data, cache_pb2.ReserveRequest, near_valid(valid_reserve(live), live), live=live)

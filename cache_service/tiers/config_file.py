@@ -19,7 +19,7 @@ KEYS: dict[str, tuple[str, Callable[[str], object]]] = {
     "tier": ("kv_tier", str),
     "budget": ("kv_tier_budget", parse_size),
     "max_load_blocks": ("kv_tier_max_load", positive_int),
-    "write_queue_blocks": ("kv_tier_queue", positive_int),
+    "write_queue": ("kv_tier_queue", parse_size),
 }
 ENABLED = "enabled"
 

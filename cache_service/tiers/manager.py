@@ -46,7 +46,7 @@ class TierManager(PrefixListener):
     `hot_threshold` x the prefix lookups since it was cached (0: as soon as it is cached). Loads at most
     `max_load_blocks` blocks per Reserve, into free blocks only (never evicting a cached block)."""
 
-    def __init__(self, tier: KVTier, hot_threshold: float, max_load_blocks: int, queue_blocks: int, log):
+    def __init__(self, tier: KVTier, hot_threshold: float, max_load_blocks: int, queue_bytes: int, log):
         assert 0.0 <= hot_threshold <= 1.0 and max_load_blocks >= 0, (hot_threshold, max_load_blocks)
         self.tier = tier
         self.hot_threshold = hot_threshold
@@ -54,7 +54,7 @@ class TierManager(PrefixListener):
         self.counters = LoadCounters()
         self._log = log
         self._writer = TierWriter(
-            tier, queue_blocks, lambda err: log.warning("kv_tier_write_failed", error=err)
+            tier, queue_bytes, lambda err: log.warning("kv_tier_write_failed", error=err)
         )
         self._pool: KVPool | None = None
         self._cached: dict[int, _Cached] = {}
@@ -93,7 +93,7 @@ class TierManager(PrefixListener):
         key = record.key(self._fingerprint, entry.hash_)
         if self.tier.contains(key) or self._writer.is_pending(key):
             entry.written = True
-        elif self._writer.has_room():
+        elif self._writer.has_room(self._block_bytes):
             data = self._pool.tensor[:, :, block_id].view(torch.uint8)
             self._writer.offer(key, data.clone(memory_format=torch.contiguous_format))
             entry.written = True

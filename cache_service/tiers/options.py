@@ -16,7 +16,7 @@ DEFAULTS = {
     "kv_tier_budget": 8 * 2**30,
     "kv_tier_hot": 0.8,
     "kv_tier_max_load": 256,
-    "kv_tier_queue": 64,
+    "kv_tier_queue": 256 * 2**20,
 }
 
 
@@ -25,7 +25,7 @@ def add_tier_settings(parser: argparse.ArgumentParser) -> None:
         "--config",
         type=config_file.load,
         help="YAML file with a `persistence:` section (enabled, storage_path, hot_blocks_threshold, tier, "
-        "budget, max_load_blocks, write_queue_blocks); flags win over it",
+        "budget, max_load_blocks, write_queue); flags win over it",
     )
     parser.add_argument(
         "--kv-tier",
@@ -46,7 +46,9 @@ def add_tier_settings(parser: argparse.ArgumentParser) -> None:
         help="most blocks one Reserve loads from the tier (default: 256)",
     )
     parser.add_argument(
-        "--kv-tier-queue", type=positive_int, help="blocks waiting to be written, at most (default: 64)"
+        "--kv-tier-queue",
+        type=parse_size,
+        help="bytes of blocks waiting to be written, at most; more are dropped (default: 256MiB)",
     )
 
 

@@ -20,17 +20,19 @@ class WriteCounters:
 
 
 class TierWriter:
-    """A bounded queue of (key, block bytes) and the thread that encodes and stores them in order.
-    `offer` never blocks: with the queue full the block is dropped (counted), to be offered again on its next
-    hit or its eviction. A key is queued at most once at a time."""
+    """A queue of (key, block bytes), at most `capacity` bytes, and the thread that encodes and stores them in
+    order. `offer` never blocks: with the queue full the block is dropped (counted), to be offered again on
+    its next hit or its eviction. A key is queued at most once at a time."""
 
     def __init__(self, tier: KVTier, capacity: int, on_error: Callable[[str], None]) -> None:
         assert capacity > 0, capacity
         self.counters = WriteCounters()
+        self.capacity = capacity
         self._tier = tier
         self._on_error = on_error
-        self._queue: queue.Queue = queue.Queue(capacity)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: set[bytes] = set()
+        self._queued_bytes = 0
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kv-tier-writer", daemon=True)
         self._thread.start()
@@ -43,32 +45,28 @@ class TierWriter:
         with self._lock:
             return key in self._pending
 
-    def has_room(self) -> bool:
-        """Whether an `offer` now would be queued (checked before copying a block out of the pool)."""
-        if self._queue.full():
-            with self._lock:
-                self.counters.drops += 1
+    def has_room(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit in the queue now; counts a drop if not (checked before a block is
+        copied out of the pool)."""
+        with self._lock:
+            if self._queued_bytes + nbytes <= self.capacity:
+                return True
+            self.counters.drops += 1
             return False
-        return True
 
     def offer(self, key: bytes, data: torch.Tensor) -> None:
-        """Queues a copy of a block's bytes (a uint8 tensor no one else holds) to be stored under key."""
+        """Queues a copy of a block's bytes (a uint8 tensor no one else holds) to be stored under key; the
+        caller checked `has_room` (only it adds to the queue)."""
         with self._lock:
             if key in self._pending:
                 return
-            try:
-                self._queue.put_nowait((key, data))
-            except queue.Full:
-                self.counters.drops += 1
-                return
             self._pending.add(key)
+            self._queued_bytes += data.numel()
+        self._queue.put((key, data))
 
     def close(self, timeout: float) -> None:
         """Stores what is queued (waiting at most `timeout` seconds), then stops the thread."""
-        try:
-            self._queue.put((None, None), timeout=timeout)
-        except queue.Full:
-            return
+        self._queue.put((None, None))
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -90,3 +88,4 @@ class TierWriter:
             finally:
                 with self._lock:
                     self._pending.discard(key)
+                    self._queued_bytes -= data.numel()

@@ -33,7 +33,7 @@ def cache_args(*argv: str) -> argparse.Namespace:
 def test_the_issue_example_turns_the_rocksdb_tier_on(tmp_path: Path):
     args = cache_args("--config", write(tmp_path, ISSUE_EXAMPLE))
     assert (args.kv_tier, args.kv_tier_path, args.kv_tier_hot) == ("rocksdb", "/mnt/ssd/vllm_cache", 0.8)
-    assert (args.kv_tier_budget, args.kv_tier_max_load, args.kv_tier_queue) == (8 * 2**30, 256, 64)
+    assert (args.kv_tier_budget, args.kv_tier_max_load, args.kv_tier_queue) == (8 * 2**30, 256, 256 * 2**20)
 
 
 def test_the_example_file_parses():

@@ -158,7 +158,7 @@ def pools():
         pool.release()
 
 
-def manager(path: Path, hot: float = 0.0, budget: int = 2**20, queue: int = 64, max_load: int = 256):
+def manager(path: Path, hot: float = 0.0, budget: int = 2**20, queue: int = 2**20, max_load: int = 256):
     return TierManager(RocksDBTier(str(path), budget), hot, max_load, queue, LOG)
 
 
@@ -252,7 +252,7 @@ def test_hot_blocks_are_written_when_hits_reach_the_threshold_and_evicted_ones_a
 
 
 def test_a_full_write_queue_drops_and_counts(tmp_path: Path, pools):
-    pool, tier = pools(), manager(tmp_path / "db", queue=1)
+    pool, tier = pools(), manager(tmp_path / "db", queue=SPEC.block_bytes)  # one block
     tier.attach(pool)
     tier.tier.store = lambda key, data: time.sleep(0.2)  # a slow disk: the queue fills
     run(tier, pool, "a")

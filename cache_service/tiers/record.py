@@ -38,13 +38,14 @@ def _digest(payload: bytes | memoryview) -> bytes:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
-def encode(payload: bytes) -> bytes:
+def encode(payload: bytes | memoryview) -> bytes:
+    """The record of a payload (bytes, or a flat byte memoryview)."""
     return HEADER.pack(MAGIC, VERSION, len(payload), _digest(payload)) + payload
 
 
-def decode(record: bytes, payload_bytes: int) -> bytearray:
-    """The payload of a record that holds exactly payload_bytes and matches its checksum; CorruptRecord
-    (naming what is wrong) otherwise. A writable copy, ready to become a tensor."""
+def decode(record: bytes, payload_bytes: int) -> memoryview:
+    """The payload of a record that holds exactly payload_bytes and matches its checksum (a view of the
+    record); CorruptRecord (naming what is wrong) otherwise."""
     if len(record) < HEADER.size:
         raise CorruptRecord(f"record of {len(record)} bytes is shorter than its header ({HEADER.size})")
     magic, version, length, digest = HEADER.unpack_from(record)
@@ -57,4 +58,4 @@ def decode(record: bytes, payload_bytes: int) -> bytearray:
         )
     if _digest(payload) != digest:
         raise CorruptRecord("payload checksum mismatch")
-    return bytearray(payload)
+    return payload

@@ -5,7 +5,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from cache_service.tiers import record
 from cache_service.tiers.base import KVTier, TierError
@@ -54,14 +54,14 @@ class TierWriter:
             self.counters.drops += 1
             return False
 
-    def offer(self, key: bytes, data: torch.Tensor) -> None:
-        """Queues a copy of a block's bytes (a uint8 tensor no one else holds) to be stored under key; the
-        caller checked `has_room` (only it adds to the queue)."""
+    def offer(self, key: bytes, data: np.ndarray) -> None:
+        """Queues a copy of a block's bytes (a C-ordered uint8 array no one else holds) to be stored under
+        key; the caller checked `has_room` (only it adds to the queue)."""
         with self._lock:
             if key in self._pending:
                 return
             self._pending.add(key)
-            self._queued_bytes += data.numel()
+            self._queued_bytes += data.nbytes
         self._queue.put((key, data))
 
     def close(self, timeout: float) -> None:
@@ -74,7 +74,7 @@ class TierWriter:
             key, data = self._queue.get()
             if key is None:
                 return
-            payload = data.numpy().tobytes()
+            payload = memoryview(data.reshape(-1))
             try:
                 self._tier.store(key, record.encode(payload))
             except TierError as err:
@@ -88,4 +88,4 @@ class TierWriter:
             finally:
                 with self._lock:
                     self._pending.discard(key)
-                    self._queued_bytes -= data.numel()
+                    self._queued_bytes -= data.nbytes

@@ -25,7 +25,8 @@ class RocksDBTier(KVTier):
     def __init__(self, location: str, budget_bytes: int) -> None:
         super().__init__(location, budget_bytes)
         try:
-            Path(location).mkdir(parents=True, exist_ok=True)
+            # NOTE: 0700: the records are K/V of other requests' prompts.
+            Path(location).mkdir(mode=0o700, parents=True, exist_ok=True)
             self._db = Rdict(location, Options(raw_mode=True))
         except Exception as err:  # rocksdict raises plain Exception for I/O and lock errors
             raise TierError(f"cannot open the RocksDB tier at {location}: {err}") from err

@@ -37,6 +37,7 @@ def rec(n: int, size: int = 100) -> bytes:
 
 def test_rocksdb_stores_loads_and_keeps_records_across_reopening(tmp_path: Path):
     tier = RocksDBTier(str(tmp_path / "db"), 10_000)
+    assert (tmp_path / "db").stat().st_mode & 0o777 == 0o700, "the records are other requests' K/V"
     tier.store(b"k1", rec(1))
     assert tier.contains(b"k1") and not tier.contains(b"k2")
     assert tier.load(b"k1") == rec(1) and tier.load(b"k2") is None

@@ -3,20 +3,25 @@ shared system prompt survives a cache-only restart (the next request's cached_to
 the tier-less one), a cache killed with SIGKILL while it writes serves no corrupt block after its restart, and
 a record corrupted on purpose is skipped and counted, never served."""
 
+import json
 import random
+import re
+import shutil
 import signal
 import subprocess
 import threading
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from rocksdict import Options, Rdict
 
+from cli.scrape import scrape
 from common.server import channel
 from protos import cache_pb2, cache_pb2_grpc
 from sdk.client import Client
-from tests.helpers import free_port, socket_dir, start, stop, wait_healthy
+from tests.helpers import PAGEDSERVE, free_port, socket_dir, start, stop, wait_healthy
 from tests.processes import segments_of
 from tests.tiny_model import save_tiny_llama
 
@@ -186,3 +191,28 @@ def test_a_corrupted_record_is_skipped_and_counted_never_served(stack, reference
     assert result.usage.cached_tokens == 0, "the first block's record is corrupt: nothing is loaded"
     assert result.token_ids == reference[tuple(SYSTEM + QUESTIONS[1])].token_ids
     assert stats.corrupt_records == 1 and stats.hit_blocks == 0
+
+
+def test_the_tier_shows_in_stats_and_metrics(stack, config, tmp_path):
+    port = free_port()
+    prompt = SYSTEM + QUESTIONS[0]
+    loaded = (len(prompt) - 1) // BLOCK_SIZE  # every full block but the last token's: the question's too
+    flags = ("--config", str(config), "--kv-tier-path", str(tmp_path / "tier"), "--kv-tier-hot", "0")
+    for cached in (0, loaded * BLOCK_SIZE):  # written once cached, then loaded after a restart
+        stack.stop_cache()
+        stack.start_cache(*flags, "--metrics-port", str(port))
+        assert stack.generate(prompt).usage.cached_tokens == cached
+    as_json = subprocess.run([*PAGEDSERVE, "stats", "--json", "--cache-target", stack.cache_target],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    tier = json.loads(as_json.stdout)["kv_tier"]
+    assert tier["name"] == "rocksdb" and tier["hit_blocks"] == loaded
+    table = subprocess.run([*PAGEDSERVE, "stats", "--cache-target", stack.cache_target],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert re.search(rf"^kv_tier\.hit_blocks +{loaded}$", table.stdout, re.M), table.stdout
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    samples = scrape(f"http://127.0.0.1:{port}/metrics")
+    assert samples["pagedserve_kv_tier_hit_blocks_total", ()] == loaded
+    assert samples["pagedserve_kv_tier_stored_blocks", ()] >= loaded
+    if shutil.which("promtool"):
+        check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, timeout=30)
+        assert check.returncode == 0, check.stdout + check.stderr

@@ -104,7 +104,8 @@ class TierManager(PrefixListener):
     def load_prefixes(self, blocks: BlockManager, new: Sequence[SeqRequest], running: Sequence[SeqRequest]):
         """Loads, for each new prompt, the full blocks after its pool hits that the tier holds (up to the
         first it lacks; never the block of the last token), as cached blocks the Reserve then finds. The
-        batch is checked first: a Reserve refused as invalid loads nothing."""
+        batch is checked first: a Reserve refused as invalid loads nothing (one refused for lack of blocks
+        keeps what it loaded, cached and evictable, as a computed prefix would be)."""
         if self._pool is None or not blocks.prefix_caching or not any(r.token_ids for r in new):
             return
         blocks.check(new, running)

@@ -61,7 +61,7 @@ class BlockManager:
 
     def can_reserve(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> bool:
         """Whether the step fits (without copying partly matched blocks); raises like `reserve` if invalid."""
-        self._check(new, running)
+        self.check(new, running)
         need, revived = self._need(new, partials=False)
         return need + self._growth(running) <= self.num_available - revived
 
@@ -77,7 +77,7 @@ class BlockManager:
         Raises InvalidArgument (bad counts or tokens), AlreadyExists (a new sequence has a table or is listed
         twice), NotFound (a running one has none) and ResourceExhausted (not enough blocks).
         """
-        self._check(new, running)
+        self.check(new, running)
         grow = self._growth(running)
         # NOTE: copying a partly matched block pins it beside its copy; skipped when blocks are short.
         need, revived = self._need(new, partials=True)
@@ -99,7 +99,8 @@ class BlockManager:
             tails.append(TableTail(first, self._seqs[request.seq_id].block_table[first:]))
         return tails
 
-    def _check(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> None:
+    def check(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> None:
+        """Raises as `reserve` does when the batch is invalid (before blocks are counted); changes nothing."""
         check_running(running, self._seqs, self.block_size)
         check_new(new, self._seqs)
 
@@ -137,7 +138,9 @@ class BlockManager:
             if part is not None:
                 self.block_pool.reference(part[0])
                 partials[request.seq_id] = part
-            self._counters.prefix_query_tokens += request.num_tokens if seq.token_ids is not None else 0
+            if seq.token_ids is not None:
+                self._counters.prefix_query_tokens += request.num_tokens
+                self.block_pool.prefix.listener.reused(hits)
         # NOTE: sharing what an earlier prompt of the call computes this step only lowers the blocks to take.
         step = StepBlocks(self.block_size)
         for request in requests:

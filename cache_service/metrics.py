@@ -17,6 +17,24 @@ COUNTERS = {
     ),
     "evictions": ("pagedserve_kv_evictions", "Cached blocks evicted to make room for new ones."),
 }
+# TierStats fields (README: KV tiers), exported only when the service has a tier.
+TIER_COUNTERS = {
+    "hit_blocks": "Blocks loaded into the pool from the KV tier.",
+    "miss_blocks": "Blocks looked up in the KV tier and not held.",
+    "loaded_bytes": "Bytes loaded from the KV tier.",
+    "load_seconds": "Seconds spent loading blocks from the KV tier.",
+    "written_blocks": "Blocks written to the KV tier.",
+    "written_bytes": "Bytes written to the KV tier.",
+    "write_drops": "Blocks not written to the KV tier: its write queue was full.",
+    "corrupt_records": "KV tier records found corrupt (skipped, deleted, never served).",
+    "errors": "KV tier operations that failed.",
+    "evictions": "KV tier records dropped to stay within its budget.",
+}
+TIER_GAUGES = {
+    "stored_blocks": "Blocks the KV tier holds.",
+    "stored_bytes": "Bytes the KV tier holds.",
+    "queued_blocks": "Blocks waiting to be written to the KV tier.",
+}
 
 
 class StatsCollector(Collector):
@@ -47,6 +65,15 @@ class StatsCollector(Collector):
         )
         for field_name, (name, doc) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, getattr(stats, field_name))
+        if stats.HasField("kv_tier"):
+            for field_name, doc in TIER_COUNTERS.items():
+                yield CounterMetricFamily(
+                    f"pagedserve_kv_tier_{field_name}", doc, getattr(stats.kv_tier, field_name)
+                )
+            for field_name, doc in TIER_GAUGES.items():
+                yield GaugeMetricFamily(
+                    f"pagedserve_kv_tier_{field_name}", doc, getattr(stats.kv_tier, field_name)
+                )
 
 
 def register(get_stats: Callable[[], cache_pb2.CacheStats]) -> None:

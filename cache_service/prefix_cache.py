@@ -26,6 +26,21 @@ def block_tokens(token_ids: Sequence[int], index: int, block_size: int) -> Seque
     return token_ids[index * block_size : (index + 1) * block_size]
 
 
+class PrefixListener:
+    """What a tier learns of the prefix index (cache_service/tiers/manager.py); this one ignores it all.
+    NOTE: called under the cache's lock, while the block's K/V is still the hash's: a listener that wants the
+    bytes copies them before returning (an evicted block is handed out right after)."""
+
+    def cached(self, block_id: int, hash_: BlockHash) -> None:
+        """The block's K/V is written and indexed under hash_."""
+
+    def reused(self, hits: Sequence[tuple[int, BlockHash]]) -> None:
+        """A new sequence (with token ids) looked the index up; it shares these (block, hash) hits."""
+
+    def evicted(self, block_id: int, hash_: BlockHash) -> None:
+        """The block leaves the index; its K/V is overwritten once this returns."""
+
+
 def chain(
     parent: BlockHash, token_ids: Sequence[int], block_size: int, start: int, stop: int
 ) -> Iterator[tuple[int, BlockHash]]:
@@ -51,6 +66,7 @@ class PrefixCache:
         self._children: dict[BlockHash, set[int]] = {}  # parent hash -> indexed blocks that follow it
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0
+        self.listener = PrefixListener()
 
     @property
     def num_indexed(self) -> int:
@@ -76,6 +92,7 @@ class PrefixCache:
             self._by_hash[hash_] = block_id
             self._entry[block_id] = (hash_, parent, tuple(token_ids))
             self._children.setdefault(parent, set()).add(block_id)
+            self.listener.cached(block_id, hash_)
 
     def longest_partial(self, parent: BlockHash, token_ids: Sequence[int]) -> tuple[int, int] | None:
         """(block, n): the indexed block after `parent` whose tokens start with the most (n >= 1) of
@@ -105,6 +122,7 @@ class PrefixCache:
         for _ in range(n):
             block_id, _ = self._evictable.popitem(last=False)
             hash_, parent, _ = self._entry.pop(block_id)
+            self.listener.evicted(block_id, hash_)
             del self._by_hash[hash_]
             siblings = self._children[parent]
             siblings.remove(block_id)

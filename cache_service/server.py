@@ -15,6 +15,9 @@ from cache_service.kv_pool import KVPool, spec_from_request
 from cache_service.options import DEFAULT_KV_MEMORY, DEFAULT_SESSION_TTL_S, OPTIONS
 from cache_service.sequence import SeqRequest
 from cache_service.sessions import Sessions
+from cache_service.tiers import manager as tiers
+from cache_service.tiers.base import TierError
+from cache_service.tiers.options import resolve as resolve_tier
 from common import shared_pool, transport
 from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from common.logging import configure
@@ -40,6 +43,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         prefix_caching: bool = True,
         sessions: Sessions | None = None,
         debug_read_kv: bool = False,
+        tier: tiers.TierManager | None = None,
     ) -> None:
         self._allocator = allocator
         self._debug_read_kv = debug_read_kv
@@ -49,6 +53,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self._log = log
         self._lock = threading.Lock()
         self._pool: KVPool | None = None
+        self._tier = tier or tiers.NoTier()
         # NOTE: `is None`, not `or`: Sessions has a length, and an empty one is falsy.
         self._sessions = (
             Sessions(DEFAULT_SESSION_TTL_S, DEFAULT_SESSION_TTL_S) if sessions is None else sessions
@@ -69,13 +74,16 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 epoch=self._pool.handle.epoch,
                 path=self._pool.handle.shm.path,
             )
+            self._tier.attach(self._pool)
             return self._pool.handle
 
     def Reserve(self, request: cache_pb2.ReserveRequest, context) -> cache_pb2.BlockTables:
         with self._lock:
             blocks = self._owning(request.session_id, [seq.seq_id for seq in request.running_seqs])
             new = [_seq_request(seq) for seq in request.new_seqs]
-            tails = blocks.reserve(new, [_seq_request(seq) for seq in request.running_seqs])
+            running = [_seq_request(seq) for seq in request.running_seqs]
+            self._tier.load_prefixes(blocks, new, running)
+            tails = blocks.reserve(new, running)
             seq_ids = [seq.seq_id for seq in (*request.new_seqs, *request.running_seqs)]
             written = [tail.cached_tokens for tail in tails[: len(new)]]
             written += [seq.num_computed for seq in request.running_seqs]
@@ -146,6 +154,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                     allocator=self._allocator,
                     prefix_caching=self._prefix_caching,
                     num_sessions=len(self._sessions),
+                    kv_tier=self._tier.stats(),
                 )
             stats = self._pool.blocks.stats()
             return cache_pb2.CacheStats(
@@ -167,6 +176,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 stored_tokens=stats.stored_tokens,
                 table_slots=stats.table_slots,
                 num_sessions=len(self._sessions),
+                kv_tier=self._tier.stats(),
             )
 
     def ReadBlock(self, request: cache_pb2.ReadBlockRequest, context) -> cache_pb2.BlockContents:
@@ -200,6 +210,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 self._pool.release()
                 self._log.info("pool_released", path=self._pool.handle.shm.path)
                 self._pool = None
+            self._tier.close()
 
     def _require_pool(self) -> KVPool:
         if self._pool is None:
@@ -240,6 +251,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except InvalidArgument as err:
         parser.error(str(err))
     transport.check_listen(parser, args)
+    try:
+        resolve_tier(args)
+    except ValueError as err:
+        parser.error(str(err))
     if args.kv_blocks is None and args.kv_memory is None:
         args.kv_memory = DEFAULT_KV_MEMORY
     try:
@@ -254,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     log = configure("cache", args.log_format, args.log_level)
     removed = shared_pool.sweep_stale()
     log.info("swept_stale_segments", count=len(removed), paths=[str(path) for path in removed])
+    try:
+        tier = tiers.from_args(args, log)
+    except TierError as err:
+        raise SystemExit(f"cache_service: --kv-tier {args.kv_tier}: {err}") from err
     sessions = Sessions(min(DEFAULT_SESSION_TTL_S, args.max_session_ttl), args.max_session_ttl)
     servicer = CacheServicer(
         args.allocator,
@@ -263,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.prefix_cache,
         sessions,
         args.debug_read_kv,
+        tier,
     )
     sweeper = threading.Thread(target=_sweep_every, args=(servicer, SWEEP_INTERVAL_S), daemon=True)
     sweeper.start()

@@ -31,15 +31,34 @@ def run(args: argparse.Namespace) -> int:
         except grpc.RpcError as err:
             print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
-    # Map fields (allocator_stats) become plain dicts, for JSON and a readable table alike.
-    fields = {
-        field.name: dict(value) if hasattr(value := getattr(stats, field.name), "items") else value
-        for field in stats.DESCRIPTOR.fields
-    }
+    fields = _plain(stats)
     if args.json:
         print(json.dumps(fields))
         return 0
-    width = max(map(len, fields))
+    # The tier's message (kv_tier) becomes one row per field: kv_tier.hit_blocks, ...
+    rows = {}
     for name, value in fields.items():
+        if name == "kv_tier":
+            rows.update({f"{name}.{inner}": tier_value for inner, tier_value in value.items()})
+        else:
+            rows[name] = value
+    width = max(map(len, rows))
+    for name, value in rows.items():
         print(f"{name:<{width}}  {value}")
     return 0
+
+
+def _plain(message) -> dict:
+    """The message's fields as plain values: map fields (allocator_stats) as dicts, message fields
+    (kv_tier) as dicts of their fields, left out when unset."""
+    fields = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            fields[field.name] = dict(value)
+        elif field.message_type is not None:
+            if message.HasField(field.name):
+                fields[field.name] = _plain(value)
+        else:
+            fields[field.name] = value
+    return fields

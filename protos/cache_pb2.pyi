@@ -127,7 +127,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_sequences", "block_size", "usage", "allocator", "pool_epoch", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "copy_on_writes", "evictions", "allocator_stats", "stored_tokens", "table_slots", "num_sessions")
+    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_sequences", "block_size", "usage", "allocator", "pool_epoch", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "copy_on_writes", "evictions", "allocator_stats", "stored_tokens", "table_slots", "num_sessions", "kv_tier")
     class AllocatorStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class CacheStats(_message.Message):
     STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TABLE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     used_blocks: int
     free_blocks: int
@@ -171,7 +172,46 @@ class CacheStats(_message.Message):
     stored_tokens: int
     table_slots: int
     num_sessions: int
-    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., usage: _Optional[float] = ..., allocator: _Optional[str] = ..., pool_epoch: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., copy_on_writes: _Optional[int] = ..., evictions: _Optional[int] = ..., allocator_stats: _Optional[_Mapping[str, float]] = ..., stored_tokens: _Optional[int] = ..., table_slots: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+    kv_tier: TierStats
+    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., usage: _Optional[float] = ..., allocator: _Optional[str] = ..., pool_epoch: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., copy_on_writes: _Optional[int] = ..., evictions: _Optional[int] = ..., allocator_stats: _Optional[_Mapping[str, float]] = ..., stored_tokens: _Optional[int] = ..., table_slots: _Optional[int] = ..., num_sessions: _Optional[int] = ..., kv_tier: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("name", "location", "hit_blocks", "loaded_bytes", "load_seconds", "miss_blocks", "skipped_blocks", "corrupt_records", "written_blocks", "written_bytes", "write_drops", "errors", "queued_blocks", "stored_blocks", "stored_bytes", "budget_bytes", "evictions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_DROPS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    location: str
+    hit_blocks: int
+    loaded_bytes: int
+    load_seconds: float
+    miss_blocks: int
+    skipped_blocks: int
+    corrupt_records: int
+    written_blocks: int
+    written_bytes: int
+    write_drops: int
+    errors: int
+    queued_blocks: int
+    stored_blocks: int
+    stored_bytes: int
+    budget_bytes: int
+    evictions: int
+    def __init__(self, name: _Optional[str] = ..., location: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., miss_blocks: _Optional[int] = ..., skipped_blocks: _Optional[int] = ..., corrupt_records: _Optional[int] = ..., written_blocks: _Optional[int] = ..., written_bytes: _Optional[int] = ..., write_drops: _Optional[int] = ..., errors: _Optional[int] = ..., queued_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("session_id", "ttl_s")

@@ -11,6 +11,7 @@ from cli import up
 from common.options import add_address
 from compute_service.server import parse_args as compute_args
 from gateway.server import parse_args as gateway_args
+from tests.helpers import ROOT
 
 # What up decides for each service itself instead of taking it as a flag of the same meaning.
 PLACEMENT = {"--host", "--port", "--metrics-port", "--cache-target", "--compute-target"}
@@ -23,6 +24,11 @@ UP_PLACES = {
 }
 # A value each flag accepts other than its default (switches and choices are derived).
 VALUES = {"--kv-memory": "512MiB", "--allocator": "bitmap", "--model": "/models/other.gguf"}
+VALUES |= {
+    "--config": str(ROOT / "examples" / "pagedserve.yaml"),
+    "--kv-tier": "rocksdb",
+    "--kv-tier-hot": "0.5",
+}
 
 
 def up_parser() -> argparse.ArgumentParser:

@@ -18,6 +18,20 @@ def add_targets(parser: argparse.ArgumentParser) -> None:
     add_client_certs(parser, with_identity=False)
 
 
+# `pagedserve up` and compose serve the HTTP API here by default; a bare gateway only when asked.
+UP_HTTP_PORT = 8000
+
+
+def add_http(parser: argparse.ArgumentParser) -> None:
+    """Where the OpenAI-compatible HTTP API listens: placement, like --port (`pagedserve up` decides it)."""
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help=f"OpenAI-compatible HTTP API port on --host (HTTPS with --tls-cert); 0: off, up: {UP_HTTP_PORT}",
+    )
+
+
 def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument(
@@ -74,5 +88,5 @@ OPTIONS = ServiceOptions(
     "gateway",
     50051,
     settings=(add_model, add_settings, add_edge, add_limits, add_logging),
-    wiring=(add_targets,),
+    wiring=(add_targets, add_http),
 )

@@ -8,7 +8,6 @@ cache namespaces, the edge's limits, the stream slots, the admission gate and th
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -122,8 +121,10 @@ async def _refusing(make: Callable[[], dict]) -> Response:
 async def _answer(front: Front, request: Request, chat: bool) -> Response:
     """One completion or chat completion, whole or streamed; any refusal in OpenAI's error JSON."""
     structlog.contextvars.clear_contextvars()
-    request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-    structlog.contextvars.bind_contextvars(request_id=request_id)
+    # NOTE: a caller's id takes --max-request-id-bytes; without one the gateway makes one (in the replies).
+    request_id = request.headers.get(REQUEST_ID_HEADER, "")
+    if request_id:
+        structlog.contextvars.bind_contextvars(request_id=request_id)
     renames = CHAT_RENAMES if chat else {}
     try:
         tenant = front.generation.edge.authenticate(request.headers.items())
@@ -135,16 +136,18 @@ async def _answer(front: Front, request: Request, chat: bool) -> Response:
             proto = chat_request(body, request_id, info.max_model_len)
         else:
             proto = completion_request(body, request_id)
-        rendering = Rendering(chat, request_id, info.model, front.generation.tokenizer)
+        rendering = Rendering(chat, info.model, front.generation.tokenizer)
         replies = front.bridge.replies(proto, tenant)
-        headers = {REQUEST_ID_HEADER: request_id}
         if body.stream:
             first = await unless_disconnected(request, anext(replies))
             usage = body.stream_options is not None and body.stream_options.include_usage
             events = _events(first, replies, rendering, usage, renames)
+            headers = {REQUEST_ID_HEADER: first.request_id}
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        whole = await unless_disconnected(request, _all(replies))
-        return JSONResponse(rendering.whole(whole, proto.sampling.HasField("logprobs")), headers=headers)
+        whole = rendering.whole(
+            await unless_disconnected(request, _all(replies)), proto.sampling.HasField("logprobs")
+        )
+        return JSONResponse(whole, headers={REQUEST_ID_HEADER: rendering.request_id})
     except HttpError as err:
         log.info("http_refused", status=err.status, error=err.message)
         return err.response()

@@ -20,15 +20,20 @@ class Rendering:
     """One request's responses rendered for completions (`chat` False) or chat completions: per reply a
     streamed chunk, or all of them as one object; usage counted as they pass."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, tokenizer) -> None:
+    def __init__(self, chat: bool, model: str, tokenizer) -> None:
         self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        # The gateway's id of the request, from its first reply.
+        self.request_id = ""
         self.model = model
         self.created = int(time.time())
         self._tokenizer = tokenizer
         self._text_offsets: dict[int, int] = defaultdict(int)
         self._started: set[int] = set()
         self._prompt_tokens = self._cached_tokens = self._completion_tokens = 0
+
+    @property
+    def id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.request_id
 
     def _object(self, kind: str, choices: list[dict]) -> dict:
         return {
@@ -40,7 +45,9 @@ class Rendering:
         }
 
     def count(self, reply: generation_pb2.GenerateResponse) -> None:
-        """Adds a sample's last reply's usage (prompt counted once, completion tokens of every sample)."""
+        """Notes the request id; adds a sample's last reply's usage (prompt counted once, completion tokens
+        of every sample)."""
+        self.request_id = self.request_id or reply.request_id
         if reply.finish_reason:
             self._prompt_tokens = reply.usage.prompt_tokens
             self._cached_tokens = reply.usage.cached_tokens

@@ -16,11 +16,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Tests also run promtool (Debian package prometheus) and docker-compose; installed with apt-get when missing.
-APT_TOOLS := prometheus docker-compose
+APT_TOOLS := prometheus docker-compose curl
 APT_INSTALL := apt-get install -y -qq --no-install-recommends $(APT_TOOLS)
 
 tools:
-	@command -v promtool >/dev/null && command -v docker-compose >/dev/null || \
+	@command -v promtool >/dev/null && command -v docker-compose >/dev/null && command -v curl >/dev/null || \
 		$(APT_INSTALL) || { apt-get update -qq && $(APT_INSTALL); }
 
 setup: $(STAMP) tools

@@ -9,6 +9,7 @@ test_edge.py.
 
 import json
 import shutil
+import signal
 import subprocess
 import time
 import urllib.request
@@ -16,6 +17,9 @@ import uuid
 
 import openai
 import pytest
+
+from tests.e2e.stack import start_stack
+from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 CURL = shutil.which("curl")
@@ -224,3 +228,37 @@ def test_a_client_that_disconnects_mid_request_frees_its_blocks(stack_fp32, stre
         client.kill()
         client.wait()
     assert used_blocks_after(stack_fp32, 5) == 0
+
+
+def post(url: str, body: dict, *args: str) -> list[str]:
+    """curl's argv posting body as JSON to url."""
+    return [CURL, "-sS", *args, url, "-H", "Content-Type: application/json", "-d", json.dumps(body)]
+
+
+def test_sigterm_drains_http_streams_and_refuses_new_requests(tmp_path, tokenizer, logs):
+    """A stack of a random-weight model: SIGTERM while an HTTP stream runs lets it end with [DONE], while
+    /health and a new request get 503; then the stack exits 0."""
+    model = save_tiny_llama(tmp_path / "tiny", vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(model)
+    stack = start_stack(logs, "--model", str(model), "--dtype", "float32", "--kv-blocks", "64")
+    health = stack.http_url.removesuffix("/v1") + "/health"
+    try:
+        body = {"prompt": [5, 6], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        client = subprocess.Popen(
+            post(stack.http_url + "/completions", body, "-N"), stdout=subprocess.PIPE, text=True
+        )
+        assert client.stdout.readline().startswith("data: ")
+        stack.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while (code := curl(health, "-o", "/dev/null", "-w", "%{http_code}").stdout) == "200":
+            assert time.monotonic() < deadline, "health never turned 503"
+            time.sleep(0.05)
+        assert code == "503", code
+        refused = subprocess.run(post(stack.http_url + "/completions", {"prompt": [5], "max_tokens": 1}),
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert json.loads(refused.stdout)["error"]["type"] == "service_unavailable_error", refused
+        rest = client.communicate(timeout=60)[0]
+        assert rest.endswith('"finish_reason":"length"}]}\n\ndata: [DONE]\n\n'), rest[-300:]
+        assert stack.proc.wait(60) == 0
+    finally:
+        stack.stop()

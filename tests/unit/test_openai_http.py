@@ -2,6 +2,7 @@
 parameter, each refusal), gateway errors mapped to HTTP statuses and OpenAI's error JSON, and the streamed
 chunks' format."""
 
+import asyncio
 import json
 
 import grpc
@@ -10,6 +11,7 @@ import pytest
 from common import errors
 from gateway.generation import CallEnd
 from gateway.http.errors import from_gateway, internal
+from gateway.http.openai_api import _events
 from gateway.http.openai_request import (
     ChatRequest,
     CompletionRequest,
@@ -309,3 +311,25 @@ def test_a_call_end_runs_each_callback_once_and_late_ones_at_once():
     assert ran == ["abort"]
     end.add(lambda: ran.append("late"))
     assert ran == ["abort", "late"]
+
+
+def test_an_error_after_the_first_chunk_is_an_error_event_then_done():
+    async def replies():
+        yield reply(text="b")
+        raise errors.Unavailable("the gateway shut down before this request finished")
+
+    async def events() -> list[str]:
+        rendering = Rendering(False, "m", Tokenizer())
+        return [e async for e in _events(reply(text="a"), replies(), rendering, usage=True, renames={})]
+
+    sent = asyncio.run(events())
+    assert [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in sent[:2]] == ["a", "b"]
+    assert json.loads(sent[2].removeprefix("data: ")) == {
+        "error": {
+            "message": "the gateway shut down before this request finished",
+            "type": "service_unavailable_error",
+            "param": None,
+            "code": "unavailable",
+        }
+    }
+    assert sent[3:] == [DONE], "no usage chunk after an error; the stream still ends"

@@ -19,6 +19,7 @@ from gateway.limits import check_queue, check_request, check_request_id
 from gateway.outputs import Output
 from gateway.sampling import resolve_sampling
 from gateway.sequence import Sequence
+from gateway.streams import StreamSlots
 from protos import generation_pb2
 
 log = structlog.get_logger()
@@ -30,7 +31,9 @@ OnEnd = Callable[[Callable[[], None]], object]
 class Generation:
     """What a front needs: the attached model, and `stream` to serve one request."""
 
-    def __init__(self, engine: Engine, tokenizer, admission: Admission, slots, edge: Edge) -> None:
+    def __init__(
+        self, engine: Engine, tokenizer, admission: Admission, slots: StreamSlots, edge: Edge
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.admission = admission

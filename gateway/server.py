@@ -151,6 +151,7 @@ def _serve_http(http: HttpServer, generation: Generation, server: Server, args, 
     """The HTTP app on its socket: every installer's routes (the OpenAI-compatible API), health as gRPC's."""
 
     def health() -> int:
+        # NOTE: no context needed: Check uses it only for a service never registered, and serve() did.
         request = health_pb2.HealthCheckRequest(service=SERVICE)
         return server.health.Check(request, None).status
 

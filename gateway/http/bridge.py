@@ -64,9 +64,6 @@ class Bridge:
         finally:
             end.end()
 
-    def close(self) -> None:
-        self._workers.shutdown(wait=False, cancel_futures=True)
-
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """`work`'s result; ClientGone (work cancelled) if the client disconnects first."""

@@ -127,27 +127,7 @@ async def _answer(front: Front, request: Request, chat: bool) -> Response:
         structlog.contextvars.bind_contextvars(request_id=request_id)
     renames = CHAT_RENAMES if chat else {}
     try:
-        tenant = front.generation.edge.authenticate(request.headers.items())
-        body = parse(ChatRequest if chat else CompletionRequest, await _json(request, front))
-        info = front.generation.attached_model()
-        if body.model not in (None, info.model, *front.aliases):
-            raise model_error(body.model, info.model)
-        if chat:
-            proto = chat_request(body, request_id, info.max_model_len)
-        else:
-            proto = completion_request(body, request_id)
-        rendering = Rendering(chat, info.model, front.generation.tokenizer)
-        replies = front.bridge.replies(proto, tenant)
-        if body.stream:
-            first = await unless_disconnected(request, anext(replies))
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            events = _events(first, replies, rendering, usage, renames)
-            headers = {REQUEST_ID_HEADER: first.request_id}
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        whole = rendering.whole(
-            await unless_disconnected(request, _all(replies)), proto.sampling.HasField("logprobs")
-        )
-        return JSONResponse(whole, headers={REQUEST_ID_HEADER: rendering.request_id})
+        return await _generate(front, request, request_id, chat, renames)
     except HttpError as err:
         log.info("http_refused", status=err.status, error=err.message)
         return err.response()
@@ -161,6 +141,31 @@ async def _answer(front: Front, request: Request, chat: bool) -> Response:
     except Exception as exc:  # noqa: BLE001 - every failure gets OpenAI's error JSON
         log.exception("http_failed")
         return internal(exc).response()
+
+
+async def _generate(front: Front, request: Request, request_id: str, chat: bool, renames: dict) -> Response:
+    """The request checked and translated, then generated: its first reply awaited before the response
+    starts (so that a refusal gets its status), the rest streamed as events or gathered into one object."""
+    tenant = front.generation.edge.authenticate(request.headers.items())
+    body = parse(ChatRequest if chat else CompletionRequest, await _json(request, front))
+    info = front.generation.attached_model()
+    if body.model not in (None, info.model, *front.aliases):
+        raise model_error(body.model, info.model)
+    if chat:
+        proto = chat_request(body, request_id, info.max_model_len)
+    else:
+        proto = completion_request(body, request_id)
+    rendering = Rendering(chat, info.model, front.generation.tokenizer)
+    replies = front.bridge.replies(proto, tenant)
+    if body.stream:
+        first = await unless_disconnected(request, anext(replies))
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _events(first, replies, rendering, usage, renames)
+        headers = {REQUEST_ID_HEADER: first.request_id}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    gathered = await unless_disconnected(request, _all(replies))
+    whole = rendering.whole(gathered, proto.sampling.HasField("logprobs"))
+    return JSONResponse(whole, headers={REQUEST_ID_HEADER: rendering.request_id})
 
 
 async def _json(request: Request, front: Front) -> object:

@@ -4,12 +4,15 @@ chunks' format."""
 
 import asyncio
 import json
+import socket
+import urllib.request
 
 import grpc
 import pytest
 
 from common import errors
 from gateway.generation import CallEnd
+from gateway.http.app import create_app
 from gateway.http.errors import from_gateway, internal
 from gateway.http.openai_api import _events
 from gateway.http.openai_request import (
@@ -20,8 +23,10 @@ from gateway.http.openai_request import (
     parse,
 )
 from gateway.http.openai_response import DONE, Rendering, event
+from gateway.http.serve import HttpServer
 from gateway.sampling import resolve_sampling
 from protos import generation_pb2
+from tests.helpers import free_port
 
 MAX_MODEL_LEN = 2048
 
@@ -333,3 +338,20 @@ def test_an_error_after_the_first_chunk_is_an_error_event_then_done():
         }
     }
     assert sent[3:] == [DONE], "no usage chunk after an error; the stream still ends"
+
+
+# the server
+def test_the_http_server_binds_at_once_serves_and_stops():
+    app = create_app([lambda app: app.add_api_route("/ping", lambda: {"pong": True})])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError):
+            HttpServer("127.0.0.1", taken.getsockname()[1], None, None)
+    server = HttpServer("127.0.0.1", free_port(), None, None)
+    server.start(app)
+    url = f"http://127.0.0.1:{server.port}/ping"
+    assert json.load(urllib.request.urlopen(url, timeout=10)) == {"pong": True}
+    server.stop()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, timeout=10)

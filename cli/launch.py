@@ -107,6 +107,8 @@ class Stack:
     compute_target: str
     metrics_base: int
     runtime_dir: Path
+    # The OpenAI-compatible HTTP API's base URL (http://127.0.0.1:PORT/v1).
+    http_url: str
 
     @classmethod
     def start(
@@ -116,17 +118,18 @@ class Stack:
         cwd: Path | None = None,
         timeout: float = START_TIMEOUT_S,
     ) -> "Stack":
-        """`pagedserve up` with these flags in cwd on a free port, metrics on free ports too, the sockets in
-        a new temporary runtime directory, its output in log_dir/stack-PORT.log (discarded without log_dir);
-        returns once the gateway serves."""
-        port, metrics_base = free_port(), free_ports(len(SERVICES))
+        """`pagedserve up` with these flags in cwd on a free port, HTTP and metrics on free ports too, the
+        sockets in a new temporary runtime directory, its output in log_dir/stack-PORT.log (discarded
+        without log_dir); returns once the gateway serves."""
+        port, http_port, metrics_base = free_port(), free_port(), free_ports(len(SERVICES))
         # NOTE: a short path: a unix socket's path holds at most 107 bytes.
         sockets = Path(tempfile.mkdtemp(prefix="ps-"))
         argv = [sys.executable, "-m", "cli", "up", "--port", str(port), "--runtime-dir", str(sockets),
-                "--metrics-port", str(metrics_base), *flags]  # fmt: skip
+                "--http-port", str(http_port), "--metrics-port", str(metrics_base), *flags]  # fmt: skip
         proc = spawn(argv, log_dir / f"stack-{port}.log" if log_dir else None, cwd=cwd)
         cache, compute = (f"unix:{runtime_dir.socket_path(sockets, name)}" for name in ("cache", "compute"))
-        stack = cls(proc, f"127.0.0.1:{port}", cache, compute, metrics_base, sockets)
+        http_url = f"http://127.0.0.1:{http_port}/v1"
+        stack = cls(proc, f"127.0.0.1:{port}", cache, compute, metrics_base, sockets, http_url)
         try:
             wait_healthy(stack.target, proc, timeout, GATEWAY_SERVICE)
         except BaseException:

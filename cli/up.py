@@ -19,6 +19,7 @@ from common import shared_pool
 from common.healthcheck import serving
 from compute_service.options import OPTIONS as COMPUTE
 from gateway.options import OPTIONS as GATEWAY
+from gateway.options import UP_HTTP_PORT
 from gateway.tls import TlsError, probe_credentials
 
 START_TIMEOUT_S = 900.0
@@ -36,6 +37,12 @@ def add_parser(commands) -> None:
     p = commands.add_parser("up", help="start cache, compute and gateway services and wait for Ctrl-C")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     p.add_argument("--port", type=int, default=GATEWAY.port)
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=UP_HTTP_PORT,
+        help="the gateway's OpenAI-compatible HTTP API (0: off)",
+    )
     p.add_argument(
         "--runtime-dir",
         help="0700 directory for the cache and compute unix sockets "
@@ -85,7 +92,8 @@ def _placement(args: argparse.Namespace) -> dict[str, list[str]]:
                "--metrics-port", metrics[name]]
         for name in runtime_dir.SOCKETS
     }  # fmt: skip
-    placement["gateway"] = ["--host", args.host, "--port", str(args.port), "--metrics-port",
+    placement["gateway"] = ["--host", args.host, "--port", str(args.port), "--http-port", str(args.http_port),
+                            "--metrics-port",
                             metrics["gateway"], "--cache-target", targets["cache"],
                             "--compute-target", targets["compute"]]  # fmt: skip
     return placement
@@ -149,6 +157,9 @@ def _supervise(args: argparse.Namespace) -> int:
             sockets = runtime_path(args)
             print(f"pagedserve ready on {local}:{args.port} (model {args.model}, {args.dtype}; "
                   f"cache and compute sockets in {sockets})", flush=True)  # fmt: skip
+            if args.http_port:
+                scheme = "https" if args.tls_cert is not None else "http"
+                print(f"OpenAI-compatible API on {scheme}://{local}:{args.http_port}/v1", flush=True)
             deadline = 0.0
         if deadline and time.monotonic() > deadline:
             print(

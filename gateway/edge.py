@@ -3,7 +3,7 @@ in which prefix-cache namespace), the per-key stream cap and the request limits.
 
 import argparse
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -42,12 +42,13 @@ class Edge:
             raise EdgeConfigError(str(err)) from err
         return cls(Limits.from_args(args), keys, credentials), warnings
 
-    def authenticate(self, context: grpc.ServicerContext) -> auth.Tenant:
-        """The caller's tenant (its key's name bound to the call's log lines); without keys, ANONYMOUS.
-        Unauthenticated for a missing or unknown key."""
+    def authenticate(self, metadata: Iterable[tuple[str, str]] | None) -> auth.Tenant:
+        """The tenant of the call whose metadata (gRPC metadata, or HTTP headers with lower-case names) this
+        is, its key's name bound to the call's log lines; without keys, ANONYMOUS. Unauthenticated for a
+        missing or unknown key."""
         if self.keys is None:
             return auth.ANONYMOUS
-        tenant = self.keys.authenticate(context.invocation_metadata())
+        tenant = self.keys.authenticate(metadata)
         structlog.contextvars.bind_contextvars(api_key=tenant.name)
         return tenant
 

@@ -18,6 +18,21 @@ def add_targets(parser: argparse.ArgumentParser) -> None:
     add_client_certs(parser, with_identity=False)
 
 
+# `pagedserve up` and compose serve the HTTP API here by default; a bare gateway only when asked.
+UP_HTTP_PORT = 8000
+
+
+def add_http(parser: argparse.ArgumentParser) -> None:
+    """Where the OpenAI-compatible HTTP API listens: placement, like --port (`pagedserve up` decides it)."""
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="HTTP port on --host: the OpenAI-compatible API and /dashboard (HTTPS with --tls-cert); "
+        f"0: off, up: {UP_HTTP_PORT}",
+    )
+
+
 def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument(
@@ -64,12 +79,6 @@ def add_edge(parser: argparse.ArgumentParser) -> None:
         "--api-keys", type=Path, default=None, help="file of NAME:KEY lines: requests need a key (Bearer)"
     )
     parser.add_argument(
-        "--http-port",
-        type=int,
-        default=0,
-        help="serve HTTP on this port of --host (the /dashboard; TLS and API keys as the gRPC edge); 0: off",
-    )
-    parser.add_argument(
         "--shared-prefix-cache",
         action="store_true",
         help="let requests of different API keys share prefix-cache blocks (default: one namespace per key)",
@@ -80,5 +89,5 @@ OPTIONS = ServiceOptions(
     "gateway",
     50051,
     settings=(add_model, add_settings, add_edge, add_limits, add_logging),
-    wiring=(add_targets,),
+    wiring=(add_targets, add_http),
 )

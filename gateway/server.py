@@ -1,176 +1,63 @@
-"""The public Generation service: validates requests, feeds the engine, streams its outputs."""
+"""The gateway process: the public Generation service (gRPC) and the OpenAI-compatible HTTP API, both
+serving through gateway.generation; the engine loop, the health watcher, the drain."""
 
 import argparse
 import threading
-import uuid
 
 import structlog
+from grpc_health.v1 import health_pb2
 
 from common import logging as pslogging
 from common import metrics as psmetrics
 from common import transport
-from common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from common.model_files import local_copy
 from common.server import Server, channel, serve
 from gateway import metrics
 from gateway import tokenizer as tok
 from gateway.admission import Admission
-from gateway.auth import Tenant, salted
 from gateway.config import EngineConfig
 from gateway.edge import Edge, EdgeConfigError
 from gateway.engine import Engine
+from gateway.generation import Generation
 from gateway.health import DownstreamWatcher
 from gateway.http import dashboard
 from gateway.http.app import create_app
+from gateway.http.bridge import Bridge
 from gateway.http.dashboard_state import DashboardSource
-from gateway.http.serve import HttpFront, start_http
-from gateway.limits import check_queue, check_request, check_request_id
+from gateway.http.openai_api import Front, openai_api
+from gateway.http.serve import HttpServer
 from gateway.options import OPTIONS
-from gateway.outputs import Output
 from gateway.recovery import PeerFault
-from gateway.sampling import resolve_sampling
-from gateway.sequence import Sequence
 from gateway.streams import StreamSlots
 from protos import cache_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 log = structlog.get_logger()
 SERVICE = "pagedserve.v1.Generation"
-FINISH_REASONS = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP}
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(
-        self, engine: Engine, tokenizer, admission: Admission, slots: StreamSlots, edge: Edge
-    ) -> None:
-        self._engine = engine
-        self._tokenizer = tokenizer
-        self._admission = admission
-        self._slots = slots
-        self._edge = edge
-
-    def _attached_model(self):
-        if self._engine.model_info is None:
-            raise Unavailable(
-                "the gateway is still attaching to the cache and compute services; retry shortly"
-            )
-        return self._engine.model_info
-
-    def _new_sequence(
-        self, request: generation_pb2.GenerateRequest, request_id: str, tenant: Tenant, info
-    ) -> Sequence:
-        """The request's sequence; refused before tokenizing if the queue is full or a control is bad."""
-        check_queue(self._engine.queued(), self._edge.limits)
-        sampling = resolve_sampling(request.sampling, info.vocab_size)
-        prompt_ids = tok.encode(self._tokenizer, request, info.vocab_size)
-        max_len = self._engine.max_len
-        if len(prompt_ids) >= info.max_model_len:
-            raise InvalidArgument(
-                f"prompt has {len(prompt_ids)} tokens; the model takes at most {info.max_model_len - 1} "
-                "so that one can be generated"
-            )
-        if sampling.n > self._engine.config.max_seqs:
-            raise InvalidArgument(
-                f"sampling.n is {sampling.n} but the gateway runs at most {self._engine.config.max_seqs} "
-                "sequences at once (--max-seqs): ask for fewer samples"
-            )
-        if len(prompt_ids) >= max_len:
-            raise ResourceExhausted(
-                f"prompt has {len(prompt_ids)} tokens; the KV cache holds at most {max_len} tokens"
-                " per sequence: give the cache service more memory (--kv-memory/--kv-blocks)"
-            )
-        return Sequence(
-            seq_id=uuid.uuid4().hex,
-            prompt_ids=prompt_ids,
-            sampling=sampling,
-            max_len=max_len,
-            request_id=request_id,
-            cache_salt=salted(tenant, request.cache_salt),
-            tenant=tenant.name,
-            priority=request.priority,
-        )
+    def __init__(self, generation: Generation) -> None:
+        self._generation = generation
 
     def Generate(self, request, context):
-        """Streams one response per token (of each of the n samples); ends at finish, cancel or deadline.
-
-        The request id (the request's, else x-request-id metadata, else a new one) is in every
-        response and in the gateway, cache and compute logs of the steps that serve it. Refused at once:
-        UNAUTHENTICATED without a configured API key, RESOURCE_EXHAUSTED beyond --max-streams concurrent
-        streams (--max-streams-per-key of one key) or a full queue, INVALID_ARGUMENT beyond a limit.
-        """
-        tenant = self._edge.authenticate(context)
-        with self._slots.hold(), self._edge.stream_slot(tenant):
-            yield from self._generate(request, context, tenant)
-
-    def _generate(self, request, context, tenant: Tenant):
-        info = self._attached_model()
-        check_request(request, self._edge.limits, info.max_model_len)
-        request_id = request.request_id or structlog.contextvars.get_contextvars().get("request_id")
-        check_request_id(request_id or "", self._edge.limits)
-        request_id = request_id or uuid.uuid4().hex
-        structlog.contextvars.bind_contextvars(request_id=request_id)
-        seq = self._new_sequence(request, request_id, tenant, info)
-        self._admission.enter(seq)
-        context.add_callback(lambda: self._admission.leave(seq.seq_id))
-        completion_tokens = [0] * seq.sampling.n
-        timer = metrics.RequestTimer()
-        log.info("request", prompt_tokens=len(seq.prompt_ids), n=seq.sampling.n, seq_id=seq.seq_id)
-        self._engine.submit(seq)
-        context.add_callback(lambda: self._engine.abort(seq.seq_id))
-        running, first_token_at = seq.sampling.n, None
-        while running:
-            item = seq.outbox.get()
-            if isinstance(item, Exception):
-                raise item
-            now = timer.token()
-            first_token_at = first_token_at or now
-            completion_tokens[item.index] += len(item.token_ids)
-            reply = self._response(item, request_id)
-            if item.finish_reason:
-                reply.usage.CopyFrom(
-                    generation_pb2.Usage(
-                        prompt_tokens=len(seq.prompt_ids),
-                        cached_tokens=seq.cached_tokens,
-                        completion_tokens=completion_tokens[item.index],
-                    )
-                )
-                reply.timings.CopyFrom(_timings(seq, first_token_at, now))
-            yield reply
-            running -= bool(item.finish_reason)
-        timer.finish(item.finish_reason, len(seq.prompt_ids), seq.scheduled_at - seq.arrival)
-        log.info("finished", finish_reason=item.finish_reason, completion_tokens=sum(completion_tokens))
-
-    def _response(self, item: Output, request_id: str) -> generation_pb2.GenerateResponse:
-        reply = generation_pb2.GenerateResponse(
-            request_id=request_id,
-            token_ids=item.token_ids,
-            text=item.text,
-            index=item.index,
-            logprobs=item.logprobs,
-        )
-        if item.finish_reason:
-            reply.finish_reason = FINISH_REASONS[item.finish_reason]
-        return reply
+        """Streams one response per token (of each of the n samples); ends at finish, cancel or deadline
+        (see Generation.stream). UNAUTHENTICATED at once without a configured API key."""
+        tenant = self._generation.edge.authenticate(context.invocation_metadata())
+        yield from self._generation.stream(request, tenant, context.add_callback)
 
     def GetInfo(self, request, context):
-        self._edge.authenticate(context)
-        info = self._attached_model()
+        self._generation.edge.authenticate(context.invocation_metadata())
+        info = self._generation.attached_model()
+        engine = self._generation.engine
         return generation_pb2.GetInfoResponse(
             model=info.model,
             dtype=info.dtype,
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
-            block_size=self._engine.config.block_size,
-            num_blocks=self._engine.kv.num_blocks,
+            block_size=engine.config.block_size,
+            num_blocks=engine.kv.num_blocks,
             eos_token_ids=info.eos_token_ids,
         )
-
-
-def _timings(seq: Sequence, first_token_at: float, now: float) -> generation_pb2.Timings:
-    return generation_pb2.Timings(
-        queue_s=seq.scheduled_at - seq.arrival,
-        time_to_first_token_s=first_token_at - seq.arrival,
-        total_s=now - seq.arrival,
-    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -181,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logger = pslogging.configure("gateway", args.log_format, args.log_level)
     edge = _edge(args, logger)
+    http = _bind_http(args, logger)
     tokenizer = tok.load(str(local_copy(args.model).path))
     internal = transport.credentials_of(args, "gateway")
     engine = Engine(
@@ -199,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     admission = Admission()
     slots = StreamSlots(args.max_streams)
-    servicer = GenerationServicer(engine, tokenizer, admission, slots, edge)
+    generation = Generation(engine, tokenizer, admission, slots, edge)
+    servicer = GenerationServicer(generation)
     metrics.register(lambda: engine.scheduler)
     psmetrics.serve_metrics(args.host, args.metrics_port, logger)
     server = serve(
@@ -212,7 +101,6 @@ def main(argv: list[str] | None = None) -> None:
         credentials=edge.credentials,
         max_receive_bytes=edge.limits.max_request_bytes,
     )
-    http = _http_front(args, engine, edge, internal, logger)
     try:
         engine.handshake()
     except PeerFault as fault:
@@ -226,23 +114,12 @@ def main(argv: list[str] | None = None) -> None:
         server, SERVICE, targets, engine.attached_epoch, engine.peer_restarted, credentials=internal
     )
     watcher.start()
+    if http is not None:
+        _serve_http(http, generation, server, args, internal, logger)
     server.wait(
-        on_stop=lambda: (watcher.stop(), engine.stop(), http and http.stop()),
+        on_stop=lambda: (watcher.stop(), http and http.stop(), engine.stop()),
         drain=lambda: _drain(server, watcher, admission, args.drain_timeout, logger),
     )
-
-
-def _http_front(args: argparse.Namespace, engine: Engine, edge: Edge, internal, log) -> HttpFront | None:
-    """The HTTP front on --http-port (none when 0): the dashboard, with the edge's TLS and API keys."""
-    if not args.http_port:
-        return None
-    cache = cache_pb2_grpc.CacheStub(channel(args.cache_target, internal))
-    source = DashboardSource(engine, cache, edge.keys)
-    source.start()
-    tls = (args.tls_cert, args.tls_key) if edge.credentials is not None else None
-    front = start_http(create_app([dashboard.installer(source)]), args.host, args.http_port, tls)
-    log.info("http_serving", host=args.host, port=front.port, tls=tls is not None, dashboard="/dashboard")
-    return front
 
 
 def _edge(args: argparse.Namespace, log) -> Edge:
@@ -257,6 +134,38 @@ def _edge(args: argparse.Namespace, log) -> Edge:
     keys = edge.keys.names if edge.keys else None
     log.info("edge", tls=edge.credentials is not None, api_keys=keys, limits=vars(edge.limits))
     return edge
+
+
+def _bind_http(args: argparse.Namespace, log) -> HttpServer | None:
+    """The HTTP API's listening socket (None with --http-port 0); exits (status 1) if it cannot bind."""
+    if not args.http_port:
+        return None
+    try:
+        return HttpServer(args.host, args.http_port, args.tls_cert, args.tls_key)
+    except OSError as err:
+        log.error("http_bind_failed", port=args.http_port, error=str(err))
+        raise SystemExit(
+            f"pagedserve gateway: cannot listen on {args.host}:{args.http_port}: {err}"
+        ) from None
+
+
+def _serve_http(http: HttpServer, generation: Generation, server: Server, args, internal, log) -> None:
+    """The HTTP app on its socket: the OpenAI-compatible API (health as gRPC's) and the dashboard."""
+
+    def health() -> int:
+        # NOTE: no context needed: Check uses it only for a service never registered, and serve() did.
+        request = health_pb2.HealthCheckRequest(service=SERVICE)
+        return server.health.Check(request, None).status
+
+    front = Front(Bridge(generation), health, aliases=frozenset({args.model}))
+    cache = cache_pb2_grpc.CacheStub(channel(args.cache_target, internal))
+    source = DashboardSource(generation.engine, cache, generation.edge.keys)
+    source.start()
+    http.start(create_app([openai_api(front), dashboard.installer(source)]))
+    scheme = "https" if http.tls else "http"
+    log.info(
+        "http_listening", url=f"{scheme}://{args.host}:{http.port}/v1", tls=http.tls, dashboard="/dashboard"
+    )
 
 
 def _drain(server: Server, watcher: DownstreamWatcher, admission: Admission, timeout: float, log) -> None:

@@ -110,9 +110,9 @@ def _preemptions(stack) -> float:
 def test_up_prints_ready_and_cleans_up_on_sigint(model_dir, logs):
     before = _segments()
     ours = set()
-    port = helpers.free_port()
+    port, http = helpers.free_port(), helpers.free_port()
     proc = subprocess.Popen(
-        [*PAGEDSERVE, "up", "--port", str(port), "--kv-blocks", "32"],
+        [*PAGEDSERVE, "up", "--port", str(port), "--http-port", str(http), "--kv-blocks", "32"],
         cwd=helpers.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
@@ -125,6 +125,7 @@ def test_up_prints_ready_and_cleans_up_on_sigint(model_dir, logs):
             if "pagedserve ready" in line:
                 break
         assert f"127.0.0.1:{port}" in lines[-1] and str(runtime_dir.default_path(port)) in lines[-1]
+        assert proc.stdout.readline() == f"OpenAI-compatible API on http://127.0.0.1:{http}/v1\n"
         ours = {p for p in _segments() - before if p.name.startswith(f"pagedserve-kv-{_cache_pid(proc)}-")}
         assert len(ours) == 1, "the cache service maps one pool segment"
         proc.send_signal(signal.SIGINT)

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 import yaml
@@ -77,7 +78,7 @@ def test_compose_file_is_valid(files):
 def test_compose_publishes_only_the_gateway_and_runs_the_plane_on_mtls():
     services = interpolate(yaml.safe_load(COMPOSE.read_text())["services"], {})
     assert [name for name, service in services.items() if "ports" in service] == ["gateway"]
-    assert services["gateway"]["ports"] == ["50051:50051"], "not even /metrics unless asked"
+    assert services["gateway"]["ports"] == ["50051:50051", "8000:8000"], "not even /metrics unless asked"
     certs_args = certs_command(services["certs"]["command"])
     assert (certs_args.out, certs_args.force) == ("/certs", False), "idempotent: kept across restarts"
     assert services["certs"]["restart"] == "no"
@@ -103,6 +104,7 @@ def test_compose_services_run_as_written(tmp_path):
     env |= {"DTYPE": "float32", "KV_MEMORY": "64MiB", "LOG_FORMAT": "console"}
     for name in ("GATEWAY", "CACHE", "COMPUTE"):
         env[f"{name}_PORT"], env[f"{name}_METRICS_PORT"] = str(helpers.free_port()), str(helpers.free_port())
+    env["HTTP_PORT"] = str(helpers.free_port())
     services = interpolate(yaml.safe_load(COMPOSE.read_text())["services"], env)
     assert services["compute"]["ipc"] == "service:cache" and services["cache"]["ipc"] == "shareable"
     assert set(services["gateway"]["depends_on"]) == {"cache", "compute"}
@@ -124,6 +126,8 @@ def test_compose_services_run_as_written(tmp_path):
         with Client(f"127.0.0.1:{env['GATEWAY_PORT']}", timeout=120) as client:
             result = client.generate(prompt="The capital of France is", max_tokens=4, temperature=0)
         assert "Paris" in result.text
+        health = urllib.request.urlopen(f"http://127.0.0.1:{env['HTTP_PORT']}/health", timeout=30)
+        assert health.status == 200, "the OpenAI-compatible API is served on HTTP_PORT"
         plaintext = subprocess.run(
             [sys.executable, "-m", "common.healthcheck", f"127.0.0.1:{env['CACHE_PORT']}"],
             cwd=helpers.ROOT, capture_output=True, timeout=30,

@@ -12,6 +12,7 @@ INTERNAL "Exception deserializing request!".
 
 import json
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 
 from cli.scrape import scrape
@@ -48,6 +50,8 @@ LIMITS = {
 # HUGE_PROMPT_RSS.
 REFUSED_S, HUGE_PROMPT_RSS = 5.0, 64 * 2**20
 GREEDY = dict(temperature=0.0, max_tokens=1)
+# The served model's name (its directory's).
+TINY = "tiny"
 
 
 class Edge:
@@ -85,6 +89,17 @@ class Edge:
     def edge_client(self, key: str | None = "alice") -> Client:
         return self.client(self.edge, key, ca_file=self.cert)
 
+    def openai(self, key: str = "alice", scheme: str = "https", port: int = 0) -> openai.OpenAI:
+        """The official OpenAI client of the edge gateway's HTTP API (or that on `port`), trusting its
+        certificate."""
+        return openai.OpenAI(
+            base_url=f"{scheme}://127.0.0.1:{port or self.http}/v1",
+            api_key=KEYS.get(key, key),
+            max_retries=0,
+            timeout=60,
+            http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=self.cert)),
+        )
+
 
 def _wait_tls(target: str, proc, tls: dict, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
@@ -111,8 +126,10 @@ def edge(tmp_path_factory, tokenizer):
         svc.metrics = free_port()
         limits = [str(arg) for item in LIMITS.items() for arg in item]
         tls = ["--tls-cert", str(svc.cert), "--tls-key", str(svc.key)]
+        svc.http = free_port()
         svc.edge = svc.start("edge", "gateway", *common, *tls, "--max-seqs", "1",
-                             "--metrics-port", str(svc.metrics), *limits, wait=False)  # fmt: skip
+                             "--http-port", str(svc.http), "--metrics-port", str(svc.metrics), *limits,
+                             wait=False)  # fmt: skip
         _wait_tls(svc.edge, svc.procs["edge"], svc.tls())
         svc.shared = svc.start("shared", "gateway", *common, "--shared-prefix-cache")
         svc.model = model
@@ -145,9 +162,9 @@ def test_the_edge_speaks_only_tls_with_a_certificate_the_client_trusts(edge):
 
 def test_pagedserve_up_serves_tls_and_reports_ready(edge):
     """`up` forwards --tls-cert/--tls-key and its readiness probe speaks TLS to the gateway."""
-    port = free_port()
+    port, http = free_port(), free_port()
     argv = [*PAGEDSERVE, "up", "--model", str(edge.model), "--dtype", "float32", "--kv-blocks", "64",
-            "--port", str(port),
+            "--port", str(port), "--http-port", str(http),
             "--tls-cert", str(edge.cert), "--tls-key", str(edge.key),
             "--api-keys", str(edge.keys_file)]  # fmt: skip
     up = spawn(argv, edge.logs / "up.log")
@@ -158,6 +175,9 @@ def test_pagedserve_up_serves_tls_and_reports_ready(edge):
             time.sleep(0.2)
         with edge.client(f"127.0.0.1:{port}", "carol", ca_file=edge.cert) as client:
             assert len(client.generate(token_ids=[5, 6], **GREEDY).token_ids) == 1
+        assert f"OpenAI-compatible API on https://127.0.0.1:{http}/v1" in Path(up.log_path).read_text()
+        with edge.openai("carol", port=http) as api:
+            assert [card.id for card in api.models.list().data] == [TINY]
     finally:
         assert stop(up, 60) == 0
 
@@ -254,6 +274,58 @@ def test_each_key_has_its_own_prefix_cache_namespace(edge):
         assert cached(bob, PROMPT) == 0
         assert cached(alice, PROMPT) == len(PROMPT) - 1
         assert cached(bob, PROMPT) == len(PROMPT) - 1
+
+
+def http_cached(api: openai.OpenAI, prompt: list[int]) -> int:
+    reply = api.completions.create(model=TINY, prompt=prompt, temperature=0, max_tokens=1)
+    return reply.usage.prompt_tokens_details.cached_tokens
+
+
+def test_the_http_api_speaks_only_tls_and_needs_a_known_key(edge):
+    for key in ("not-a-configured-key-at-all", KEYS["alice"] + "x"):
+        with edge.openai(key) as api, pytest.raises(openai.AuthenticationError) as caught:
+            api.models.list()
+        assert caught.value.status_code == 401 and "authorization: Bearer <key>" in caught.value.message
+    keyless = subprocess.run(["curl", "-sS", "--cacert", str(edge.cert), f"https://127.0.0.1:{edge.http}/v1/models"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert json.loads(keyless.stdout)["error"]["type"] == "authentication_error"
+    with edge.openai("alice", scheme="http") as plaintext, pytest.raises(openai.APIConnectionError):
+        plaintext.models.list()
+    health = subprocess.run(["curl", "-sS", "--cacert", str(edge.cert), f"https://127.0.0.1:{edge.http}/health"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert json.loads(health.stdout) == {"status": "serving"}, "health stays open"
+    with edge.openai("carol") as api:
+        assert [card.id for card in api.models.list().data] == [TINY]
+        reply = api.completions.create(model=TINY, prompt=[5, 6], temperature=0, max_tokens=2)
+        assert reply.usage.completion_tokens == 2 and reply.choices[0].finish_reason == "length"
+
+
+def test_http_and_grpc_requests_of_a_key_share_its_namespace_only(edge):
+    """Alice's gRPC prompt is cached for her HTTP requests, never for Bob's."""
+    prompt = [p + 200 for p in PROMPT]
+    with edge.edge_client("alice") as alice, edge.openai("alice") as alice_http, edge.openai("bob") as bob:
+        assert cached(alice, prompt) == 0
+        assert http_cached(alice_http, prompt) == len(prompt) - 1
+        assert http_cached(bob, prompt) == 0
+
+
+def test_the_http_api_takes_the_edge_limits(edge):
+    with edge.openai("alice") as api:
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.completions.create(model=TINY, prompt="x" * 65, max_tokens=1)
+        assert (
+            caught.value.param == "prompt" and "the limit is 64 (--max-prompt-bytes)" in caught.value.message
+        )
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.completions.create(model=TINY, prompt=[5], stop=["123456789"], max_tokens=1)
+        assert caught.value.param == "stop" and "(--max-stop-bytes)" in caught.value.message
+        with edge.edge_client("alice") as alice:
+            long = alice.stream(token_ids=[5, 6, 7], temperature=0.0, max_tokens=4000, ignore_eos=True)
+            next(long)
+            with pytest.raises(openai.RateLimitError) as caught:
+                api.completions.create(model=TINY, prompt=[5], max_tokens=1)
+            assert caught.value.status_code == 429 and "(--max-streams-per-key)" in caught.value.message
+            long.close()
 
 
 def test_a_shared_prefix_cache_shares_blocks_across_keys(edge):

@@ -3,7 +3,6 @@ history, and /dashboard/state over a real HTTP server (API keys, what another ke
 
 import base64
 import json
-import socket
 import ssl
 import urllib.error
 import urllib.request
@@ -22,11 +21,12 @@ from gateway.http import dashboard
 from gateway.http.app import create_app
 from gateway.http.dashboard_state import DashboardSource, pool_json, seqs_json
 from gateway.http.history import History
-from gateway.http.serve import start_http
+from gateway.http.serve import HttpServer
 from gateway.outputs import Output
 from protos import cache_pb2
 from tests.blocks import allocate
 from tests.certs import self_signed
+from tests.helpers import free_port
 from tests.scheduling import make, run, seq
 
 KEYS = {"alice": "alice-0123456789abcdef", "bob": "bob-0123456789abcdef"}
@@ -159,12 +159,19 @@ class FakeCache:
                                   refcounts=bytes([1, 2, 0, 0, 0, 0, 0, 0]), pool_epoch="ep")  # fmt: skip
 
 
+def serve_dashboard(source: DashboardSource, cert=None, key=None) -> HttpServer:
+    """The dashboard's routes served on a free port (HTTPS with cert and key)."""
+    server = HttpServer("127.0.0.1", free_port(), cert, key)
+    server.start(create_app([dashboard.installer(source)]))
+    return server
+
+
 @pytest.fixture(params=["keys", "no keys"])
 def front(request):
     keys = ApiKeys(list(KEYS.items())) if request.param == "keys" else None
     cache = FakeCache()
     source = DashboardSource(FakeEngine([view("a1", "alice", (0,)), view("b1", "bob", (1,))]), cache, keys)
-    server = start_http(create_app([dashboard.installer(source)]), "127.0.0.1", 0)
+    server = serve_dashboard(source)
     server.cache, server.keys = cache, keys
     yield server
     server.stop()
@@ -237,7 +244,7 @@ def test_a_cache_that_cannot_be_reached_is_reported_not_raised():
 def test_with_the_gateway_certificate_the_front_speaks_only_https(tmp_path):
     cert, key = self_signed(tmp_path)
     source = DashboardSource(FakeEngine([]), FakeCache(), None)
-    server = start_http(create_app([dashboard.installer(source)]), "127.0.0.1", 0, (cert, key))
+    server = serve_dashboard(source, cert, key)
     try:
         trusted = ssl.create_default_context(cafile=str(cert))
         with urllib.request.urlopen(f"https://127.0.0.1:{server.port}/dashboard", context=trusted) as reply:
@@ -246,11 +253,3 @@ def test_with_the_gateway_certificate_the_front_speaks_only_https(tmp_path):
             urllib.request.urlopen(f"http://127.0.0.1:{server.port}/dashboard", timeout=5)
     finally:
         server.stop()
-
-
-def test_a_taken_port_fails_the_start_not_a_thread():
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        with pytest.raises(OSError):
-            start_http(create_app([]), "127.0.0.1", taken.getsockname()[1])

@@ -14,13 +14,13 @@ from gateway.server import parse_args as gateway_args
 from tests.helpers import ROOT
 
 # What up decides for each service itself instead of taking it as a flag of the same meaning.
-PLACEMENT = {"--host", "--port", "--metrics-port", "--cache-target", "--compute-target"}
+PLACEMENT = {"--host", "--port", "--http-port", "--metrics-port", "--cache-target", "--compute-target"}
 PLACEMENT |= {"--socket", "--internal-certs", "--insecure"}
 # The placement flags up gives each service: cache and compute listen on unix sockets only.
 UP_PLACES = {
     "cache": {"--host", "--socket", "--metrics-port"},
     "compute": {"--host", "--socket", "--metrics-port"},
-    "gateway": {"--host", "--port", "--metrics-port", "--cache-target", "--compute-target"},
+    "gateway": {"--host", "--port", "--http-port", "--metrics-port", "--cache-target", "--compute-target"},
 }
 # A value each flag accepts other than its default (switches and choices are derived).
 VALUES = {"--kv-memory": "512MiB", "--allocator": "bitmap", "--model": "/models/other.gguf"}

@@ -1,0 +1,180 @@
+"""One generation path for every public front (gRPC Generate, the OpenAI-compatible HTTP API): a
+GenerateRequest and its caller in, GenerateResponses out, through the same checks, limits, stream slots,
+admission gate and engine."""
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+
+import structlog
+
+from common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from gateway import metrics
+from gateway import tokenizer as tok
+from gateway.admission import Admission
+from gateway.auth import Tenant, salted
+from gateway.edge import Edge
+from gateway.engine import Engine
+from gateway.limits import check_queue, check_request, check_request_id
+from gateway.outputs import Output
+from gateway.sampling import resolve_sampling
+from gateway.sequence import Sequence
+from gateway.streams import StreamSlots
+from protos import generation_pb2
+
+log = structlog.get_logger()
+FINISH_REASONS = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP}
+# Registers a callback to run when the call ends, whatever the reason (gRPC: context.add_callback).
+OnEnd = Callable[[Callable[[], None]], object]
+
+
+class Generation:
+    """What a front needs: the attached model, and `stream` to serve one request."""
+
+    def __init__(
+        self, engine: Engine, tokenizer, admission: Admission, slots: StreamSlots, edge: Edge
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.admission = admission
+        self.slots = slots
+        self.edge = edge
+
+    def attached_model(self):
+        """The model info of the attached compute; Unavailable while the gateway is still attaching."""
+        if self.engine.model_info is None:
+            raise Unavailable(
+                "the gateway is still attaching to the cache and compute services; retry shortly"
+            )
+        return self.engine.model_info
+
+    def stream(
+        self, request: generation_pb2.GenerateRequest, tenant: Tenant, on_end: OnEnd
+    ) -> Iterator[generation_pb2.GenerateResponse]:
+        """One response per token (of each of the n samples); ends at finish, or raises the request's error.
+
+        The request id (the request's, else the `request_id` bound in the log context, else a new one) is in
+        every response and in the gateway, cache and compute logs of the steps that serve it. Refused at
+        once: RESOURCE_EXHAUSTED beyond --max-streams concurrent streams (--max-streams-per-key of one key)
+        or a full queue, INVALID_ARGUMENT beyond a limit. `on_end` callbacks abort the sequence (freeing its
+        blocks) and release its admission when the call ends early (cancel, deadline, disconnect).
+        """
+        with self.slots.hold(), self.edge.stream_slot(tenant):
+            yield from self._generate(request, tenant, on_end)
+
+    def _generate(self, request, tenant: Tenant, on_end: OnEnd):
+        info = self.attached_model()
+        check_request(request, self.edge.limits, info.max_model_len)
+        request_id = request.request_id or structlog.contextvars.get_contextvars().get("request_id")
+        check_request_id(request_id or "", self.edge.limits)
+        request_id = request_id or uuid.uuid4().hex
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        seq = self._new_sequence(request, request_id, tenant, info)
+        self.admission.enter(seq)
+        on_end(lambda: self.admission.leave(seq.seq_id))
+        completion_tokens = [0] * seq.sampling.n
+        timer = metrics.RequestTimer()
+        log.info("request", prompt_tokens=len(seq.prompt_ids), n=seq.sampling.n, seq_id=seq.seq_id)
+        self.engine.submit(seq)
+        on_end(lambda: self.engine.abort(seq.seq_id))
+        running, first_token_at = seq.sampling.n, None
+        while running:
+            item = seq.outbox.get()
+            if isinstance(item, Exception):
+                raise item
+            now = timer.token()
+            first_token_at = first_token_at or now
+            completion_tokens[item.index] += len(item.token_ids)
+            reply = _response(item, request_id)
+            if item.finish_reason:
+                reply.usage.CopyFrom(
+                    generation_pb2.Usage(
+                        prompt_tokens=len(seq.prompt_ids),
+                        cached_tokens=seq.cached_tokens,
+                        completion_tokens=completion_tokens[item.index],
+                    )
+                )
+                reply.timings.CopyFrom(_timings(seq, first_token_at, now))
+            yield reply
+            running -= bool(item.finish_reason)
+        timer.finish(item.finish_reason, len(seq.prompt_ids), seq.scheduled_at - seq.arrival)
+        log.info("finished", finish_reason=item.finish_reason, completion_tokens=sum(completion_tokens))
+
+    def _new_sequence(
+        self, request: generation_pb2.GenerateRequest, request_id: str, tenant: Tenant, info
+    ) -> Sequence:
+        """The request's sequence; refused before tokenizing if the queue is full or a control is bad."""
+        check_queue(self.engine.queued(), self.edge.limits)
+        sampling = resolve_sampling(request.sampling, info.vocab_size)
+        prompt_ids = tok.encode(self.tokenizer, request, info.vocab_size)
+        max_len = self.engine.max_len
+        if len(prompt_ids) >= info.max_model_len:
+            raise InvalidArgument(
+                f"prompt has {len(prompt_ids)} tokens; the model takes at most {info.max_model_len - 1} "
+                "so that one can be generated"
+            )
+        if sampling.n > self.engine.config.max_seqs:
+            raise InvalidArgument(
+                f"sampling.n is {sampling.n} but the gateway runs at most {self.engine.config.max_seqs} "
+                "sequences at once (--max-seqs): ask for fewer samples"
+            )
+        if len(prompt_ids) >= max_len:
+            raise ResourceExhausted(
+                f"prompt has {len(prompt_ids)} tokens; the KV cache holds at most {max_len} tokens"
+                " per sequence: give the cache service more memory (--kv-memory/--kv-blocks)"
+            )
+        return Sequence(
+            seq_id=uuid.uuid4().hex,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            max_len=max_len,
+            request_id=request_id,
+            cache_salt=salted(tenant, request.cache_salt),
+            tenant=tenant.name,
+            priority=request.priority,
+        )
+
+
+class CallEnd:
+    """The end of a call that is not a gRPC one (an HTTP request): `add` registers a callback, `end` runs
+    them all once; a callback added after the end runs at once (a client gone while its request was
+    being checked still has its sequence aborted)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+        self._ended = False
+
+    def add(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._ended:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def end(self) -> None:
+        with self._lock:
+            callbacks, self._callbacks, self._ended = self._callbacks, [], True
+        for callback in callbacks:
+            callback()
+
+
+def _response(item: Output, request_id: str) -> generation_pb2.GenerateResponse:
+    reply = generation_pb2.GenerateResponse(
+        request_id=request_id,
+        token_ids=item.token_ids,
+        text=item.text,
+        index=item.index,
+        logprobs=item.logprobs,
+    )
+    if item.finish_reason:
+        reply.finish_reason = FINISH_REASONS[item.finish_reason]
+    return reply
+
+
+def _timings(seq: Sequence, first_token_at: float, now: float) -> generation_pb2.Timings:
+    return generation_pb2.Timings(
+        queue_s=seq.scheduled_at - seq.arrival,
+        time_to_first_token_s=first_token_at - seq.arrival,
+        total_s=now - seq.arrival,
+    )

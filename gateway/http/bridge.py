@@ -1,0 +1,89 @@
+"""From the event loop to the gateway's generation path: each HTTP request's Generation.stream runs to
+its end in a worker thread of its own, its replies handed to the loop; the request's end (its response
+done, or its client gone) ends the call, which aborts its sequence and frees its blocks."""
+
+import asyncio
+import contextlib
+import contextvars
+from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from fastapi import Request
+
+from gateway.auth import Tenant
+from gateway.generation import CallEnd, Generation
+from protos import generation_pb2
+
+_END = object()
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was complete."""
+
+
+class Bridge:
+    """Worker threads for the HTTP requests' generations: as many as --max-streams, which bounds the
+    streams of both fronts together (Generation.stream refuses beyond it), so a request never waits for
+    a thread."""
+
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+        self._workers = ThreadPoolExecutor(generation.slots.limit, thread_name_prefix="http-generate")
+
+    async def replies(
+        self, request: generation_pb2.GenerateRequest, tenant: Tenant
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The request's replies; raises its error. Closing the iterator early (a client gone) ends the
+        call: the engine aborts the sequence."""
+        loop, queue, end = asyncio.get_running_loop(), asyncio.Queue(), CallEnd()
+
+        def hand(item: object) -> None:
+            # NOTE: the loop is closed only after the drain, when no generation runs any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def pump() -> None:
+            try:
+                for reply in self.generation.stream(request, tenant, end.add):
+                    hand(reply)
+                hand(_END)
+            except Exception as exc:  # noqa: BLE001 - the request's error, raised on the loop's side
+                hand(exc)
+            finally:
+                end.end()
+
+        # NOTE: the worker runs in a copy of this task's context: its log lines carry the request's ids.
+        loop.run_in_executor(self._workers, contextvars.copy_context().run, pump)
+        try:
+            while (item := await queue.get()) is not _END:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            end.end()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; ClientGone (work cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task not in done:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,223 @@
+"""The OpenAI-compatible HTTP API (an installer of the gateway's HTTP app): POST /v1/completions and
+/v1/chat/completions (whole, or streamed as server-sent events), GET /v1/models and /health.
+
+Each request goes through the gRPC front's path: the same API keys (`Authorization: Bearer`) and prefix-
+cache namespaces, the edge's limits, the stream slots, the admission gate and the engine
+(gateway.generation). A body larger than --max-request-bytes is refused (413) before it is parsed.
+"""
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import structlog
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from grpc_health.v1 import health_pb2
+
+from common.errors import PagedServeError
+from gateway.http.app import Installer
+from gateway.http.bridge import Bridge, ClientGone, unless_disconnected
+from gateway.http.errors import HttpError, from_gateway, internal, invalid
+from gateway.http.openai_request import (
+    ChatRequest,
+    CompletionRequest,
+    chat_request,
+    completion_request,
+    model_error,
+    parse,
+)
+from gateway.http.openai_response import DONE, Rendering, event
+from protos import generation_pb2
+
+log = structlog.get_logger()
+REQUEST_ID_HEADER = "x-request-id"
+# Gateway fields under their chat names (a chat asks for top alternatives with top_logprobs).
+CHAT_RENAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens", "prompt": "messages"}
+# A response nobody reads: the client is gone (nginx's "client closed request").
+CLIENT_GONE = 499
+
+
+@dataclass
+class Front:
+    """What the routes serve from: the generation path (through the bridge), the gateway's health, and
+    the names a request's `model` may take besides the served model's own (the --model value)."""
+
+    bridge: Bridge
+    health: Callable[[], int]
+    aliases: frozenset[str] = frozenset()
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def generation(self):
+        return self.bridge.generation
+
+
+def openai_api(front: Front) -> Installer:
+    """The installer of the OpenAI-compatible routes."""
+
+    def install(app: FastAPI) -> None:
+        app.include_router(_router(front))
+
+    return install
+
+
+def _router(front: Front) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _answer(front, request, chat=False)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _answer(front, request, chat=True)
+
+    @router.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await _refusing(lambda: {"object": "list", "data": [_card(front, request)]})
+
+    @router.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> Response:
+        def card() -> dict:
+            found = _card(front, request)
+            if model != found["id"] and model not in front.aliases:
+                raise model_error(model, found["id"])
+            return found
+
+        return await _refusing(card)
+
+    @router.get("/health")
+    async def health() -> Response:
+        """200 only while the gateway's gRPC health answers SERVING (open, like grpc.health.v1)."""
+        serving = front.health() == health_pb2.HealthCheckResponse.SERVING
+        return JSONResponse({"status": "serving" if serving else "not serving"}, 200 if serving else 503)
+
+    return router
+
+
+def _card(front: Front, request: Request) -> dict:
+    front.generation.edge.authenticate(request.headers.items())
+    info = front.generation.attached_model()
+    return {
+        "id": info.model,
+        "object": "model",
+        "created": front.started,
+        "owned_by": "pagedserve",
+        "max_model_len": info.max_model_len,
+    }
+
+
+async def _refusing(make: Callable[[], dict]) -> Response:
+    try:
+        return JSONResponse(make())
+    except HttpError as err:
+        return err.response()
+    except PagedServeError as err:
+        return from_gateway(err).response()
+
+
+async def _answer(front: Front, request: Request, chat: bool) -> Response:
+    """One completion or chat completion, whole or streamed; any refusal in OpenAI's error JSON."""
+    structlog.contextvars.clear_contextvars()
+    # NOTE: a caller's id takes --max-request-id-bytes; without one the gateway makes one (in the replies).
+    request_id = request.headers.get(REQUEST_ID_HEADER, "")
+    if request_id:
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+    renames = CHAT_RENAMES if chat else {}
+    try:
+        return await _generate(front, request, request_id, chat, renames)
+    except HttpError as err:
+        log.info("http_refused", status=err.status, error=err.message)
+        return err.response()
+    except PagedServeError as err:
+        refusal = from_gateway(err, renames)
+        log.info("http_refused", status=refusal.status, code=err.code.name, error=refusal.message)
+        return refusal.response()
+    except ClientGone:
+        log.info("client_gone")
+        return Response(status_code=CLIENT_GONE)
+    except Exception as exc:  # noqa: BLE001 - every failure gets OpenAI's error JSON
+        log.exception("http_failed")
+        return internal(exc).response()
+
+
+async def _generate(front: Front, request: Request, request_id: str, chat: bool, renames: dict) -> Response:
+    """The request checked and translated, then generated: its first reply awaited before the response
+    starts (so that a refusal gets its status), the rest streamed as events or gathered into one object."""
+    tenant = front.generation.edge.authenticate(request.headers.items())
+    body = parse(ChatRequest if chat else CompletionRequest, await _json(request, front))
+    info = front.generation.attached_model()
+    if body.model not in (None, info.model, *front.aliases):
+        raise model_error(body.model, info.model)
+    if chat:
+        proto = chat_request(body, request_id, info.max_model_len)
+    else:
+        proto = completion_request(body, request_id)
+    rendering = Rendering(chat, info.model, front.generation.tokenizer)
+    replies = front.bridge.replies(proto, tenant)
+    if body.stream:
+        first = await unless_disconnected(request, anext(replies))
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _events(first, replies, rendering, usage, renames)
+        headers = {REQUEST_ID_HEADER: first.request_id}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    gathered = await unless_disconnected(request, _all(replies))
+    whole = rendering.whole(gathered, proto.sampling.HasField("logprobs"))
+    return JSONResponse(whole, headers={REQUEST_ID_HEADER: rendering.request_id})
+
+
+async def _json(request: Request, front: Front) -> object:
+    """The body parsed as JSON; 413 beyond --max-request-bytes (unread past it), 400 if not JSON."""
+    limit = front.generation.edge.limits.max_request_bytes
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise _too_large(int(length), limit)
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            raise _too_large(len(data), limit)
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise invalid(f"the request body is not valid JSON: {err}") from None
+
+
+def _too_large(size: int, limit: int) -> HttpError:
+    return HttpError(
+        413,
+        f"the request body has at least {size} bytes; the limit is {limit} (--max-request-bytes)",
+        "invalid_request_error",
+        code="request_too_large",
+    )
+
+
+async def _all(replies: AsyncIterator) -> list[generation_pb2.GenerateResponse]:
+    return [reply async for reply in replies]
+
+
+async def _events(
+    first: generation_pb2.GenerateResponse,
+    replies: AsyncIterator,
+    rendering: Rendering,
+    usage: bool,
+    renames: dict,
+) -> AsyncIterator[str]:
+    """The stream's events: a chunk per reply, the usage chunk if asked, `[DONE]`; an error after the
+    first chunk comes as an event holding OpenAI's error JSON, then `[DONE]`."""
+    try:
+        if (chunk := rendering.chunk(first, usage)) is not None:
+            yield event(chunk)
+        async for reply in replies:
+            if (chunk := rendering.chunk(reply, usage)) is not None:
+                yield event(chunk)
+        if usage:
+            yield event(rendering.usage_chunk())
+    except PagedServeError as err:
+        log.info("stream_failed", code=err.code.name, error=str(err))
+        yield event(from_gateway(err, renames).body())
+    finally:
+        await replies.aclose()
+    yield DONE

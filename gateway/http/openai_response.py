@@ -1,0 +1,155 @@
+"""The gateway's GenerateResponses as OpenAI objects: whole completions and chat completions, their
+streamed chunks (server-sent events), usage and logprobs."""
+
+import json
+import time
+from collections import defaultdict
+
+from protos import generation_pb2
+
+FINISH = {generation_pb2.FINISH_REASON_LENGTH: "length", generation_pb2.FINISH_REASON_STOP: "stop"}
+DONE = "data: [DONE]\n\n"
+
+
+def event(data: dict) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class Rendering:
+    """One request's responses rendered for completions (`chat` False) or chat completions: per reply a
+    streamed chunk, or all of them as one object; usage counted as they pass."""
+
+    def __init__(self, chat: bool, model: str, tokenizer) -> None:
+        self.chat = chat
+        # The gateway's id of the request, from its first reply.
+        self.request_id = ""
+        self.model = model
+        self.created = int(time.time())
+        self._tokenizer = tokenizer
+        self._text_offsets: dict[int, int] = defaultdict(int)
+        self._started: set[int] = set()
+        self._prompt_tokens = self._cached_tokens = self._completion_tokens = 0
+
+    @property
+    def id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.request_id
+
+    def _object(self, kind: str, choices: list[dict]) -> dict:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def count(self, reply: generation_pb2.GenerateResponse) -> None:
+        """Notes the request id; adds a sample's last reply's usage (prompt counted once, completion tokens
+        of every sample)."""
+        self.request_id = self.request_id or reply.request_id
+        if reply.finish_reason:
+            self._prompt_tokens = reply.usage.prompt_tokens
+            self._cached_tokens = reply.usage.cached_tokens
+            self._completion_tokens += reply.usage.completion_tokens
+
+    def usage(self) -> dict:
+        prompt, completion = self._prompt_tokens, self._completion_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self._cached_tokens},
+        }
+
+    # streamed
+    def chunk(self, reply: generation_pb2.GenerateResponse, with_usage: bool) -> dict | None:
+        """The chunk of one reply, None when it carries nothing to tell (a token whose text is held back
+        for a stop string, without logprobs); `usage: null` in each when the last chunk will carry it."""
+        self.count(reply)
+        first = reply.index not in self._started
+        self._started.add(reply.index)
+        if not (reply.text or reply.logprobs or reply.finish_reason or (self.chat and first)):
+            return None
+        choice = {"index": reply.index}
+        if self.chat:
+            choice["delta"] = (
+                {"role": "assistant", "content": reply.text} if first else {"content": reply.text}
+            )
+        else:
+            choice["text"] = reply.text
+        choice["logprobs"] = self._logprobs(reply) if reply.logprobs else None
+        choice["finish_reason"] = FINISH.get(reply.finish_reason)
+        chunk = self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        if with_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self) -> dict:
+        """The last chunk with `stream_options.include_usage`: no choices, the request's usage."""
+        chunk = self._object("chat.completion.chunk" if self.chat else "text_completion", [])
+        chunk["usage"] = self.usage()
+        return chunk
+
+    # whole
+    def whole(self, replies: list[generation_pb2.GenerateResponse], logprobs: bool) -> dict:
+        """The response object of all the replies (of every sample), choices in sample order."""
+        by_index: dict[int, list] = defaultdict(list)
+        for reply in replies:
+            self.count(reply)
+            by_index[reply.index].append(reply)
+        choices = [self._choice(index, by_index[index], logprobs) for index in sorted(by_index)]
+        whole = self._object("chat.completion" if self.chat else "text_completion", choices)
+        whole["usage"] = self.usage()
+        return whole
+
+    def _choice(self, index: int, replies: list, logprobs: bool) -> dict:
+        text = "".join(reply.text for reply in replies)
+        choice = {"index": index}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None
+        if logprobs:
+            parts = [self._logprobs(reply) for reply in replies if reply.logprobs]
+            choice["logprobs"] = {key: [v for part in parts for v in part[key]] for key in self._keys()}
+        choice["finish_reason"] = FINISH.get(replies[-1].finish_reason)
+        return choice
+
+    # logprobs
+    def _keys(self) -> tuple[str, ...]:
+        return ("content",) if self.chat else ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+    def _token(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
+
+    def _logprobs(self, reply: generation_pb2.GenerateResponse) -> dict:
+        """The reply's tokens' logprobs: chat's `{"content": [...]}`, or completions' four lists."""
+        if self.chat:
+            return {"content": [self._chat_logprob(lp) for lp in reply.logprobs]}
+        tokens = [self._token(lp.token_id) for lp in reply.logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._text_offsets[reply.index])
+            self._text_offsets[reply.index] += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in reply.logprobs],
+            "top_logprobs": [
+                {self._token(t): p for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+                for lp in reply.logprobs
+            ],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprob(self, lp: generation_pb2.TokenLogprobs) -> dict:
+        entry = self._chat_token(lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [
+            self._chat_token(t, p) for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+        ]
+        return entry
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict:
+        token = self._token(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}

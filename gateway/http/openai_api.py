@@ -15,6 +15,7 @@ import structlog
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import PagedServeError
 from gateway.http.app import Installer
@@ -59,6 +60,17 @@ def openai_api(front: Front) -> Installer:
 
     def install(app: FastAPI) -> None:
         app.include_router(_router(front))
+        default = app.exception_handlers[StarletteHTTPException]
+
+        async def openai_errors(request: Request, exc: StarletteHTTPException) -> Response:
+            """An unknown path or method under /v1 answers in OpenAI's error JSON too."""
+            if not request.url.path.startswith("/v1/"):
+                return await default(request, exc)
+            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+            message = f"{request.method} {request.url.path}: {exc.detail}"
+            return HttpError(exc.status_code, message, kind, code=kind.removesuffix("_error")).response()
+
+        app.add_exception_handler(StarletteHTTPException, openai_errors)
 
     return install
 

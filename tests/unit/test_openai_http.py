@@ -9,12 +9,14 @@ import urllib.request
 
 import grpc
 import pytest
+from fastapi.testclient import TestClient
+from grpc_health.v1 import health_pb2
 
 from common import errors
 from gateway.generation import CallEnd
 from gateway.http.app import create_app
 from gateway.http.errors import from_gateway, internal
-from gateway.http.openai_api import _events
+from gateway.http.openai_api import Front, _events, openai_api
 from gateway.http.openai_request import (
     ChatRequest,
     CompletionRequest,
@@ -355,3 +357,18 @@ def test_the_http_server_binds_at_once_serves_and_stops():
     server.stop()
     with pytest.raises(OSError):
         urllib.request.urlopen(url, timeout=10)
+
+
+def test_an_unknown_path_or_method_under_v1_answers_in_openai_error_json():
+    front = Front(bridge=None, health=lambda: health_pb2.HealthCheckResponse.SERVING)
+    extra = [lambda app: app.add_api_route("/elsewhere", lambda: {"ok": True})]
+    client = TestClient(create_app([openai_api(front), *extra]))
+    missing = client.get("/v1/embeddings")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "not_found_error"
+    assert "GET /v1/embeddings" in missing.json()["error"]["message"]
+    wrong = client.get("/v1/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+    assert client.get("/health").status_code == 200
+    # Outside /v1 (the dashboard's paths), FastAPI's own errors stay.
+    assert client.get("/nowhere").json() == {"detail": "Not Found"}

@@ -157,6 +157,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             block_size=self._engine.config.block_size,
             num_blocks=self._engine.kv.num_blocks,
             eos_token_ids=info.eos_token_ids,
+            kv_dtype=self._engine.handle.dtype,
+            device=self._engine.handle.device,
+            attention_backend=info.attention_backend,
         )
 
 

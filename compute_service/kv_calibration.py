@@ -59,13 +59,15 @@ def calibrate(model: PreTrainedModel, path: Path, kv_dtype: torch.dtype) -> KVSc
 
 
 def calibration_ids(path: Path, vocab_size: int) -> list[int]:
-    """The built-in text in the model's tokens; without a tokenizer (a bare test model) its UTF-8 bytes
-    modulo the vocabulary."""
+    """The built-in text in the model's tokens; without a tokenizer that fits the model (a test model) its
+    UTF-8 bytes modulo the vocabulary."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        ids = AutoTokenizer.from_pretrained(path).encode(CALIBRATION_TEXT, add_special_tokens=False)
     except (OSError, ValueError):
+        ids = []
+    if not ids or max(ids) >= vocab_size:
         return [byte % vocab_size for byte in CALIBRATION_TEXT.encode()]
-    return tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
+    return ids
 
 
 def kv_amax(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:

@@ -5,13 +5,16 @@ against float32 KV on the same prompts:
 - blocks: how many blocks the cache makes of the same --kv-memory (cache_service.kv_pool's sizing);
 - greedy agreement over the e2e parity prompts (tests/e2e/test_generation.py: 8 prompts, 32 new tokens):
   tokens identical until the first divergence, and identical positions overall;
-- the largest |logit error| over teacher-forced decode steps on a fixed text.
+- the largest |logit error| over teacher-forced decode steps on a fixed text;
+- with --speed, the decode step time at 1 and 16 sequences of ~256 tokens: the dtypes' steps interleaved,
+  round after round, so that load drifting on a shared machine hits them alike; medians of the rounds.
 
 Run it from a checkout (it reads the prompts' text from tests/e2e/prompts.py).
 """
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -34,6 +37,8 @@ PARITY_LENGTHS, PARITY_NEW_TOKENS = [5, 600, 17, 64, 250, 33, 128, 400], 32
 # Teacher forcing: this many sequences of TEACHER_PROMPT tokens, then TEACHER_STEPS decodes of the text.
 TEACHER_SEQS, TEACHER_PROMPT, TEACHER_STEPS = 4, 256, 64
 BLOCK_SIZE = 16
+# --speed: sequences per step, their prompt, decode steps per round, rounds.
+SPEED_BATCHES, SPEED_PROMPT, SPEED_STEPS, SPEED_ROUNDS = (1, 16), 256, 6, 3
 
 
 class PagedRun:
@@ -89,6 +94,28 @@ def teacher_logits(model, kv_dtype: str, scales, texts: list[list[int]]) -> torc
     return torch.stack([run.step([[t[i]] for t in texts]) for i in steps])
 
 
+def decode_ms(model, path, ids: list[int]) -> dict[str, dict[int, float]]:
+    """Median ms of one decode step per KV dtype and batch size (see the module's --speed)."""
+    runs = {}
+    for kv_dtype in KV_DTYPES:
+        scales = calibrate(model, path, dtype_from_name(kv_dtype))
+        for n in SPEED_BATCHES:
+            length = SPEED_PROMPT + SPEED_ROUNDS * SPEED_STEPS + 1
+            run = PagedRun(model, kv_dtype, scales, [length] * n)
+            prompts = [ids[i * 7 : i * 7 + SPEED_PROMPT] for i in range(n)]
+            runs[kv_dtype, n] = run, run.step(prompts).argmax(-1).tolist(), []
+    for _ in range(SPEED_ROUNDS):
+        for run, tokens, times in runs.values():
+            for _ in range(SPEED_STEPS):
+                start = time.perf_counter()
+                tokens[:] = run.step([[t] for t in tokens]).argmax(-1).tolist()
+                times.append(time.perf_counter() - start)
+    result: dict[str, dict[int, float]] = {}
+    for (kv_dtype, n), (_, _, times) in runs.items():
+        result.setdefault(kv_dtype, {})[n] = round(statistics.median(times) * 1e3, 1)
+    return result
+
+
 def agreement(ours: list[list[int]], reference: list[list[int]]) -> tuple[int, int, int]:
     """(tokens identical until each prompt's first divergence, identical positions, total), summed."""
     prefix = same = total = 0
@@ -112,7 +139,7 @@ def blocks_in(model, kv_dtype: str, memory: int) -> int:
     return spec_from_request(request, 0, memory).num_blocks
 
 
-def report(model_name: str, memory: int) -> list[dict]:
+def report(model_name: str, memory: int, speed: bool) -> list[dict]:
     from transformers import AutoTokenizer
 
     from common.model_files import local_copy
@@ -127,12 +154,11 @@ def report(model_name: str, memory: int) -> list[dict]:
     texts = [ids[i * span : (i + 1) * span] for i in range(TEACHER_SEQS)]
     reference = greedy(model, "float32", NO_SCALES, prompts, PARITY_NEW_TOKENS)
     reference_logits = teacher_logits(model, "float32", NO_SCALES, texts)
+    step_ms = decode_ms(model, path, ids) if speed else {}
     rows = []
     for kv_dtype in KV_DTYPES:
         scales = calibrate(model, path, dtype_from_name(kv_dtype))
-        start = time.perf_counter()
         tokens = greedy(model, kv_dtype, scales, prompts, PARITY_NEW_TOKENS)
-        seconds = time.perf_counter() - start
         error = (teacher_logits(model, kv_dtype, scales, texts) - reference_logits).abs()
         prefix, same, total = agreement(tokens, reference)
         rows.append(
@@ -145,7 +171,7 @@ def report(model_name: str, memory: int) -> list[dict]:
                 prompts_identical=sum(a == b for a, b in zip(tokens, reference, strict=True)),
                 max_logit_error=error.max().item(),
                 mean_logit_error=error.mean().item(),
-                greedy_s=round(seconds, 2),
+                decode_step_ms=step_ms.get(kv_dtype, {}),
             )
         )
     return rows
@@ -154,14 +180,16 @@ def report(model_name: str, memory: int) -> list[dict]:
 def table(rows: list[dict], memory: int) -> str:
     lines = [
         f"| KV dtype | blocks in {memory // 2**20} MiB | tokens identical until divergence | identical "
-        "overall | prompts identical | max abs logit error | mean abs logit error |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "overall | prompts identical | max abs logit error | mean abs logit error | decode step, 1 / 16 "
+        "sequences |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        speed = " / ".join(f"{ms} ms" for ms in r["decode_step_ms"].values()) or "–"
         lines.append(
             f"| {r['kv_dtype']} | {r['blocks']} | {r['prefix_agreement']}/{r['tokens']} | "
             f"{r['agreement']}/{r['tokens']} | {r['prompts_identical']}/{len(PARITY_LENGTHS)} | "
-            f"{r['max_logit_error']:.4f} | {r['mean_logit_error']:.4f} |"
+            f"{r['max_logit_error']:.4f} | {r['mean_logit_error']:.4f} | {speed} |"
         )
     return "\n".join(lines)
 
@@ -170,10 +198,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m cli.kv_report", description=__doc__)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--kv-memory-mib", type=int, default=DEFAULT_KV_MEMORY // 2**20)
+    parser.add_argument(
+        "--speed", action="store_true", help="also time decode steps (minutes; needs a quiet host)"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
     memory = args.kv_memory_mib * 2**20
-    rows = report(args.model, memory)
+    rows = report(args.model, memory, args.speed)
     print(table(rows, memory))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -147,8 +147,8 @@ def _supervise(args: argparse.Namespace) -> int:
         pending = {name for name in pending if not serving(targets[name], **probes[name])}
         if not pending and deadline:
             sockets = runtime_path(args)
-            print(f"pagedserve ready on {local}:{args.port} (model {args.model}, {args.dtype}; "
-                  f"cache and compute sockets in {sockets})", flush=True)  # fmt: skip
+            print(f"pagedserve ready on {local}:{args.port} (model {args.model}, {args.dtype}, "
+                  f"KV {args.kv_dtype}; cache and compute sockets in {sockets})", flush=True)  # fmt: skip
             deadline = 0.0
         if deadline and time.monotonic() > deadline:
             print(

@@ -3,7 +3,7 @@ dtypes" table. Runs compute's paged path in this process (no services) with floa
 against float32 KV on the same prompts:
 
 - blocks: how many blocks the cache makes of the same --kv-memory (cache_service.kv_pool's sizing);
-- greedy agreement over the e2e parity prompts (tests/e2e/test_generation.py: 8 prompts, 32 new tokens):
+- greedy agreement over the e2e parity prompts (tests/e2e/prompts.py: 8 prompts, 32 new tokens):
   tokens identical until the first divergence, and identical positions overall;
 - the largest |logit error| over teacher-forced decode steps on a fixed text;
 - with --speed, the decode step time at 1 and 16 sequences of ~256 tokens: the dtypes' steps interleaved,
@@ -33,7 +33,6 @@ from compute_service.validation import Limits
 from protos import cache_pb2, compute_pb2
 
 KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
-PARITY_LENGTHS, PARITY_NEW_TOKENS = [5, 600, 17, 64, 250, 33, 128, 400], 32
 # Teacher forcing: this many sequences of TEACHER_PROMPT tokens, then TEACHER_STEPS decodes of the text.
 TEACHER_SEQS, TEACHER_PROMPT, TEACHER_STEPS = 4, 256, 64
 BLOCK_SIZE = 16
@@ -143,7 +142,7 @@ def report(model_name: str, memory: int, speed: bool) -> list[dict]:
     from transformers import AutoTokenizer
 
     from common.model_files import local_copy
-    from tests.e2e.prompts import long_text, prompt_ids
+    from tests.e2e.prompts import PARITY_LENGTHS, PARITY_NEW_TOKENS, long_text, prompt_ids
 
     path = local_copy(model_name).path
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -168,6 +167,7 @@ def report(model_name: str, memory: int, speed: bool) -> list[dict]:
                 prefix_agreement=prefix,
                 agreement=same,
                 tokens=total,
+                prompts=len(prompts),
                 prompts_identical=sum(a == b for a, b in zip(tokens, reference, strict=True)),
                 max_logit_error=error.max().item(),
                 mean_logit_error=error.mean().item(),
@@ -188,7 +188,7 @@ def table(rows: list[dict], memory: int) -> str:
         speed = " / ".join(f"{ms} ms" for ms in r["decode_step_ms"].values()) or "–"
         lines.append(
             f"| {r['kv_dtype']} | {r['blocks']} | {r['prefix_agreement']}/{r['tokens']} | "
-            f"{r['agreement']}/{r['tokens']} | {r['prompts_identical']}/{len(PARITY_LENGTHS)} | "
+            f"{r['agreement']}/{r['tokens']} | {r['prompts_identical']}/{r['prompts']} | "
             f"{r['max_logit_error']:.4f} | {r['mean_logit_error']:.4f} | {speed} |"
         )
     return "\n".join(lines)

@@ -8,9 +8,10 @@ import torch
 
 from cli.launch import Stack
 from tests.e2e.greedy import assert_greedy_equal, concurrent_greedy, hf_greedy_gaps
+from tests.e2e.prompts import PARITY_LENGTHS as LENGTHS
+from tests.e2e.prompts import PARITY_NEW_TOKENS as NEW_TOKENS
 from tests.e2e.prompts import prompt_ids
 from tests.e2e.stack import start_stack
-from tests.e2e.test_generation import LENGTHS, NEW_TOKENS
 
 pytestmark = pytest.mark.e2e
 

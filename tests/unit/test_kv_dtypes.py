@@ -240,3 +240,11 @@ def test_a_pool_keeps_its_scales_and_hashes_differ_by_encoding():
         kv_identity("m", DTYPES[name], scales) for name in DTYPES for scales in ("", "aaaa", "bbbb")
     }
     assert len(identities) == 3 * len(DTYPES)
+
+
+def test_the_report_counts_agreement_until_the_first_divergence_and_overall():
+    from cli.kv_report import agreement
+
+    reference = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert agreement(reference, reference) == (8, 8, 8)
+    assert agreement([[1, 9, 3, 4], [5, 6, 7, 0]], reference) == (1 + 3, 6, 8)

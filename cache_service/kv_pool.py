@@ -23,9 +23,10 @@ def spec_from_request(
 ) -> PoolSpec:
     """The pool a CreatePool asks for; its budget is the request's if set, else the service's defaults.
 
-    Raises InvalidArgument for a bad geometry, block size, dtype or budget (also one beyond int32 block ids
-    or int64 bytes), and ResourceExhausted when the budget holds no block. Whether the host can back the
-    pool is cache_service/host_memory.py's check.
+    Raises InvalidArgument for a bad geometry, block size, dtype (or an fp8 one without its scales'
+    identity, another with one) or budget (also one beyond int32 block ids or int64 bytes), and
+    ResourceExhausted when the budget holds no block; blocks are sized by the dtype's itemsize (fp8: a
+    quarter of float32's bytes). Whether the host can back the pool is cache_service/host_memory.py's check.
     """
     geometry = request.geometry
     for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -34,6 +35,7 @@ def spec_from_request(
     if not 0 < request.block_size <= MAX_BLOCK_SIZE:
         raise InvalidArgument(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {request.block_size}")
     dtype = shared_pool.dtype_from_name(request.kv_dtype)
+    _check_scales(dtype, request.kv_scales_id)
     if request.num_blocks < 0 or request.memory_bytes < 0:
         raise InvalidArgument(
             f"budget must be >= 0, got num_blocks={request.num_blocks} memory_bytes={request.memory_bytes}"
@@ -65,6 +67,20 @@ def spec_from_request(
     return spec
 
 
+def _check_scales(dtype: torch.dtype, kv_scales_id: str) -> None:
+    if shared_pool.is_fp8(dtype) and not kv_scales_id:
+        raise InvalidArgument(
+            f"an {shared_pool.dtype_name(dtype)} pool needs kv_scales_id, the identity of the scales its K/V "
+            "are stored with: pass the one GetModelInfo reports"
+        )
+    if not shared_pool.is_fp8(dtype) and kv_scales_id:
+        raise InvalidArgument(
+            f"kv_scales_id is for fp8 pools only; a {shared_pool.dtype_name(dtype)} pool stores unscaled K/V"
+        )
+    if len(kv_scales_id) > 64 or not kv_scales_id.isascii():
+        raise InvalidArgument("kv_scales_id must be at most 64 ASCII characters")
+
+
 @dataclass(frozen=True)
 class KVPool:
     """A created pool: the owner's mapping of the segment, the handle others map it by, and its blocks."""
@@ -74,30 +90,41 @@ class KVPool:
     tensor: torch.Tensor
     handle: common_pb2.PoolHandle
     blocks: BlockManager
+    kv_scales_id: str = ""
 
     @classmethod
-    def create(cls, spec: PoolSpec, model: str, allocator: str, prefix_caching: bool) -> "KVPool":
+    def create(
+        cls, spec: PoolSpec, model: str, allocator: str, prefix_caching: bool, kv_scales_id: str = ""
+    ) -> "KVPool":
         """A new zeroed segment with a new epoch; the caller must `release` it. ResourceExhausted, before
         anything is allocated (the allocator's state too), unless the host can back it."""
         host_memory.require_room_here(spec.nbytes, spec.num_blocks)
         allocator_ = registry.create(allocator, spec.num_blocks)
         tensor, handle = shared_pool.create(spec)
+        handle.kv_scales_id = kv_scales_id
 
         def copy_block(src: int, dst: int) -> None:
             tensor[:, :, dst].copy_(tensor[:, :, src])
 
-        blocks = BlockManager(allocator_, spec.block_size, copy_block, prefix_caching, model)
-        return cls(spec, model, tensor, handle, blocks)
+        identity = kv_identity(model, spec.dtype, kv_scales_id)
+        blocks = BlockManager(allocator_, spec.block_size, copy_block, prefix_caching, identity)
+        return cls(spec, model, tensor, handle, blocks, kv_scales_id)
 
-    def require_layout(self, spec: PoolSpec, model: str) -> None:
+    @property
+    def identity(self) -> str:
+        """The root of its prefix hashes beyond the salt (`kv_identity`): what a tier must hash with too."""
+        return kv_identity(self.model, self.spec.dtype, self.kv_scales_id)
+
+    def require_layout(self, spec: PoolSpec, model: str, kv_scales_id: str = "") -> None:
         """FailedPrecondition unless `spec` differs from this pool's at most in its number of blocks, for the
-        same model: a live pool's layout never changes (callers hold its handle and block ids)."""
-        if replace(spec, num_blocks=self.spec.num_blocks) == self.spec and model == self.model:
+        same model and scales: a live pool's layout never changes (callers hold its handle and block ids)."""
+        mine = (self.spec, self.model, self.kv_scales_id)
+        if (replace(spec, num_blocks=self.spec.num_blocks), model, kv_scales_id) == mine:
             return
         raise FailedPrecondition(
-            f"the cache service holds a pool of another layout ({_layout(self.spec, self.model)}) than asked "
-            f"({_layout(spec, model)}): a pool keeps its layout while the cache service runs; restart the "
-            "cache service to change the layout"
+            f"the cache service holds a pool of another layout ({_layout(*mine)}) than asked "
+            f"({_layout(spec, model, kv_scales_id)}): a pool keeps its layout while the cache service runs; "
+            "restart the cache service to change the layout"
         )
 
     def read_block(self, layer: int, block_id: int) -> torch.Tensor:
@@ -115,8 +142,15 @@ class KVPool:
         shared_pool.release(self.handle)
 
 
-def _layout(spec: PoolSpec, model: str) -> str:
+def kv_identity(model: str, dtype: torch.dtype, kv_scales_id: str) -> str:
+    """What a prefix hash's root covers beyond the request's salt: the model and the exact encoding of its
+    K/V (dtype, fp8 scales), so that blocks are shared (or kept by a tier) only between equal encodings."""
+    return f"{model}\0{shared_pool.dtype_name(dtype)}\0{kv_scales_id}"
+
+
+def _layout(spec: PoolSpec, model: str, kv_scales_id: str) -> str:
+    scales = f", kv scales {kv_scales_id}" if kv_scales_id else ""
     return (
         f"{spec.num_layers} layers, {spec.num_kv_heads} kv heads, head_dim {spec.head_dim}, "
-        f"block_size {spec.block_size}, {shared_pool.dtype_name(spec.dtype)}, model {model!r}"
+        f"block_size {spec.block_size}, {shared_pool.dtype_name(spec.dtype)}{scales}, model {model!r}"
     )

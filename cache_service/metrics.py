@@ -52,6 +52,12 @@ class StatsCollector(Collector):
         for state in ("used", "free", "cached"):
             blocks.add_metric([state], getattr(stats, f"{state}_blocks"))
         yield blocks
+        pool = GaugeMetricFamily(
+            "pagedserve_kv_pool_info", "1 for the pool's KV dtype and device.", labels=["kv_dtype", "device"]
+        )
+        if stats.kv_dtype:
+            pool.add_metric([stats.kv_dtype, stats.device], 1)
+        yield pool
         yield GaugeMetricFamily(
             "pagedserve_kv_sequences", "Sequences holding a block table.", stats.num_sequences
         )

@@ -63,9 +63,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         with self._lock:
             spec = spec_from_request(request, self._default_blocks, self._default_memory)
             if self._pool is not None:
-                self._pool.require_layout(spec, request.model)
+                self._pool.require_layout(spec, request.model, request.kv_scales_id)
                 return self._pool.handle
-            self._pool = KVPool.create(spec, request.model, self._allocator, self._prefix_caching)
+            self._pool = KVPool.create(
+                spec, request.model, self._allocator, self._prefix_caching, request.kv_scales_id
+            )
             self._log.info(
                 "pool_created",
                 shape=list(spec.shape),
@@ -168,6 +170,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 allocator=self._allocator,
                 pool_epoch=self._pool.handle.epoch,
                 prefix_caching=self._prefix_caching,
+                kv_dtype=self._pool.handle.dtype,
+                device=self._pool.handle.device,
                 prefix_query_tokens=stats.prefix_query_tokens,
                 prefix_hit_tokens=stats.prefix_hit_tokens,
                 copy_on_writes=stats.copy_on_writes,

@@ -155,8 +155,8 @@ def _supervise(args: argparse.Namespace) -> int:
         pending = {name for name in pending if not serving(targets[name], **probes[name])}
         if not pending and deadline:
             sockets = runtime_path(args)
-            print(f"pagedserve ready on {local}:{args.port} (model {args.model}, {args.dtype}; "
-                  f"cache and compute sockets in {sockets})", flush=True)  # fmt: skip
+            print(f"pagedserve ready on {local}:{args.port} (model {args.model}, {args.dtype}, "
+                  f"KV {args.kv_dtype}; cache and compute sockets in {sockets})", flush=True)  # fmt: skip
             if args.http_port:
                 scheme = "https" if args.tls_cert is not None else "http"
                 print(f"OpenAI-compatible API on {scheme}://{local}:{args.http_port}/v1", flush=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.model_files import DEFAULT_MODEL
-from common.precision import DTYPE_CHOICES
+from common.precision import DTYPE_CHOICES, KV_DTYPE_CHOICES
 
 # Adds some flags to a parser (or an argument group).
 Adder = Callable[[argparse.ArgumentParser], None]
@@ -53,6 +53,15 @@ def add_model(parser: argparse.ArgumentParser) -> None:
 def add_dtype(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: bfloat16 where the CPU has native bf16"
+    )
+
+
+def add_kv_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPE_CHOICES,
+        default="auto",
+        help="dtype the KV pool stores (auto: the weights' dtype); fp8 ones use calibrated per-layer scales",
     )
 
 

@@ -5,6 +5,8 @@ from pathlib import Path
 import torch
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+# The dtypes K/V can be stored in (common/shared_pool.py DTYPES); auto: the weights' dtype.
+KV_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 # CPU flags of instructions that multiply bfloat16 natively (AVX-512 BF16, AMX).
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
@@ -28,3 +30,9 @@ def resolve_dtype(name: str, flags: frozenset[str] | None = None) -> str:
     if torch.cuda.is_available():
         return "bfloat16"
     return "bfloat16" if NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else flags) else "float32"
+
+
+def resolve_kv_dtype(name: str, weights: str) -> str:
+    """The dtype K/V are stored in: `auto` is the weights' (resolved) dtype."""
+    assert name in KV_DTYPE_CHOICES, name
+    return weights if name == "auto" else name

@@ -22,7 +22,15 @@ from protos import common_pb2
 
 SHM_DIR = Path(os.environ.get("PAGEDSERVE_SHM_DIR", "/dev/shm"))
 SEGMENT_PREFIX = "pagedserve-kv-"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The pool's dtypes by the name they travel by (PoolHandle.dtype, --kv-dtype); fp8 ones hold scaled K/V.
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -32,7 +40,11 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return _NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.itemsize == 1 and dtype.is_floating_point
 
 
 @dataclass(frozen=True)

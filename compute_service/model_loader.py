@@ -1,6 +1,6 @@
 """Loads a Hugging Face causal LM unmodified, its attention routed to a registered paged backend."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
@@ -8,7 +8,9 @@ from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedMod
 from common.model_files import local_copy
 from common.shared_pool import dtype_name
 from compute_service.attention.context import timed
-from compute_service.attention.registry import get_backend
+from compute_service.attention.kv_codec import NO_SCALES, KVScales
+from compute_service.attention.registry import get_backend, require_kv_dtype
+from compute_service.kv_calibration import calibrate
 from compute_service.linear import use_small_batch_linears
 
 
@@ -26,10 +28,17 @@ class ModelSpec:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     attention_backend: str
+    # What the pool stores K/V as (the weights' dtype unless --kv-dtype), and its fp8 scales.
+    kv_dtype: torch.dtype
+    kv_scales: KVScales = NO_SCALES
 
     @property
     def dtype_name(self) -> str:
         return dtype_name(self.dtype)
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return dtype_name(self.kv_dtype)
 
 
 def register_attention(backend: str) -> str:
@@ -40,20 +49,30 @@ def register_attention(backend: str) -> str:
 
 
 def load(
-    model: str, dtype: torch.dtype, backend: str = "cpu", plain_linear: bool = False
+    model: str,
+    dtype: torch.dtype,
+    backend: str = "cpu",
+    plain_linear: bool = False,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[PreTrainedModel, ModelSpec]:
     """The model with paged attention; its linear layers take the small-batch path (see
-    compute_service.linear) unless `plain_linear`."""
+    compute_service.linear) unless `plain_linear`. K/V are stored as `kv_dtype` (default: `dtype`); an fp8
+    one is calibrated here (compute_service.kv_calibration). ValueError if the backend cannot store it."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    require_kv_dtype(backend, dtype_name(kv_dtype))
     files = local_copy(model)
     hf_model = AutoModelForCausalLM.from_pretrained(
         files.path, dtype=dtype, attn_implementation=register_attention(backend)
     ).eval()
     if not plain_linear:
         use_small_batch_linears(hf_model)
-    return hf_model, model_spec(hf_model, files.name, backend)
+    spec = model_spec(hf_model, files.name, backend, kv_dtype)
+    return hf_model, replace(spec, kv_scales=calibrate(hf_model, files.path, kv_dtype))
 
 
-def model_spec(model: PreTrainedModel, name: str, backend: str) -> ModelSpec:
+def model_spec(
+    model: PreTrainedModel, name: str, backend: str, kv_dtype: torch.dtype | None = None
+) -> ModelSpec:
     config = model.config
     num_heads = config.num_attention_heads
     vocab_size = model.get_input_embeddings().num_embeddings
@@ -69,6 +88,7 @@ def model_spec(model: PreTrainedModel, name: str, backend: str) -> ModelSpec:
         max_model_len=config.max_position_embeddings,
         eos_token_ids=_eos_token_ids(config.eos_token_id, model.generation_config.eos_token_id),
         attention_backend=backend,
+        kv_dtype=model.dtype if kv_dtype is None else kv_dtype,
     )
 
 

@@ -2,7 +2,7 @@
 
 import argparse
 
-from common.options import ServiceOptions, add_dtype, add_logging, add_model
+from common.options import ServiceOptions, add_dtype, add_kv_dtype, add_logging, add_model
 from common.transport import add_listen
 from compute_service.attention.registry import BACKENDS
 
@@ -18,5 +18,8 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
 
 
 OPTIONS = ServiceOptions(
-    "compute_service", 50053, settings=(add_model, add_dtype, add_settings, add_logging), wiring=(add_listen,)
+    "compute_service",
+    50053,
+    settings=(add_model, add_dtype, add_kv_dtype, add_settings, add_logging),
+    wiring=(add_listen,),
 )

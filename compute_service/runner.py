@@ -7,6 +7,7 @@ import torch
 from transformers import PreTrainedModel
 
 from compute_service.attention.context import build_context, reset_context, set_context
+from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.batch import ForwardBatch
 from compute_service.sampling import Sampled, sample
 
@@ -24,8 +25,9 @@ class StepTimes:
 class Runner:
     """Runs steps of one model on the attached pool; keeps the per-layer pool views between steps."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, scales: KVScales = NO_SCALES) -> None:
         self.model = model
+        self.scales = scales
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
 
@@ -44,7 +46,7 @@ class Runner:
         assert self.k_caches, "no pool attached"
         times = times or StepTimes()
         start = time.perf_counter()
-        context = build_context(self.k_caches, self.v_caches, batch)
+        context = build_context(self.k_caches, self.v_caches, batch, self.scales)
         set_context(context)
         built = time.perf_counter()
         try:

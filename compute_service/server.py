@@ -6,13 +6,13 @@ import time
 from pathlib import Path
 
 import torch
-from prometheus_client import Histogram
+from prometheus_client import Histogram, Info
 
 from common import transport
 from common.errors import FailedPrecondition, InvalidArgument
 from common.logging import configure
 from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, serve_metrics
-from common.precision import resolve_dtype
+from common.precision import resolve_dtype, resolve_kv_dtype
 from common.server import serve
 from common.shared_pool import dtype_from_name, open_pool
 from compute_service.batch import ForwardBatch
@@ -28,6 +28,7 @@ FORWARD_SECONDS = Histogram(
     "pagedserve_forward_step_duration_seconds", "Duration of one Forward step.", buckets=LATENCY_BUCKETS
 )
 STEP_TOKENS = Histogram("pagedserve_forward_step_tokens", "Tokens in one step.", buckets=TOKEN_BUCKETS)
+COMPUTE_INFO = Info("pagedserve_compute", "The model, its dtype, the KV dtype and the attention backend.")
 NO_POOL = "no KV pool attached: the gateway must call AttachPool first"
 SEGMENT_REMOVED = "the pool's segment was removed (cache restarted?): attach the new pool"
 # How often compute looks whether its pool's segment still exists.
@@ -60,6 +61,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             max_model_len=spec.max_model_len,
             eos_token_ids=spec.eos_token_ids,
             attention_backend=spec.attention_backend,
+            kv_dtype=spec.kv_dtype_name,
+            kv_scales_id=spec.kv_scales.identity,
         )
 
     def AttachPool(self, handle: common_pb2.PoolHandle, context) -> compute_pb2.AttachPoolResponse:
@@ -127,11 +130,17 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     def _check_geometry(self, handle: common_pb2.PoolHandle) -> None:
         spec, shape = self.spec, list(handle.shape)
         expected = [spec.num_layers, 2, shape[2], shape[3], spec.num_kv_heads, spec.head_dim]
-        if shape != expected or min(shape) < 1 or handle.dtype != spec.dtype_name:
+        if shape != expected or min(shape) < 1 or handle.dtype != spec.kv_dtype_name:
             raise InvalidArgument(
                 f"pool does not fit the model: expected shape [layers, 2, blocks, block_size, kv_heads, "
-                f"head_dim] = {expected} and dtype {spec.dtype_name}, got {shape} and {handle.dtype}; "
-                "create the pool with the geometry and dtype GetModelInfo reports"
+                f"head_dim] = {expected} and KV dtype {spec.kv_dtype_name}, got {shape} and {handle.dtype}; "
+                "create the pool with the geometry and kv_dtype GetModelInfo reports"
+            )
+        if handle.kv_scales_id != spec.kv_scales.identity:
+            raise InvalidArgument(
+                f"the pool's K/V are stored with other scales (kv_scales_id {handle.kv_scales_id!r}) than "
+                f"this compute service's ({spec.kv_scales.identity!r}): create the pool with the "
+                "kv_scales_id GetModelInfo reports (a cache holding the old pool must be restarted)"
             )
 
 
@@ -147,21 +156,34 @@ def main(argv: list[str] | None = None) -> None:
     log = configure("compute", args.log_format, args.log_level)
     if args.threads:
         torch.set_num_threads(args.threads)
+    weights = resolve_dtype(args.dtype)
+    kv_dtype = dtype_from_name(resolve_kv_dtype(args.kv_dtype, weights))
     try:
         model, spec = load(
-            args.model, dtype_from_name(resolve_dtype(args.dtype)), args.attention_backend, args.plain_linear
+            args.model, dtype_from_name(weights), args.attention_backend, args.plain_linear, kv_dtype
         )
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"compute_service: {exc}") from exc
     log.info(
         "model_loaded",
         model=spec.name,
         dtype=spec.dtype_name,
+        kv_dtype=spec.kv_dtype_name,
+        kv_scales_id=spec.kv_scales.identity,
         layers=spec.num_layers,
         threads=torch.get_num_threads(),
         plain_linear=args.plain_linear,
     )
-    servicer = ComputeServicer(Runner(model), spec, log)
+    COMPUTE_INFO.info(
+        {
+            "model": spec.name,
+            "dtype": spec.dtype_name,
+            "kv_dtype": spec.kv_dtype_name,
+            "device": "cpu",
+            "attention_backend": spec.attention_backend,
+        }
+    )
+    servicer = ComputeServicer(Runner(model, spec.kv_scales), spec, log)
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(
         [(compute_pb2_grpc.add_ComputeServicer_to_server, servicer, SERVICE_NAME)],

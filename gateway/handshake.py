@@ -1,6 +1,6 @@
 """The start-up handshake (and the one after a peer was lost): model info from compute, a pool sized for
-it from cache, the pool attached to compute. The gateway orchestrates; cache and compute never call each
-other."""
+it (its geometry, KV dtype and fp8 scales' identity) from cache, the pool attached to compute.
+The gateway orchestrates; cache and compute never call each other."""
 
 from gateway.recovery import calling
 from protos import cache_pb2, cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
@@ -24,8 +24,13 @@ def handshake(
     geometry = cache_pb2.PoolGeometry(
         num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim
     )
+    # NOTE: compute owns the KV dtype (it writes and reads K/V); one that names none stores the weights'.
     request = cache_pb2.CreatePoolRequest(
-        geometry=geometry, block_size=block_size, kv_dtype=info.dtype, model=info.model
+        geometry=geometry,
+        block_size=block_size,
+        kv_dtype=info.kv_dtype or info.dtype,
+        model=info.model,
+        kv_scales_id=info.kv_scales_id,
     )
     with calling("cache"):
         handle = cache.CreatePool(request, wait_for_ready=wait, timeout=timeout)

@@ -57,6 +57,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             block_size=engine.config.block_size,
             num_blocks=engine.kv.num_blocks,
             eos_token_ids=info.eos_token_ids,
+            kv_dtype=engine.handle.dtype,
+            device=engine.handle.device,
+            attention_backend=info.attention_backend,
         )
 
 

@@ -100,7 +100,7 @@ class CacheServicer:
 
     def CreatePool(self, request, context):
         """Creates the pool and returns its handle; once a pool exists, returns its handle to a request of the
-        same layout (geometry, block_size, dtype, model; the budget may differ) and refuses any other layout
+        same layout (geometry, block_size, dtype, model, kv_scales_id; the budget may differ) and refuses any other layout
         with FAILED_PRECONDITION (restart the cache service to change it). A pool the host cannot back (shm
         free space, available memory) is refused with RESOURCE_EXHAUSTED before anything is allocated.
         """

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\rpagedserve.v1\"\x97\x01\n\nPoolHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07strides\x18\x04 \x03(\x03\x12\r\n\x05\x65poch\x18\x05 \x01(\t\x12\x30\n\x03shm\x18\n \x01(\x0b\x32!.pagedserve.v1.SharedMemoryHandleH\x00\x42\t\n\x07payload\"A\n\x12SharedMemoryHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\r\n\x05token\x18\x03 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\rpagedserve.v1\"\xad\x01\n\nPoolHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07strides\x18\x04 \x03(\x03\x12\r\n\x05\x65poch\x18\x05 \x01(\t\x12\x30\n\x03shm\x18\n \x01(\x0b\x32!.pagedserve.v1.SharedMemoryHandleH\x00\x12\x14\n\x0ckv_scales_id\x18\x06 \x01(\tB\t\n\x07payload\"A\n\x12SharedMemoryHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\r\n\x05token\x18\x03 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.common_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_POOLHANDLE']._serialized_start=39
-  _globals['_POOLHANDLE']._serialized_end=190
-  _globals['_SHAREDMEMORYHANDLE']._serialized_start=192
-  _globals['_SHAREDMEMORYHANDLE']._serialized_end=257
+  _globals['_POOLHANDLE']._serialized_end=212
+  _globals['_SHAREDMEMORYHANDLE']._serialized_start=214
+  _globals['_SHAREDMEMORYHANDLE']._serialized_end=279
 # @@protoc_insertion_point(module_scope)

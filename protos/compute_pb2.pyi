@@ -12,7 +12,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend")
+    __slots__ = ("model", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "kv_dtype", "kv_scales_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,8 @@ class ModelInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALES_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     num_attention_heads: int
@@ -33,7 +35,9 @@ class ModelInfo(_message.Message):
     max_model_len: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     attention_backend: str
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    kv_dtype: str
+    kv_scales_id: str
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_scales_id: _Optional[str] = ...) -> None: ...
 
 class AttachPoolResponse(_message.Message):
     __slots__ = ("epoch", "num_blocks")

@@ -64,7 +64,7 @@ class ComputeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AttachPool(self, request, context):
-        """Maps the cache service's pool; checks shape, dtype and epoch.
+        """Maps the cache service's pool; checks shape, KV dtype, scales and epoch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

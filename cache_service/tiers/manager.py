@@ -116,7 +116,7 @@ class TierManager(PrefixListener):
 
     def _load_prefix(self, request: SeqRequest, budget: int) -> int:
         block_pool, block_size = self._pool.blocks.block_pool, self._pool.spec.block_size
-        parent, loaded = root_hash(self._pool.model, request.cache_salt), 0
+        parent, loaded = root_hash(self._pool.identity, request.cache_salt), 0
         stop = (request.num_tokens - 1) // block_size
         for index, hash_ in chain(parent, request.token_ids, block_size, 0, stop):
             if block_pool.prefix.lookup(hash_) is None:

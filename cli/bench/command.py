@@ -11,7 +11,7 @@ from cli.bench import driver, peers, profile, report
 from cli.bench.workloads import WORKLOADS, build
 from cli.launch import Stack
 from cli.scrape import scrape
-from common.options import add_dtype, add_model
+from common.options import add_dtype, add_kv_dtype, add_model
 from sdk.client import Client
 
 
@@ -28,6 +28,7 @@ def add_parser(commands) -> None:
     )
     add_model(p)
     add_dtype(p)
+    add_kv_dtype(p)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=1, help="passes; figures are medians")
     p.add_argument("--no-peers", action="store_true", help="skip generate_batch and generate")
@@ -73,11 +74,13 @@ def _peers(args, workload, dtype: str) -> dict:
 
 
 def _start(args, *flags: str) -> Stack:
-    """A stack of the bench's model, dtype, block size and linear path, with these extra `up` flags."""
+    """A stack of the bench's model, dtype, KV dtype, block size and linear path, with these extra `up`
+    flags."""
     linear = ["--plain-linear"] if args.plain_linear else []
     return Stack.start(
-        "--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size), *linear, *flags
-    )
+        "--model", args.model, "--dtype", args.dtype, "--kv-dtype", args.kv_dtype,
+        "--block-size", str(args.block_size), *linear, *flags,
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         result = {
             "workload": workload.name,
             "description": workload.description,
-            "setup": f"{info.model}, {info.dtype}{', plain nn.Linear' if args.plain_linear else ''}, "
+            "setup": f"{info.model}, {info.dtype}, KV {info.kv_dtype}"
+            f"{', plain nn.Linear' if args.plain_linear else ''}, "
             f"block size {info.block_size}, median of {args.repeat}",
             "block_size": info.block_size,
             **_measure(args, workload, target, cache_target, metrics_url),

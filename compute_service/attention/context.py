@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from common import paging
+from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.batch import ForwardBatch
 
 
@@ -50,6 +51,8 @@ class Context:
     decode_tokens: torch.Tensor  # [n] index of each decode's token in the packed batch, group after group
     # prefill
     segments: list[Segment]
+    # The pool's fp8 scales per layer (none for other dtypes).
+    scales: KVScales = NO_SCALES
     # Seconds spent in the attention function this step, summed over layers (see `timed`).
     attention_s: float = 0.0
 
@@ -87,7 +90,12 @@ def timed(backend: Callable) -> Callable:
     return attention
 
 
-def build_context(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], batch: ForwardBatch) -> Context:
+def build_context(
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    batch: ForwardBatch,
+    scales: KVScales = NO_SCALES,
+) -> Context:
     """Derives what the layers share from a checked batch (see compute_service.batch)."""
     cu_seqlens_q, context_lens, block_tables = batch.cu_seqlens_q, batch.context_lens, batch.block_tables
     assert block_tables.dim() == 2 and len(block_tables) == len(context_lens) == len(cu_seqlens_q) - 1
@@ -120,6 +128,7 @@ def build_context(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], ba
         decode_groups=decode_groups,
         decode_tokens=decode_tokens,
         segments=segments,
+        scales=scales,
     )
 
 

@@ -1,5 +1,9 @@
 """Deterministic prompts of chosen token lengths, cut from varied English text."""
 
+# The greedy parity prompts (test_generation.py; the KV dtypes' agreement is measured on them too).
+PARITY_LENGTHS = [5, 600, 17, 64, 250, 33, 128, 400]
+PARITY_NEW_TOKENS = 32
+
 _SENTENCES = [
     "The river winds through the valley, past orchards heavy with apples and pears.",
     "In 1969 two astronauts walked on the Moon while millions watched on grainy television.",

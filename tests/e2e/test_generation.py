@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from tests.e2e.greedy import assert_greedy_equal, concurrent_greedy, hf_greedy, hf_greedy_gaps
-from tests.e2e.prompts import prompt_ids
+from tests.e2e.prompts import PARITY_LENGTHS, PARITY_NEW_TOKENS, prompt_ids
 
 pytestmark = pytest.mark.e2e
 
-LENGTHS = [5, 600, 17, 64, 250, 33, 128, 400]
-NEW_TOKENS = 32
+LENGTHS, NEW_TOKENS = PARITY_LENGTHS, PARITY_NEW_TOKENS
 # NOTE: where the CPU multiplies bfloat16 natively (AVX512-BF16, AMX), its GEMM kernels are not
 # batch-invariant: a row's result depends on how many rows are multiplied with it, so a sequence decoded
 # beside others rounds differently from transformers' one-row decode. bfloat16 logits are coarse (ties

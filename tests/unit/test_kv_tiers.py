@@ -179,7 +179,7 @@ def run(tier: TierManager, pool: KVPool, seq_id: str, prompt=PROMPT, salt: str =
 
 def block_values(pool: KVPool, prompt=PROMPT) -> list[float]:
     """The K/V of the prompt's full indexed blocks, one value per token (as `run` wrote them)."""
-    values, parent = [], root_hash("model", "")
+    values, parent = [], root_hash(pool.identity, "")
     for _, hash_ in chain(parent, prompt, BLOCK_SIZE, 0, len(prompt) // BLOCK_SIZE):
         block = pool.blocks.block_pool.prefix.lookup(hash_)
         values += [float(pool.tensor[1, 1, block, slot, 1, 3]) for slot in range(BLOCK_SIZE)]
@@ -215,7 +215,7 @@ def test_a_corrupt_record_is_skipped_counted_and_deleted_never_served(tmp_path: 
     tier.attach(first)
     run(tier, first, "a")
     drained(tier)
-    third_block = next(h for i, h in chain(root_hash("model", ""), PROMPT, BLOCK_SIZE, 0, 3) if i == 2)
+    third_block = next(h for i, h in chain(root_hash(first.identity, ""), PROMPT, BLOCK_SIZE, 0, 3) if i == 2)
     key = DATA + record.key(record.fingerprint(first.spec), third_block)
     db = Rdict(str(tmp_path / "db"), Options(raw_mode=True))
     corrupted = bytearray(db[key])

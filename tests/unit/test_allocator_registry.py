@@ -25,12 +25,12 @@ def test_a_dotted_path_loads_a_third_party_allocator():
 
 
 def test_an_entry_point_loads_a_third_party_allocator(monkeypatch):
-    point = metadata.EntryPoint("toy", TOY, registry.ENTRY_POINT_GROUP)
+    point = metadata.EntryPoint("toy", TOY, registry.PLUGINS.entry_point_group)
 
     def entry_points(group: str):
-        return [point] if group == registry.ENTRY_POINT_GROUP else []
+        return [point] if group == registry.PLUGINS.entry_point_group else []
 
-    monkeypatch.setattr(registry.metadata, "entry_points", entry_points)
+    monkeypatch.setattr(metadata, "entry_points", entry_points)
     assert "toy" in registry.available()
     assert isinstance(registry.create("toy", 4), StackAllocator)
 

@@ -16,13 +16,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Tests also run promtool (Debian package prometheus), docker-compose, curl, and headless Chromium with its
-# WebDriver (the dashboard's browser test); installed with apt-get when missing.
-APT_TOOLS := prometheus docker-compose curl chromium chromium-driver
+# WebDriver (the dashboard's browser test), and redis-server (the Redis KV tier); installed with apt-get when missing.
+APT_TOOLS := prometheus docker-compose curl chromium chromium-driver redis-server
 APT_INSTALL := apt-get install -y -qq --no-install-recommends $(APT_TOOLS)
 
 tools:
 	@command -v promtool >/dev/null && command -v docker-compose >/dev/null && command -v curl >/dev/null && \
-		command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v redis-server >/dev/null || \
 		$(APT_INSTALL) || { apt-get update -qq && $(APT_INSTALL); }
 
 setup: $(STAMP) tools

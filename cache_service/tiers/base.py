@@ -45,7 +45,8 @@ class KVTier(ABC):
 
     @abstractmethod
     def contains(self, key: bytes) -> bool:
-        """Whether a record is held under key, from a local index."""
+        """Whether a record is held under key, from a local index (the manager skips writing a block held
+        already); a shared tier's index knows only this process's records, so `load` is asked regardless."""
 
     @abstractmethod
     def delete(self, key: bytes) -> None:

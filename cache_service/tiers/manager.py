@@ -134,7 +134,8 @@ class TierManager(PrefixListener):
         the tier lacks it, fails, or holds a corrupt record (then deleted)."""
         key, start = record.key(self._fingerprint, hash_), time.perf_counter()
         try:
-            stored = self.tier.load(key) if self.tier.contains(key) else None
+            # NOTE: load, not contains first: a shared tier's local index lacks what other stacks stored.
+            stored = self.tier.load(key)
             if stored is None:
                 self.counters.miss_blocks += 1
                 return False

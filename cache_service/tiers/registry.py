@@ -1,13 +1,16 @@
-"""Tiers by name, so `--kv-tier NAME` picks one at start-up: `none` (no tier), a built-in (`rocksdb`), an
-entry point in the group `pagedserve.kv_tiers`, or `package.module:Class` naming a KVTier subclass
-(cache_service/plugins.py, as for allocators)."""
+"""Tiers by name, so `--kv-tier NAME` picks one at start-up: `none` (no tier), a built-in (`rocksdb`,
+`redis`), an entry point in the group `pagedserve.kv_tiers`, or `package.module:Class` naming a KVTier
+subclass (cache_service/plugins.py, as for allocators)."""
 
 from cache_service.plugins import Plugins
 from cache_service.tiers.base import KVTier
+from cache_service.tiers.redis import RedisTier
 from cache_service.tiers.rocksdb import RocksDBTier
 
 NONE = "none"
-PLUGINS = Plugins("KV tier", KVTier, "pagedserve.kv_tiers", {cls.name: cls for cls in (RocksDBTier,)})
+PLUGINS = Plugins(
+    "KV tier", KVTier, "pagedserve.kv_tiers", {cls.name: cls for cls in (RocksDBTier, RedisTier)}
+)
 
 
 def available() -> list[str]:

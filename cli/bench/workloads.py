@@ -80,12 +80,38 @@ def memory(rng: random.Random, vocab: int) -> Workload:
     )
 
 
+# 31 blocks of 128 tokens: whole blocks at block sizes 16-128, within one prompt chunk (--max-batched-tokens
+# 4096) and one tier load (--kv-tier-max-load 256 blocks of 16).
+LONG_PREFIX_TOKENS = 3968
+
+
+def long_shared_prefix(rng: random.Random, vocab: int, rate: float = 4.0) -> Workload:
+    """16 requests on one long system prompt, Poisson arrivals from t = 0: the first computes the prompt (or
+    loads it from a KV tier), the later ones find it cached.
+
+    NOTE: at float32 SmolLM2-135M (46,080 bytes of K/V per token) it holds at most 3,968 + 16 x 48 = 4,736
+    tokens, which fit the default 256MiB pool (5,825 tokens) at block sizes 16-64.
+    """
+    system = _tokens(rng, LONG_PREFIX_TOKENS, vocab)
+    reqs, clock = [], 0.0
+    for _ in range(16):
+        reqs.append(BenchRequest(system + _tokens(rng, rng.randint(16, 32), vocab), 16, clock))
+        clock += rng.expovariate(rate)
+    return Workload(
+        "long-shared-prefix",
+        f"16 requests: one {LONG_PREFIX_TOKENS}-token system prompt + 16-32 unique tokens, 16 new, "
+        f"{rate}/s arrivals",
+        reqs,
+    )
+
+
 WORKLOADS = {
     "throughput": throughput,
     "mixed": mixed,
     "latency": latency,
     "shared-prefix": shared_prefix,
     "memory": memory,
+    "long-shared-prefix": long_shared_prefix,
 }
 
 

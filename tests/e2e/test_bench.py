@@ -1,10 +1,12 @@
 """`pagedserve bench` against a running stack, as a user runs it."""
 
 import json
+import os
 import subprocess
 
 import pytest
 
+from cli.bench.workloads import LONG_PREFIX_TOKENS
 from tests.helpers import PAGEDSERVE
 from tests.tiny_model import save_tiny_llama
 
@@ -72,3 +74,31 @@ def test_shared_prefix_bench_also_runs_with_the_prefix_cache_off(tmp_path, token
     # first two steps' 14 or so) take its 32 blocks from the cache
     assert ours["cached_prompt_tokens"] >= 16 * 512
     assert ours["prompt_tokens"] == off["prompt_tokens"]
+
+
+def test_long_shared_prefix_after_a_cold_restart_comes_from_the_tier(tmp_path, tokenizer):
+    """A warm-up pass, a restarted stack, the measured pass on the warm-up's cache salt: the first request
+    loads the system prompt from the RocksDB tier (the pool is new), the later ones find it in the pool. The
+    tier's temporary directory is removed afterwards."""
+    model = save_tiny_llama(tmp_path / "tiny", max_position_embeddings=4096)
+    tokenizer.save_pretrained(model)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    out = subprocess.run(
+        [*PAGEDSERVE, "bench", "--workload", "long-shared-prefix", "--model", str(model), "--dtype",
+         "float32", "--no-peers", "--kv-tier", "rocksdb", "--cold-restart",
+         "--json", str(tmp_path / "bench.json")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(scratch)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "prompt blocks from the KV tier" in out.stdout
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert "KV tier rocksdb, cold restarts" in result["setup"]
+    ours = result["pagedserve"]
+    assert ours["requests"] == 16 and ours["generated_tokens"] == 16 * 16
+    assert ours["ttft_p99_ms"] >= ours["ttft_p50_ms"] > 0
+    # the whole system prompt (248 blocks of 16) from the tier; counted as cached tokens too
+    assert ours["tier_hit_blocks"] >= LONG_PREFIX_TOKENS // 16
+    assert ours["tier_load_ms_per_block"] > 0
+    assert ours["cached_prompt_tokens"] >= LONG_PREFIX_TOKENS
+    assert not list(scratch.glob("pagedserve-bench-tier-*"))

@@ -1,13 +1,14 @@
+import argparse
 import time
 
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from cli.bench import driver, profile, report
-from cli.bench.workloads import WORKLOADS, build
+from cli.bench import command, driver, profile, report
+from cli.bench.workloads import LONG_PREFIX_TOKENS, WORKLOADS, build
 from cli.scrape import parse
 from gateway.step_timer import StepTimer
-from protos import compute_pb2
+from protos import cache_pb2, compute_pb2
 
 
 def test_workloads_have_the_documented_shapes():
@@ -30,7 +31,61 @@ def test_workloads_have_the_documented_shapes():
         "32",
     )
     assert throughput.stack_flags(16) == ()
-    assert set(WORKLOADS) == {"throughput", "mixed", "latency", "shared-prefix", "memory"}
+    assert set(WORKLOADS) == {
+        "throughput", "mixed", "latency", "shared-prefix", "memory", "long-shared-prefix"
+    }  # fmt: skip
+
+
+def test_long_shared_prefix_is_one_long_system_prompt_then_short_unique_suffixes_over_time():
+    workload = build("long-shared-prefix", 49152, seed=7)
+    requests = workload.requests
+    assert len(requests) == 16 and LONG_PREFIX_TOKENS == 3968
+    prefix = requests[0].prompt_ids[:LONG_PREFIX_TOKENS]
+    assert all(r.prompt_ids[:LONG_PREFIX_TOKENS] == prefix for r in requests)
+    suffixes = [tuple(r.prompt_ids[LONG_PREFIX_TOKENS:]) for r in requests]
+    assert all(16 <= len(s) <= 32 for s in suffixes) and len(set(suffixes)) == 16, "distinct user turns"
+    assert all(100 <= t < 49152 for r in requests for t in r.prompt_ids), "no special tokens"
+    assert {r.max_tokens for r in requests} == {16}
+    # within SmolLM2's 8,192 positions and one 4,096-token prompt chunk; whole blocks at sizes 16-128
+    assert max(len(r.prompt_ids) + r.max_tokens for r in requests) <= 4096
+    assert all(LONG_PREFIX_TOKENS % size == 0 for size in (16, 32, 64, 128))
+    arrivals = [r.arrival_s for r in requests]
+    assert arrivals[0] == 0.0 and arrivals == sorted(arrivals) and len(set(arrivals)) == 16
+    assert 1.0 < arrivals[-1] < 15.0, "Poisson at 4/s: 15 gaps of 0.25 s on average"
+    assert workload == build("long-shared-prefix", 49152, seed=7), "deterministic"
+    assert build("long-shared-prefix", 49152, seed=8).requests[0].prompt_ids[:8] != prefix[:8]
+    assert workload.stack_flags(16) == () and not workload.prefix_cache_off_peer, "the default pool"
+    # the most it holds at once fits the default 256MiB pool at float32 SmolLM2-135M (46,080 bytes/token)
+    blocks = LONG_PREFIX_TOKENS // 16 + sum(-(-(len(s) + 16) // 16) for s in suffixes)
+    assert blocks * 16 * 46_080 <= 256 * 2**20
+
+
+def _bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    return parser.parse_args(["bench", "--workload", "long-shared-prefix", *argv])
+
+
+def test_the_bench_forwards_only_the_tier_flags_given_to_the_stacks_it_starts():
+    assert command.TIER.command_line(_bench_args()) == []
+    args = _bench_args("--kv-tier", "rocksdb", "--kv-tier-path", "/tmp/t", "--kv-tier-hot", "0")
+    assert command.TIER.command_line(args) == ["--kv-tier", "rocksdb", "--kv-tier-path", "/tmp/t",
+                                               "--kv-tier-hot", "0.0"]  # fmt: skip
+    assert command._tier_label(args) == "KV tier rocksdb"
+    assert command._tier_label(_bench_args("--kv-tier", "none")) == "no KV tier"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--target", "127.0.0.1:1", "--cold-restart"], "--cold-restart applies to a stack the bench starts"),
+        (["--target", "127.0.0.1:1", "--kv-tier", "rocksdb"], "--kv-tier/--config applies to a stack"),
+        (["--cold-restart", "--profile"], "--profile reads one stack's metrics"),
+    ],
+)
+def test_the_bench_refuses_flags_that_do_not_go_together(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        command.run(_bench_args(*argv))
 
 
 def test_summary_times_what_the_client_saw():
@@ -48,6 +103,22 @@ def test_summary_times_what_the_client_saw():
     assert summary["ttft_p50_ms"] in (500.0, 1000.0)
     assert summary["itl_p99_ms"] == 2000.0
     assert summary["peak_used_blocks"] == 5 and summary["peak_sequences"] == 2
+
+
+def test_tier_loads_are_the_difference_of_two_stats_and_none_without_a_tier():
+    def stats(hits: int, seconds: float) -> cache_pb2.CacheStats:
+        return cache_pb2.CacheStats(kv_tier=cache_pb2.TierStats(hit_blocks=hits, load_seconds=seconds))
+
+    assert driver.tier_loads(stats(10, 0.5), stats(110, 0.7)) == {
+        "tier_hit_blocks": 100,
+        "tier_load_ms_per_block": pytest.approx(2.0),
+    }
+    assert driver.tier_loads(stats(10, 0.5), stats(10, 0.5)) == {
+        "tier_hit_blocks": 0,
+        "tier_load_ms_per_block": None,
+    }
+    none = cache_pb2.CacheStats()
+    assert driver.tier_loads(none, none) == {"tier_hit_blocks": None, "tier_load_ms_per_block": None}
 
 
 def test_kv_utilisation_is_weighted_by_time_and_read_at_peak_occupancy():

@@ -143,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     from_file = args.config.settings if args.config else {}
     temporary = _tiered(args) and not args.kv_tier_path and "kv_tier_path" not in from_file
+    if temporary and args.kv_tier == "redis":
+        raise SystemExit("pagedserve bench: --kv-tier redis needs --kv-tier-path redis://HOST:PORT/DB")
     if temporary:
         args.kv_tier_path = tempfile.mkdtemp(prefix="pagedserve-bench-tier-")
     try:

@@ -25,16 +25,6 @@ PROMPTS = [system + question for system in SYSTEMS for question in QUESTIONS]
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
 def stacks(tmp_path_factory, tokenizer, redis_server):
     """Two stacks; the first's cache starts without a tier (for the reference outputs)."""
     model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", max_position_embeddings=4096)

@@ -10,30 +10,19 @@ from cache_service.tiers import record, registry
 from cache_service.tiers.base import TierError
 from cache_service.tiers.redis import RETRY_AFTER_S, RedisTier, redact
 from cli.launch import free_port
-from tests.redis_server import RedisServer
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
 
 
 def rec(n: int, size: int = 100) -> bytes:
     return record.encode(bytes([n % 256]) * size)
 
 
-def test_stores_loads_and_deletes_records_under_its_prefix_with_a_ttl(server):
-    tier = RedisTier(server.url + "?ttl=300&prefix=stack-a:", 10_000)
+def test_stores_loads_and_deletes_records_under_its_prefix_with_a_ttl(redis_server):
+    tier = RedisTier(redis_server.url + "?ttl=300&prefix=stack-a:", 10_000)
     try:
         assert tier.load(b"k1") is None and not tier.contains(b"k1")
         tier.store(b"k1", rec(1))
         assert tier.contains(b"k1") and tier.load(b"k1") == rec(1)
-        with server.client() as client:
+        with redis_server.client() as client:
             assert client.get(b"stack-a:k1") == rec(1), "keys carry the prefix"
             assert 0 < client.ttl(b"stack-a:k1") <= 300
             client.expire(b"stack-a:k1", 5)
@@ -45,20 +34,20 @@ def test_stores_loads_and_deletes_records_under_its_prefix_with_a_ttl(server):
         tier.close()
 
 
-def test_two_tiers_share_records_unless_their_prefixes_differ(server):
-    a, b, other = (RedisTier(server.url + query, 10_000) for query in ("", "", "?prefix=elsewhere:"))
+def test_two_tiers_share_records_unless_their_prefixes_differ(redis_server):
+    a, b, other = (RedisTier(redis_server.url + query, 10_000) for query in ("", "", "?prefix=elsewhere:"))
     try:
         a.store(b"shared", rec(2))
         assert not b.contains(b"shared"), "contains knows only this process's records"
-        assert b.load(b"shared") == rec(2) and b.contains(b"shared"), "load asks the server"
+        assert b.load(b"shared") == rec(2) and b.contains(b"shared"), "load asks the redis_server"
         assert other.load(b"shared") is None
     finally:
         for tier in (a, b, other):
             tier.close()
 
 
-def test_a_record_over_the_entry_cap_is_refused(server):
-    tier = RedisTier(server.url + "?max_entry=1KiB", 10_000)
+def test_a_record_over_the_entry_cap_is_refused(redis_server):
+    tier = RedisTier(redis_server.url + "?max_entry=1KiB", 10_000)
     try:
         with pytest.raises(TierError, match="entry cap"):
             tier.store(b"big", rec(3, 2000))
@@ -69,9 +58,9 @@ def test_a_record_over_the_entry_cap_is_refused(server):
         tier.close()
 
 
-def test_the_local_index_stays_within_the_budget_while_redis_keeps_the_records(server):
+def test_the_local_index_stays_within_the_budget_while_redis_keeps_the_records(redis_server):
     size = len(rec(0))
-    tier = RedisTier(server.url + "?prefix=budget:", 3 * size)
+    tier = RedisTier(redis_server.url + "?prefix=budget:", 3 * size)
     try:
         for n in range(5):
             tier.store(bytes([n]), rec(n))
@@ -84,21 +73,21 @@ def test_the_local_index_stays_within_the_budget_while_redis_keeps_the_records(s
         tier.close()
 
 
-def test_invalid_urls_and_settings_are_refused(server):
+def test_invalid_urls_and_settings_are_refused(redis_server):
     for location, message in [
         ("/var/lib/kv", "redis://"),
-        (server.url + "?timeout=0", "timeout"),
-        (server.url + "?max_entry=lots", "max_entry"),
+        (redis_server.url + "?timeout=0", "timeout"),
+        (redis_server.url + "?max_entry=lots", "max_entry"),
     ]:
         with pytest.raises(TierError, match=message):
             RedisTier(location, 10_000)
 
 
-def test_a_stopped_server_raises_tier_error_within_the_timeout_and_the_tier_resumes(server):
-    tier = RedisTier(server.url + "?timeout=0.2", 10_000)
+def test_a_stopped_server_raises_tier_error_within_the_timeout_and_the_tier_resumes(redis_server):
+    tier = RedisTier(redis_server.url + "?timeout=0.2", 10_000)
     try:
         tier.store(b"k", rec(4))
-        server.stop()
+        redis_server.stop()
         for operation in (
             lambda: tier.load(b"k"),
             lambda: tier.store(b"k2", rec(5)),
@@ -108,18 +97,18 @@ def test_a_stopped_server_raises_tier_error_within_the_timeout_and_the_tier_resu
             with pytest.raises(TierError):
                 operation()
             assert time.monotonic() - started < 0.5
-        server.start()
+        redis_server.start()
         with pytest.raises(TierError, match="unreachable"):
             tier.load(b"k")  # refused at once until RETRY_AFTER_S has passed
         time.sleep(RETRY_AFTER_S)
-        assert tier.load(b"k") is None, "the server came back empty (nothing saved)"
+        assert tier.load(b"k") is None, "the redis_server came back empty (nothing saved)"
         tier.store(b"k", rec(6))
         assert tier.load(b"k") == rec(6)
     finally:
         tier.close()
 
 
-def test_an_unreachable_server_at_start_up_is_a_tier_error(server):
+def test_an_unreachable_server_at_start_up_is_a_tier_error(redis_server):
     with pytest.raises(TierError, match="ping failed"):
         RedisTier(f"redis://127.0.0.1:{free_port()}/0?timeout=0.2", 10_000)
 
@@ -129,18 +118,18 @@ def test_the_registry_resolves_redis():
     assert registry.resolve("redis") is RedisTier
 
 
-def test_a_hung_server_times_out_within_the_timeout(server):
-    tier = RedisTier(server.url + "?timeout=0.2", 10_000)
+def test_a_hung_server_times_out_within_the_timeout(redis_server):
+    tier = RedisTier(redis_server.url + "?timeout=0.2", 10_000)
     try:
         tier.store(b"k", rec(7))
-        server.proc.send_signal(signal.SIGSTOP)  # connected, never answering
+        redis_server.proc.send_signal(signal.SIGSTOP)  # connected, never answering
         try:
             started = time.monotonic()
             with pytest.raises(TierError, match="load|getex|Timeout"):
                 tier.load(b"k")
             assert 0.15 < time.monotonic() - started < 0.6
         finally:
-            server.proc.send_signal(signal.SIGCONT)
+            redis_server.proc.send_signal(signal.SIGCONT)
         time.sleep(RETRY_AFTER_S)
         assert tier.load(b"k") == rec(7), "resumed on a new connection"
     finally:

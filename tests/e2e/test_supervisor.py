@@ -18,18 +18,22 @@ from tests.processes import gone, segments, segments_of, services_of
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
-STREAMS, NEW_TOKENS = 8, 480
+# NOTE: the streams must outlive the probe sent after SIGTERM (which may wait seconds on a loaded machine), or
+# the drained gateway has exited and the probe is refused by the OS instead of by the draining gateway.
+STREAMS, NEW_TOKENS = 8, 1500
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, tokenizer):
-    model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
+    model = save_tiny_llama(
+        tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3, max_position_embeddings=2048
+    )
     tokenizer.save_pretrained(model)
     return model
 
 
 def start(tiny_model, logs, *flags: str) -> Stack:
-    return Stack.start("--model", str(tiny_model), "--dtype", "float32", "--kv-blocks", "64", *flags,
+    return Stack.start("--model", str(tiny_model), "--dtype", "float32", "--kv-blocks", "1024", *flags,
                        log_dir=logs, cwd=ROOT, timeout=300)  # fmt: skip
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cache_service import block_map, host_memory, metrics
+from cache_service import block_map, device_room, metrics
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
 from cache_service.callers import CALLERS
@@ -19,7 +19,8 @@ from cache_service.tiers import manager as tiers
 from cache_service.tiers.base import TierError
 from cache_service.tiers.options import resolve as resolve_tier
 from common import shared_pool, transport
-from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from common.devices import CPU, Device
+from common.errors import FailedPrecondition, InvalidArgument
 from common.logging import configure
 from common.metrics import serve_metrics
 from common.server import serve
@@ -44,8 +45,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         sessions: Sessions | None = None,
         debug_read_kv: bool = False,
         tier: tiers.TierManager | None = None,
+        device: Device = CPU,
     ) -> None:
         self._allocator = allocator
+        self._device = device
         self._debug_read_kv = debug_read_kv
         self._prefix_caching = prefix_caching
         self._default_blocks = default_blocks
@@ -66,7 +69,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 self._pool.require_layout(spec, request.model, request.kv_scales_id)
                 return self._pool.handle
             self._pool = KVPool.create(
-                spec, request.model, self._allocator, self._prefix_caching, request.kv_scales_id
+                spec,
+                request.model,
+                self._allocator,
+                self._prefix_caching,
+                request.kv_scales_id,
+                self._device,
             )
             self._log.info(
                 "pool_created",
@@ -74,6 +82,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 dtype=self._pool.handle.dtype,
                 mib=round(spec.nbytes / 2**20, 1),
                 epoch=self._pool.handle.epoch,
+                device=self._pool.handle.device,
                 path=self._pool.handle.shm.path,
             )
             self._tier.attach(self._pool)
@@ -261,10 +270,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(err))
     if args.kv_blocks is None and args.kv_memory is None:
         args.kv_memory = DEFAULT_KV_MEMORY
-    try:
-        host_memory.require_room_here(args.kv_memory or 0, 0)
-    except ResourceExhausted as err:
-        parser.error(f"--kv-memory: {err}")
+    refusal = device_room.refusal(args.kv_device, args.kv_memory or 0)
+    if refusal:
+        parser.error(refusal)
     return args
 
 
@@ -287,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sessions,
         args.debug_read_kv,
         tier,
+        args.kv_device,
     )
     sweeper = threading.Thread(target=_sweep_every, args=(servicer, SWEEP_INTERVAL_S), daemon=True)
     sweeper.start()

@@ -1,17 +1,41 @@
-"""Attention backends by name; one module per device, each with the pool dtypes it reads and writes."""
+"""Attention backends by name; one module per device, each with the pool dtypes it reads and writes and
+the devices it runs on. `auto` picks the device's own backend."""
 
 from collections.abc import Callable
 
-from compute_service.attention import cpu
+from compute_service.attention import cpu, cuda, npu
 
-BACKENDS: dict[str, Callable] = {"cpu": cpu.paged_attention}
-KV_DTYPES: dict[str, tuple[str, ...]] = {"cpu": cpu.KV_DTYPES}
+BACKENDS: dict[str, Callable] = {
+    "cpu": cpu.paged_attention,
+    "cuda": cuda.paged_attention,
+    "npu": npu.paged_attention,
+}
+KV_DTYPES: dict[str, tuple[str, ...]] = {"cpu": cpu.KV_DTYPES, "cuda": cuda.KV_DTYPES, "npu": npu.KV_DTYPES}
+# The devices each backend runs on (cuda's torch path also runs on the cpu: its arguments checked there).
+DEVICES: dict[str, tuple[str, ...]] = {"cpu": ("cpu",), "cuda": cuda.DEVICES, "npu": npu.DEVICES}
+# --attention-backend auto: the backend of the device compute runs on.
+DEVICE_DEFAULTS: dict[str, str] = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}
 
 
 def get_backend(name: str) -> Callable:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     return BACKENDS[name]
+
+
+def backend_for(name: str, device_type: str) -> str:
+    """The backend to run on `device_type` (`auto`: the device's own); ValueError if it cannot run there
+    or needs a module that is not installed (torch_npu)."""
+    backend = DEVICE_DEFAULTS[device_type] if name == "auto" else name
+    get_backend(backend)
+    if device_type not in DEVICES[backend]:
+        raise ValueError(
+            f"attention backend {backend!r} runs on {' or '.join(DEVICES[backend])}, not on {device_type}: "
+            "choose --attention-backend auto or a --kv-device it runs on"
+        )
+    if backend == "npu":
+        npu.require_torch_npu()
+    return backend
 
 
 def require_kv_dtype(backend: str, kv_dtype: str) -> None:

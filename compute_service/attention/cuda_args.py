@@ -24,9 +24,6 @@ class VarlenArgs:
     max_seqlen_k: int
     block_table: torch.Tensor  # int32 [N, W], padding 0 (never read: past each sequence's keys)
     slot_mapping: torch.Tensor  # int64 [T] pool slot each new token's K/V are written to
-    # The same offsets as Python ints, for the torch implementation (no device sync per layer).
-    q_offsets: tuple[int, ...]
-    k_lens: tuple[int, ...]
 
 
 def build_varlen_args(
@@ -47,8 +44,6 @@ def build_varlen_args(
         max_seqlen_k=int(context_lens.max()),
         block_table=block_tables.clamp(min=0).to(device, torch.int32),
         slot_mapping=slot_mapping.to(device, torch.int64),
-        q_offsets=tuple(cu_seqlens_q.tolist()),
-        k_lens=tuple(context_lens.tolist()),
     )
 
 
@@ -72,8 +67,10 @@ def paged_varlen_attention(
     keys up to k_len - q_len + j); H / Hkv query heads share a KV head. Returns [T, H, D]."""
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
-    for i, k_len in enumerate(args.k_lens):
-        start, end = args.q_offsets[i], args.q_offsets[i + 1]
+    q_offsets, k_offsets = args.cu_seqlens_q.tolist(), args.cu_seqlens_k.tolist()
+    for i in range(len(q_offsets) - 1):
+        start, end = q_offsets[i], q_offsets[i + 1]
+        k_len = k_offsets[i + 1] - k_offsets[i]
         pages = args.block_table[i, : -(-k_len // block_size)].long()
         k = k_cache[pages].flatten(0, 1)[:k_len].to(q.dtype).transpose(0, 1)[None]
         v = v_cache[pages].flatten(0, 1)[:k_len].to(q.dtype).transpose(0, 1)[None]

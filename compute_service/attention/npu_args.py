@@ -105,7 +105,9 @@ def fused_infer_attention_reference(
     table, mask = kwargs["block_table"], kwargs["atten_mask"]
     assert table.dtype == torch.int32 and mask.dtype == torch.bool, (table.dtype, mask.dtype)
     n, kv_n, block_size = kwargs["num_heads"], kwargs["num_key_value_heads"], kwargs["block_size"]
-    head_dim = query.shape[-1]
+    ends, head_dim = kwargs["actual_seq_lengths"], query.shape[-1]
+    if sorted(ends) != list(ends) or ends[-1] != len(query):
+        raise ValueError(f"TND actual_seq_lengths are cumulative query ends up to {len(query)}, got {ends}")
     assert key.shape[1] == block_size and key.shape[2] == kv_n * head_dim, key.shape
     out, start = torch.empty_like(query), 0
     for b, (end, kv_len) in enumerate(

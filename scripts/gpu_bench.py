@@ -7,6 +7,7 @@ object (also written to the path given as the only argument).
 """
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -32,7 +33,14 @@ SMOLLM2_135M = dict(
     max_position_embeddings=8192,
     tie_word_embeddings=True,
 )
-CONTEXT, PREFILL, REPEATS = 256, 2048, 10
+CONTEXT, PREFILL = 256, 2048
+# BENCH_DEVICE=cpu BENCH_REPEATS=1 checks the script itself where no GPU is.
+DEVICE, REPEATS = os.environ.get("BENCH_DEVICE", "cuda"), int(os.environ.get("BENCH_REPEATS", "10"))
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def timed(runner: Runner, batch: ForwardBatch) -> float:
@@ -40,10 +48,10 @@ def timed(runner: Runner, batch: ForwardBatch) -> float:
     runner.forward(batch)
     times = []
     for _ in range(REPEATS):
-        torch.cuda.synchronize()
+        synchronize()
         start = time.perf_counter()
         runner.forward(batch)
-        torch.cuda.synchronize()
+        synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -52,19 +60,19 @@ def main(block_size: int) -> dict:
     config = LlamaConfig(**SMOLLM2_135M)
     torch.manual_seed(0)
     model = LlamaForCausalLM._from_config(
-        config, attn_implementation=register_attention("cuda"), torch_dtype=torch.bfloat16
+        config, attn_implementation=register_attention("cuda"), dtype=torch.bfloat16
     )
-    model = model.eval().to("cuda")
+    model = model.eval().to(DEVICE)
     per_seq = -(-(max(CONTEXT + 1, PREFILL)) // block_size)
-    seqs = 64
+    seqs = 64 if DEVICE == "cuda" else 16
     num_blocks = per_seq * seqs
     shape = (config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
     runner = Runner(model)
-    runner.attach(torch.zeros(shape, dtype=torch.bfloat16, device="cuda"))
+    runner.attach(torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE))
     limits = Limits(config.vocab_size, config.max_position_embeddings, num_blocks, block_size)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(seqs)]
     results = {"block_size": block_size, "flash_attn": cuda.flash_varlen() is not None}
-    for n in (1, 16, 64):
+    for n in (1, 16, 64)[: 3 if DEVICE == "cuda" else 2]:
         request = forward_request([[7]] * n, [CONTEXT] * n, tables[:n], block_size=block_size)
         results[f"decode_ms_{n}"] = round(timed(runner, ForwardBatch.from_request(request, limits)), 3)
     request = forward_request([[7] * PREFILL], [0], tables[:1], block_size=block_size)
@@ -76,7 +84,7 @@ def main(block_size: int) -> dict:
 
 if __name__ == "__main__":
     report = {
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE,
         "torch": torch.__version__,
         "runs": [main(block_size) for block_size in (16, 256)],
     }

@@ -49,6 +49,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     ) -> None:
         self._allocator = allocator
         self._device = device
+        self._attention_backend = ""
         self._debug_read_kv = debug_read_kv
         self._prefix_caching = prefix_caching
         self._default_blocks = default_blocks
@@ -67,6 +68,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             spec = spec_from_request(request, self._default_blocks, self._default_memory)
             if self._pool is not None:
                 self._pool.require_layout(spec, request.model, request.kv_scales_id)
+                self._attention_backend = request.attention_backend
                 return self._pool.handle
             self._pool = KVPool.create(
                 spec,
@@ -86,6 +88,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 path=self._pool.handle.shm.path,
             )
             self._tier.attach(self._pool)
+            self._attention_backend = request.attention_backend
             return self._pool.handle
 
     def Reserve(self, request: cache_pb2.ReserveRequest, context) -> cache_pb2.BlockTables:
@@ -181,6 +184,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 prefix_caching=self._prefix_caching,
                 kv_dtype=self._pool.handle.dtype,
                 device=self._pool.handle.device,
+                attention_backend=self._attention_backend,
                 prefix_query_tokens=stats.prefix_query_tokens,
                 prefix_hit_tokens=stats.prefix_hit_tokens,
                 copy_on_writes=stats.copy_on_writes,

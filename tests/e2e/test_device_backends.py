@@ -63,6 +63,8 @@ def test_info_and_metrics_name_device_kv_dtype_and_backend(stacks):
     with stack.client() as client:
         info = client.info()
     assert (info.device, info.kv_dtype, info.attention_backend) == ("cpu", "float32", "cuda")
+    stats = stack.stats()
+    assert (stats.device, stats.kv_dtype, stats.attention_backend) == ("cpu", "float32", "cuda")
     compute = urllib.request.urlopen(stack.metrics_url("compute"), timeout=10).read().decode()
     line = next(line for line in compute.splitlines() if line.startswith("pagedserve_compute_info{"))
     assert 'device="cpu"' in line and 'attention_backend="cuda"' in line and 'kv_dtype="float32"' in line

@@ -27,10 +27,13 @@ def create(spec: PoolSpec, device: Device) -> tuple[torch.Tensor, common_pb2.Poo
     return device_pool.create(spec, device, ipc)
 
 
-def refusal(device: Device, kv_memory: int) -> str | None:
-    """Why the cache service cannot start with this --kv-device and --kv-memory (None if it can): the host
-    must back a cpu pool's bytes; an accelerator must exist and share memory (its room is checked when
-    the pool is created, once its size is known)."""
+def refusal(device: Device, kv_memory: int, kv_tier: str = "none") -> str | None:
+    """Why the cache service cannot start with this --kv-device, --kv-memory and --kv-tier (None if it
+    can): the host must back a cpu pool's bytes; an accelerator must exist and share memory (its room is
+    checked when the pool is created, once its size is known) and have no KV tier."""
+    if device.type != "cpu" and kv_tier != "none":
+        # NOTE: a tier copies blocks through a numpy view of the pool, which host memory only has.
+        return f"--kv-tier {kv_tier} reads the pool through host memory: it needs --kv-device cpu"
     try:
         if device.type == "cpu":
             host_memory.require_room_here(kv_memory, 0)

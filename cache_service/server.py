@@ -212,7 +212,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 shape=list(data.shape),
             )
             if request.include_data:
-                reply.data = data.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                reply.data = data.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
             return reply
 
     def GetBlockMap(self, request: cache_pb2.GetBlockMapRequest, context) -> cache_pb2.BlockMap:
@@ -274,7 +274,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(err))
     if args.kv_blocks is None and args.kv_memory is None:
         args.kv_memory = DEFAULT_KV_MEMORY
-    refusal = device_room.refusal(args.kv_device, args.kv_memory or 0)
+    refusal = device_room.refusal(args.kv_device, args.kv_memory or 0, args.kv_tier)
     if refusal:
         parser.error(refusal)
     return args

@@ -149,6 +149,8 @@ def test_the_cache_refuses_a_device_it_cannot_use(fake):
     assert device_room.refusal(CUDA1, 0) is None
     assert "cuda:2: no such fake device" in device_room.refusal(Device("cuda", 2), 0)
     assert "--kv-memory" in device_room.refusal(CPU, 2**62)
+    assert "--kv-tier rocksdb reads the pool through host memory" in device_room.refusal(CUDA0, 0, "rocksdb")
+    assert device_room.refusal(CPU, 0, "rocksdb") is None
 
 
 def test_without_a_gpu_cuda_is_refused_with_the_reason():

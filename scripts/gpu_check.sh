@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA checks in one go, for a session lent a GPU machine (run from the repository root there):
 #   bash scripts/gpu_check.sh            (results under $OUT, else /tmp/gpu-check)
-# 1. a Python with a CUDA torch: $PYTHON if it sees the GPU, else a venv in /tmp with the project and its
-#    dependencies from PyPI (Linux x86_64 torch wheels on PyPI are CUDA builds); FLASH_ATTN=1 also tries
-#    flash-attn from PyPI (a prebuilt wheel only, never a source build);
+# 1. a venv in /tmp over $PYTHON's packages (--system-site-packages) with the project installed: a CUDA
+#    torch the machine has is kept; missing dependencies come from PyPI only (Linux x86_64 torch wheels
+#    there are CUDA builds). Where PyPI cannot be reached, give PYTHON an interpreter that has a CUDA torch
+#    and the project's dependencies. FLASH_ATTN=1 also tries a prebuilt flash-attn wheel (never a build);
 # 2. the CUDA-marked tests (tests/unit/test_cuda.py) and the CPU-side device tests, skip reasons printed;
 # 3. scripts/gpu_bench.py: decode and prefill step times through the cuda backend.
 # Every step's output lands in $OUT (env.txt, pip.txt, pytest.txt, junit.xml, bench.json, summary.txt);
@@ -16,15 +17,13 @@ PY=${PYTHON:-python3}
 has_cuda() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
 
 { nvidia-smi || true; "$PY" --version; } >"$OUT/env.txt" 2>&1
-if ! has_cuda "$PY"; then
-    VENV=/tmp/pagedserve-gpu-venv
-    {
-        [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-        "$VENV/bin/pip" install -q --upgrade pip
-        timeout 900 "$VENV/bin/pip" install -q -e '.[dev]'
-    } >"$OUT/pip.txt" 2>&1
-    PY="$VENV/bin/python"
-fi
+has_cuda "$PY" && echo "$PY has a CUDA torch" >>"$OUT/env.txt"
+VENV=/tmp/pagedserve-gpu-venv
+{
+    [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages "$VENV"
+    timeout 900 "$VENV/bin/pip" install -q -e '.[dev]'
+} >"$OUT/pip.txt" 2>&1
+PY="$VENV/bin/python"
 if [ "${FLASH_ATTN:-0}" = 1 ]; then
     timeout 300 "$PY" -m pip install -q --only-binary=:all: flash-attn >>"$OUT/pip.txt" 2>&1 || true
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks in one go, for a session lent a GPU machine (run from the repository root there):
 #   bash scripts/gpu_check.sh            (results under $OUT, else /tmp/gpu-check)
-# 1. a venv in /tmp over $PYTHON's packages (--system-site-packages) with the project installed: a CUDA
+# 1. $PYTHON (default python3) if it has the project's dependencies, else a venv in /tmp over its packages (--system-site-packages) with the project installed: a CUDA
 #    torch the machine has is kept; missing dependencies come from PyPI only (Linux x86_64 torch wheels
 #    there are CUDA builds). Where PyPI cannot be reached, give PYTHON an interpreter that has a CUDA torch
 #    and the project's dependencies. FLASH_ATTN=1 also tries a prebuilt flash-attn wheel (never a build);
@@ -18,12 +18,16 @@ has_cuda() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available()
 
 { nvidia-smi || true; "$PY" --version; } >"$OUT/env.txt" 2>&1
 has_cuda "$PY" && echo "$PY has a CUDA torch" >>"$OUT/env.txt"
-VENV=/tmp/pagedserve-gpu-venv
-{
-    [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages "$VENV"
-    timeout 900 "$VENV/bin/pip" install -q -e '.[dev]'
-} >"$OUT/pip.txt" 2>&1
-PY="$VENV/bin/python"
+if "$PY" -c "import torch, transformers, grpc, structlog, prometheus_client, fastapi, pytest" 2>/dev/null; then
+    echo "$PY has the project's dependencies: used as is" >>"$OUT/env.txt"
+else
+    VENV=/tmp/pagedserve-gpu-venv
+    {
+        [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages "$VENV"
+        timeout 900 "$VENV/bin/pip" install -q -e '.[dev]'
+    } >"$OUT/pip.txt" 2>&1
+    PY="$VENV/bin/python"
+fi
 if [ "${FLASH_ATTN:-0}" = 1 ]; then
     timeout 300 "$PY" -m pip install -q --only-binary=:all: flash-attn >>"$OUT/pip.txt" 2>&1 || true
 fi

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     log = configure("compute", args.log_format, args.log_level)
     if args.threads:
         torch.set_num_threads(args.threads)
-    weights = resolve_dtype(args.dtype)
+    weights = resolve_dtype(args.dtype, device_type=args.kv_device.type)
     kv_dtype = dtype_from_name(resolve_kv_dtype(args.kv_dtype, weights))
     try:
         backend = backend_for(args.attention_backend, args.kv_device.type)

@@ -65,7 +65,15 @@ def open_pool(handle: common_pb2.PoolHandle, device: Device, ipc: DeviceIpc) -> 
             f"the exported allocation holds {payload.storage_size_bytes} bytes, less than the pool's "
             f"{spec.nbytes} and a {HEADER_BYTES}-byte header"
         )
-    storage = ipc.open(device.index, _fields(device, payload))
+    # NOTE: unlike a segment's file, an IPC allocation's size cannot be asked before mapping it; the handle
+    # comes only from the gateway (AttachPool's one authorized caller), and its header is checked next.
+    try:
+        storage = ipc.open(device.index, _fields(device, payload))
+    except RuntimeError as exc:
+        raise FailedPrecondition(
+            f"the {handle.device} pool's IPC handle cannot be opened on {device} ({exc}): its cache exited, "
+            "or the handle is not the one CreatePool returned"
+        ) from exc
     data = _bytes_of(storage)
     _check_header(SegmentHeader.unpack(data[spec.nbytes :].cpu().numpy().tobytes()), handle, payload)
     pool = _view(data, spec)

@@ -89,6 +89,11 @@ def tampered(handle: common_pb2.PoolHandle, **changes) -> common_pb2.PoolHandle:
         ({"strides": [1, 1, 1, 1, 1, 1]}, InvalidArgument, "strides .* are not contiguous"),
         ({"dtype": "int4"}, InvalidArgument, "unsupported dtype 'int4'"),
         ({"uuid": "GPU-elsewhere"}, FailedPrecondition, "UUID GPU-elsewhere"),
+        (
+            {"ipc_handle": b"forged"},
+            FailedPrecondition,
+            "IPC handle cannot be opened on cuda:0 .*its cache exited",
+        ),
     ],
 )
 def test_a_device_handle_that_does_not_match_its_pool_is_refused(fake, changes, error, message):

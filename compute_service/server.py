@@ -17,7 +17,7 @@ from common.precision import resolve_dtype, resolve_kv_dtype
 from common.server import serve
 from common.shared_pool import dtype_from_name
 from compute_service import attach_pool
-from compute_service.attention.registry import backend_for
+from compute_service.attention.registry import backend_for, require_block_size
 from compute_service.batch import ForwardBatch
 from compute_service.callers import CALLERS
 from compute_service.model_loader import ModelSpec, load
@@ -77,6 +77,10 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         pool = attach_pool.open_on(handle, self.device)
         self._check_geometry(handle)
         num_blocks, block_size = pool.shape[2], pool.shape[3]
+        try:
+            require_block_size(self.spec.attention_backend, block_size)
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from err
         with self._lock:
             self.runner.attach(pool)
             self._epoch = handle.epoch

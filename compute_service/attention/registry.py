@@ -3,7 +3,7 @@ the devices it runs on. `auto` picks the device's own backend."""
 
 from collections.abc import Callable
 
-from compute_service.attention import cpu, cuda, npu
+from compute_service.attention import cpu, cuda, npu, npu_args
 
 BACKENDS: dict[str, Callable] = {
     "cpu": cpu.paged_attention,
@@ -13,6 +13,8 @@ BACKENDS: dict[str, Callable] = {
 KV_DTYPES: dict[str, tuple[str, ...]] = {"cpu": cpu.KV_DTYPES, "cuda": cuda.KV_DTYPES, "npu": npu.KV_DTYPES}
 # The devices each backend runs on (cuda's torch path also runs on the cpu: its arguments checked there).
 DEVICES: dict[str, tuple[str, ...]] = {"cpu": ("cpu",), "cuda": cuda.DEVICES, "npu": npu.DEVICES}
+# The block sizes each backend pages by are multiples of these (checked when a pool is attached).
+BLOCK_MULTIPLES: dict[str, int] = {"cpu": 1, "cuda": 1, "npu": npu_args.PREFILL_BLOCK_MULTIPLE}
 # --attention-backend auto: the backend of the device compute runs on.
 DEVICE_DEFAULTS: dict[str, str] = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}
 
@@ -46,3 +48,9 @@ def require_kv_dtype(backend: str, kv_dtype: str) -> None:
             f"attention backend {backend!r} cannot store K/V as {kv_dtype}; "
             f"choose --kv-dtype auto or one of {', '.join(supported)}"
         )
+
+
+def require_block_size(backend: str, block_size: int) -> None:
+    """ValueError unless the backend pages K/V by blocks of `block_size` tokens."""
+    if block_size % BLOCK_MULTIPLES[backend]:
+        npu_args.require_block_size(block_size)

@@ -127,7 +127,7 @@ def test_the_cache_creates_a_device_pool_and_compute_attaches_it(fake):
             kv_dtype_name="bfloat16",
             kv_scales=SimpleNamespace(identity=""),
         )
-        spec.vocab_size, spec.max_model_len = 10, 64
+        spec.vocab_size, spec.max_model_len, spec.attention_backend = 10, 64, "cuda"
         runner = SimpleNamespace(attach=lambda pool: setattr(runner, "pool", pool))
         servicer = ComputeServicer(runner, spec, SimpleNamespace(info=lambda *a, **k: None), CUDA0)
         reply = servicer.AttachPool(kv.handle, None)
@@ -137,6 +137,11 @@ def test_the_cache_creates_a_device_pool_and_compute_attaches_it(fake):
         assert servicer.drop_removed_pool() is False, "a device pool has no segment file to lose"
         with pytest.raises(FailedPrecondition, match="UUID GPU-fake-0, this compute service runs on cuda:1"):
             ComputeServicer(runner, spec, None, CUDA1).AttachPool(kv.handle, None)
+        spec.attention_backend = "npu"
+        with pytest.raises(
+            InvalidArgument, match="multiple of 128 tokens, the pool's are 4: .*--block-size 128"
+        ):
+            servicer.AttachPool(kv.handle, None)
     finally:
         kv.release()
 

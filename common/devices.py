@@ -67,7 +67,7 @@ class DeviceIpc(Protocol):
     def free_bytes(self, index: int) -> int: ...
 
     def allocate(self, index: int, nbytes: int) -> torch.UntypedStorage:
-        """A zeroed allocation of its own (not carved from a larger cached block)."""
+        """A zeroed allocation on device `index` (IPC exports the segment it lies in, with its offset)."""
 
     def export(self, storage: torch.UntypedStorage) -> tuple: ...
 

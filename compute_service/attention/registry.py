@@ -11,9 +11,11 @@ BACKENDS: dict[str, Callable] = {
     "npu": npu.paged_attention,
 }
 KV_DTYPES: dict[str, tuple[str, ...]] = {"cpu": cpu.KV_DTYPES, "cuda": cuda.KV_DTYPES, "npu": npu.KV_DTYPES}
-# The devices each backend runs on (cuda's torch path also runs on the cpu: its arguments checked there).
+# The devices each backend runs on (cuda's torch path also runs on the cpu: its arguments checked there);
+# a backend not listed runs on the cpu only.
 DEVICES: dict[str, tuple[str, ...]] = {"cpu": ("cpu",), "cuda": cuda.DEVICES, "npu": npu.DEVICES}
-# The block sizes each backend pages by are multiples of these (checked when a pool is attached).
+# The block sizes each backend pages by are multiples of these (checked when a pool is attached); a
+# backend not listed pages by any.
 BLOCK_MULTIPLES: dict[str, int] = {"cpu": 1, "cuda": 1, "npu": npu_args.PREFILL_BLOCK_MULTIPLE}
 # --attention-backend auto: the backend of the device compute runs on.
 DEVICE_DEFAULTS: dict[str, str] = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}
@@ -30,9 +32,10 @@ def backend_for(name: str, device_type: str) -> str:
     or needs a module that is not installed (torch_npu)."""
     backend = DEVICE_DEFAULTS[device_type] if name == "auto" else name
     get_backend(backend)
-    if device_type not in DEVICES[backend]:
+    devices = DEVICES.get(backend, ("cpu",))
+    if device_type not in devices:
         raise ValueError(
-            f"attention backend {backend!r} runs on {' or '.join(DEVICES[backend])}, not on {device_type}: "
+            f"attention backend {backend!r} runs on {' or '.join(devices)}, not on {device_type}: "
             "choose --attention-backend auto or a --kv-device it runs on"
         )
     if backend == "npu":
@@ -52,5 +55,5 @@ def require_kv_dtype(backend: str, kv_dtype: str) -> None:
 
 def require_block_size(backend: str, block_size: int) -> None:
     """ValueError unless the backend pages K/V by blocks of `block_size` tokens."""
-    if block_size % BLOCK_MULTIPLES[backend]:
+    if block_size % BLOCK_MULTIPLES.get(backend, 1):
         npu_args.require_block_size(block_size)

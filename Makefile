@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup tools up test test-unit test-e2e lint protos
+.PHONY: setup tools up test test-unit test-e2e gpu-check lint protos
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ test-unit: setup
 
 test-e2e: setup
 	$(PY) -m pytest -ra tests/e2e
+
+# On a GPU machine: the cuda-marked tests and a short step bench, results under $OUT (scripts/gpu_check.sh).
+gpu-check:
+	bash scripts/gpu_check.sh
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -5,10 +5,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cache_service import host_memory
+from cache_service import device_room, host_memory
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
 from common import shared_pool
+from common.devices import CPU, Device
 from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from common.shared_pool import PoolSpec
 from protos import cache_pb2, common_pb2
@@ -94,13 +95,20 @@ class KVPool:
 
     @classmethod
     def create(
-        cls, spec: PoolSpec, model: str, allocator: str, prefix_caching: bool, kv_scales_id: str = ""
+        cls,
+        spec: PoolSpec,
+        model: str,
+        allocator: str,
+        prefix_caching: bool,
+        kv_scales_id: str = "",
+        device: Device = CPU,
     ) -> "KVPool":
-        """A new zeroed segment with a new epoch; the caller must `release` it. ResourceExhausted, before
-        anything is allocated (the allocator's state too), unless the host can back it."""
-        host_memory.require_room_here(spec.nbytes, spec.num_blocks)
+        """A new zeroed pool with a new epoch on `device` (a shm segment on the cpu; see
+        cache_service/device_room.py otherwise); the caller must `release` it. ResourceExhausted, before
+        anything is allocated (the allocator's state too), unless the host or device can back it."""
+        host_memory.require_room_here(*_host_share(spec, device))
         allocator_ = registry.create(allocator, spec.num_blocks)
-        tensor, handle = shared_pool.create(spec)
+        tensor, handle = device_room.create(spec, device)
         handle.kv_scales_id = kv_scales_id
 
         def copy_block(src: int, dst: int) -> None:
@@ -138,8 +146,14 @@ class KVPool:
         return self.tensor[layer, :, block_id]
 
     def release(self) -> None:
-        """Unlinks the segment; mappings others hold stay valid until they drop them."""
+        """Unlinks the segment (an accelerator pool is freed with this object); mappings others hold stay
+        valid until they drop them."""
         shared_pool.release(self.handle)
+
+
+def _host_share(spec: PoolSpec, device: Device) -> tuple[int, int]:
+    """(pool bytes, blocks) the host must back: an accelerator pool takes only its bookkeeping there."""
+    return (spec.nbytes, spec.num_blocks) if device == CPU else (0, spec.num_blocks)
 
 
 def kv_identity(model: str, dtype: torch.dtype, kv_scales_id: str) -> str:

@@ -5,7 +5,7 @@ import argparse
 from cache_service.allocators import registry
 from cache_service.tiers.options import add_tier_settings
 from cache_service.units import parse_size, positive_int
-from common.options import ServiceOptions, add_logging, positive_seconds
+from common.options import ServiceOptions, add_kv_device, add_logging, positive_seconds
 from common.transport import add_listen
 
 DEFAULT_KV_MEMORY = 256 * 2**20
@@ -42,5 +42,8 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
 
 
 OPTIONS = ServiceOptions(
-    "cache_service", 50052, settings=(add_settings, add_tier_settings, add_logging), wiring=(add_listen,)
+    "cache_service",
+    50052,
+    settings=(add_kv_device, add_settings, add_tier_settings, add_logging),
+    wiring=(add_listen,),
 )

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cache_service import block_map, host_memory, metrics
+from cache_service import block_map, device_room, metrics
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
 from cache_service.callers import CALLERS
@@ -19,7 +19,8 @@ from cache_service.tiers import manager as tiers
 from cache_service.tiers.base import TierError
 from cache_service.tiers.options import resolve as resolve_tier
 from common import shared_pool, transport
-from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from common.devices import CPU, Device
+from common.errors import FailedPrecondition, InvalidArgument
 from common.logging import configure
 from common.metrics import serve_metrics
 from common.server import serve
@@ -44,8 +45,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         sessions: Sessions | None = None,
         debug_read_kv: bool = False,
         tier: tiers.TierManager | None = None,
+        device: Device = CPU,
     ) -> None:
         self._allocator = allocator
+        self._device = device
+        self._attention_backend = ""
         self._debug_read_kv = debug_read_kv
         self._prefix_caching = prefix_caching
         self._default_blocks = default_blocks
@@ -64,9 +68,15 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             spec = spec_from_request(request, self._default_blocks, self._default_memory)
             if self._pool is not None:
                 self._pool.require_layout(spec, request.model, request.kv_scales_id)
+                self._attention_backend = request.attention_backend
                 return self._pool.handle
             self._pool = KVPool.create(
-                spec, request.model, self._allocator, self._prefix_caching, request.kv_scales_id
+                spec,
+                request.model,
+                self._allocator,
+                self._prefix_caching,
+                request.kv_scales_id,
+                self._device,
             )
             self._log.info(
                 "pool_created",
@@ -74,9 +84,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 dtype=self._pool.handle.dtype,
                 mib=round(spec.nbytes / 2**20, 1),
                 epoch=self._pool.handle.epoch,
+                device=self._pool.handle.device,
                 path=self._pool.handle.shm.path,
             )
             self._tier.attach(self._pool)
+            self._attention_backend = request.attention_backend
             return self._pool.handle
 
     def Reserve(self, request: cache_pb2.ReserveRequest, context) -> cache_pb2.BlockTables:
@@ -172,6 +184,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 prefix_caching=self._prefix_caching,
                 kv_dtype=self._pool.handle.dtype,
                 device=self._pool.handle.device,
+                attention_backend=self._attention_backend,
                 prefix_query_tokens=stats.prefix_query_tokens,
                 prefix_hit_tokens=stats.prefix_hit_tokens,
                 copy_on_writes=stats.copy_on_writes,
@@ -199,7 +212,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 shape=list(data.shape),
             )
             if request.include_data:
-                reply.data = data.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                reply.data = data.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
             return reply
 
     def GetBlockMap(self, request: cache_pb2.GetBlockMapRequest, context) -> cache_pb2.BlockMap:
@@ -261,10 +274,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(err))
     if args.kv_blocks is None and args.kv_memory is None:
         args.kv_memory = DEFAULT_KV_MEMORY
-    try:
-        host_memory.require_room_here(args.kv_memory or 0, 0)
-    except ResourceExhausted as err:
-        parser.error(f"--kv-memory: {err}")
+    refusal = device_room.refusal(args.kv_device, args.kv_memory or 0, args.kv_tier)
+    if refusal:
+        parser.error(refusal)
     return args
 
 
@@ -287,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sessions,
         args.debug_read_kv,
         tier,
+        args.kv_device,
     )
     sweeper = threading.Thread(target=_sweep_every, args=(servicer, SWEEP_INTERVAL_S), daemon=True)
     sweeper.start()

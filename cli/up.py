@@ -156,7 +156,8 @@ def _supervise(args: argparse.Namespace) -> int:
         if not pending and deadline:
             sockets = runtime_path(args)
             print(f"pagedserve ready on {local}:{args.port} (model {args.model}, {args.dtype}, "
-                  f"KV {args.kv_dtype}; cache and compute sockets in {sockets})", flush=True)  # fmt: skip
+                  f"KV {args.kv_dtype} on {args.kv_device}; cache and compute sockets in {sockets})",
+                  flush=True)  # fmt: skip
             if args.http_port:
                 scheme = "https" if args.tls_cert is not None else "http"
                 print(f"OpenAI-compatible API on {scheme}://{local}:{args.http_port}/v1", flush=True)

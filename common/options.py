@@ -11,6 +11,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from common.devices import CPU, device_arg
 from common.model_files import DEFAULT_MODEL
 from common.precision import DTYPE_CHOICES, KV_DTYPE_CHOICES
 
@@ -62,6 +63,16 @@ def add_kv_dtype(parser: argparse.ArgumentParser) -> None:
         choices=KV_DTYPE_CHOICES,
         default="auto",
         help="dtype the KV pool stores (auto: the weights' dtype); fp8 ones use calibrated per-layer scales",
+    )
+
+
+def add_kv_device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-device",
+        type=device_arg,
+        default=CPU,
+        help="where the KV pool lives: cpu (a /dev/shm segment), cuda[:N] (CUDA IPC), npu[:N] (Ascend, the "
+        "npu extra); the cache creates it there, compute runs the model there (default: cpu)",
     )
 
 

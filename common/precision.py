@@ -2,8 +2,6 @@
 
 from pathlib import Path
 
-import torch
-
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
 # The dtypes K/V can be stored in (common/shared_pool.py DTYPES); auto: the weights' dtype.
 KV_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
@@ -18,8 +16,9 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def resolve_dtype(name: str, flags: frozenset[str] | None = None) -> str:
-    """`auto` is bfloat16 where the hardware multiplies it natively, float32 otherwise.
+def resolve_dtype(name: str, flags: frozenset[str] | None = None, device_type: str = "cpu") -> str:
+    """`auto` is bfloat16 where the hardware multiplies it natively (a GPU or NPU `device_type`; a CPU with
+    the `flags` of NATIVE_BF16_FLAGS), float32 otherwise.
 
     NOTE: without AVX-512 BF16 or AMX, PyTorch emulates bfloat16 matrix products on the CPU; they run ~30x
     slower than float32 there, so bfloat16 would only halve the weight bytes a decode reads while making
@@ -27,7 +26,7 @@ def resolve_dtype(name: str, flags: frozenset[str] | None = None) -> str:
     """
     if name != "auto":
         return name
-    if torch.cuda.is_available():
+    if device_type != "cpu":
         return "bfloat16"
     return "bfloat16" if NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else flags) else "float32"
 

@@ -174,11 +174,16 @@ def open_pool(handle: common_pb2.PoolHandle, shm_dir: Path = SHM_DIR) -> torch.T
 
 
 def _spec_of(handle: common_pb2.PoolHandle) -> PoolSpec:
-    """The pool a handle describes; InvalidArgument if the handle is not self-consistent."""
     if handle.device != "cpu" or handle.WhichOneof("payload") != "shm":
         raise InvalidArgument(
             f"this compute service maps cpu shared-memory pools, got device {handle.device!r}"
         )
+    return spec_of(handle, handle.shm.nbytes)
+
+
+def spec_of(handle: common_pb2.PoolHandle, nbytes: int) -> PoolSpec:
+    """The pool a handle describes, whatever its device (`nbytes`: its payload's data size);
+    InvalidArgument if the handle is not self-consistent."""
     shape = tuple(handle.shape)
     if len(shape) != 6 or shape[1] != 2 or min(shape) < 1:
         raise InvalidArgument(
@@ -186,8 +191,8 @@ def _spec_of(handle: common_pb2.PoolHandle) -> PoolSpec:
         )
     layers, _, blocks, block_size, heads, head_dim = shape
     spec = PoolSpec(layers, blocks, block_size, heads, head_dim, dtype_from_name(handle.dtype))
-    if handle.shm.nbytes != spec.nbytes:
-        raise InvalidArgument(f"handle size {handle.shm.nbytes} does not match shape {list(shape)}")
+    if nbytes != spec.nbytes:
+        raise InvalidArgument(f"handle size {nbytes} does not match shape {list(shape)}")
     return spec
 
 

@@ -54,17 +54,23 @@ def load(
     backend: str = "cpu",
     plain_linear: bool = False,
     kv_dtype: torch.dtype | None = None,
+    device: str = "cpu",
 ) -> tuple[PreTrainedModel, ModelSpec]:
     """The model with paged attention; its linear layers take the small-batch path (see
     compute_service.linear) unless `plain_linear`. K/V are stored as `kv_dtype` (default: `dtype`); an fp8
-    one is calibrated here (compute_service.kv_calibration). ValueError if the backend cannot store it."""
+    one is calibrated here (compute_service.kv_calibration). The model is placed on `device` (a torch
+    device name). ValueError if the backend cannot store it."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     require_kv_dtype(backend, dtype_name(kv_dtype))
     files = local_copy(model)
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        files.path, dtype=dtype, attn_implementation=register_attention(backend)
-    ).eval()
-    if not plain_linear:
+    hf_model = (
+        AutoModelForCausalLM.from_pretrained(
+            files.path, dtype=dtype, attn_implementation=register_attention(backend)
+        )
+        .eval()
+        .to(device)
+    )
+    if not plain_linear and device == "cpu":
         use_small_batch_linears(hf_model)
     spec = model_spec(hf_model, files.name, backend, kv_dtype)
     return hf_model, replace(spec, kv_scales=calibrate(hf_model, files.path, kv_dtype))

@@ -2,13 +2,19 @@
 
 import argparse
 
-from common.options import ServiceOptions, add_dtype, add_kv_dtype, add_logging, add_model
+from common.options import ServiceOptions, add_dtype, add_kv_device, add_kv_dtype, add_logging, add_model
 from common.transport import add_listen
 from compute_service.attention.registry import BACKENDS
 
 
 def add_settings(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--attention-backend", choices=list(BACKENDS), default="cpu")
+    parser.add_argument(
+        "--attention-backend",
+        choices=["auto", *BACKENDS],
+        default="auto",
+        help="paged attention kernel (default auto: the --kv-device's own; cuda also runs on the cpu, its "
+        "torch path, to check it)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument(
         "--plain-linear",
@@ -20,6 +26,6 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
 OPTIONS = ServiceOptions(
     "compute_service",
     50053,
-    settings=(add_model, add_dtype, add_kv_dtype, add_settings, add_logging),
+    settings=(add_model, add_dtype, add_kv_dtype, add_kv_device, add_settings, add_logging),
     wiring=(add_listen,),
 )

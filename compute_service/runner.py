@@ -50,13 +50,16 @@ class Runner:
         set_context(context)
         built = time.perf_counter()
         try:
+            # NOTE: the step's metadata stays on the cpu (backends move what their kernels read, once).
             hidden = self.model.model(
-                input_ids=batch.token_ids[None], position_ids=batch.positions[None], use_cache=False
+                input_ids=batch.token_ids[None].to(self.model.device),
+                position_ids=batch.positions[None].to(self.model.device),
+                use_cache=False,
             ).last_hidden_state[0]
         finally:
             reset_context()
         last = batch.cu_seqlens_q[1:][batch.sample] - 1
-        logits = self.model.lm_head(hidden[last]).float()
+        logits = self.model.lm_head(hidden[last.to(hidden.device)]).float().cpu()
         times.prepare += built - start
         times.model += time.perf_counter() - built
         times.attention += context.attention_s

@@ -9,12 +9,15 @@ import torch
 from prometheus_client import Histogram, Info
 
 from common import transport
+from common.devices import CPU, Device
 from common.errors import FailedPrecondition, InvalidArgument
 from common.logging import configure
 from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, serve_metrics
 from common.precision import resolve_dtype, resolve_kv_dtype
 from common.server import serve
-from common.shared_pool import dtype_from_name, open_pool
+from common.shared_pool import dtype_from_name
+from compute_service import attach_pool
+from compute_service.attention.registry import backend_for, require_block_size
 from compute_service.batch import ForwardBatch
 from compute_service.callers import CALLERS
 from compute_service.model_loader import ModelSpec, load
@@ -38,8 +41,9 @@ SEGMENT_CHECK_S = 1.0
 class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     """Holds no scheduling state: one attached pool and the model; steps run one at a time."""
 
-    def __init__(self, runner: Runner, spec: ModelSpec, log) -> None:
+    def __init__(self, runner: Runner, spec: ModelSpec, log, device: Device = CPU) -> None:
         self.runner = runner
+        self.device = device
         self.spec = spec
         self.log = log
         self._lock = threading.Lock()
@@ -70,14 +74,19 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         common/shared_pool.py open_pool) and fits the model; a refusal leaves the attached pool in place."""
         if not handle.epoch:
             raise InvalidArgument("pool handle has no epoch: pass the handle CreatePool returned")
-        pool = open_pool(handle)
+        pool = attach_pool.open_on(handle, self.device)
         self._check_geometry(handle)
         num_blocks, block_size = pool.shape[2], pool.shape[3]
+        try:
+            require_block_size(self.spec.attention_backend, block_size)
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from err
         with self._lock:
             self.runner.attach(pool)
             self._epoch = handle.epoch
             self._limits = Limits(self.spec.vocab_size, self.spec.max_model_len, num_blocks, block_size)
-            self._segment = Path(handle.shm.path)
+            # NOTE: an accelerator pool has no file to watch; its cache's restart shows as a new epoch.
+            self._segment = Path(handle.shm.path) if handle.HasField("shm") else None
         self.log.info("pool_attached", epoch=handle.epoch, num_blocks=num_blocks, block_size=block_size)
         return compute_pb2.AttachPoolResponse(epoch=handle.epoch, num_blocks=num_blocks)
 
@@ -156,11 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     log = configure("compute", args.log_format, args.log_level)
     if args.threads:
         torch.set_num_threads(args.threads)
-    weights = resolve_dtype(args.dtype)
+    weights = resolve_dtype(args.dtype, device_type=args.kv_device.type)
     kv_dtype = dtype_from_name(resolve_kv_dtype(args.kv_dtype, weights))
     try:
+        backend = backend_for(args.attention_backend, args.kv_device.type)
         model, spec = load(
-            args.model, dtype_from_name(weights), args.attention_backend, args.plain_linear, kv_dtype
+            args.model, dtype_from_name(weights), backend, args.plain_linear, kv_dtype, args.kv_device.torch
         )
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"compute_service: {exc}") from exc
@@ -179,11 +189,11 @@ def main(argv: list[str] | None = None) -> None:
             "model": spec.name,
             "dtype": spec.dtype_name,
             "kv_dtype": spec.kv_dtype_name,
-            "device": "cpu",
+            "device": str(args.kv_device),
             "attention_backend": spec.attention_backend,
         }
     )
-    servicer = ComputeServicer(Runner(model, spec.kv_scales), spec, log)
+    servicer = ComputeServicer(Runner(model, spec.kv_scales), spec, log, args.kv_device)
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(
         [(compute_pb2_grpc.add_ComputeServicer_to_server, servicer, SERVICE_NAME)],

@@ -31,6 +31,7 @@ def handshake(
         kv_dtype=info.kv_dtype or info.dtype,
         model=info.model,
         kv_scales_id=info.kv_scales_id,
+        attention_backend=info.attention_backend,
     )
     with calling("cache"):
         handle = cache.CreatePool(request, wait_for_ready=wait, timeout=timeout)

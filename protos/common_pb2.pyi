@@ -7,13 +7,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PoolHandle(_message.Message):
-    __slots__ = ("device", "shape", "dtype", "strides", "epoch", "shm", "kv_scales_id")
+    __slots__ = ("device", "shape", "dtype", "strides", "epoch", "shm", "cuda", "npu", "kv_scales_id")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     STRIDES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    NPU_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_ID_FIELD_NUMBER: _ClassVar[int]
     device: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -21,8 +23,10 @@ class PoolHandle(_message.Message):
     strides: _containers.RepeatedScalarFieldContainer[int]
     epoch: str
     shm: SharedMemoryHandle
+    cuda: DeviceIpcHandle
+    npu: DeviceIpcHandle
     kv_scales_id: str
-    def __init__(self, device: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., epoch: _Optional[str] = ..., shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., kv_scales_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, device: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., epoch: _Optional[str] = ..., shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda: _Optional[_Union[DeviceIpcHandle, _Mapping]] = ..., npu: _Optional[_Union[DeviceIpcHandle, _Mapping]] = ..., kv_scales_id: _Optional[str] = ...) -> None: ...
 
 class SharedMemoryHandle(_message.Message):
     __slots__ = ("path", "nbytes", "token")
@@ -33,3 +37,27 @@ class SharedMemoryHandle(_message.Message):
     nbytes: int
     token: bytes
     def __init__(self, path: _Optional[str] = ..., nbytes: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class DeviceIpcHandle(_message.Message):
+    __slots__ = ("uuid", "ipc_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "nbytes", "token")
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    uuid: str
+    ipc_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    nbytes: int
+    token: bytes
+    def __init__(self, uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., nbytes: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...

@@ -7,6 +7,9 @@ def test_auto_is_bfloat16_only_with_native_bf16():
     assert resolve_dtype("auto", frozenset({"avx2", "fma"})) == "float32"
     assert resolve_dtype("auto", frozenset({"avx2", "avx512_bf16"})) == "bfloat16"
     assert resolve_dtype("auto", frozenset({"amx_bf16", "amx_tile"})) == "bfloat16"
+    assert resolve_dtype("auto", frozenset({"avx2"}), device_type="cuda") == "bfloat16"
+    assert resolve_dtype("auto", frozenset({"avx2"}), device_type="npu") == "bfloat16"
+    assert resolve_dtype("float32", frozenset(), device_type="cuda") == "float32"
 
 
 def test_explicit_dtype_is_kept():

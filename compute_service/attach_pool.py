@@ -1,0 +1,23 @@
+"""Mapping the pool a handle names on the device compute runs on (--kv-device): the shm segment on the cpu
+(common/shared_pool.py), the exported allocation on an accelerator (common/device_pool.py). A handle for
+another device is refused with FailedPrecondition naming both devices and the flags that match them."""
+
+import torch
+
+from common import device_pool, shared_pool
+from common.devices import Device, ipc_for
+from common.errors import FailedPrecondition
+from protos import common_pb2
+
+
+def open_on(handle: common_pb2.PoolHandle, device: Device) -> torch.Tensor:
+    """The pool tensor on `device`; the checks of open_pool on that device (identity, epoch, geometry)."""
+    if device.type != "cpu":
+        return device_pool.open_pool(handle, device, ipc_for(device))
+    if handle.WhichOneof("payload") in ("cuda", "npu"):
+        raise FailedPrecondition(
+            f"the pool is on {handle.device}, this compute service runs on the cpu: start compute with "
+            f"--kv-device {handle.device}, or the cache with --kv-device cpu (pagedserve up --kv-device sets "
+            "both)"
+        )
+    return shared_pool.open_pool(handle)

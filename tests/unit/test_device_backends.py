@@ -1,0 +1,174 @@
+"""The cuda and npu attention backends' arguments, built on the CPU and checked against pure-torch
+implementations of their kernels' documented semantics, which must reproduce the cpu backend (and the dense
+reference) on the same batch; and how a backend is chosen and refused per device. The kernels themselves
+run in tests/unit/test_cuda.py (skipped without a GPU) and on Ascend hosts only."""
+
+import sys
+
+import pytest
+import torch
+
+from compute_service.attention import cuda, cuda_args, npu_args, registry
+from compute_service.attention.reference import reference_attention
+from tests.device_steps import HEADS, KV_HEADS, SCALE, SCENARIOS, make_step, run_backend
+
+TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
+
+
+def varlen_args(step):
+    b = step.batch
+    return cuda_args.build_varlen_args(b.cu_seqlens_q, b.context_lens, b.block_tables, b.slot_mapping)
+
+
+def fias_args(step, block_size):
+    b = step.batch
+    heads = (HEADS, KV_HEADS)
+    return npu_args.build_fias_args(
+        b.cu_seqlens_q, b.context_lens, b.block_tables, b.slot_mapping, heads, block_size, SCALE
+    )
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_cuda_arguments_reproduce_the_cpu_backend(scenario):
+    step = make_step(*SCENARIOS[scenario], block_size=4)
+    b = step.batch
+    args = varlen_args(step)
+    out = cuda_args.paged_varlen_attention(step.q, step.k_after, step.v_after, args, SCALE)
+    torch.testing.assert_close(out, step.out, **TOLERANCE)
+    dense = reference_attention(
+        step.q, step.k_after, step.v_after, b.cu_seqlens_q, b.context_lens, b.block_tables, SCALE
+    )
+    torch.testing.assert_close(out, dense, **TOLERANCE)
+
+
+def test_the_cuda_arguments_are_what_flash_attn_varlen_takes():
+    step = make_step(*SCENARIOS["mixed"], block_size=4)
+    args = varlen_args(step)
+    for name in ("cu_seqlens_q", "cu_seqlens_k", "block_table"):
+        assert getattr(args, name).dtype == torch.int32, name
+    assert args.cu_seqlens_q.tolist() == [0, 1, 7, 10, 11]
+    assert args.cu_seqlens_k.tolist() == [0, 10, 16, 24, 27], "cumulative context lengths"
+    assert (args.max_seqlen_q, args.max_seqlen_k) == (6, 10)
+    assert args.block_table.shape == step.batch.block_tables.shape and args.block_table.min() >= 0
+    assert args.slot_mapping.dtype == torch.int64 and torch.equal(args.slot_mapping, step.batch.slot_mapping)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_cuda_backend_on_the_cpu_writes_and_attends_as_the_cpu_backend(scenario):
+    step = make_step(*SCENARIOS[scenario], block_size=4, dtype=torch.bfloat16)
+    k_pool, v_pool = step.k_before.clone(), step.v_before.clone()
+    out = run_backend(cuda.paged_attention, step.q, step.k, step.v, step.batch, k_pool, v_pool)
+    assert torch.equal(k_pool, step.k_after) and torch.equal(v_pool, step.v_after), "same writes by slot"
+    torch.testing.assert_close(out, step.out, atol=2e-2, rtol=2e-2)
+
+
+def test_flash_attn_is_chosen_only_where_it_can_run():
+    cuda_device, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert cuda_args.flash_usable(cuda_device, torch.bfloat16, torch.bfloat16, 256)
+    assert cuda_args.flash_usable(cuda_device, torch.float16, torch.float16, 512)
+    assert not cuda_args.flash_usable(cuda_device, torch.bfloat16, torch.bfloat16, 16), "pages of 256 tokens"
+    assert not cuda_args.flash_usable(cuda_device, torch.float32, torch.float32, 256), "half precision"
+    assert not cuda_args.flash_usable(cuda_device, torch.bfloat16, torch.float16, 256), "pool dtype = q dtype"
+    assert not cuda_args.flash_usable(cpu, torch.bfloat16, torch.bfloat16, 256)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("block_size", [128, 256])
+def test_the_npu_arguments_reproduce_the_cpu_backend(scenario, block_size):
+    new, cached = SCENARIOS[scenario]
+    step = make_step(new, [c * 23 for c in cached], block_size=block_size)
+    args = fias_args(step, block_size)
+    blocks = step.k_after.shape[0]
+    out = npu_args.fused_infer_attention_reference(
+        step.q,
+        step.k_after.view(blocks, block_size, -1),
+        step.v_after.view(blocks, block_size, -1),
+        **args.attention_kwargs(),
+    )
+    torch.testing.assert_close(out, step.out, **TOLERANCE)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_npu_cache_write_lands_where_the_cpu_backend_writes(scenario):
+    step = make_step(*SCENARIOS[scenario], block_size=128)
+    args = fias_args(step, 128)
+    k_pool, v_pool = step.k_before.clone(), step.v_before.clone()
+    npu_args.reshape_and_cache_reference(step.k, step.v, k_pool, v_pool, args.slot_mapping)
+    assert torch.equal(k_pool, step.k_after) and torch.equal(v_pool, step.v_after)
+
+
+def test_the_npu_arguments_follow_the_ops_conventions():
+    step = make_step([1, 6, 3, 1], [200, 0, 130, 2], block_size=128)
+    args = fias_args(step, 128)
+    kwargs = args.attention_kwargs()
+    assert kwargs["input_layout"] == "TND" and kwargs["sparse_mode"] == 3
+    assert kwargs["actual_seq_lengths"] == [1, 7, 10, 11], "cumulative query ends (TND)"
+    assert kwargs["actual_seq_lengths_kv"] == [201, 6, 133, 3], "keys per sequence, not cumulative"
+    assert kwargs["block_table"].dtype == torch.int32 and kwargs["block_table"].shape == (4, 2)
+    assert kwargs["block_table"].min() >= 0, "padding is a valid block id"
+    assert kwargs["atten_mask"].shape == (2048, 2048) and kwargs["atten_mask"].dtype == torch.bool
+    assert kwargs["atten_mask"][0, 1] and not kwargs["atten_mask"][1, 0], "True above the diagonal"
+    assert (kwargs["num_heads"], kwargs["num_key_value_heads"], kwargs["block_size"]) == (
+        HEADS,
+        KV_HEADS,
+        128,
+    )
+    assert args.slot_mapping.dtype == torch.int32
+
+
+def test_the_npu_reference_is_sensitive_to_the_lengths_convention():
+    """A builder passing per-sequence query lengths (or cumulative key lengths) gets other numbers."""
+    step = make_step([4, 7, 3], [6, 13, 1], block_size=128)
+    args = fias_args(step, 128)
+    blocks = step.k_after.shape[0]
+    kv = step.k_after.view(blocks, 128, -1), step.v_after.view(blocks, 128, -1)
+    kwargs = args.attention_kwargs()
+    with pytest.raises(ValueError):
+        npu_args.fused_infer_attention_reference(step.q, *kv, **{**kwargs, "actual_seq_lengths": [4, 7, 3]})
+    cumulative_kv = {**kwargs, "actual_seq_lengths_kv": [10, 30, 34]}
+    wrong = npu_args.fused_infer_attention_reference(step.q, *kv, **cumulative_kv)
+    assert not torch.allclose(wrong, step.out, atol=1e-3)
+
+
+def test_the_npu_block_size_is_refused_unless_the_op_pages_by_it():
+    step = make_step([4, 1], [0, 3], block_size=16)
+    with pytest.raises(ValueError, match="multiple of 128 tokens, the pool's are 16: .*--block-size 128"):
+        fias_args(step, 16)
+    npu_args.require_block_size(16, prefill=False)
+    with pytest.raises(ValueError, match="multiple of 16 tokens, the pool's are 8"):
+        npu_args.require_block_size(8, prefill=False)
+
+
+def test_auto_picks_the_devices_backend():
+    assert [registry.backend_for("auto", d) for d in ("cpu", "cuda")] == ["cpu", "cuda"]
+    assert registry.backend_for("cuda", "cpu") == "cuda", "its torch path checks it on the cpu"
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "message"),
+    [
+        ("npu", "cpu", "'npu' runs on npu, not on cpu"),
+        ("cpu", "cuda", "'cpu' runs on cpu, not on cuda"),
+        ("cuda", "npu", "'cuda' runs on cuda or cpu, not on npu"),
+        ("rocm", "cpu", "unknown attention backend 'rocm'"),
+    ],
+)
+def test_a_backend_on_a_device_it_cannot_run_on_is_refused(backend, device, message):
+    with pytest.raises(ValueError, match=message):
+        registry.backend_for(backend, device)
+
+
+def test_the_npu_backend_without_torch_npu_is_refused_only_when_selected(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    with pytest.raises(ValueError, match=r"needs torch_npu .*pip install -e '.\[npu\]'"):
+        registry.backend_for("auto", "npu")
+    assert registry.backend_for("auto", "cpu") == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("backend", "kv_dtype"),
+    [("npu", "float32"), ("npu", "fp8_e4m3"), ("cuda", "fp8_e5m2"), ("cuda", "fp8_e4m3")],
+)
+def test_a_kv_dtype_a_device_backend_cannot_store_is_refused(backend, kv_dtype):
+    with pytest.raises(ValueError, match=f"'{backend}' cannot store K/V as {kv_dtype}; choose"):
+        registry.require_kv_dtype(backend, kv_dtype)

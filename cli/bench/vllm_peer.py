@@ -40,11 +40,15 @@ def request_json(
 ) -> dict:
     """The driver's input (protocol 1) for `repeat` passes of the workload on the model in model_dir."""
     longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
+    model_len = max(MIN_MODEL_LEN, longest)
+    if workload.kv_tokens:
+        # NOTE: vLLM refuses to start unless one sequence of max_model_len fits its KV budget.
+        model_len = max(longest, min(model_len, workload.kv_tokens))
     return {
         "protocol": PROTOCOL,
         "model": str(model_dir),
         "dtype": dtype,
-        "max_model_len": max(MIN_MODEL_LEN, longest),
+        "max_model_len": model_len,
         "kv_memory_bytes": kv_memory,
         "block_size": block_size,
         "kv_tokens": workload.kv_tokens,

@@ -33,7 +33,13 @@ def test_the_driver_reads_back_what_the_bench_writes_for_every_workload():
         assert [r["max_tokens"] for r in read["requests"]] == [r.max_tokens for r in workload.requests]
         assert [r["arrival_s"] for r in read["requests"]] == [r.arrival_s for r in workload.requests]
         longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
-        assert read["max_model_len"] >= max(longest, vllm_peer.MIN_MODEL_LEN)
+        assert read["max_model_len"] >= longest
+        if workload.kv_tokens is None:
+            assert read["max_model_len"] >= vllm_peer.MIN_MODEL_LEN
+        else:
+            assert read["max_model_len"] <= workload.kv_tokens, (
+                "one sequence of max_model_len fits the budget"
+            )
         assert read["kv_tokens"] == workload.kv_tokens and read["repeat"] == 2
 
 

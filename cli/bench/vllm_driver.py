@@ -5,8 +5,8 @@ imports nothing from pagedserve and nothing but the standard library at module l
 processes import this file again). Protocol version 1:
 
 - input (stdin): {"protocol": 1, "model": DIR, "dtype": "float32", "max_model_len": N, "kv_memory_bytes": N,
-  "block_size": B, "kv_tokens": null or N, "repeat": R, "requests": [{"prompt_ids": [...], "max_tokens": N,
-  "arrival_s": S}, ...]}
+  "block_size": B, "kv_tokens": null or N, "repeat": R, "enforce_eager": false (optional),
+  "requests": [{"prompt_ids": [...], "max_tokens": N, "arrival_s": S}, ...]}
 - output (the file): {"protocol": 1, "vllm_version": V, "passes": [[{"sent": S, "token_times": [...],
   "token_ids": [...], "prompt_tokens": N, "cached_tokens": N, "completion_tokens": N}, ...], ...]}
   with one list per pass, its requests in input order, times in seconds from the pass's start.
@@ -117,6 +117,9 @@ def engine_args(workload: dict) -> dict:
         "kv_cache_memory_bytes": workload["kv_memory_bytes"],
         "enable_prefix_caching": True,
         "disable_log_stats": True,
+        # NOTE: eager skips vLLM's compile (~90 s at every start here: its AOT cache does not load on the CPU
+        # in 0.32), for tests that check the protocol, not the speed.
+        "enforce_eager": bool(workload.get("enforce_eager", False)),
     }
     if workload.get("kv_tokens"):
         block = workload["block_size"]

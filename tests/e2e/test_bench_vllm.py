@@ -1,7 +1,7 @@
 """The vLLM peer for real: vLLM's CPU engine, from its own interpreter, on a tiny workload with arrivals.
 
-Needs a venv with vLLM (BENCHMARKS.md's recipe): PAGEDSERVE_VLLM_PYTHON=/path/to/venv/bin/python. Its first
-start compiles for ~3 minutes (cached afterwards in ~/.cache/vllm).
+Needs a venv with vLLM (BENCHMARKS.md's recipe): PAGEDSERVE_VLLM_PYTHON=/path/to/venv/bin/python. vLLM runs
+eager here (no compile), so it starts in about a minute.
 """
 
 import os
@@ -35,6 +35,7 @@ def _workload() -> Workload:
 def test_vllm_runs_the_same_prompts_greedy_at_their_arrival_times(model_dir, hf_models, tmp_path):
     workload = _workload()
     request = vllm_peer.request_json(workload, model_dir, "float32", 2, kv_memory=2**28, block_size=16)
+    request["enforce_eager"] = True  # no compile: vLLM starts in ~1 minute instead of ~3
     answer = vllm_peer.run_driver(os.environ[vllm_peer.PYTHON_ENV], request, tmp_path)
 
     assert answer["protocol"] == 1 and answer["vllm_version"]

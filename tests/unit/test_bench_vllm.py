@@ -47,6 +47,7 @@ def test_the_engine_gets_the_same_weights_dtype_and_kv_budget():
     args = vllm_driver.engine_args(_request_json(_workload(BenchRequest([5] * 8, 2))))
     assert args["model"] == "/m" and args["dtype"] == "float32" and args["enable_prefix_caching"]
     assert args["kv_cache_memory_bytes"] == 2**28 and "num_gpu_blocks_override" not in args
+    assert not args["enforce_eager"], "the bench measures vLLM compiled, as it serves"
     memory = vllm_driver.engine_args(_request_json(build("memory", 49152)))
     assert memory["block_size"] == 16 and memory["num_gpu_blocks_override"] == 4096 // 16
 

@@ -92,7 +92,7 @@ def _peers(args, workload, dtype: str) -> dict:
 
 def _vllm(args, workload: Workload, dtype: str, block_size: int) -> tuple[dict, str]:
     """vLLM's figures on the workload (after pagedserve's stack has stopped), and how it ran."""
-    print(f"{workload.name}: vLLM peer (its first start compiles for minutes)", file=sys.stderr)
+    print(f"{workload.name}: vLLM peer (it compiles for ~2 minutes at each start)", file=sys.stderr)
     try:
         figures = vllm_peer.measure(
             args.vllm_python, workload, local_copy(args.model).path, dtype, args.repeat,

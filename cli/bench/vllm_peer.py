@@ -130,7 +130,7 @@ def add_flags(parser) -> None:
         help="also run the workload on this engine (vllm: vLLM's CPU engine, from --vllm-python)",
     )  # fmt: skip
     parser.add_argument(
-        "--vllm-python", default=os.environ.get(PYTHON_ENV),
+        "--vllm-python",
         help=f"the interpreter of a venv with vLLM installed (default: ${PYTHON_ENV})",
     )  # fmt: skip
     parser.add_argument(
@@ -140,9 +140,11 @@ def add_flags(parser) -> None:
 
 
 def check_flags(args) -> None:
-    """SystemExit unless --peer vllm has an interpreter that exists."""
+    """SystemExit unless --peer vllm has an interpreter that exists: --vllm-python, else
+    $PAGEDSERVE_VLLM_PYTHON (read now and put into args)."""
     if "vllm" not in args.peer:
         return
+    args.vllm_python = args.vllm_python or os.environ.get(PYTHON_ENV)
     if not args.vllm_python:
         raise SystemExit(f"pagedserve bench: --peer vllm needs --vllm-python PATH (or ${PYTHON_ENV})")
     if not Path(args.vllm_python).is_file():

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cli.bench import report, vllm_driver, vllm_peer
+from cli.bench import command, report, vllm_driver, vllm_peer
 from cli.bench.workloads import BenchRequest, Workload, build
 
 
@@ -213,3 +213,16 @@ def test_vllm_gets_every_cpu_unless_told(monkeypatch):
     assert vllm_peer.threads() == "3"
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert vllm_peer.threads() == str(os.cpu_count())
+
+
+def test_the_bench_refuses_peer_vllm_without_an_interpreter_before_starting_anything(monkeypatch):
+    monkeypatch.delenv(vllm_peer.PYTHON_ENV, raising=False)
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--workload", "latency", "--peer", "vllm"])
+    with pytest.raises(SystemExit, match="--peer vllm needs --vllm-python PATH"):
+        command.run(args)
+    monkeypatch.setenv(vllm_peer.PYTHON_ENV, sys.executable)
+    args = parser.parse_args(["bench", "--workload", "latency", "--peer", "vllm"])
+    vllm_peer.check_flags(args)
+    assert args.vllm_python == sys.executable, "the variable when no flag"

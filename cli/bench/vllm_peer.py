@@ -90,14 +90,14 @@ def figures(workload: Workload, answer: dict) -> dict:
     """The median figures of the driver's passes; the cache-only figures None."""
     if answer.get("protocol") != PROTOCOL:
         raise ValueError(f"the vLLM driver answered protocol {answer.get('protocol')!r}, not {PROTOCOL}")
-    if not answer["passes"]:
+    if not answer.get("passes"):
         raise ValueError("the vLLM driver answered no passes")
     runs = [{**driver.timings(traces(workload, p)), **dict.fromkeys(CACHE_ONLY)} for p in answer["passes"]]
     return driver.median_of(runs)
 
 
 def threads() -> str:
-    """OMP_NUM_THREADS for vLLM: the caller's, else every CPU (vLLM's own default leaves one idle)."""
+    """OMP_NUM_THREADS for vLLM: the caller's, else every CPU (BENCHMARKS.md's recipe: 2 on 2 vCPUs)."""
     return os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
 
 
@@ -114,14 +114,19 @@ def run_driver(python: str, request: dict, workdir: Path) -> dict:
         )  # fmt: skip
         try:
             process.communicate(json.dumps(request).encode(), timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired as error:
+            raise RuntimeError(f"the vLLM driver ran past {TIMEOUT_S} s:\n{_tail(log_path)}") from error
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
     if process.returncode != 0 or not output.exists():
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-        raise RuntimeError(f"the vLLM driver ({python}) exited with {process.returncode}:\n{tail}")
+        raise RuntimeError(f"the vLLM driver ({python}) exited with {process.returncode}:\n{_tail(log_path)}")
     return json.loads(output.read_text())
+
+
+def _tail(log_path: Path, lines: int = 20) -> str:
+    return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def add_flags(parser) -> None:

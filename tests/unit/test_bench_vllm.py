@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -226,3 +227,14 @@ def test_the_bench_refuses_peer_vllm_without_an_interpreter_before_starting_anyt
     args = parser.parse_args(["bench", "--workload", "latency", "--peer", "vllm"])
     vllm_peer.check_flags(args)
     assert args.vllm_python == sys.executable, "the variable when no flag"
+
+
+def test_a_stuck_driver_is_killed_and_reported(tmp_path, monkeypatch):
+    stuck = tmp_path / "python"
+    stuck.write_text("#!/bin/sh\necho compiling\nexec sleep 60\n")
+    stuck.chmod(0o755)
+    monkeypatch.setattr(vllm_peer, "TIMEOUT_S", 1)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="ran past 1 s:\ncompiling"):
+        vllm_peer.run_driver(str(stuck), _request_json(_workload(BenchRequest([1] * 8, 2))), tmp_path)
+    assert time.monotonic() - started < 10, "killed, not waited for"

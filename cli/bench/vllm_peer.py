@@ -126,7 +126,10 @@ def run_driver(python: str, request: dict, workdir: Path) -> dict:
 
 
 def _tail(log_path: Path, lines: int = 20) -> str:
-    return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+    """The log's first error lines (vLLM's root cause comes long before its last lines), then its end."""
+    text = log_path.read_text(errors="replace").splitlines()
+    errors = [line for line in text[:-lines] if "Error:" in line][:5]
+    return "\n".join([*errors, *(["..."] if errors else []), *text[-lines:]])
 
 
 def add_flags(parser) -> None:

@@ -238,3 +238,15 @@ def test_a_stuck_driver_is_killed_and_reported(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="ran past 1 s:\ncompiling"):
         vllm_peer.run_driver(str(stuck), _request_json(_workload(BenchRequest([1] * 8, 2))), tmp_path)
     assert time.monotonic() - started < 10, "killed, not waited for"
+
+
+def test_a_failing_drivers_root_cause_is_reported_with_the_end_of_its_log(tmp_path):
+    failing = tmp_path / "python"
+    lines = "".join(f"echo line {i}\n" for i in range(40))
+    failing.write_text(f"#!/bin/sh\necho 'ValueError: the root cause'\n{lines}exit 3\n")
+    failing.chmod(0o755)
+    with pytest.raises(
+        RuntimeError, match="exited with 3:\nValueError: the root cause\n...\nline 20\n"
+    ) as error:
+        vllm_peer.run_driver(str(failing), _request_json(_workload(BenchRequest([1] * 8, 2))), tmp_path)
+    assert str(error.value).endswith("line 39")

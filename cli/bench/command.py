@@ -90,13 +90,13 @@ def _peers(args, workload, dtype: str) -> dict:
     return {name: driver.median_of(values) for name, values in runs.items()}
 
 
-def _vllm(args, workload: Workload, dtype: str, block_size: int) -> tuple[dict, str]:
+def _vllm(args, workload: Workload, dtype: str) -> tuple[dict, str]:
     """vLLM's figures on the workload (after pagedserve's stack has stopped), and how it ran."""
     print(f"{workload.name}: vLLM peer (it compiles for ~2 minutes at each start)", file=sys.stderr)
     try:
         figures = vllm_peer.measure(
             args.vllm_python, workload, local_copy(args.model).path, dtype, args.repeat,
-            kv_memory=args.vllm_kv_memory, block_size=block_size,
+            kv_memory=args.vllm_kv_memory,
         )  # fmt: skip
     except (RuntimeError, ValueError) as error:
         # NOTE: pagedserve's and the other peers' figures are still worth printing; the column stays empty.
@@ -211,7 +211,7 @@ def _run(args: argparse.Namespace) -> int:
         if stack is not None:
             stack.stop()
     if "vllm" in args.peer:
-        others[vllm_peer.NAME], result["vllm_setup"] = _vllm(args, workload, info.dtype, info.block_size)
+        others[vllm_peer.NAME], result["vllm_setup"] = _vllm(args, workload, info.dtype)
     if not args.no_peers:
         others = {**_peers(args, workload, info.dtype), **others}
     if others:

@@ -5,7 +5,7 @@ imports nothing from pagedserve and nothing but the standard library at module l
 processes import this file again). Protocol version 1:
 
 - input (stdin): {"protocol": 1, "model": DIR, "dtype": "float32", "max_model_len": N, "kv_memory_bytes": N,
-  "block_size": B, "kv_tokens": null or N, "repeat": R, "enforce_eager": false (optional),
+  "kv_tokens": null or N, "repeat": R, "enforce_eager": false (optional),
   "requests": [{"prompt_ids": [...], "max_tokens": N, "arrival_s": S}, ...]}
 - output (the file): {"protocol": 1, "vllm_version": V, "passes": [[{"sent": S, "token_times": [...],
   "token_ids": [...], "prompt_tokens": N, "cached_tokens": N, "completion_tokens": N}, ...], ...]}
@@ -103,9 +103,21 @@ async def run_passes(engine, workload: dict, make_params) -> list[list[dict]]:
     return passes
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    """K and V of one token in every layer, from the model's config.json."""
+    with open(f"{model_dir}/config.json") as f:
+        config = json.load(f)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * DTYPE_BYTES[dtype]
+
+
 def engine_args(workload: dict) -> dict:
     """vLLM's engine arguments for the workload: same weights and dtype, prefix caching on, a KV cache of
-    kv_memory_bytes, and with a KV budget in tokens only the blocks that hold it.
+    kv_memory_bytes, or with a KV budget in tokens the memory of that many tokens.
 
     NOTE: an explicit KV size also keeps vLLM's CPU worker from reserving a fixed share (92 %) of the host's
     memory, which a shared machine does not have free.
@@ -115,6 +127,7 @@ def engine_args(workload: dict) -> dict:
         "dtype": workload["dtype"],
         "max_model_len": workload["max_model_len"],
         "kv_cache_memory_bytes": workload["kv_memory_bytes"],
+        # NOTE: vLLM's own block size (its CPU attention wants multiples of 32; the bench's default is 16).
         "enable_prefix_caching": True,
         "disable_log_stats": True,
         # NOTE: eager skips vLLM's compile (~90 s at every start here: its AOT cache does not load on the CPU
@@ -122,9 +135,8 @@ def engine_args(workload: dict) -> dict:
         "enforce_eager": bool(workload.get("enforce_eager", False)),
     }
     if workload.get("kv_tokens"):
-        block = workload["block_size"]
-        args["block_size"] = block
-        args["num_gpu_blocks_override"] = max(1, workload["kv_tokens"] // block)
+        tokens_bytes = workload["kv_tokens"] * kv_bytes_per_token(workload["model"], workload["dtype"])
+        args["kv_cache_memory_bytes"] = tokens_bytes
     return args
 
 

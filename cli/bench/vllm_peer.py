@@ -36,7 +36,7 @@ MIN_MODEL_LEN = 2048
 
 
 def request_json(
-    workload: Workload, model_dir: Path, dtype: str, repeat: int, kv_memory: int, block_size: int
+    workload: Workload, model_dir: Path, dtype: str, repeat: int, kv_memory: int = DEFAULT_KV_MEMORY
 ) -> dict:
     """The driver's input (protocol 1) for `repeat` passes of the workload on the model in model_dir."""
     longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
@@ -50,7 +50,6 @@ def request_json(
         "dtype": dtype,
         "max_model_len": model_len,
         "kv_memory_bytes": kv_memory,
-        "block_size": block_size,
         "kv_tokens": workload.kv_tokens,
         "repeat": repeat,
         "requests": [
@@ -168,11 +167,16 @@ def setup(figures: dict, args, dtype: str) -> str:
     )
 
 
-def measure(python: str, workload: Workload, model_dir: Path, dtype: str, repeat: int, **kv) -> dict:
-    """The workload's median figures on vLLM, and its version (kv: kv_memory and block_size, see
-    request_json)."""
-    settings = {"kv_memory": DEFAULT_KV_MEMORY, "block_size": 16, **kv}
-    request = request_json(workload, model_dir, dtype, repeat, **settings)
+def measure(
+    python: str,
+    workload: Workload,
+    model_dir: Path,
+    dtype: str,
+    repeat: int,
+    kv_memory: int = DEFAULT_KV_MEMORY,
+) -> dict:
+    """The workload's median figures on vLLM, and its version."""
+    request = request_json(workload, model_dir, dtype, repeat, kv_memory)
     with tempfile.TemporaryDirectory(prefix="pagedserve-bench-vllm-") as workdir:
         answer = run_driver(python, request, Path(workdir))
     return {**figures(workload, answer), "version": answer.get("vllm_version")}

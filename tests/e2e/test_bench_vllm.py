@@ -34,7 +34,7 @@ def _workload() -> Workload:
 
 def test_vllm_runs_the_same_prompts_greedy_at_their_arrival_times(model_dir, hf_models, tmp_path):
     workload = _workload()
-    request = vllm_peer.request_json(workload, model_dir, "float32", 2, kv_memory=2**28, block_size=16)
+    request = vllm_peer.request_json(workload, model_dir, "float32", 2, kv_memory=2**28)
     request["enforce_eager"] = True  # no compile: vLLM starts in ~1 minute instead of ~3
     answer = vllm_peer.run_driver(os.environ[vllm_peer.PYTHON_ENV], request, tmp_path)
 

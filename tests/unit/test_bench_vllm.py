@@ -22,7 +22,7 @@ def _workload(*requests: BenchRequest, kv_tokens=None) -> Workload:
 
 
 def _request_json(workload: Workload, **overrides) -> dict:
-    request = vllm_peer.request_json(workload, Path("/m"), "float32", 2, kv_memory=2**28, block_size=16)
+    request = vllm_peer.request_json(workload, Path("/m"), "float32", 2, kv_memory=2**28)
     return {**request, **overrides}
 
 
@@ -44,13 +44,19 @@ def test_the_driver_reads_back_what_the_bench_writes_for_every_workload():
         assert read["kv_tokens"] == workload.kv_tokens and read["repeat"] == 2
 
 
-def test_the_engine_gets_the_same_weights_dtype_and_kv_budget():
+def test_the_engine_gets_the_same_weights_dtype_and_kv_budget(tmp_path):
     args = vllm_driver.engine_args(_request_json(_workload(BenchRequest([5] * 8, 2))))
     assert args["model"] == "/m" and args["dtype"] == "float32" and args["enable_prefix_caching"]
-    assert args["kv_cache_memory_bytes"] == 2**28 and "num_gpu_blocks_override" not in args
+    assert args["kv_cache_memory_bytes"] == 2**28 and "block_size" not in args, "vLLM's own block size"
     assert not args["enforce_eager"], "the bench measures vLLM compiled, as it serves"
-    memory = vllm_driver.engine_args(_request_json(build("memory", 49152)))
-    assert memory["block_size"] == 16 and memory["num_gpu_blocks_override"] == 4096 // 16
+    # SmolLM2-135M: 30 layers, 9 query heads of 64 (hidden 576), 3 KV heads: 46,080 bytes a token in float32
+    config = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert vllm_driver.kv_bytes_per_token(str(tmp_path), "float32") == 46_080
+    assert vllm_driver.kv_bytes_per_token(str(tmp_path), "bfloat16") == 23_040
+    memory = vllm_driver.engine_args(_request_json(build("memory", 49152), model=str(tmp_path)))
+    assert memory["kv_cache_memory_bytes"] == 4096 * 46_080, "the memory of the workload's 4096 tokens"
+    assert memory["max_model_len"] <= 4096
 
 
 @pytest.mark.parametrize(

@@ -26,14 +26,9 @@ def _cell(value, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-# Figures where a ratio says who is ahead: rates (higher is better) and times (lower is better).
-RATIO_KEYS = ("tokens_per_s", "generated_tokens_per_s", "prompt_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
-              "itl_p50_ms", "itl_p99_ms", "wall_s")  # fmt: skip
-
-
 def ratio(ours, theirs, key: str) -> float | None:
-    """pagedserve / peer for rates, peer / pagedserve for times: > 1 always means pagedserve is ahead; None
-    when either is missing or zero."""
+    """pagedserve / peer for rates (per_s), peer / pagedserve for the rest (times, blocks): for rates and
+    times > 1 means pagedserve is ahead; None when either is missing or zero."""
     if not ours or not theirs:
         return None
     return ours / theirs if key.endswith("per_s") else theirs / ours
@@ -45,10 +40,10 @@ def _ratio_cell(ours, theirs, key: str) -> str:
 
 
 def ratios(result: dict) -> dict:
-    """Per peer, the ratios of the figures both have (RATIO_KEYS), as in the table."""
+    """Per peer, the ratio of every figure of the table (None where either side lacks it), as in the table."""
     ours = result["pagedserve"]
     return {
-        name: {key: ratio(ours.get(key), theirs.get(key), key) for key in RATIO_KEYS}
+        name: {key: ratio(ours.get(key), theirs.get(key), key) for key, _, _ in ROWS}
         for name, theirs in result.get("peers", {}).items()
     }
 

@@ -4,6 +4,7 @@ import argparse
 
 from cli import certs, generate, monitor, stats, up
 from cli.bench import command as bench
+from cli.bench import plot as bench_plot
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -11,7 +12,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="pagedserve", description="pagedserve: a paged-KV LLM inference server"
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in (up, generate, bench, monitor, stats, certs):
+    for module in (up, generate, bench, bench_plot, monitor, stats, certs):
         module.add_parser(commands)
     args = parser.parse_args(argv)
     raise SystemExit(args.run(args))

@@ -12,10 +12,11 @@ from tqdm import tqdm
 
 from cache_service.tiers import registry as tiers
 from cache_service.tiers.options import add_tier_settings
-from cli.bench import driver, peers, profile, report
+from cli.bench import driver, peers, profile, report, vllm_peer
 from cli.bench.workloads import WORKLOADS, Workload, build
 from cli.launch import Stack
 from cli.scrape import scrape
+from common.model_files import local_copy
 from common.options import ServiceOptions, add_dtype, add_kv_dtype, add_model
 from sdk.client import Client
 
@@ -40,6 +41,7 @@ def add_parser(commands) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=1, help="passes; figures are medians")
     p.add_argument("--no-peers", action="store_true", help="skip generate_batch and generate")
+    vllm_peer.add_flags(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--profile", action="store_true", help="split the steps' time into gateway and compute phases"
@@ -88,6 +90,21 @@ def _peers(args, workload, dtype: str) -> dict:
     return {name: driver.median_of(values) for name, values in runs.items()}
 
 
+def _vllm(args, workload: Workload, dtype: str) -> tuple[dict, str]:
+    """vLLM's figures on the workload (after pagedserve's stack has stopped), and how it ran."""
+    print(f"{workload.name}: vLLM peer (it compiles for ~2 minutes at each start)", file=sys.stderr)
+    try:
+        figures = vllm_peer.measure(
+            args.vllm_python, workload, local_copy(args.model).path, dtype, args.repeat,
+            kv_memory=args.vllm_kv_memory,
+        )  # fmt: skip
+    except (RuntimeError, ValueError) as error:
+        # NOTE: pagedserve's and the other peers' figures are still worth printing; the column stays empty.
+        print(f"pagedserve bench: {error}", file=sys.stderr)
+        return {}, f"{vllm_peer.NAME} failed: {str(error).splitlines()[0]}"
+    return figures, vllm_peer.setup(figures, args, dtype)
+
+
 def _start(args, *flags: str) -> Stack:
     """A stack of the bench's model, dtype, KV dtype, block size and linear path, with these extra `up`
     flags."""
@@ -126,6 +143,7 @@ def _tier_label(args) -> str:
 
 def _check(args) -> None:
     """SystemExit for flags that do not go together."""
+    vllm_peer.check_flags(args)
     if args.profile and args.target and not args.metrics_url:
         raise SystemExit("pagedserve bench: --profile with --target needs the gateway's --metrics-url")
     for flag, given in (
@@ -192,10 +210,13 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         if stack is not None:
             stack.stop()
+    if "vllm" in args.peer:
+        others[vllm_peer.NAME], result["vllm_setup"] = _vllm(args, workload, info.dtype)
     if not args.no_peers:
         others = {**_peers(args, workload, info.dtype), **others}
     if others:
         result["peers"] = others
+        result["ratios"] = report.ratios(result)
     print(report.table(result))
     if "profile" in result:
         print(profile.table(result["profile"]))

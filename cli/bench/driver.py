@@ -104,6 +104,18 @@ def tier_loads(before: cache_pb2.CacheStats, after: cache_pb2.CacheStats) -> dic
 
 
 def summarize(traces: list[Trace], samples: list[CacheSample]) -> dict:
+    """The traces' timings and the cache's occupancy over the run."""
+    return {
+        **timings(traces),
+        "peak_sequences": max((s.num_sequences for s in samples), default=0),
+        "peak_used_blocks": max((s.used_blocks for s in samples), default=0),
+        **kv_utilisation(samples),
+    }
+
+
+def timings(traces: list[Trace]) -> dict:
+    """Throughput, TTFT and inter-token latency as the clients saw them (the same code for every engine that
+    streams tokens: pagedserve and the vLLM peer)."""
     first_sent = min(t.sent for t in traces)
     wall = max(t.token_times[-1] for t in traces) - first_sent
     prompt = sum(t.prompt_tokens for t in traces)
@@ -124,9 +136,6 @@ def summarize(traces: list[Trace], samples: list[CacheSample]) -> dict:
         "prompt_tokens": prompt,
         "cached_prompt_tokens": sum(t.cached_tokens for t in traces),
         "generated_tokens": generated,
-        "peak_sequences": max((s.num_sequences for s in samples), default=0),
-        "peak_used_blocks": max((s.used_blocks for s in samples), default=0),
-        **kv_utilisation(samples),
     }
 
 

@@ -18,6 +18,7 @@ ROWS = [
     ("kv_utilisation_at_peak", "KV utilisation at peak occupancy", "{:.1%}"),
 ]
 PEERS = ("generate_batch", "generate")
+FIRST = "vLLM"  # the engine a user would pick instead: its column comes first
 PREFIX_CACHE_OFF = "prefix cache off"  # pagedserve itself, on a stack started with --no-prefix-cache
 
 
@@ -25,26 +26,46 @@ def _cell(value, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def _ratio(ours, theirs, key: str) -> str:
-    if ours is None or theirs is None or not theirs:
-        return "-"
-    # Higher is better for rates, lower for times: a ratio > 1 always means pagedserve is ahead.
-    return f"{ours / theirs:.2f}x" if key.endswith("per_s") else f"{theirs / ours:.2f}x"
+def ratio(ours, theirs, key: str) -> float | None:
+    """pagedserve / peer for rates (per_s), peer / pagedserve for the rest (times, blocks): for rates and
+    times > 1 means pagedserve is ahead; None when either is missing or zero."""
+    if not ours or not theirs:
+        return None
+    return ours / theirs if key.endswith("per_s") else theirs / ours
+
+
+def _ratio_cell(ours, theirs, key: str) -> str:
+    value = ratio(ours, theirs, key)
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def ratios(result: dict) -> dict:
+    """Per peer, the ratio of every figure of the table (None where either side lacks it), as in the table."""
+    ours = result["pagedserve"]
+    return {
+        name: {key: ratio(ours.get(key), theirs.get(key), key) for key, _, _ in ROWS}
+        for name, theirs in result.get("peers", {}).items()
+    }
+
+
+def peer_names(peers: dict) -> list[str]:
+    """The columns: vLLM first, then transformers' generate_batch and generate, then the others."""
+    known = [name for name in (FIRST, *PEERS) if name in peers or name in PEERS]
+    return [*known, *(p for p in peers if p not in known)]
 
 
 def table(result: dict) -> str:
     ours, peers = result["pagedserve"], result.get("peers", {})
-    names = [*PEERS, *(p for p in peers if p not in PEERS)]
+    names = peer_names(peers)
     header = ["metric", "pagedserve", *names, *(f"vs {p}" for p in names)]
     lines = [header]
     for key, label, fmt in ROWS:
         row = [label, _cell(ours.get(key), fmt)]
         row += [_cell(peers.get(p, {}).get(key), fmt) for p in names]
-        row += [_ratio(ours.get(key), peers.get(p, {}).get(key), key) for p in names]
+        row += [_ratio_cell(ours.get(key), peers.get(p, {}).get(key), key) for p in names]
         lines.append(row)
-    return "\n".join(
-        [f"{result['workload']}: {result['description']}", f"({result['setup']})", *aligned(lines)]
-    )
+    setups = [f"({result['setup']})", *([f"({result['vllm_setup']})"] if "vllm_setup" in result else [])]
+    return "\n".join([f"{result['workload']}: {result['description']}", *setups, *aligned(lines)])
 
 
 def aligned(rows: list[list[str]]) -> list[str]:

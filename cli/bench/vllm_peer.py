@@ -1,0 +1,182 @@
+"""`bench --peer vllm`: the same workload on vLLM's CPU engine, run by vLLM's own interpreter.
+
+The workload goes to `vllm_driver.py` as JSON (token ids, max tokens, arrival times); its per-request traces
+come back as JSON and get the same figures as pagedserve's own passes (`driver.timings`).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+from cache_service.options import DEFAULT_KV_MEMORY
+from cache_service.units import parse_size
+from cli.bench import driver
+from cli.bench.workloads import Workload
+
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+PROTOCOL = 1
+NAME = "vLLM"
+PYTHON_ENV = "PAGEDSERVE_VLLM_PYTHON"
+# vLLM's start-up compiles for ~3 minutes the first time (cached afterwards); a run that takes longer than
+# this is stuck.
+TIMEOUT_S = 3600
+# Figures that only pagedserve's cache service reports.
+CACHE_ONLY = (
+    "peak_sequences",
+    "peak_used_blocks",
+    "kv_utilisation_mean",
+    "kv_utilisation_at_peak",
+    "tier_hit_blocks",
+    "tier_load_ms_per_block",
+)
+MIN_MODEL_LEN = 2048
+
+
+def request_json(
+    workload: Workload, model_dir: Path, dtype: str, repeat: int, kv_memory: int = DEFAULT_KV_MEMORY
+) -> dict:
+    """The driver's input (protocol 1) for `repeat` passes of the workload on the model in model_dir."""
+    longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
+    model_len = max(MIN_MODEL_LEN, longest)
+    if workload.kv_tokens:
+        # NOTE: vLLM refuses to start unless one sequence of max_model_len fits its KV budget.
+        model_len = max(longest, min(model_len, workload.kv_tokens))
+    return {
+        "protocol": PROTOCOL,
+        "model": str(model_dir),
+        "dtype": dtype,
+        "max_model_len": model_len,
+        "kv_memory_bytes": kv_memory,
+        "kv_tokens": workload.kv_tokens,
+        "repeat": repeat,
+        "requests": [
+            {"prompt_ids": r.prompt_ids, "max_tokens": r.max_tokens, "arrival_s": r.arrival_s}
+            for r in workload.requests
+        ],
+    }
+
+
+def traces(workload: Workload, one_pass: list[dict]) -> list[driver.Trace]:
+    """One pass's traces; ValueError unless each request got exactly its max_tokens (ignore_eos)."""
+    if len(one_pass) != len(workload.requests):
+        raise ValueError(f"vLLM answered {len(one_pass)} of {len(workload.requests)} requests")
+    result = []
+    for i, (request, trace) in enumerate(zip(workload.requests, one_pass, strict=True)):
+        if (
+            trace["completion_tokens"] != request.max_tokens
+            or len(trace["token_times"]) != request.max_tokens
+        ):
+            raise ValueError(
+                f"vLLM request {i}: {trace['completion_tokens']} tokens, {len(trace['token_times'])} times, "
+                f"max_tokens {request.max_tokens}"
+            )
+        result.append(
+            driver.Trace(
+                sent=trace["sent"],
+                token_times=trace["token_times"],
+                prompt_tokens=trace["prompt_tokens"],
+                cached_tokens=trace["cached_tokens"],
+                completion_tokens=trace["completion_tokens"],
+            )
+        )
+    return result
+
+
+def figures(workload: Workload, answer: dict) -> dict:
+    """The median figures of the driver's passes; the cache-only figures None."""
+    if answer.get("protocol") != PROTOCOL:
+        raise ValueError(f"the vLLM driver answered protocol {answer.get('protocol')!r}, not {PROTOCOL}")
+    if not answer.get("passes"):
+        raise ValueError("the vLLM driver answered no passes")
+    runs = [{**driver.timings(traces(workload, p)), **dict.fromkeys(CACHE_ONLY)} for p in answer["passes"]]
+    return driver.median_of(runs)
+
+
+def threads() -> str:
+    """OMP_NUM_THREADS for vLLM: the caller's, else every CPU (BENCHMARKS.md's recipe: 2 on 2 vCPUs)."""
+    return os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
+
+
+def run_driver(python: str, request: dict, workdir: Path) -> dict:
+    """Runs the driver under `python` (stdout and stderr to workdir/vllm.log) and returns its answer;
+    RuntimeError with the log's tail if it fails. The driver's processes are killed on any way out."""
+    log_path, output = workdir / "vllm.log", workdir / "answer.json"
+    env = {**os.environ, "OMP_NUM_THREADS": threads()}
+    with open(log_path, "w") as log:
+        # NOTE: -P keeps the driver's folder off sys.path: cli/bench/profile.py would shadow the stdlib's.
+        process = subprocess.Popen(
+            [python, "-P", str(DRIVER), "--output", str(output)], stdin=subprocess.PIPE, stdout=log,
+            stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+        try:
+            process.communicate(json.dumps(request).encode(), timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired as error:
+            raise RuntimeError(f"the vLLM driver ran past {TIMEOUT_S} s:\n{_tail(log_path)}") from error
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    if process.returncode != 0 or not output.exists():
+        raise RuntimeError(f"the vLLM driver ({python}) exited with {process.returncode}:\n{_tail(log_path)}")
+    return json.loads(output.read_text())
+
+
+def _tail(log_path: Path, lines: int = 20) -> str:
+    """The log's first error lines (vLLM's root cause comes long before its last lines), then its end."""
+    text = log_path.read_text(errors="replace").splitlines()
+    errors = [line for line in text[:-lines] if "Error:" in line][:5]
+    return "\n".join([*errors, *(["..."] if errors else []), *text[-lines:]])
+
+
+def add_flags(parser) -> None:
+    parser.add_argument(
+        "--peer", action="append", choices=["vllm"], default=[],
+        help="also run the workload on this engine (vllm: vLLM's CPU engine, from --vllm-python)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--vllm-python",
+        help=f"the interpreter of a venv with vLLM installed (default: ${PYTHON_ENV})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--vllm-kv-memory", type=parse_size, default=DEFAULT_KV_MEMORY,
+        help="vLLM's KV cache size, e.g. 256MiB (default: the cache service's default pool, 256MiB)",
+    )  # fmt: skip
+
+
+def check_flags(args) -> None:
+    """SystemExit unless --peer vllm has an interpreter that exists: --vllm-python, else
+    $PAGEDSERVE_VLLM_PYTHON (read now and put into args)."""
+    if "vllm" not in args.peer:
+        return
+    args.vllm_python = args.vllm_python or os.environ.get(PYTHON_ENV)
+    if not args.vllm_python:
+        raise SystemExit(f"pagedserve bench: --peer vllm needs --vllm-python PATH (or ${PYTHON_ENV})")
+    if not Path(args.vllm_python).is_file():
+        raise SystemExit(f"pagedserve bench: --vllm-python {args.vllm_python}: no such file")
+
+
+def setup(figures: dict, args, dtype: str) -> str:
+    """One line on how the vLLM peer ran."""
+    return (
+        f"{NAME} {figures.get('version')}: AsyncLLM, each token timed as it streams out, {dtype}, "
+        f"OMP_NUM_THREADS={threads()}, KV {args.vllm_kv_memory / 2**20:.0f}MiB, prefix caching on, "
+        f"median of {args.repeat}"
+    )
+
+
+def measure(
+    python: str,
+    workload: Workload,
+    model_dir: Path,
+    dtype: str,
+    repeat: int,
+    kv_memory: int = DEFAULT_KV_MEMORY,
+) -> dict:
+    """The workload's median figures on vLLM, and its version."""
+    request = request_json(workload, model_dir, dtype, repeat, kv_memory)
+    with tempfile.TemporaryDirectory(prefix="pagedserve-bench-vllm-") as workdir:
+        answer = run_driver(python, request, Path(workdir))
+    return {**figures(workload, answer), "version": answer.get("vllm_version")}

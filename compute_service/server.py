@@ -17,6 +17,7 @@ from common.server import serve
 from common.shared_pool import dtype_from_name, open_pool
 from compute_service.batch import ForwardBatch
 from compute_service.callers import CALLERS
+from compute_service.llama_layer import FusedLlamaModel
 from compute_service.model_loader import ModelSpec, load
 from compute_service.options import OPTIONS
 from compute_service.runner import Runner, StepTimes
@@ -160,7 +161,12 @@ def main(argv: list[str] | None = None) -> None:
     kv_dtype = dtype_from_name(resolve_kv_dtype(args.kv_dtype, weights))
     try:
         model, spec = load(
-            args.model, dtype_from_name(weights), args.attention_backend, args.plain_linear, kv_dtype
+            args.model,
+            dtype_from_name(weights),
+            args.attention_backend,
+            args.plain_linear,
+            kv_dtype,
+            fused=not args.unfused,
         )
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"compute_service: {exc}") from exc
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         layers=spec.num_layers,
         threads=torch.get_num_threads(),
         plain_linear=args.plain_linear,
+        fused=isinstance(model.model, FusedLlamaModel),
     )
     COMPUTE_INFO.info(
         {

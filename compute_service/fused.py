@@ -27,8 +27,14 @@ def can_fuse(model: PreTrainedModel) -> bool:
         and model.dtype == torch.float32
         and model.config.hidden_act == "silu"
         and all(type(layer) is LlamaDecoderLayer for layer in base.layers)
-        and model.config._attn_implementation in ALL_ATTENTION_FUNCTIONS
+        and _is_paged(model.config._attn_implementation)
     )
+
+
+def _is_paged(attn_implementation: str) -> bool:
+    """A paged attention function (compute_service.model_loader.register_attention): the fused stack keeps no
+    KV cache of its own, so any other attention would see only the step's new tokens."""
+    return attn_implementation.startswith("pagedserve_") and attn_implementation in ALL_ATTENTION_FUNCTIONS
 
 
 def fuse(model: PreTrainedModel) -> bool:

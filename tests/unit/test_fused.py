@@ -91,3 +91,6 @@ def test_other_models_and_dtypes_keep_transformers_layers():
         MistralConfig(**tiny_llama_config().to_dict()), attn_implementation=register_attention("cpu")
     )
     assert not fuse(mistral)
+    torch.manual_seed(0)
+    unpaged = AutoModelForCausalLM.from_config(tiny_llama_config(), attn_implementation="sdpa")
+    assert not fuse(unpaged), "the fused stack needs a paged attention: it keeps no KV cache"

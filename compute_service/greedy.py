@@ -3,7 +3,8 @@ log-probabilities: the argmax and its log-probability, with no [S, V] log-softma
 
 NOTE: the small-batch output head (compute_service.linear) returns its logits as the transpose of a [V, S]
 product; reductions along that product's contiguous dimension 0 are far cheaper than row reductions over the
-strided view (measured, 64 rows x 49,152, one thread: 49 -> 29 ms).
+strided view (measured, 49,152-token vocabulary, one thread, CPU time: 64 rows 17.6 -> 7.8 ms, 16 rows 1.6
+-> 1.3 ms).
 """
 
 import torch
@@ -22,7 +23,9 @@ def greedy(logits: torch.Tensor) -> Sampled:
     them for a plain greedy batch (the log-probability up to float rounding)."""
     transposed = logits.stride(-1) != 1
     values, dim = (logits.t(), 0) if transposed else (logits, 1)
-    tokens = values.argmax(dim)
-    logprobs = values.amax(dim) - values.logsumexp(dim)
+    best, tokens = values.max(dim, keepdim=True)
+    # log p(best) = -log Σ exp(logit - best): one pass over the vocabulary, no log-softmax written
+    logprobs = -(values - best).exp_().sum(dim).log_()
+    tokens = tokens.squeeze(dim)
     empty = logits.new_empty(0, 0)  # no row asks for top-n log-probabilities
     return Sampled(tokens, logprobs, empty.long(), empty)

@@ -4,8 +4,10 @@
 
 Each variant runs the same packed request (every sequence decoding one token after CONTEXT cached ones)
 from ForwardBatch.from_request to the sampled tokens, as the Forward RPC does; the variants alternate step
-by step so that a shared machine's noise hits both alike. Prints the median step per batch size and the
-ratio; `--profile` adds torch.profiler's top ops of one fused step per size.
+by step so that a shared machine's noise hits both alike. With one torch thread (the default) a step is
+timed in CPU time of this thread, which other processes on a busy host do not inflate; with more, in wall
+time. Prints the median step per batch size and the ratio; `--profile` adds torch.profiler's top ops of one
+fused step per size.
 """
 
 import argparse
@@ -40,11 +42,11 @@ def make_runner(model, spec, num_blocks: int) -> tuple[Runner, Limits]:
     return runner, Limits(spec.vocab_size, spec.max_model_len, num_blocks, BLOCK_SIZE)
 
 
-def timed_step(runner: Runner, limits: Limits, request) -> float:
-    start = time.perf_counter()
+def timed_step(runner: Runner, limits: Limits, request, clock=time.perf_counter) -> float:
+    start = clock()
     batch = ForwardBatch.from_request(request, limits)
     runner.forward(batch, StepTimes())
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def main() -> None:
@@ -56,18 +58,19 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
     num_blocks = max(args.sizes) * blocks_for(CONTEXT + 1, BLOCK_SIZE)
     variants = {}
     for name, fused in (("transformers", False), ("fused", True)):
         model, spec = load(args.model, torch.float32, fused=fused)
         variants[name] = make_runner(model, spec, num_blocks)
-    print(f"threads={torch.get_num_threads()} context={CONTEXT}")
+    print(f"threads={torch.get_num_threads()} context={CONTEXT} clock={clock.__name__}")
     for size in args.sizes:
         request = step_request(variants["fused"][0].model, size)
         times = {name: [] for name in variants}
         for _ in range(2 + args.repeats):
             for name, (runner, limits) in variants.items():
-                times[name].append(timed_step(runner, limits, request))
+                times[name].append(timed_step(runner, limits, request, clock))
         medians = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
         ratio = medians["transformers"] / medians["fused"]
         cells = "  ".join(f"{name} {ms:7.1f} ms" for name, ms in medians.items())

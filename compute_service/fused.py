@@ -1,13 +1,14 @@
 """Fewer, larger ops: a loaded Llama-family model rebuilt on compute_service.llama_layer.
 
-q/k/v become one linear (their weights stacked, the output split after), gate/up another; each layer's
-residual stream is updated in place and its RMSNorms are single ops; the per-layer forward calls the paged
-attention function directly, with none of transformers' kwargs plumbing, mask creation or output capture.
+q/k/v become one linear (their weights stacked, the output split after), gate/up another; the residual
+stream is one tensor updated in place and the RMSNorms work on their temporaries in place; the per-layer
+forward calls the paged attention function directly, with none of transformers' kwargs plumbing, mask
+creation or output capture.
 
 Which models: transformers' Llama classes (LlamaDecoderLayer, SiLU MLP) in float32. Others keep
 transformers' own forward. NOTE: float32 only, because bfloat16 parity with transformers is held token for
-token, and transformers rounds RMSNorm's output to bfloat16 before the weight product, which one fused op
-does not.
+token, and transformers computes RMSNorm in float32 and rounds to bfloat16 before the weight product, which
+this forward (all in the input's dtype) does not reproduce.
 """
 
 import torch

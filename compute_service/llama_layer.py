@@ -2,7 +2,7 @@
 residual stream updated in place, the paged attention function called directly.
 
 Guarantees: the same function as transformers' LlamaModel over the same weights (float rounding aside: the
-fused products, RMSNorm and rotary embedding group their operations differently); the attention function is
+fused products and the rotary embedding group their operations differently); the attention function is
 the one the model was loaded with (compute_service.attention.registry), called as transformers calls it.
 """
 
@@ -84,8 +84,14 @@ class FusedLlamaModel(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """transformers' LlamaRMSNorm as one op (float32 inputs only: see compute_service.fused)."""
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    """transformers' LlamaRMSNorm with its float32 arithmetic in the same order (float32 inputs only: see
+    compute_service.fused), its temporaries updated in place.
+
+    NOTE: not F.rms_norm: on the CPU its kernel took the same time as transformers' six ops from 64 rows on
+    and twice this one's (576 wide, one thread: 128 vs 70 µs at 64 rows, 995 vs 534 µs at 512); at one row
+    it saves under 1 µs."""
+    rstd = torch.rsqrt(x.square().mean(-1, keepdim=True).add_(norm.variance_epsilon))
+    return (x * rstd).mul_(norm.weight)
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

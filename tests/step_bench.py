@@ -1,6 +1,6 @@
 """A decode step through compute's runner, transformers' layers against the fused ones, in one process.
 
-    PYTHONPATH=$PWD python -m tests.step_bench [--model smollm2] [--sizes 1 4 16 64] [--repeats 15]
+    PYTHONPATH=$PWD python -m tests.step_bench [--model smollm2] [--sizes 1 4 16 64] [--prefill 512]
 
 Each variant runs the same packed request (every sequence decoding one token after CONTEXT cached ones)
 from ForwardBatch.from_request to the sampled tokens, as the Forward RPC does; the variants alternate step
@@ -35,6 +35,14 @@ def step_request(model, num_seqs: int):
     return forward_request(new, [CONTEXT] * num_seqs, tables, block_size=BLOCK_SIZE)
 
 
+def prefill_request(model, num_tokens: int):
+    """One fresh prompt of num_tokens tokens."""
+    tokens = [(13 * i + 5) % model.config.vocab_size for i in range(num_tokens)]
+    return forward_request(
+        [tokens], [0], [list(range(blocks_for(num_tokens, BLOCK_SIZE)))], block_size=BLOCK_SIZE
+    )
+
+
 def make_runner(model, spec, num_blocks: int) -> tuple[Runner, Limits]:
     runner = Runner(model, spec.kv_scales)
     shape = (spec.num_layers, 2, num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
@@ -54,19 +62,27 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--prefill", type=int, default=0, help="also time one fresh prompt of this many tokens"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared host)")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
-    num_blocks = max(args.sizes) * blocks_for(CONTEXT + 1, BLOCK_SIZE)
+    num_blocks = max(
+        max(args.sizes) * blocks_for(CONTEXT + 1, BLOCK_SIZE), blocks_for(args.prefill, BLOCK_SIZE)
+    )
     variants = {}
     for name, fused in (("transformers", False), ("fused", True)):
         model, spec = load(args.model, torch.float32, fused=fused)
         variants[name] = make_runner(model, spec, num_blocks)
     print(f"threads={torch.get_num_threads()} context={CONTEXT} clock={clock.__name__}")
-    for size in args.sizes:
-        request = step_request(variants["fused"][0].model, size)
+    model = variants["fused"][0].model
+    steps = [(f"{size:3d} seqs", step_request(model, size)) for size in args.sizes]
+    if args.prefill:
+        steps.append((f"prefill {args.prefill}", prefill_request(model, args.prefill)))
+    for label, request in steps:
         times = {name: [] for name in variants}
         for _ in range(2 + args.repeats):
             for name, (runner, limits) in variants.items():
@@ -74,7 +90,7 @@ def main() -> None:
         medians = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
         ratio = medians["transformers"] / medians["fused"]
         cells = "  ".join(f"{name} {ms:7.1f} ms" for name, ms in medians.items())
-        print(f"{size:3d} seqs  {cells}  speed-up {ratio:.2f}x")
+        print(f"{label}  {cells}  speed-up {ratio:.2f}x")
         if args.profile:
             runner, limits = variants["fused"]
             with profile(activities=[ProfilerActivity.CPU]) as prof:

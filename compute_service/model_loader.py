@@ -10,6 +10,7 @@ from common.shared_pool import dtype_name
 from compute_service.attention.context import timed
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend, require_kv_dtype
+from compute_service.fused import fuse
 from compute_service.kv_calibration import calibrate
 from compute_service.linear import use_small_batch_linears
 
@@ -55,11 +56,13 @@ def load(
     plain_linear: bool = False,
     kv_dtype: torch.dtype | None = None,
     device: str = "cpu",
+    fused: bool = True,
 ) -> tuple[PreTrainedModel, ModelSpec]:
     """The model with paged attention; its linear layers take the small-batch path (see
-    compute_service.linear) unless `plain_linear`. K/V are stored as `kv_dtype` (default: `dtype`); an fp8
-    one is calibrated here (compute_service.kv_calibration). The model is placed on `device` (a torch
-    device name). ValueError if the backend cannot store it."""
+    compute_service.linear) unless `plain_linear`; a Llama-family model runs on fused projections and a
+    lighter layer forward (compute_service.fused) unless not `fused`. K/V are stored as `kv_dtype` (default:
+    `dtype`); an fp8 one is calibrated here (compute_service.kv_calibration). The model is placed on `device`
+    (a torch device name). ValueError if the backend cannot store it."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     require_kv_dtype(backend, dtype_name(kv_dtype))
     files = local_copy(model)
@@ -73,7 +76,10 @@ def load(
     if not plain_linear and device == "cpu":
         use_small_batch_linears(hf_model)
     spec = model_spec(hf_model, files.name, backend, kv_dtype)
-    return hf_model, replace(spec, kv_scales=calibrate(hf_model, files.path, kv_dtype))
+    spec = replace(spec, kv_scales=calibrate(hf_model, files.path, kv_dtype))
+    if fused:
+        fuse(hf_model)
+    return hf_model, spec
 
 
 def model_spec(

@@ -21,6 +21,12 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep nn.Linear as is (default: float32 CPU decode batches multiply W by x transposed, faster)",
     )
+    parser.add_argument(
+        "--unfused",
+        action="store_true",
+        help="keep transformers' layer forward (default: float32 Llama models run fused QKV and gate/up "
+        "projections and a lighter layer forward)",
+    )
 
 
 OPTIONS = ServiceOptions(

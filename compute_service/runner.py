@@ -9,6 +9,7 @@ from transformers import PreTrainedModel
 from compute_service.attention.context import build_context, reset_context, set_context
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.batch import ForwardBatch
+from compute_service.greedy import greedy, is_plain_greedy
 from compute_service.sampling import Sampled, sample
 
 
@@ -71,7 +72,10 @@ class Runner:
         times = times or StepTimes()
         logits = self.logits(batch, times)
         start = time.perf_counter()
-        # the sampled token takes the position right after the sequence's context
-        result = sample(logits, batch.sampling, batch.context_lens[batch.sample])
+        if is_plain_greedy(batch.sampling):
+            result = greedy(logits)
+        else:
+            # the sampled token takes the position right after the sequence's context
+            result = sample(logits, batch.sampling, batch.context_lens[batch.sample])
         times.sample += time.perf_counter() - start
         return result

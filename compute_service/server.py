@@ -20,6 +20,7 @@ from compute_service import attach_pool
 from compute_service.attention.registry import backend_for, require_block_size
 from compute_service.batch import ForwardBatch
 from compute_service.callers import CALLERS
+from compute_service.llama_layer import FusedLlamaModel
 from compute_service.model_loader import ModelSpec, load
 from compute_service.options import OPTIONS
 from compute_service.runner import Runner, StepTimes
@@ -170,7 +171,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         backend = backend_for(args.attention_backend, args.kv_device.type)
         model, spec = load(
-            args.model, dtype_from_name(weights), backend, args.plain_linear, kv_dtype, args.kv_device.torch
+            args.model,
+            dtype_from_name(weights),
+            backend,
+            args.plain_linear,
+            kv_dtype,
+            args.kv_device.torch,
+            fused=not args.unfused,
         )
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"compute_service: {exc}") from exc
@@ -183,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         layers=spec.num_layers,
         threads=torch.get_num_threads(),
         plain_linear=args.plain_linear,
+        fused=isinstance(model.model, FusedLlamaModel),
     )
     COMPUTE_INFO.info(
         {

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compute_service.batch import ForwardBatch
+from compute_service.fused import fuse
 from compute_service.linear import use_small_batch_linears
 from compute_service.model_loader import register_attention
 from compute_service.runner import Runner
@@ -21,10 +22,11 @@ PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 44, 55, 66, 77, 88, 99, 11, 12, 13], [10, 2
 forward_request = partial(paged_forward_request, block_size=BLOCK_SIZE)
 
 
-@pytest.fixture(scope="module", params=["small-batch linear", "plain linear"])
+@pytest.fixture(scope="module", params=["small-batch linear", "plain linear", "fused"])
 def models(request):
     """The reference and the paged model, the latter's linears on the path the compute service uses by
-    default, or on nn.Linear's (--plain-linear)."""
+    default, or on nn.Linear's (--plain-linear), or the default's rebuilt on fused layers
+    (compute_service.fused)."""
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(
         tiny_llama_config(initializer_range=0.3), attn_implementation="sdpa", dtype=torch.float32
@@ -35,8 +37,10 @@ def models(request):
         dtype=torch.float32,
     ).eval()
     paged.load_state_dict(reference.state_dict())
-    if request.param == "small-batch linear":
+    if request.param != "plain linear":
         assert use_small_batch_linears(paged) == 7 * paged.config.num_hidden_layers + 1
+    if request.param == "fused":
+        assert fuse(paged)
     return reference, paged
 
 

@@ -165,6 +165,13 @@ def test_up_passes_the_plain_linear_switch_to_compute():
         assert args.plain_linear is plain
 
 
+def test_up_passes_the_unfused_switch_to_compute():
+    for argv, unfused in (((), False), (("--unfused",), True)):
+        compute = up.service_commands(up_args(*argv))["compute"]
+        args = compute_args(compute[compute.index("compute_service") + 1 :])
+        assert args.unfused is unfused
+
+
 def test_up_parses_sizes_as_the_cache_service_does(capsys):
     cache = up.service_commands(up_args("--kv-memory", "1.5 GiB"))["cache"]
     assert parse_args(cache[cache.index("cache_service") + 1 :]).kv_memory == 3 * 2**29

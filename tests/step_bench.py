@@ -1,0 +1,102 @@
+"""A decode step through compute's runner, transformers' layers against the fused ones, in one process.
+
+    PYTHONPATH=$PWD python -m tests.step_bench [--model smollm2] [--sizes 1 4 16 64] [--prefill 512]
+
+Each variant runs the same packed request (every sequence decoding one token after CONTEXT cached ones)
+from ForwardBatch.from_request to the sampled tokens, as the Forward RPC does; the variants alternate step
+by step so that a shared machine's noise hits both alike. With one torch thread (the default) a step is
+timed in CPU time of this thread, which other processes on a busy host do not inflate; with more, in wall
+time. Prints the median step per batch size and the ratio; `--profile` adds torch.profiler's top ops of one
+fused step per size.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from common.paging import blocks_for
+from compute_service.batch import ForwardBatch
+from compute_service.model_loader import load
+from compute_service.runner import Runner, StepTimes
+from compute_service.validation import Limits
+from tests.forward import forward_request
+
+BLOCK_SIZE, CONTEXT = 16, 256
+
+
+def step_request(model, num_seqs: int):
+    """num_seqs sequences of CONTEXT cached tokens, each decoding one token, on disjoint blocks."""
+    per_seq = blocks_for(CONTEXT + 1, BLOCK_SIZE)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)]
+    new = [[(7 * i + 11) % model.config.vocab_size] for i in range(num_seqs)]
+    return forward_request(new, [CONTEXT] * num_seqs, tables, block_size=BLOCK_SIZE)
+
+
+def prefill_request(model, num_tokens: int):
+    """One fresh prompt of num_tokens tokens."""
+    tokens = [(13 * i + 5) % model.config.vocab_size for i in range(num_tokens)]
+    return forward_request(
+        [tokens], [0], [list(range(blocks_for(num_tokens, BLOCK_SIZE)))], block_size=BLOCK_SIZE
+    )
+
+
+def make_runner(model, spec, num_blocks: int) -> tuple[Runner, Limits]:
+    runner = Runner(model, spec.kv_scales)
+    shape = (spec.num_layers, 2, num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
+    runner.attach(torch.randn(shape, dtype=spec.kv_dtype) * 0.5)
+    return runner, Limits(spec.vocab_size, spec.max_model_len, num_blocks, BLOCK_SIZE)
+
+
+def timed_step(runner: Runner, limits: Limits, request, clock=time.perf_counter) -> float:
+    start = clock()
+    batch = ForwardBatch.from_request(request, limits)
+    runner.forward(batch, StepTimes())
+    return clock() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--prefill", type=int, default=0, help="also time one fresh prompt of this many tokens"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared host)")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    num_blocks = max(
+        max(args.sizes) * blocks_for(CONTEXT + 1, BLOCK_SIZE), blocks_for(args.prefill, BLOCK_SIZE)
+    )
+    variants = {}
+    for name, fused in (("transformers", False), ("fused", True)):
+        model, spec = load(args.model, torch.float32, fused=fused)
+        variants[name] = make_runner(model, spec, num_blocks)
+    print(f"threads={torch.get_num_threads()} context={CONTEXT} clock={clock.__name__}")
+    model = variants["fused"][0].model
+    steps = [(f"{size:3d} seqs", step_request(model, size)) for size in args.sizes]
+    if args.prefill:
+        steps.append((f"prefill {args.prefill}", prefill_request(model, args.prefill)))
+    for label, request in steps:
+        times = {name: [] for name in variants}
+        for _ in range(2 + args.repeats):
+            for name, (runner, limits) in variants.items():
+                times[name].append(timed_step(runner, limits, request, clock))
+        medians = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
+        ratio = medians["transformers"] / medians["fused"]
+        cells = "  ".join(f"{name} {ms:7.1f} ms" for name, ms in medians.items())
+        print(f"{label}  {cells}  speed-up {ratio:.2f}x")
+        if args.profile:
+            runner, limits = variants["fused"]
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                timed_step(runner, limits, request)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The plain-greedy fast path (compute_service.greedy) returns what `sample` returns for such a batch."""
+
+import pytest
+import torch
+
+from compute_service.greedy import greedy, is_plain_greedy
+from compute_service.sampling import SamplingBatch, sample
+from protos import compute_pb2
+
+GREEDY = compute_pb2.RowSampling(temperature=0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("transposed", [True, False], ids=["W·xᵀ head", "row-major"])
+def test_greedy_equals_sample_on_a_plain_greedy_batch(rows, transposed):
+    torch.manual_seed(rows)
+    logits = torch.randn(1000, rows).t() if transposed else torch.randn(rows, 1000)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie: the first index wins
+    batch = SamplingBatch.from_params([GREEDY] * rows)
+    assert is_plain_greedy(batch)
+    expected, got = sample(logits, batch, torch.arange(rows)), greedy(logits)
+    assert torch.equal(got.tokens, expected.tokens) and int(got.tokens[0]) == 7
+    torch.testing.assert_close(got.logprobs, expected.logprobs)
+    assert got.top_ids.shape == expected.top_ids.shape == (0, 0)
+    assert got.top_logprobs.shape == expected.top_logprobs.shape
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        compute_pb2.RowSampling(temperature=0.7),
+        compute_pb2.RowSampling(temperature=0, logprobs=2),
+        compute_pb2.RowSampling(temperature=0, logit_bias={5: 2.0}),
+        compute_pb2.RowSampling(temperature=0, min_tokens=2, suppress_token_ids=[2]),
+    ],
+    ids=["temperature", "logprobs", "logit_bias", "min_tokens"],
+)
+def test_any_row_that_sample_would_treat_otherwise_takes_the_full_path(row):
+    assert not is_plain_greedy(SamplingBatch.from_params([GREEDY, row]))
+
+
+def test_a_penalty_history_takes_the_full_path():
+    batch = SamplingBatch.from_params(
+        [GREEDY], history=[4, 5], cu_history=[0, 2], history_prompt_lens=[1], output_lens=[1]
+    )
+    assert not is_plain_greedy(batch)

@@ -96,14 +96,28 @@ class KVView:
             seq.prefix_hint = cached
         self.available_blocks = reply.available_blocks
 
+    def covers(self, seqs: Seqs[Sequence]) -> bool:
+        """Whether the step needs no Reserve: every sequence has a table whose blocks hold its chunk and
+        that it alone holds (no fork since its last Reserve), so nothing is to be grown or copied."""
+        for seq in seqs:
+            kv = self._seqs.get(seq.seq_id)
+            if kv is None or kv.shares_tail or seq.chunk_end > len(kv.block_table) * self.block_size:
+                return False
+        return True
+
     def reserve(self, seqs: Seqs[Sequence]) -> None:
-        """One Reserve for a step: a table for each sequence the cache holds none for (its prefix hits plus
-        at most the chunk's tokens after its `start`), and for every other one its new tokens and progress,
-        its table grown to hold its chunk (the reply carries only the part of a table that may change).
+        """One Reserve for a step, unless the tables cover it (`covers`): then nothing is sent, and the
+        new tokens and progress go with the next Reserve (NOTE: a decode then calls the cache once per
+        block; the prefix cache learns its written blocks that much later). Otherwise: a table for each
+        sequence the cache holds none for (its prefix hits plus at most the chunk's tokens after its
+        `start`), and for every other one its new tokens and progress, its table grown to hold its chunk
+        (the reply carries only the part of a table that may change).
 
         Prefix hits move num_computed on, and a new table's size sets chunk_end; a sequence's first
         reservation sets scheduled_at and cached_tokens.
         """
+        if self.covers(seqs):
+            return
         now = time.monotonic()
         new = [seq for seq in seqs if seq.seq_id not in self._seqs]
         running = [seq for seq in seqs if seq.seq_id in self._seqs]
@@ -154,7 +168,8 @@ class KVView:
         them; they keep their tokens, and their progress starts again from 0."""
         request = cache_pb2.FreeRequest(
             seq_ids=[s.seq_id for s in seqs],
-            num_computed={s.seq_id: s.num_computed for s in seqs},
+            # NOTE: the cache holds only the synced tokens: it can index no block beyond them.
+            num_computed={s.seq_id: min(s.num_computed, self._seqs[s.seq_id].num_synced) for s in seqs},
             session_id=self._session_id,
         )
         reply = self._stub.Free(request, timeout=self._timeout, metadata=_ids(seqs))

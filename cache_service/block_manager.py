@@ -2,26 +2,24 @@
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 from cache_service.allocators.base import BlockAllocator
 from cache_service.block_pool import BlockPool
+from cache_service.invariants import check_tables
 from cache_service.prefix_cache import block_tokens, chain, root_hash
 from cache_service.prefix_match import Hit, Partial, StepBlocks, lookup
-from cache_service.sequence import SeqRequest, SeqState, check_free, check_known, check_new, check_running
+from cache_service.sequence import (
+    SeqRequest,
+    SeqState,
+    TableTail,
+    check_fork,
+    check_free,
+    check_known,
+    check_new,
+    check_running,
+)
 from cache_service.stats import BlockStats, Counters
-from common.errors import AlreadyExists, InvalidArgument
 from common.paging import blocks_for
-
-
-@dataclass(frozen=True, slots=True)
-class TableTail:
-    """A block table from index `first` on (the entries before it are unchanged), and for a new sequence
-    its leading tokens found computed (prefix hits)."""
-
-    first: int
-    block_ids: list[int]
-    cached_tokens: int = 0
 
 
 class BlockManager:
@@ -72,12 +70,15 @@ class BlockManager:
         and progress, index their newly written full blocks, copy the blocks the step writes that are shared
         or indexed (copy-on-write) and grow to hold num_tokens.
 
-        Returns what the caller lacks of each table, `new` then `running`: a new sequence's whole table, a
-        running one's from the block holding its num_computed on (the only blocks this call can copy or add).
+        A new sequence with max_compute holds its prefix hits plus at most that many tokens (`fit`).
+        Returns what the caller lacks of each table, `new` then `running`: a new sequence's whole table (and
+        its num_tokens), a running one's from the block holding its num_computed on (the only blocks this
+        call can copy or add).
         Raises InvalidArgument (bad counts or tokens), AlreadyExists (a new sequence has a table or is listed
         twice), NotFound (a running one has none) and ResourceExhausted (not enough blocks).
         """
         self.check(new, running)
+        new = self.fit(new)
         grow = self._growth(running)
         # NOTE: copying a partly matched block pins it beside its copy; skipped when blocks are short.
         need, revived = self._need(new, partials=True)
@@ -93,7 +94,9 @@ class BlockManager:
             self._register(seq, min(request.num_computed, seq.num_tokens))
         self._admit(new, use_partials)
         self._grow_running(running)
-        tails = [TableTail(0, self.block_table(r.seq_id), self.cached_tokens(r.seq_id)) for r in new]
+        tails = [
+            TableTail(0, self.block_table(r.seq_id), self.cached_tokens(r.seq_id), r.num_tokens) for r in new
+        ]
         for request in running:
             first = request.num_computed // self.block_size
             tails.append(TableTail(first, self._seqs[request.seq_id].block_table[first:]))
@@ -103,6 +106,19 @@ class BlockManager:
         """Raises as `reserve` does when the batch is invalid (before blocks are counted); changes nothing."""
         check_running(running, self._seqs, self.block_size)
         check_new(new, self._seqs)
+
+    def cached_prefix(self, request: SeqRequest) -> int:
+        """Leading tokens of a valid new request found computed in whole indexed blocks (never the last)."""
+        hits, _ = self._lookup(self._new_state(request), request.num_tokens, partials=False)
+        return len(hits) * self.block_size
+
+    def fit(self, new: Sequence[SeqRequest]) -> list[SeqRequest]:
+        """Valid new requests, each with max_compute trimmed to its prefix hits plus max_compute tokens."""
+        ends = [min(r.num_tokens, self.cached_prefix(r) + r.max_compute) if r.max_compute else 0 for r in new]
+        return [
+            r._replace(num_tokens=end, token_ids=r.token_ids[:end]) if end else r
+            for r, end in zip(new, ends, strict=True)
+        ]
 
     def _need(self, new: Sequence[SeqRequest], partials: bool) -> tuple[int, int]:
         """(blocks to take, evictable blocks the new sequences' prefix hits revive), with or without the
@@ -178,12 +194,7 @@ class BlockManager:
         Raises NotFound (unknown parent), InvalidArgument (empty or repeated child id) and AlreadyExists
         (a child has a table); on any error nothing changed.
         """
-        check_known([parent_id], self._seqs)
-        if len(set(child_ids)) != len(child_ids) or not all(child_ids):
-            raise InvalidArgument(f"child ids must be distinct and non-empty, got {list(child_ids)}")
-        taken = sorted(child_id for child_id in child_ids if child_id in self._seqs)
-        if taken:
-            raise AlreadyExists(f"sequences {taken} already have block tables")
+        check_fork(parent_id, child_ids, self._seqs)
         parent = self._seqs[parent_id]
         for child_id in child_ids:
             tokens = list(parent.token_ids) if parent.token_ids is not None else None
@@ -235,20 +246,8 @@ class BlockManager:
         return self._counters.snapshot(self.block_pool, len(self._seqs), self.block_size)
 
     def check_invariants(self) -> None:
-        """Asserts: refcount == tables holding the block; free + used + cached == total, disjoint; no table
-        holds a block twice or lacks blocks for its tokens; indexed blocks hold the tokens of their hash."""
-        holders = [0] * self.block_pool.num_total
-        seqs = self._seqs.values()
-        assert self._counters.stored_tokens == sum(seq.num_tokens for seq in seqs), self._counters
-        assert self._counters.table_blocks == sum(len(seq.block_table) for seq in seqs), self._counters
-        for seq_id, seq in self._seqs.items():
-            seq.check_invariants(seq_id, self.block_size)
-            for index, block_id in enumerate(seq.block_table):
-                holders[block_id] += 1
-                if self.block_pool.prefix.is_indexed(block_id):
-                    claimed = self.block_pool.prefix.tokens(block_id)
-                    assert claimed == tuple(block_tokens(seq.token_ids, index, self.block_size)), block_id
-        self.block_pool.check_invariants(holders)
+        """Asserts the tables' and the pool's invariants (cache_service.invariants.check_tables)."""
+        check_tables(self._seqs, self._counters, self.block_pool, self.block_size)
 
     # tables
 

@@ -12,6 +12,7 @@ CALLERS = table(
     {
         "CreatePool": GATEWAY,
         "Reserve": GATEWAY,
+        "Lookup": GATEWAY,
         "Fork": GATEWAY,
         "Free": GATEWAY,
         "OpenSession": GATEWAY,

@@ -16,7 +16,8 @@ class SeqRequest(NamedTuple):
 
     token_ids: for a new sequence the whole sequence, for a running one the tokens appended since the
     previous call; empty for a sequence that is never prefix-cached. num_computed (running): leading tokens
-    whose K/V is written; the step that follows writes [num_computed, num_tokens).
+    whose K/V is written; the step that follows writes [num_computed, num_tokens). max_compute (new, > 0):
+    the step computes at most that many tokens after the prefix hits (`BlockManager.fit` trims num_tokens).
     """
 
     seq_id: str
@@ -24,6 +25,18 @@ class SeqRequest(NamedTuple):
     token_ids: Sequence[int] = ()
     num_computed: int = 0
     cache_salt: str = ""
+    max_compute: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TableTail:
+    """A block table from index `first` on (the entries before it are unchanged), and for a new sequence
+    its leading tokens found computed (prefix hits) and the tokens it holds."""
+
+    first: int
+    block_ids: list[int]
+    cached_tokens: int = 0
+    num_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -77,12 +90,15 @@ class SeqState:
 
 
 def check_request(request: SeqRequest) -> None:
-    """InvalidArgument for an empty seq_id or num_tokens <= 0."""
+    """InvalidArgument for an empty seq_id, num_tokens <= 0 or max_compute < 0."""
     if not request.seq_id:
         raise InvalidArgument("seq_id must not be empty")
     if request.num_tokens <= 0:
         name, n = request.seq_id, request.num_tokens
         raise InvalidArgument(f"sequence {name!r}: num_tokens must be > 0, got {n}")
+    if request.max_compute < 0:
+        name, n = request.seq_id, request.max_compute
+        raise InvalidArgument(f"sequence {name!r}: max_compute_tokens must be >= 0, got {n}")
 
 
 def check_known(seq_ids: Sequence[str], seqs: Mapping[str, SeqState]) -> None:
@@ -92,23 +108,28 @@ def check_known(seq_ids: Sequence[str], seqs: Mapping[str, SeqState]) -> None:
         raise NotFound(f"unknown sequences {unknown}: Reserve them as new first (or they were freed)")
 
 
+def check_prompt(request: SeqRequest) -> None:
+    """InvalidArgument (bad request, token_ids neither empty nor num_tokens long)."""
+    check_request(request)
+    if request.token_ids and len(request.token_ids) != request.num_tokens:
+        raise InvalidArgument(
+            f"sequence {request.seq_id!r}: {len(request.token_ids)} token_ids for num_tokens "
+            f"{request.num_tokens}; give every token or none"
+        )
+
+
 def check_new(requests: Sequence[SeqRequest], seqs: Mapping[str, SeqState]) -> None:
     """InvalidArgument (bad request, token_ids not num_tokens long) or AlreadyExists (the sequence has a
     table or is listed twice)."""
     seen: set[str] = set()
     for request in requests:
-        check_request(request)
+        check_prompt(request)
         if request.seq_id in seqs:
             raise AlreadyExists(
                 f"sequence {request.seq_id!r} already has a block table: Reserve it as running, or Free it"
             )
         if request.seq_id in seen:
             raise AlreadyExists(f"sequence {request.seq_id!r} is listed twice in one Reserve")
-        if request.token_ids and len(request.token_ids) != request.num_tokens:
-            raise InvalidArgument(
-                f"sequence {request.seq_id!r}: {len(request.token_ids)} token_ids for num_tokens "
-                f"{request.num_tokens}; give every token or none"
-            )
         seen.add(request.seq_id)
 
 
@@ -123,6 +144,17 @@ def check_running(requests: Sequence[SeqRequest], seqs: Mapping[str, SeqState], 
             raise InvalidArgument(f"sequence {request.seq_id!r} is listed twice in one Reserve")
         seen.add(request.seq_id)
         seqs[request.seq_id].check_grow(request, block_size)
+
+
+def check_fork(parent_id: str, child_ids: Sequence[str], seqs: Mapping[str, SeqState]) -> None:
+    """NotFound (unknown parent), InvalidArgument (empty or repeated child id) or AlreadyExists (a child
+    has a table)."""
+    check_known([parent_id], seqs)
+    if len(set(child_ids)) != len(child_ids) or not all(child_ids):
+        raise InvalidArgument(f"child ids must be distinct and non-empty, got {list(child_ids)}")
+    taken = sorted(child_id for child_id in child_ids if child_id in seqs)
+    if taken:
+        raise AlreadyExists(f"sequences {taken} already have block tables")
 
 
 def check_free(seq_ids: Sequence[str], num_computed: Mapping[str, int], seqs: Mapping[str, SeqState]) -> None:

@@ -7,13 +7,13 @@ from collections.abc import Sequence
 
 import torch
 
-from cache_service import block_map, device_room, metrics
+from cache_service import block_map, device_room, messages, metrics
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
 from cache_service.callers import CALLERS
 from cache_service.kv_pool import KVPool, spec_from_request
 from cache_service.options import DEFAULT_KV_MEMORY, DEFAULT_SESSION_TTL_S, OPTIONS
-from cache_service.sequence import SeqRequest
+from cache_service.sequence import check_prompt
 from cache_service.sessions import Sessions
 from cache_service.tiers import manager as tiers
 from cache_service.tiers.base import TierError
@@ -94,26 +94,26 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def Reserve(self, request: cache_pb2.ReserveRequest, context) -> cache_pb2.BlockTables:
         with self._lock:
             blocks = self._owning(request.session_id, [seq.seq_id for seq in request.running_seqs])
-            new = [_seq_request(seq) for seq in request.new_seqs]
-            running = [_seq_request(seq) for seq in request.running_seqs]
-            self._tier.load_prefixes(blocks, new, running)
+            new = [messages.seq_request(seq) for seq in request.new_seqs]
+            running = [messages.seq_request(seq) for seq in request.running_seqs]
+            blocks.check(new, running)
+            self._tier.load_prefixes(blocks, new)
             tails = blocks.reserve(new, running)
             seq_ids = [seq.seq_id for seq in (*request.new_seqs, *request.running_seqs)]
             written = [tail.cached_tokens for tail in tails[: len(new)]]
             written += [seq.num_computed for seq in request.running_seqs]
             self._sessions.reserved(request.session_id, list(zip(seq_ids, written, strict=True)))
-            return cache_pb2.BlockTables(
-                tables=[
-                    cache_pb2.BlockTable(
-                        seq_id=seq_id,
-                        block_ids=tail.block_ids,
-                        cached_tokens=tail.cached_tokens,
-                        first_block=tail.first,
-                    )
-                    for seq_id, tail in zip(seq_ids, tails, strict=True)
-                ],
-                available_blocks=blocks.num_available,
-            )
+            return messages.block_tables(seq_ids, tails, blocks.num_available)
+
+    def Lookup(self, request: cache_pb2.LookupRequest, context) -> cache_pb2.LookupResponse:
+        with self._lock:
+            blocks = self._blocks()
+            prompts = [messages.seq_request(seq) for seq in request.seqs]
+            for prompt in prompts:
+                check_prompt(prompt)
+            self._tier.load_prefixes(blocks, prompts)
+            cached = [blocks.cached_prefix(prompt) for prompt in prompts]
+            return cache_pb2.LookupResponse(cached_tokens=cached, available_blocks=blocks.num_available)
 
     def Fork(self, request: cache_pb2.ForkRequest, context) -> cache_pb2.BlockTables:
         with self._lock:
@@ -254,10 +254,6 @@ def _sweep_every(servicer: CacheServicer, interval_s: float) -> None:
     while True:
         time.sleep(interval_s)
         servicer.sweep()
-
-
-def _seq_request(seq: cache_pb2.SequenceRequest) -> SeqRequest:
-    return SeqRequest(seq.seq_id, seq.num_tokens, list(seq.token_ids), seq.num_computed, seq.cache_salt)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

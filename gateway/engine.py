@@ -7,25 +7,26 @@ import time
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from common.errors import Cancelled, PagedServeError, Unavailable, from_rpc_error
+from common.errors import Cancelled, PagedServeError, Unavailable
 from common.server import channel
 from gateway.config import FAIL_STEP_ENV, HANDSHAKE_TIMEOUT_S, RETRY_TIMEOUT_S, EngineConfig
 from gateway.engine_view import EngineView
-from gateway.forward import ComputeSteps, forward_rows
+from gateway.forward import ComputeSteps
 from gateway.handshake import handshake
 from gateway.kv_view import KVView
 from gateway.lease import Lease
-from gateway.outputs import advance, by_request, tell
+from gateway.outputs import by_request, tell
 from gateway.recovery import PeerFault, PeerRecovery, calling
 from gateway.scheduler import ScheduledStep, Scheduler
 from gateway.sequence import Sequence
 from gateway.step_timer import StepTimer
+from gateway.stepping import Stepping
 from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 
 log = structlog.get_logger()
 
 
-class Engine:
+class Engine(Stepping):
     def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -181,11 +182,23 @@ class Engine:
 
     def _schedule(self) -> ScheduledStep | None:
         """The next step; if scheduling raises, the requests it chose from fail (INTERNAL) instead."""
+        self._look_up_prefixes()
         try:
             return self.scheduler.schedule()
         except Exception as exc:  # noqa: BLE001
             self._fail_internal([*self.scheduler.running, *self.scheduler.waiting], exc)
             return None
+
+    def _look_up_prefixes(self) -> None:
+        """The waiting sequences next in line learn the prefix the cache holds of them (once each), so their
+        first step computes only the rest; a failed Lookup leaves them to start from 0."""
+        seqs = self.scheduler.unlooked()
+        if seqs:
+            try:
+                with calling("cache"):
+                    self.kv.lookup(seqs)
+            except PeerFault as fault:
+                log.warning("lookup_failed", error=fault.err.details())
 
     # recovery
     def _lose(self, service: str) -> None:
@@ -223,76 +236,6 @@ class Engine:
             log.info("aborted", seq_ids=[s.seq_id for s in seqs])
         # NOTE: wakes the RPC thread still waiting for the request's outputs, so that it ends too.
         tell(seqs, Cancelled("the request was cancelled or its deadline passed"))
-
-    def _run_step(self, step: ScheduledStep, timer: StepTimer) -> None:
-        """One step: the cache reserves its blocks (or frees the preempted), compute runs it, then the
-        tokens are appended. A lost peer stops the loop's stepping until it is back (see _recover); another
-        failed call ends the step's sequences with the error, and any other exception with INTERNAL."""
-        seqs = step.seqs or step.preempted
-        try:
-            self._step(step, timer)
-        except PeerFault as fault:
-            if fault.lost:
-                self._lose(fault.service)
-            else:
-                self._fail(seqs, from_rpc_error(fault.err))
-        except Exception as exc:  # noqa: BLE001 - one step's fault must not end the loop
-            self._fail_internal(seqs, exc)
-
-    def _step(self, step: ScheduledStep, timer: StepTimer) -> None:
-        kind = "decode" if step.is_decode else "prefill"
-        with timer.phase("cache_rpc"), calling("cache"):
-            if step.preempted:
-                self.kv.free(step.preempted)
-                log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
-                return
-            self.kv.reserve(step.seqs)
-        chunks = [[s.request_id, s.index, s.chunk_end - s.num_computed] for s in step.seqs]
-        log.debug("step", chunks=chunks)
-        if self._fail_step in {seq.request_id for seq in step.seqs}:
-            raise RuntimeError(f"injected step fault ({FAIL_STEP_ENV})")
-        if not self.lease.held():  # the blocks may be another gateway's by now: compute must not write them
-            self._lose("cache")
-            return
-        with timer.phase("compute_rpc"):
-            seqs, reply = forward_rows(step.seqs, self._forward, self._refuse)
-        if reply is None:
-            return
-        with timer.phase("cache_rpc"), calling("cache"):
-            for seq in [seq for seq in seqs if seq.forks_now]:
-                self._fork(seq)
-        self._advance(seqs, reply)
-        timer.compute = reply
-        timer.finish(kind)
-
-    def _forward(self, seqs: list[Sequence]) -> compute_pb2.ForwardResponse:
-        tables = [self.kv.block_table(seq) for seq in seqs]
-        eos = frozenset(self.model_info.eos_token_ids)
-        return self._steps.send(self._compute, seqs, tables, self.handle.epoch, eos)
-
-    def _refuse(self, seqs: list[Sequence], error: PagedServeError) -> set[str]:
-        """Compute refused these rows alone: their requests (every sample) fail; returns the seq ids ended."""
-        groups = {seq.group_id for seq in seqs}
-        ended = [seq for seq in self._by_id.values() if seq.group_id in groups]
-        self._fail(ended, error)
-        return {seq.seq_id for seq in ended}
-
-    def _fork(self, parent: Sequence) -> None:
-        """After the prompt's prefill, samples 1..n-1 share the parent's blocks and run beside it."""
-        children = parent.fork()
-        self.kv.fork(parent, children)
-        for child in children:
-            self._by_id[child.seq_id] = child
-        self.scheduler.add_running(children)
-
-    def _advance(self, seqs: list[Sequence], reply: compute_pb2.ForwardResponse) -> None:
-        eos = frozenset(self.model_info.eos_token_ids)
-        outputs = advance(seqs, reply, eos, self.tokenizer)
-        self.view.account(outputs)
-        # NOTE: blocks are back in the pool before the client hears that its request ended.
-        self._release([seq for seq, output in outputs if output.finish_reason])
-        for seq, output in outputs:
-            seq.outbox.put(output)
 
     def _release(self, seqs: list[Sequence], free: bool = True) -> None:
         """Takes ended sequences out; `free`: their blocks are freed in the cache, else only forgotten."""

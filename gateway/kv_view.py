@@ -33,8 +33,13 @@ class KVView:
     """Mirrors the cache service from its replies only: `available_blocks` (free plus evictable) is set
     from every reply, tables grow from Reserve's table tails.
 
-    NOTE: blocks needed are an upper bound (prefix hits, which only the cache service sees, only lower
-    them), so a reservation sized by `blocks_needed` never fails for want of blocks.
+    A sequence without a table starts at the prefix a Lookup found cached (`start`): its first chunk is
+    sized by the tokens left to compute, and its Reserve caps the tokens computed after the hits
+    (max_compute_tokens), so a stale answer costs neither budget nor blocks.
+
+    NOTE: blocks needed are an upper bound (they count every block of a new table, though prefix hits on
+    blocks other tables hold take none), so a reservation sized by `blocks_needed` never fails for want of
+    blocks.
     """
 
     def __init__(
@@ -64,45 +69,86 @@ class KVView:
         kv = self._seqs.get(seq.seq_id)
         return kv.block_table if kv else []
 
+    def start(self, seq: Sequence) -> int:
+        """Where the sequence's next chunk starts: num_computed, or without a table the prefix hint."""
+        return seq.num_computed if seq.seq_id in self._seqs else seq.prefix_hint or 0
+
     def blocks_needed(self, seq: Sequence, end: int) -> int:
         """Blocks the sequence lacks to hold `end` tokens (plus one to copy a shared block into)."""
         kv = self._seqs.get(seq.seq_id, SeqBlocks())
         return max(0, blocks_for(end, self.block_size) - len(kv.block_table)) + kv.shares_tail
 
     def room(self, seq: Sequence, free: int) -> int:
-        """Tokens past num_computed the sequence can hold if it takes up to `free` more blocks."""
+        """Tokens past `start` the sequence can hold if it takes up to `free` more blocks."""
         kv = self._seqs.get(seq.seq_id, SeqBlocks())
-        return (len(kv.block_table) + free - kv.shares_tail) * self.block_size - seq.num_computed
+        return (len(kv.block_table) + free - kv.shares_tail) * self.block_size - self.start(seq)
 
     # calls
 
-    def reserve(self, seqs: Seqs[Sequence]) -> None:
-        """One Reserve for a step: a table for each sequence the cache holds none for (looking the prefix
-        cache up over its first chunk), and for every other one its new tokens and progress, its table
-        grown to hold its chunk (the reply carries only the part of a table that may change).
+    def lookup(self, seqs: Seqs[Sequence]) -> None:
+        """Sets each sequence's prefix_hint: the leading tokens the cache holds computed of it (a KV tier's
+        blocks loaded into the pool first)."""
+        request = cache_pb2.LookupRequest(
+            seqs=[_seq_request(seq, seq.token_ids, seq.num_tokens) for seq in seqs]
+        )
+        reply = self._stub.Lookup(request, timeout=self._timeout, metadata=_ids(seqs))
+        for seq, cached in zip(seqs, reply.cached_tokens, strict=True):
+            seq.prefix_hint = cached
+        self.available_blocks = reply.available_blocks
 
-        Prefix hits move num_computed on; a sequence's first reservation sets scheduled_at and cached_tokens.
+    def covers(self, seqs: Seqs[Sequence]) -> bool:
+        """Whether the step needs no Reserve: every sequence has a table whose blocks hold its chunk and
+        that it alone holds (no fork since its last Reserve), so nothing is to be grown or copied."""
+        for seq in seqs:
+            kv = self._seqs.get(seq.seq_id)
+            if kv is None or kv.shares_tail or seq.chunk_end > len(kv.block_table) * self.block_size:
+                return False
+        return True
+
+    def reserve(self, seqs: Seqs[Sequence]) -> None:
+        """One Reserve for a step, unless the tables cover it (`covers`): then nothing is sent, and the
+        new tokens and progress go with the next Reserve (NOTE: a decode then calls the cache once per
+        block; the prefix cache learns its written blocks that much later). Otherwise: a table for each
+        sequence the cache holds none for (its prefix hits plus at most the chunk's tokens after its
+        `start`), and for every other one its new tokens and progress, its table grown to hold its chunk
+        (the reply carries only the part of a table that may change).
+
+        Prefix hits move num_computed on, and a new table's size sets chunk_end; a sequence's first
+        reservation sets scheduled_at and cached_tokens.
         """
+        if self.covers(seqs):
+            return
         now = time.monotonic()
         new = [seq for seq in seqs if seq.seq_id not in self._seqs]
         running = [seq for seq in seqs if seq.seq_id in self._seqs]
         request = cache_pb2.ReserveRequest(
-            new_seqs=[_seq_request(seq, seq.token_ids[: seq.chunk_end]) for seq in new],
-            running_seqs=[_seq_request(seq, seq.token_ids[self._seqs[seq.seq_id].num_synced : seq.chunk_end])
-                    for seq in running],
+            new_seqs=[self._new_request(seq) for seq in new],
+            running_seqs=[self._running_request(seq) for seq in running],
             session_id=self._session_id,
-        )  # fmt: skip
+        )
         reply = self._stub.Reserve(request, timeout=self._timeout, metadata=_ids(seqs))
         for seq, table in zip((*new, *running), reply.tables, strict=True):
             assert seq.seq_id == table.seq_id, (seq.seq_id, table.seq_id)
             kv = self._seqs.setdefault(seq.seq_id, SeqBlocks())
             assert table.first_block <= len(kv.block_table), (seq.seq_id, table.first_block)
             kv.block_table[table.first_block :] = table.block_ids
+            seq.chunk_end = table.num_tokens or seq.chunk_end
             kv.num_synced, kv.shares_tail = seq.chunk_end, False
             seq.num_computed = max(seq.num_computed, table.cached_tokens)
             if seq.scheduled_at is None:
                 seq.scheduled_at, seq.cached_tokens = now, table.cached_tokens
         self.available_blocks = reply.available_blocks
+
+    def _new_request(self, seq: Sequence) -> cache_pb2.SequenceRequest:
+        """Its tokens up to chunk_end; the step computes at most chunk_end - start after the hits."""
+        tokens = seq.token_ids[: seq.chunk_end]
+        return _seq_request(seq, tokens, seq.chunk_end, max_compute=seq.chunk_end - self.start(seq))
+
+    def _running_request(self, seq: Sequence) -> cache_pb2.SequenceRequest:
+        """The tokens appended since the previous Reserve, and its progress."""
+        return _seq_request(
+            seq, seq.token_ids[self._seqs[seq.seq_id].num_synced : seq.chunk_end], seq.chunk_end
+        )
 
     def fork(self, parent: Sequence, children: Seqs[Sequence]) -> None:
         """The children get tables sharing every block of the parent, which holds its whole sequence; the
@@ -122,7 +168,8 @@ class KVView:
         them; they keep their tokens, and their progress starts again from 0."""
         request = cache_pb2.FreeRequest(
             seq_ids=[s.seq_id for s in seqs],
-            num_computed={s.seq_id: s.num_computed for s in seqs},
+            # NOTE: the cache holds only the synced tokens: it can index no block beyond them.
+            num_computed={s.seq_id: min(s.num_computed, self._seqs[s.seq_id].num_synced) for s in seqs},
             session_id=self._session_id,
         )
         reply = self._stub.Free(request, timeout=self._timeout, metadata=_ids(seqs))
@@ -169,11 +216,14 @@ def _ids(seqs: Seqs[Sequence]) -> tuple[tuple[str, str], ...]:
     return request_metadata(seq.request_id for seq in seqs)
 
 
-def _seq_request(seq: Sequence, new_tokens: list[int]) -> cache_pb2.SequenceRequest:
+def _seq_request(
+    seq: Sequence, new_tokens: list[int], num_tokens: int, max_compute: int = 0
+) -> cache_pb2.SequenceRequest:
     return cache_pb2.SequenceRequest(
         seq_id=seq.seq_id,
-        num_tokens=seq.chunk_end,
+        num_tokens=num_tokens,
         token_ids=new_tokens,
         num_computed=seq.num_computed,
         cache_salt=seq.cache_salt,
+        max_compute_tokens=max_compute,
     )

@@ -56,8 +56,9 @@ class Scheduler:
         self.running.extend(seqs)
 
     def _chunk(self, seq: Sequence, budget: int, free: int) -> int:
-        """How many of the sequence's uncomputed tokens fit in `budget` tokens and `free` blocks."""
-        return max(0, min(seq.num_tokens - seq.num_computed, budget, self.kv.room(seq, free)))
+        """How many of the sequence's tokens to compute (after its computed or cached ones, `kv.start`)
+        fit in `budget` tokens and `free` blocks: cached prefix tokens cost no budget."""
+        return max(0, min(seq.num_tokens - self.kv.start(seq), budget, self.kv.room(seq, free)))
 
     def schedule(self) -> ScheduledStep | None:
         """The next step, or None when there is nothing to run."""
@@ -90,8 +91,8 @@ class Scheduler:
         return step if step.seqs else None
 
     def _take(self, seq: Sequence, n: int) -> int:
-        """Schedules n tokens of the sequence; returns the blocks that takes."""
-        seq.chunk_end = seq.num_computed + n
+        """Schedules n tokens of the sequence; returns the blocks that takes (at most)."""
+        seq.chunk_end = self.kv.start(seq) + n
         return self.kv.blocks_needed(seq, seq.chunk_end)
 
     def _preempt(self, seq: Sequence) -> Sequence:
@@ -103,6 +104,12 @@ class Scheduler:
         self.waiting.append(seq)
         self.num_preemptions += 1
         return seq
+
+    def unlooked(self) -> list[Sequence]:
+        """Waiting sequences the scheduler may admit next (the first max_seqs in rank order) whose cached
+        prefix is not looked up yet."""
+        ranked = sorted(self.waiting, key=lambda s: s.rank)[: self.max_seqs]
+        return [seq for seq in ranked if seq.prefix_hint is None]
 
     def requeue_running(self) -> None:
         """Every running sequence back to waiting, tokens kept, to be computed again (a peer was lost)."""

@@ -65,6 +65,8 @@ class Sequence:
     num_computed: int = 0
     # Tokens whose K/V is written once the scheduled step runs: its chunk is [num_computed, chunk_end).
     chunk_end: int = 0
+    # Without a block table: leading tokens the cache's Lookup found computed (None: not looked up since).
+    prefix_hint: int | None = None
     num_preemptions: int = 0
     # Leading prompt tokens the first reservation found in the prefix cache (reported in the usage).
     cached_tokens: int = 0
@@ -126,8 +128,10 @@ class Sequence:
         ]
 
     def drop_kv(self) -> None:
-        """After its blocks are freed: nothing is computed any more (the tokens are kept)."""
+        """After its blocks are freed: nothing is computed any more (the tokens are kept), and what the
+        prefix cache holds of it is to be looked up again."""
         self.num_computed = self.chunk_end = 0
+        self.prefix_hint = None
 
     @property
     def token_ids(self) -> list[int]:

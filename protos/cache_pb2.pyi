@@ -48,18 +48,20 @@ class CreatePoolRequest(_message.Message):
     def __init__(self, geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "token_ids", "num_computed", "cache_salt")
+    __slots__ = ("seq_id", "num_tokens", "token_ids", "num_computed", "cache_salt", "max_compute_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MAX_COMPUTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     num_tokens: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed: int
     cache_salt: str
-    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    max_compute_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_compute_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("new_seqs", "running_seqs", "session_id")
@@ -82,16 +84,32 @@ class ForkRequest(_message.Message):
     def __init__(self, parent_id: _Optional[str] = ..., child_ids: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class BlockTable(_message.Message):
-    __slots__ = ("seq_id", "block_ids", "cached_tokens", "first_block")
+    __slots__ = ("seq_id", "block_ids", "cached_tokens", "first_block", "num_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_tokens: int
     first_block: int
-    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., first_block: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("seqs",)
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    seqs: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
+    def __init__(self, seqs: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("cached_tokens", "available_blocks")
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    available_blocks: int
+    def __init__(self, cached_tokens: _Optional[_Iterable[int]] = ..., available_blocks: _Optional[int] = ...) -> None: ...
 
 class BlockTables(_message.Message):
     __slots__ = ("tables", "available_blocks")

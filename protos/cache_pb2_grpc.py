@@ -49,6 +49,11 @@ class CacheStub:
                 request_serializer=protos_dot_cache__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=protos_dot_cache__pb2.BlockTables.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/pagedserve.v1.Cache/Lookup',
+                request_serializer=protos_dot_cache__pb2.LookupRequest.SerializeToString,
+                response_deserializer=protos_dot_cache__pb2.LookupResponse.FromString,
+                _registered_method=True)
         self.Fork = channel.unary_unary(
                 '/pagedserve.v1.Cache/Fork',
                 request_serializer=protos_dot_cache__pb2.ForkRequest.SerializeToString,
@@ -113,6 +118,14 @@ class CacheServicer:
         sequences get block tables reusing cached prefix blocks (see cached_tokens); running ones record their
         progress, index their newly written full blocks, copy shared blocks the coming step writes
         (copy-on-write) and grow to hold num_tokens. Tables come back in that order (new, then running).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lookup(self, request, context):
+        """How many leading tokens of each prompt the pool holds computed (after loading what a KV tier holds of
+        them): the caller sizes a new sequence's first step by the tokens left to compute. Changes no table.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -191,6 +204,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.Reserve,
                     request_deserializer=protos_dot_cache__pb2.ReserveRequest.FromString,
                     response_serializer=protos_dot_cache__pb2.BlockTables.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=protos_dot_cache__pb2.LookupRequest.FromString,
+                    response_serializer=protos_dot_cache__pb2.LookupResponse.SerializeToString,
             ),
             'Fork': grpc.unary_unary_rpc_method_handler(
                     servicer.Fork,
@@ -291,6 +309,33 @@ class Cache:
             '/pagedserve.v1.Cache/Reserve',
             protos_dot_cache__pb2.ReserveRequest.SerializeToString,
             protos_dot_cache__pb2.BlockTables.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Cache/Lookup',
+            protos_dot_cache__pb2.LookupRequest.SerializeToString,
+            protos_dot_cache__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,6 +72,10 @@ class FakePoolCache(FakeCache):
         self._check(pool=True)
         return super().Reserve(request, **kw)
 
+    def Lookup(self, request, **kw):
+        self._check(pool=True)
+        return super().Lookup(request, **kw)
+
     def Fork(self, request, **kw):
         self._check(pool=True)
         return super().Fork(request, **kw)

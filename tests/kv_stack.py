@@ -43,14 +43,14 @@ class Stack:
         proc.send_signal(sig)
         proc.wait(30)
 
-    def start_rest(self, port: int) -> None:
+    def start_rest(self, port: int, *gateway_argv: str) -> None:
         socket = self.compute_target.removeprefix("unix:")
         self._start("compute_service", "compute", self.compute_target, "--socket", socket, "--model",
                     str(self.model), "--dtype", "float32", "--threads", "1")  # fmt: skip
         self.gateway_target = f"127.0.0.1:{port}"
         argv = ("--port", str(port), "--model", str(self.model), "--block-size", str(BLOCK_SIZE),
                 "--cache-target", self.cache_target,
-                "--compute-target", self.compute_target)  # fmt: skip
+                "--compute-target", self.compute_target, *gateway_argv)  # fmt: skip
         self._start("gateway", "gateway", self.gateway_target, *argv, service=GATEWAY_SERVICE)
 
     def generate(self, prompt: list[int]):

@@ -11,7 +11,7 @@ import torch
 from cache_service.block_manager import BlockManager
 from cache_service.kv_pool import KVPool
 from cache_service.prefix_cache import BlockHash, PrefixListener, block_tokens, chain, root_hash
-from cache_service.sequence import SeqRequest
+from cache_service.sequence import SeqRequest, check_prompt
 from cache_service.tiers import record, registry
 from cache_service.tiers.base import KVTier, TierError
 from cache_service.tiers.writer import TierWriter
@@ -101,14 +101,15 @@ class TierManager(PrefixListener):
 
     # loading (under the cache's lock, in Reserve before the prefix lookups)
 
-    def load_prefixes(self, blocks: BlockManager, new: Sequence[SeqRequest], running: Sequence[SeqRequest]):
+    def load_prefixes(self, blocks: BlockManager, new: Sequence[SeqRequest]) -> None:
         """Loads, for each new prompt, the full blocks after its pool hits that the tier holds (up to the
-        first it lacks; never the block of the last token), as cached blocks the Reserve then finds. The
-        batch is checked first: a Reserve refused as invalid loads nothing (one refused for lack of blocks
-        keeps what it loaded, cached and evictable, as a computed prefix would be)."""
+        first it lacks; never the block of the last token), as cached blocks a Lookup or Reserve then finds.
+        The prompts are checked first: an invalid one (InvalidArgument) loads nothing; a Reserve refused for
+        lack of blocks keeps what it loaded, cached and evictable, as a computed prefix would be."""
+        for request in new:
+            check_prompt(request)
         if self._pool is None or not blocks.prefix_caching or not any(r.token_ids for r in new):
             return
-        blocks.check(new, running)
         budget = self.max_load_blocks
         for request in new:
             if request.token_ids:
@@ -206,7 +207,7 @@ class NoTier:
 
     def attach(self, pool: KVPool) -> None: ...
 
-    def load_prefixes(self, blocks, new, running) -> None: ...
+    def load_prefixes(self, blocks, new) -> None: ...
 
     def stats(self) -> None:
         return None

@@ -297,3 +297,25 @@ def test_an_idle_pool_keeps_its_layout_and_sigterm_unlinks_it(tmp_path):
         assert service.stop() == 0
     assert not Path(first.shm.path).exists()
     assert "pool_released" in service.log()
+
+
+def test_lookup_finds_a_prompts_cached_prefix_over_grpc_and_refuses_bad_counts(stub, service):
+    prompt = list(range(100, 100 + 3 * BLOCK_SIZE + 5))
+    request = cache_pb2.SequenceRequest(seq_id="p", num_tokens=len(prompt), token_ids=prompt)
+    assert list(stub.Lookup(cache_pb2.LookupRequest(seqs=[request])).cached_tokens) == [0]
+    stub.Reserve(cache_pb2.ReserveRequest(new_seqs=[request]))
+    stub.Free(cache_pb2.FreeRequest(seq_ids=["p"], num_computed={"p": len(prompt)}))
+    other = cache_pb2.SequenceRequest(seq_id="o", num_tokens=4, token_ids=[1, 2, 3, 4])
+    reply = stub.Lookup(cache_pb2.LookupRequest(seqs=[request, other]))
+    assert list(reply.cached_tokens) == [3 * BLOCK_SIZE, 0] and reply.available_blocks == NUM_BLOCKS
+    capped = cache_pb2.SequenceRequest(
+        seq_id="q", num_tokens=len(prompt), token_ids=prompt, max_compute_tokens=2
+    )
+    (table,) = stub.Reserve(cache_pb2.ReserveRequest(new_seqs=[capped])).tables
+    assert (table.cached_tokens, table.num_tokens) == (3 * BLOCK_SIZE, 3 * BLOCK_SIZE + 2)
+    stub.Free(cache_pb2.FreeRequest(seq_ids=["q"]))
+    bad = cache_pb2.SequenceRequest(seq_id="b", num_tokens=9, token_ids=[1, 2])
+    assert "give every token or none" in refused(
+        stub.Lookup, cache_pb2.LookupRequest(seqs=[bad]), grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert service.stats().used_blocks == 0

@@ -338,3 +338,22 @@ def test_random_batches_keep_invariants_and_free_everything(ops, num_blocks):
     blocks.check_invariants()
     assert blocks.stats().free_blocks == num_blocks
     assert blocks.stats().num_sequences == 0
+
+
+def test_max_compute_trims_a_new_table_to_its_prefix_hits_plus_the_tokens_it_may_compute():
+    blocks = manager(16)
+    prompt = list(range(200, 230))  # 7 blocks of 4, the last one partly filled
+    allocate(blocks, [SeqRequest("a", 30, prompt)])
+    blocks.free(["a"], {"a": 30})
+    assert blocks.cached_prefix(SeqRequest("q", 30, prompt)) == 28, "whole blocks, never the last token"
+    assert blocks.cached_prefix(SeqRequest("q", 10, prompt[:10])) == 8
+    (tail,) = blocks.reserve([SeqRequest("b", 30, prompt, max_compute=1)], [])
+    assert (tail.cached_tokens, tail.num_tokens, len(tail.block_ids)) == (28, 29, 8)
+    other = [1, 2, 3, *prompt[3:]]  # no hit: the table holds max_compute tokens
+    (tail,) = blocks.reserve([SeqRequest("c", 30, other, max_compute=5)], [])
+    assert (tail.cached_tokens, tail.num_tokens, len(tail.block_ids)) == (0, 5, 2)
+    (tail,) = blocks.reserve([SeqRequest("d", 30, prompt)], [])
+    assert tail.num_tokens == 30, "max_compute 0: num_tokens as asked"
+    blocks.check_invariants()
+    with pytest.raises(InvalidArgument, match="max_compute_tokens must be >= 0"):
+        blocks.reserve([SeqRequest("e", 30, prompt, max_compute=-1)], [])

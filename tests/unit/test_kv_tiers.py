@@ -167,7 +167,7 @@ def run(tier: TierManager, pool: KVPool, seq_id: str, prompt=PROMPT, salt: str =
     """Reserve (after the tier loads), write each computed token's K/V (a value from its position and token),
     free; returns the cached tokens."""
     request = SeqRequest(seq_id, len(prompt), prompt, 0, salt)
-    tier.load_prefixes(pool.blocks, [request], [])
+    tier.load_prefixes(pool.blocks, [request])
     (tail,) = pool.blocks.reserve([request], [])
     for position in range(tail.cached_tokens, len(prompt)):
         block, slot = tail.block_ids[position // BLOCK_SIZE], position % BLOCK_SIZE
@@ -283,6 +283,6 @@ def test_an_invalid_reserve_loads_nothing(tmp_path: Path, pools):
     tier.attach(restarted)
     bad = SeqRequest("b", len(PROMPT) + 1, PROMPT)  # token count disagrees with the tokens
     with pytest.raises(InvalidArgument):
-        tier.load_prefixes(restarted.blocks, [bad], [])
+        tier.load_prefixes(restarted.blocks, [bad])
     assert restarted.blocks.stats().free_blocks == 8 and tier.stats().hit_blocks == 0
     drained(tier)

@@ -52,10 +52,15 @@ def test_reserve_sends_each_token_once_and_keeps_the_tables_from_their_tails():
     assert kv.holds(a) and len(kv.block_table(a)) == 2 and kv.available_blocks == 14
     a.num_computed, a.output_ids, a.chunk_end = 6, [42], 7
     kv.reserve([a])
+    a.num_computed, a.output_ids, a.chunk_end = 7, [42, 43], 8
+    kv.reserve([a])
+    assert len(cache.requests) == 1, "decodes the table holds send no Reserve"
+    a.num_computed, a.output_ids, a.chunk_end = 8, [42, 43, 44], 9
+    kv.reserve([a])
     (extend,) = cache.requests[1].running_seqs
-    assert (list(extend.token_ids), extend.num_computed, extend.num_tokens) == ([42], 6, 7)
-    assert kv.block_table(a) == cache.tables["a"], "the tail (from block 1) joined the table it had"
-    assert kv.blocks_needed(a, 9) == 1 and kv.room(a, 1) == 3 * BS - 6
+    assert (list(extend.token_ids), extend.num_computed, extend.num_tokens) == ([42, 43, 44], 8, 9)
+    assert kv.block_table(a) == cache.tables["a"], "the tail (from block 2) joined the table it had"
+    assert kv.blocks_needed(a, 13) == 1 and kv.room(a, 1) == 4 * BS - 8
 
 
 def test_a_prefix_hit_moves_progress_on_and_is_recorded_once():
@@ -108,3 +113,33 @@ def test_reset_takes_the_new_pools_size_once_nothing_is_held():
     assert a.num_computed == 0
     kv.reset(16)
     assert kv.num_blocks == kv.available_blocks == 16 and not kv.holds(a)
+
+
+def test_a_free_reports_no_progress_past_the_tokens_the_cache_holds():
+    cache = Recording(16)
+    kv, a = KVView(cache, BS, 16), seq("a", 6)
+    a.chunk_end = 6
+    kv.reserve([a])
+    a.num_computed, a.output_ids, a.chunk_end = 6, [42], 7
+    kv.reserve([a])  # covered: the cache still holds 6 tokens
+    a.num_computed = 7
+    requests = []
+    cache.Free = lambda request, **kw: requests.append(request) or FakeCache.Free(cache, request, **kw)
+    kv.free([a])
+    assert dict(requests[0].num_computed) == {"a": 6}
+
+
+def test_a_fork_or_a_full_block_makes_the_step_reserve_again():
+    cache = Recording(16)
+    kv, parent = KVView(cache, BS, 16), seq("p", 6, replace(GREEDY, n=2))
+    parent.chunk_end = 6
+    kv.reserve([parent])
+    parent.num_computed = 6
+    (child,) = parent.fork()
+    kv.fork(parent, [child])
+    parent.output_ids, parent.chunk_end, child.chunk_end = [42], 7, 6
+    assert not kv.covers([parent]) and not kv.covers([child]), "shared blocks are copied on write"
+    kv.reserve([parent, child])
+    assert kv.covers([parent])
+    parent.chunk_end = 9
+    assert not kv.covers([parent]), "a chunk past the table's blocks grows it"

@@ -161,3 +161,44 @@ def test_a_forked_sequence_reserves_a_block_for_its_copy_on_write():
     assert kv.block_table(child)[0] == kv.block_table(parent)[0], "the prefix block stays shared"
     assert kv.block_table(child)[1] != kv.block_table(parent)[1], "the written one was copied"
     assert kv.blocks_needed(parent, 8) == 0 and kv.available_blocks == 8 - 5
+
+
+def test_a_cached_prefix_costs_no_budget_and_its_first_chunk_starts_after_it():
+    scheduler = make(block_size=16, num_blocks=100, max_batched_tokens=64, max_seqs=8)
+    scheduler.kv._stub.cached_prefix = 200
+    busy, shared = seq("busy", 40), seq("shared", 300)
+    scheduler.add(busy)
+    scheduler.add(shared)
+    assert [s.seq_id for s in scheduler.unlooked()] == ["busy", "shared"]
+    scheduler.kv.lookup(scheduler.unlooked())
+    assert (busy.prefix_hint, shared.prefix_hint) == (32, 192), "whole blocks, never the last token"
+    assert scheduler.unlooked() == []
+    step = scheduler.schedule()
+    assert (busy.chunk_end, shared.chunk_end) == (40, 192 + 56), "busy's 8 new tokens, then 56 after the hits"
+    assert run(scheduler, step) == {"busy": 8, "shared": 56}
+    assert (shared.cached_tokens, shared.num_computed) == (192, 248)
+
+
+def test_a_stale_prefix_hint_costs_neither_budget_nor_blocks():
+    scheduler = make(block_size=16, num_blocks=100, max_batched_tokens=64, max_seqs=8)
+    cache = scheduler.kv._stub
+    cache.cached_prefix = 200
+    shared = seq("shared", 300)
+    scheduler.add(shared)
+    scheduler.kv.lookup(scheduler.unlooked())
+    cache.cached_prefix = 32  # evicted since the Lookup
+    step = scheduler.schedule()
+    planned = scheduler.kv.blocks_needed(shared, shared.chunk_end)
+    free = len(cache.free)
+    assert run(scheduler, step) == {"shared": 64}, "the Reserve capped the tokens computed after the hits"
+    assert shared.cached_tokens == 32 and free - len(cache.free) <= planned
+
+
+def test_a_preempted_sequence_looks_its_prefix_up_again():
+    scheduler = make(block_size=16, num_blocks=100, max_batched_tokens=64, max_seqs=8)
+    a = seq("a", 40)
+    scheduler.add(a)
+    scheduler.kv.lookup(scheduler.unlooked())
+    run(scheduler, scheduler.schedule())
+    scheduler.kv.free([a])
+    assert a.prefix_hint is None and a.num_computed == 0

@@ -1,0 +1,27 @@
+"""The block manager's invariants, asserted by tests and debugging tools (never on the serving path)."""
+
+from collections.abc import Mapping
+
+from cache_service.block_pool import BlockPool
+from cache_service.prefix_cache import block_tokens
+from cache_service.sequence import SeqState
+from cache_service.stats import Counters
+
+
+def check_tables(
+    seqs: Mapping[str, SeqState], counters: Counters, block_pool: BlockPool, block_size: int
+) -> None:
+    """Asserts: refcount == tables holding the block; free + used + cached == total, disjoint; no table
+    holds a block twice or lacks blocks for its tokens; indexed blocks hold the tokens of their hash."""
+    holders = [0] * block_pool.num_total
+    states = seqs.values()
+    assert counters.stored_tokens == sum(seq.num_tokens for seq in states), counters
+    assert counters.table_blocks == sum(len(seq.block_table) for seq in states), counters
+    for seq_id, seq in seqs.items():
+        seq.check_invariants(seq_id, block_size)
+        for index, block_id in enumerate(seq.block_table):
+            holders[block_id] += 1
+            if block_pool.prefix.is_indexed(block_id):
+                claimed = block_pool.prefix.tokens(block_id)
+                assert claimed == tuple(block_tokens(seq.token_ids, index, block_size)), block_id
+    block_pool.check_invariants(holders)

@@ -8,7 +8,12 @@ from compute_service.attention.registry import BACKENDS
 
 
 def add_settings(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--attention-backend", choices=list(BACKENDS), default="cpu")
+    parser.add_argument(
+        "--attention-backend",
+        choices=list(BACKENDS),
+        default=None,
+        help="paged-attention function (default: cpu-native where its kernel builds, else cpu)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument(
         "--plain-linear",

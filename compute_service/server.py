@@ -15,6 +15,7 @@ from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, serve_metrics
 from common.precision import resolve_dtype, resolve_kv_dtype
 from common.server import serve
 from common.shared_pool import dtype_from_name, open_pool
+from compute_service.attention.registry import default_backend
 from compute_service.batch import ForwardBatch
 from compute_service.callers import CALLERS
 from compute_service.model_loader import ModelSpec, load
@@ -158,10 +159,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     weights = resolve_dtype(args.dtype)
     kv_dtype = dtype_from_name(resolve_kv_dtype(args.kv_dtype, weights))
+    backend = args.attention_backend or default_backend()
     try:
-        model, spec = load(
-            args.model, dtype_from_name(weights), args.attention_backend, args.plain_linear, kv_dtype
-        )
+        model, spec = load(args.model, dtype_from_name(weights), backend, args.plain_linear, kv_dtype)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"compute_service: {exc}") from exc
     log.info(

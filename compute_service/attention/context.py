@@ -3,7 +3,7 @@
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,8 @@ class Context:
     scales: KVScales = NO_SCALES
     # Seconds spent in the attention function this step, summed over layers (see `timed`).
     attention_s: float = 0.0
+    # Per-backend data derived from the step once, by the first layer that needs it (e.g. cpu_native's plan).
+    plans: dict[str, object] = field(default_factory=dict)
 
 
 GATHER_KEYS = 2048

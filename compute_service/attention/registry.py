@@ -2,10 +2,15 @@
 
 from collections.abc import Callable
 
-from compute_service.attention import cpu
+from compute_service.attention import cpu, cpu_native, native
 
-BACKENDS: dict[str, Callable] = {"cpu": cpu.paged_attention}
-KV_DTYPES: dict[str, tuple[str, ...]] = {"cpu": cpu.KV_DTYPES}
+BACKENDS: dict[str, Callable] = {"cpu": cpu.paged_attention, "cpu-native": cpu_native.paged_attention}
+KV_DTYPES: dict[str, tuple[str, ...]] = {"cpu": cpu.KV_DTYPES, "cpu-native": cpu_native.KV_DTYPES}
+
+
+def default_backend() -> str:
+    """cpu-native where its kernel builds and loads (compute_service.attention.native), else cpu."""
+    return "cpu-native" if native.load() is not None else "cpu"
 
 
 def get_backend(name: str) -> Callable:

@@ -38,7 +38,7 @@ def tables(context_lens: list[int], block_size: int, shared: int = 0) -> torch.T
 
 
 def attend(q, k_cache, v_cache, q_lens, context_lens, table, scale, kv_scales=(1.0, 1.0)):
-    out = torch.full_like(q, float("nan"))
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     starts = torch.tensor([0, *q_lens]).cumsum(0)
     cpu_native.kernel().paged_attention(
         q, out, k_cache, v_cache, table, starts[:-1], torch.tensor(q_lens), torch.tensor(context_lens), scale,
@@ -93,6 +93,17 @@ def test_pool_and_query_dtypes(kv_dtype, q_dtype):
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_pools_with_layer_scales(kv_dtype):
     check([1, 4, 1], [90, 20, 33], kv_dtype=kv_dtype, kv_scales=(0.05, 0.2))
+
+
+def test_queries_strided_in_the_head_dim():
+    """The small-batch linears' output layout (compute_service/linear.py): W·xᵀ transposed back."""
+    k_cache, v_cache = pool(16, 3, 64, torch.float32)
+    table = tables([40, 17, 5], 16)
+    q = torch.randn(9 * 64, 3).t().view(3, 9, 64)
+    assert q.stride(2) != 1
+    out, starts = attend(q, k_cache, v_cache, [1, 1, 1], [40, 17, 5], table, 0.125)
+    expected = reference_attention(q, k_cache, v_cache, starts, torch.tensor([40, 17, 5]), table, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
 def test_writes_only_the_rows_of_its_sequences():

@@ -21,7 +21,7 @@ from common.precision import cpu_flags
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 # NOTE: -march=native tunes the build to this machine's vector units; the cache key includes the CPU's flags,
 # so a build is never loaded on a CPU that lacks an instruction it uses.
-CFLAGS = ("-O3", "-march=native", "-std=c++17")
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")
 CACHE_ENV = "PAGEDSERVE_EXTENSIONS_DIR"
 log = structlog.get_logger()
 

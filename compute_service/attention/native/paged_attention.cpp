@@ -5,7 +5,7 @@
 // item. Items run in parallel with at::parallel_for. Query i of a sequence with q_len new tokens and
 // context_len keys sits at position context_len - q_len + i and sees keys 0 ..= that position (causal).
 // Inner loops are plain float loops over the head dim or the block's tokens, written so that the compiler
-// vectorises them (-O3 -march=native).
+// vectorises them (-O3 -march=native -fopenmp-simd).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -45,62 +45,71 @@ struct Geometry {
 };
 
 struct Scratch {
-  std::vector<float> q, acc, max, sum, keys_t, values, scores;
+  std::vector<float> q, acc, max, sum, scores;
+  std::vector<int64_t> visible;
   Scratch(const Geometry& g)
       : q(kQueryChunk * g.group * g.head_dim),
         acc(q.size()),
         max(kQueryChunk * g.group),
         sum(max.size()),
-        keys_t(g.head_dim * g.block_size, 0.0f),
-        values(g.block_size * g.head_dim, 0.0f),
-        scores(g.block_size) {}
+        scores(max.size() * g.block_size),
+        visible(max.size()) {}
 };
 
-// The block's first n keys transposed to [head_dim][block_size] and values as [n][head_dim], in float.
-template <typename kv_t>
-void load_block(const kv_t* k, const kv_t* v, int64_t n, const Geometry& g, Scratch& s) {
-  const int64_t row = g.num_kv_heads * g.head_dim;
-  for (int64_t t = 0; t < n; ++t) {
-    const kv_t* kt = k + t * row;
-    const kv_t* vt = v + t * row;
-    float* out_v = s.values.data() + t * g.head_dim;
-    for (int64_t d = 0; d < g.head_dim; ++d) {
-      s.keys_t[d * g.block_size + t] = static_cast<float>(kt[d]);
-      out_v[d] = static_cast<float>(vt[d]);
-    }
-  }
+// q . k over the head dim (a compile-time D where it is a common size, so the loop unrolls into vectors).
+template <int64_t D, typename kv_t>
+inline float dot(const float* __restrict__ q, const kv_t* __restrict__ k, int64_t head_dim) {
+  const int64_t n = D > 0 ? D : head_dim;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < n; ++d) sum += q[d] * static_cast<float>(k[d]);
+  return sum;
 }
 
-// Folds one block's first n visible keys into row r's running max, sum and accumulator.
-void attend_row(int64_t r, int64_t n, const Geometry& g, Scratch& s) {
-  const float* q = s.q.data() + r * g.head_dim;
-  float* scores = s.scores.data();
-  for (int64_t t = 0; t < n; ++t) scores[t] = 0.0f;
-  for (int64_t d = 0; d < g.head_dim; ++d) {
-    const float qd = q[d];
-    const float* kd = s.keys_t.data() + d * g.block_size;
-    for (int64_t t = 0; t < n; ++t) scores[t] += qd * kd[t];
-  }
-  float block_max = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, scores[t]);
-  float* acc = s.acc.data() + r * g.head_dim;
-  if (block_max > s.max[r]) {
-    const float rescale = std::exp(s.max[r] - block_max);  // 0 for the first block (max = -inf)
-    s.sum[r] *= rescale;
-    for (int64_t d = 0; d < g.head_dim; ++d) acc[d] *= rescale;
-    s.max[r] = block_max;
-  }
-  const float m = s.max[r];
-  float sum = 0.0f;
+// acc += p * v over the head dim.
+template <int64_t D, typename kv_t>
+inline void axpy(float* __restrict__ acc, float p, const kv_t* __restrict__ v, int64_t head_dim) {
+  const int64_t n = D > 0 ? D : head_dim;
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * static_cast<float>(v[d]);
+}
+
+// Folds one block of keys [k, k + n rows) into every row's running max, sum and accumulator; row r sees the
+// block's first visible[r] keys (visible[r] <= n, 0: none).
+template <int64_t D, typename kv_t>
+void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, int64_t n, const int64_t* visible,
+                  int64_t rows, const Geometry& g, Scratch& s) {
+  const int64_t stride = g.num_kv_heads * g.head_dim, hd = g.head_dim;
   for (int64_t t = 0; t < n; ++t) {
-    scores[t] = exp_nonpositive(scores[t] - m);
-    sum += scores[t];
+    for (int64_t r = 0; r < rows; ++r) s.scores[r * g.block_size + t] = dot<D>(&s.q[r * hd], k + t * stride, hd);
   }
-  s.sum[r] += sum;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* __restrict__ scores = &s.scores[r * g.block_size];
+    const int64_t m = visible[r];
+    if (m <= 0) continue;
+    float block_max = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < m; ++t) block_max = std::max(block_max, scores[t]);
+    if (block_max > s.max[r]) {
+      const float rescale = std::exp(s.max[r] - block_max);  // 0 for the first block (max = -inf)
+      s.sum[r] *= rescale;
+      float* __restrict__ acc = &s.acc[r * hd];
+#pragma omp simd
+      for (int64_t d = 0; d < hd; ++d) acc[d] *= rescale;
+      s.max[r] = block_max;
+    }
+    const float row_max = s.max[r];
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < m; ++t) {
+      scores[t] = exp_nonpositive(scores[t] - row_max);
+      sum += scores[t];
+    }
+    s.sum[r] += sum;
+  }
   for (int64_t t = 0; t < n; ++t) {
-    const float p = scores[t];
-    const float* vt = s.values.data() + t * g.head_dim;
-    for (int64_t d = 0; d < g.head_dim; ++d) acc[d] += p * vt[d];
+    for (int64_t r = 0; r < rows; ++r) {
+      if (t < visible[r]) axpy<D>(&s.acc[r * hd], s.scores[r * g.block_size + t], v + t * stride, hd);
+    }
   }
 }
 
@@ -131,14 +140,22 @@ void attend_item(const Item& item, int64_t kv_head, const at::Tensor& query, at:
   const int64_t keys = first_pos + item.count;  // the last query's visible keys
   const int64_t row = g.num_kv_heads * g.head_dim;
   const int64_t* table = tables + item.seq * table_width;
+  int64_t* visible = s.visible.data();
   for (int64_t start = 0; start < keys; start += g.block_size) {
     const int64_t block = table[start / g.block_size];
     TORCH_CHECK(block >= 0 && block < g.num_blocks, "block id ", block, " is outside the pool");
     const int64_t offset = block * g.block_size * row + kv_head * g.head_dim;
-    load_block(k_cache + offset, v_cache + offset, std::min(g.block_size, keys - start), g, s);
     for (int64_t i = 0; i < item.count; ++i) {
-      const int64_t visible = std::min(g.block_size, first_pos + i + 1 - start);
-      for (int64_t j = 0; visible > 0 && j < g.group; ++j) attend_row(i * g.group + j, visible, g, s);
+      const int64_t seen = std::max<int64_t>(0, std::min(g.block_size, first_pos + i + 1 - start));
+      for (int64_t j = 0; j < g.group; ++j) visible[i * g.group + j] = seen;
+    }
+    const int64_t n = std::min(g.block_size, keys - start);
+    if (g.head_dim == 64) {
+      attend_block<64>(k_cache + offset, v_cache + offset, n, visible, rows, g, s);
+    } else if (g.head_dim == 128) {
+      attend_block<128>(k_cache + offset, v_cache + offset, n, visible, rows, g, s);
+    } else {
+      attend_block<0>(k_cache + offset, v_cache + offset, n, visible, rows, g, s);
     }
   }
   q_t* o_data = out.data_ptr<q_t>();
@@ -198,10 +215,13 @@ void dispatch_query(const at::Tensor& query, at::Tensor& out, const at::Tensor& 
 // out[q_starts[s] + i] = attention of query[q_starts[s] + i] ([T, H, D]) over the context of sequence s, for
 // i < q_lens[s], the keys read from k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim] through
 // block_tables [N, W]. Stored keys are multiplied by k_scale and values by v_scale (fp8 pools).
-void paged_attention(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+void paged_attention(const at::Tensor& query_in, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
                      const at::Tensor& context_lens, double scale, double k_scale, double v_scale) {
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D] with unit stride in D");
+  TORCH_CHECK(query_in.dim() == 3, "query must be [T, H, D]");
+  // NOTE: the small-batch linears (compute_service/linear.py) hand over queries strided in D; one copy of the
+  // step's queries lets every row be read with unit stride.
+  const at::Tensor query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
               "out must be a contiguous tensor shaped and typed like query");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -215,7 +235,7 @@ void paged_attention(const at::Tensor& query, at::Tensor& out, const at::Tensor&
   TORCH_CHECK(query.size(2) == g.head_dim && g.group * g.num_kv_heads == query.size(1),
               "query heads must be a multiple of the KV heads, with the same head dim");
   const float q_scale = static_cast<float>(scale * k_scale), vs = static_cast<float>(v_scale);
-  const at::Tensor& q = query;
+  const at::Tensor& q = query;  // short name for the dispatch below
   switch (k_cache.scalar_type()) {
     case at::kFloat:
       return dispatch_query<float>(q, out, k_cache, v_cache, block_tables, q_starts, q_lens, context_lens, g, q_scale,

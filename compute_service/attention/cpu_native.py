@@ -1,9 +1,12 @@
 """CPU paged attention reading K/V in place by block table (compute_service/attention/native): no gather copy.
 
-Decodes and prompt chunks over a cached prefix go to the native kernel in one call per layer, with an online
-softmax in float32 over the pool's own dtype (fp8 scales folded into the query and the output). Prompts with
-nothing cached before them keep the causal SDPA of the pure-torch backend (compute_service.attention.cpu),
-whose matrix products beat a per-query kernel there.
+Decodes go to the native kernel in one call per layer, with an online softmax in float32 over the pool's own
+dtype (fp8 scales folded into the query and the output). Prompts and prompt chunks keep the SDPA of the
+pure-torch backend (compute_service.attention.cpu).
+
+NOTE: the kernel attends prompt chunks over a cached prefix too (its tests check them), but measured slower
+there than gather + SDPA from 8 new tokens on (SDPA's matrix products win once a key serves many queries;
+README, Native paged attention), so only decodes are routed to it.
 """
 
 from dataclasses import dataclass
@@ -18,13 +21,13 @@ KV_DTYPES = cpu.KV_DTYPES
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """The sequences the kernel attends this step (int64, contiguous), and the prompts SDPA attends."""
+    """The decodes the kernel attends this step (int64, contiguous), and the prompts SDPA attends."""
 
     q_starts: torch.Tensor  # [n] first new token of each, in the packed batch
     q_lens: torch.Tensor  # [n]
     context_lens: torch.Tensor  # [n]
     block_tables: torch.Tensor  # [n, W]
-    fresh: list[Segment]
+    prompts: list[Segment]
 
 
 def kernel():
@@ -67,7 +70,7 @@ def paged_attention(
             scale,
             *scales,
         )
-    for seg in plan.fresh:
+    for seg in plan.prompts:
         out[seg.start : seg.end] = cpu.prefill(query, key, value, k_cache, v_cache, seg, scaling, scales)
     return out.unsqueeze(0), None
 
@@ -83,12 +86,11 @@ def step_plan(ctx: Context) -> Plan:
 
 def _plan(ctx: Context) -> Plan:
     q_lens = ctx.cu_seqlens_q.diff()
-    fresh = (q_lens > 1) & (ctx.context_lens == q_lens)
-    rows = (~fresh).nonzero().squeeze(1)
+    rows = (q_lens == 1).nonzero().squeeze(1)
     return Plan(
         q_starts=ctx.cu_seqlens_q[rows].long().contiguous(),
         q_lens=q_lens[rows].long().contiguous(),
         context_lens=ctx.context_lens[rows].long().contiguous(),
         block_tables=ctx.block_tables[rows].long().contiguous(),
-        fresh=[seg for seg in ctx.segments if seg.slots is None],
+        prompts=ctx.segments,
     )

@@ -66,33 +66,54 @@ inline float dot(const float* __restrict__ q, const kv_t* __restrict__ k, int64_
   return sum;
 }
 
-// acc += p * v over the head dim.
+// Scores of one row against keys [0, n) of a block: scores[t] = q . k_t.
 template <int64_t D, typename kv_t>
-inline void axpy(float* __restrict__ acc, float p, const kv_t* __restrict__ v, int64_t head_dim) {
-  const int64_t n = D > 0 ? D : head_dim;
+inline void row_scores(const float* __restrict__ q, const kv_t* __restrict__ k, int64_t stride, int64_t n,
+                       int64_t head_dim, float* __restrict__ scores) {
+  for (int64_t t = 0; t < n; ++t) scores[t] = dot<D>(q, k + t * stride, head_dim);
+}
+
+// acc += sum over t < n of p[t] * v_t, the accumulator kept in registers where D is a compile-time size.
+template <int64_t D, typename kv_t>
+inline void row_values(float* __restrict__ acc, const float* __restrict__ p, const kv_t* __restrict__ v,
+                       int64_t stride, int64_t n, int64_t head_dim) {
+  if constexpr (D > 0) {
+    float local[D];
+    for (int64_t d = 0; d < D; ++d) local[d] = acc[d];
+    for (int64_t t = 0; t < n; ++t) {
+      const kv_t* __restrict__ vt = v + t * stride;
+      const float pt = p[t];
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) acc[d] += p * static_cast<float>(v[d]);
+      for (int64_t d = 0; d < D; ++d) local[d] += pt * static_cast<float>(vt[d]);
+    }
+    for (int64_t d = 0; d < D; ++d) acc[d] = local[d];
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      const kv_t* __restrict__ vt = v + t * stride;
+      const float pt = p[t];
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += pt * static_cast<float>(vt[d]);
+    }
+  }
 }
 
 // Folds one block of keys [k, k + n rows) into every row's running max, sum and accumulator; row r sees the
 // block's first visible[r] keys (visible[r] <= n, 0: none).
 template <int64_t D, typename kv_t>
-void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, int64_t n, const int64_t* visible,
-                  int64_t rows, const Geometry& g, Scratch& s) {
+void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const int64_t* visible, int64_t rows,
+                  const Geometry& g, Scratch& s) {
   const int64_t stride = g.num_kv_heads * g.head_dim, hd = g.head_dim;
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t r = 0; r < rows; ++r) s.scores[r * g.block_size + t] = dot<D>(&s.q[r * hd], k + t * stride, hd);
-  }
   for (int64_t r = 0; r < rows; ++r) {
-    float* __restrict__ scores = &s.scores[r * g.block_size];
     const int64_t m = visible[r];
     if (m <= 0) continue;
+    float* __restrict__ scores = &s.scores[r * g.block_size];
+    row_scores<D>(&s.q[r * hd], k, stride, m, hd, scores);
     float block_max = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < m; ++t) block_max = std::max(block_max, scores[t]);
+    float* __restrict__ acc = &s.acc[r * hd];
     if (block_max > s.max[r]) {
       const float rescale = std::exp(s.max[r] - block_max);  // 0 for the first block (max = -inf)
       s.sum[r] *= rescale;
-      float* __restrict__ acc = &s.acc[r * hd];
 #pragma omp simd
       for (int64_t d = 0; d < hd; ++d) acc[d] *= rescale;
       s.max[r] = block_max;
@@ -105,11 +126,7 @@ void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, int64_
       sum += scores[t];
     }
     s.sum[r] += sum;
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t r = 0; r < rows; ++r) {
-      if (t < visible[r]) axpy<D>(&s.acc[r * hd], s.scores[r * g.block_size + t], v + t * stride, hd);
-    }
+    row_values<D>(acc, scores, v, stride, m, hd);
   }
 }
 
@@ -149,13 +166,12 @@ void attend_item(const Item& item, int64_t kv_head, const at::Tensor& query, at:
       const int64_t seen = std::max<int64_t>(0, std::min(g.block_size, first_pos + i + 1 - start));
       for (int64_t j = 0; j < g.group; ++j) visible[i * g.group + j] = seen;
     }
-    const int64_t n = std::min(g.block_size, keys - start);
     if (g.head_dim == 64) {
-      attend_block<64>(k_cache + offset, v_cache + offset, n, visible, rows, g, s);
+      attend_block<64>(k_cache + offset, v_cache + offset, visible, rows, g, s);
     } else if (g.head_dim == 128) {
-      attend_block<128>(k_cache + offset, v_cache + offset, n, visible, rows, g, s);
+      attend_block<128>(k_cache + offset, v_cache + offset, visible, rows, g, s);
     } else {
-      attend_block<0>(k_cache + offset, v_cache + offset, n, visible, rows, g, s);
+      attend_block<0>(k_cache + offset, v_cache + offset, visible, rows, g, s);
     }
   }
   q_t* o_data = out.data_ptr<q_t>();

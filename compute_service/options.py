@@ -12,7 +12,7 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "--attention-backend",
         choices=list(BACKENDS),
         default=None,
-        help="paged-attention function (default: cpu-native where its kernel builds, else cpu)",
+        help="paged-attention function (default: cpu-native for float32 where its kernel builds, else cpu)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument(

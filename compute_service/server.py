@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     weights = resolve_dtype(args.dtype)
     kv_dtype = dtype_from_name(resolve_kv_dtype(args.kv_dtype, weights))
-    backend = args.attention_backend or default_backend()
+    backend = args.attention_backend or default_backend(weights)
     try:
         model, spec = load(args.model, dtype_from_name(weights), backend, args.plain_linear, kv_dtype)
     except (FileNotFoundError, ValueError) as exc:

@@ -150,3 +150,8 @@ def test_a_machine_that_cannot_build_falls_back_to_cpu(monkeypatch, tmp_path):
         monkeypatch.undo()
         native.load.cache_clear()
     assert registry.default_backend() == "cpu-native", "this machine builds it"
+
+
+def test_bfloat16_weights_default_to_the_cpu_backend():
+    assert registry.default_backend("float32") == "cpu-native"
+    assert registry.default_backend("bfloat16") == "cpu"

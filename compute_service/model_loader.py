@@ -7,6 +7,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedMod
 
 from common.model_files import local_copy
 from common.shared_pool import dtype_name
+from compute_service.attention import native
 from compute_service.attention.context import timed
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend, require_kv_dtype
@@ -65,6 +66,10 @@ def load(
     (a torch device name). ValueError if the backend cannot store it."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     require_kv_dtype(backend, dtype_name(kv_dtype))
+    if backend == "cpu-native" and native.load() is None:
+        raise ValueError(
+            "attention backend cpu-native: its kernel cannot be built here (see the log); use cpu"
+        )
     files = local_copy(model)
     hf_model = (
         AutoModelForCausalLM.from_pretrained(

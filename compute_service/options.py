@@ -12,8 +12,8 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "--attention-backend",
         choices=["auto", *BACKENDS],
         default="auto",
-        help="paged attention kernel (default auto: the --kv-device's own; cuda also runs on the cpu, its "
-        "torch path, to check it)",
+        help="paged attention kernel (default auto: the --kv-device's own; on the cpu, cpu-native for "
+        "float32 where its kernel builds, else cpu; cuda also runs on the cpu, its torch path, to check it)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument(

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     weights = resolve_dtype(args.dtype, device_type=args.kv_device.type)
     kv_dtype = dtype_from_name(resolve_kv_dtype(args.kv_dtype, weights))
     try:
-        backend = backend_for(args.attention_backend, args.kv_device.type)
+        backend = backend_for(args.attention_backend, args.kv_device.type, weights)
         model, spec = load(
             args.model,
             dtype_from_name(weights),

@@ -55,8 +55,9 @@ class Context:
     scales: KVScales = NO_SCALES
     # Seconds spent in the attention function this step, summed over layers (see `timed`).
     attention_s: float = 0.0
-    # A device backend's kernel arguments by backend name, built by its first layer for every layer.
-    backend_args: dict = field(default_factory=dict)
+    # Per-backend data derived from the step once, by the first layer that needs it (cpu-native's plan, a
+    # device backend's kernel arguments), by backend name.
+    plans: dict[str, object] = field(default_factory=dict)
 
 
 GATHER_KEYS = 2048

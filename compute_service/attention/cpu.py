@@ -54,7 +54,7 @@ def paged_attention(
         ]
         out.index_copy_(0, ctx.decode_tokens, outs[0] if len(outs) == 1 else torch.cat(outs))
     for seg in ctx.segments:
-        out[seg.start : seg.end] = _prefill(query, key, value, k_cache, v_cache, seg, scaling, scales)
+        out[seg.start : seg.end] = prefill(query, key, value, k_cache, v_cache, seg, scaling, scales)
     return out.unsqueeze(0), None
 
 
@@ -73,7 +73,7 @@ def _decode(
     return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)[:, :, 0]
 
 
-def _prefill(
+def prefill(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,

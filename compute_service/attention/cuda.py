@@ -38,9 +38,9 @@ def paged_attention(
     assert kwargs.get("sliding_window") is None and kwargs.get("softcap") is None, "not supported yet"
     ctx = get_context()
     k_cache, v_cache = ctx.k_caches[module.layer_idx], ctx.v_caches[module.layer_idx]
-    args = ctx.backend_args.get("cuda")
+    args = ctx.plans.get("cuda")
     if args is None:
-        args = ctx.backend_args["cuda"] = cuda_args.build_varlen_args(
+        args = ctx.plans["cuda"] = cuda_args.build_varlen_args(
             ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, ctx.slot_mapping, query.device
         )
     write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), args.slot_mapping)

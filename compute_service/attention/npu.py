@@ -40,11 +40,11 @@ def paged_attention(
     ctx = get_context()
     k_cache, v_cache = ctx.k_caches[module.layer_idx], ctx.v_caches[module.layer_idx]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    args = ctx.backend_args.get("npu")
+    args = ctx.plans.get("npu")
     if args is None:
         scale = scaling if scaling is not None else head_dim**-0.5
         heads = (query.shape[1], num_kv_heads)
-        args = ctx.backend_args["npu"] = npu_args.build_fias_args(
+        args = ctx.plans["npu"] = npu_args.build_fias_args(
             ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, ctx.slot_mapping, heads, block_size, scale,
             query.device,
         )  # fmt: skip

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from common import shared_pool
 from common.server import channel
+from compute_service.attention.registry import default_backend
 from compute_service.server import SEGMENT_CHECK_S, SEGMENT_REMOVED
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
 from tests.forward import forward_request as paged_forward_request
@@ -100,7 +101,7 @@ def test_model_info(service, model_dir):
     assert (info.num_layers, info.num_attention_heads, info.num_kv_heads, info.head_dim) == (LAYERS, 4, 2, 16)
     assert (info.dtype, info.vocab_size, info.max_model_len) == ("float32", VOCAB, 512)
     assert list(info.eos_token_ids) == [2]
-    assert info.attention_backend == "cpu"
+    assert info.attention_backend == default_backend() == "cpu-native"
 
 
 def test_forward_before_attach_is_refused(service):

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from cli.launch import Stack
+from compute_service.attention.registry import default_backend
 from protos import cache_pb2, compute_pb2
 from tests.e2e.stack import start_stack
 from tests.tiny_model import save_tiny_llama, tiny_llama_config
@@ -71,7 +72,7 @@ def test_info_stats_and_metrics_name_the_kv_dtype(stacks):
         "float32",
         "fp8_e4m3",
         "cpu",
-        "cpu",
+        default_backend(),
     )
     stats = stack.stats()
     assert (stats.kv_dtype, stats.device) == ("fp8_e4m3", "cpu")
@@ -79,7 +80,11 @@ def test_info_stats_and_metrics_name_the_kv_dtype(stacks):
     assert 'pagedserve_kv_pool_info{device="cpu",kv_dtype="fp8_e4m3"} 1.0' in cache
     compute = urllib.request.urlopen(stack.metrics_url("compute"), timeout=10).read().decode()
     line = next(line for line in compute.splitlines() if line.startswith("pagedserve_compute_info{"))
-    assert 'kv_dtype="fp8_e4m3"' in line and 'dtype="float32"' in line and 'attention_backend="cpu"' in line
+    assert (
+        'kv_dtype="fp8_e4m3"' in line
+        and 'dtype="float32"' in line
+        and f'attention_backend="{default_backend()}"' in line
+    )
 
 
 def model_info(stack: Stack) -> compute_pb2.ModelInfo:

@@ -1,4 +1,5 @@
-"""The cpu paged attention backend against the dense reference and plain dense SDPA of the full sequences."""
+"""The CPU paged attention backends (cpu, cpu-native) against the dense reference and plain dense SDPA of the
+full sequences."""
 
 from types import SimpleNamespace
 
@@ -6,9 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compute_service.attention import context
+from compute_service.attention import context, cpu, cpu_native
 from compute_service.attention.context import build_context, reset_context, set_context
-from compute_service.attention.cpu import paged_attention
 from compute_service.attention.reference import reference_attention
 from compute_service.batch import ForwardBatch
 from compute_service.validation import Limits
@@ -35,9 +35,19 @@ class Sequence:
         return [self.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
 
 
+BACKEND = {"attend": cpu.paged_attention}
+
+
 @pytest.fixture(autouse=True)
 def seeded():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, params=["cpu", "cpu-native"])
+def backend(request, monkeypatch):
+    """Every test runs against each CPU backend."""
+    attend = {"cpu": cpu.paged_attention, "cpu-native": cpu_native.paged_attention}[request.param]
+    monkeypatch.setitem(BACKEND, "attend", attend)
 
 
 def make(lengths: list[int], dtype: torch.dtype = torch.float32):
@@ -70,7 +80,7 @@ def step(seqs: list[Sequence], new: list[int], k_cache: torch.Tensor, v_cache: t
 
     set_context(build_context([k_cache], [v_cache], forward))
     try:
-        out = paged_attention(
+        out = BACKEND["attend"](
             SimpleNamespace(layer_idx=0),
             q.transpose(0, 1)[None],
             k.transpose(0, 1)[None],

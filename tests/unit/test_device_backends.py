@@ -140,7 +140,8 @@ def test_the_npu_block_size_is_refused_unless_the_op_pages_by_it():
 
 
 def test_auto_picks_the_devices_backend():
-    assert [registry.backend_for("auto", d) for d in ("cpu", "cuda")] == ["cpu", "cuda"]
+    assert [registry.backend_for("auto", d, "bfloat16") for d in ("cpu", "cuda")] == ["cpu", "cuda"]
+    assert registry.backend_for("auto", "cpu", "float32") == registry.default_backend("float32", "cpu")
     assert registry.backend_for("cuda", "cpu") == "cuda", "its torch path checks it on the cpu"
 
 
@@ -162,7 +163,7 @@ def test_the_npu_backend_without_torch_npu_is_refused_only_when_selected(monkeyp
     monkeypatch.setitem(sys.modules, "torch_npu", None)
     with pytest.raises(ValueError, match=r"needs torch_npu .*pip install -e '.\[npu\]'"):
         registry.backend_for("auto", "npu")
-    assert registry.backend_for("auto", "cpu") == "cpu"
+    assert registry.backend_for("auto", "cpu", "bfloat16") == "cpu"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,82 @@
+"""The native paged-attention kernel (paged_attention.cpp), compiled from source once per machine.
+
+`load()` builds it with torch's C++ extension tooling (g++, ninja) into a cache directory keyed by the
+source, the torch version, the compiler flags and the CPU's flags, then imports it; a later process imports
+the cached build. `make setup` builds it ahead (`python -m compute_service.attention.native`). A machine
+that cannot build it gets None, with the reason logged: the pure-torch backend then serves.
+"""
+
+import functools
+import hashlib
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+import torch
+
+from common.precision import cpu_flags
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+# NOTE: -march=native tunes the build to this machine's vector units; the cache key includes the CPU's flags,
+# so a build is never loaded on a CPU that lacks an instruction it uses.
+# NOTE: reassociation lets the compiler sum a dot product's lanes as a tree of vector adds instead of one lane
+# after another (measured: the lane-by-lane sum was the kernel's hottest code); infinities and NaN keep their
+# meaning (no -ffinite-math-only), so a row's running max may start at -inf.
+CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp-simd",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+)
+CACHE_ENV = "PAGEDSERVE_EXTENSIONS_DIR"
+log = structlog.get_logger()
+
+
+def build_dir() -> Path:
+    """Where this source, torch and CPU's build lives: $PAGEDSERVE_EXTENSIONS_DIR or ~/.cache/pagedserve."""
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedserve" / "extensions")
+    key = hashlib.sha256(
+        b"\0".join(
+            [SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode()]
+            + [" ".join(sorted(cpu_flags())).encode()]
+        )
+    ).hexdigest()[:16]
+    return root / f"paged_attention-{key}"
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled kernel module, built first if this machine has no build yet; None if it cannot be."""
+    from torch.utils import cpp_extension
+
+    directory = build_dir()
+    if not any(directory.glob("*.so")):
+        log.info("native_attention_build", directory=str(directory), note="compiling once, about a minute")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # NOTE: a name per directory: torch renames (and so rebuilds) an extension loaded under one name from
+        # two directories in one process.
+        name = "pagedserve_attention_" + hashlib.sha256(str(directory).encode()).hexdigest()[:12]
+        return cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError, cpp_extension.subprocess.CalledProcessError) as exc:
+        reason = (str(exc).strip().splitlines() or [repr(exc)])[-1]
+        log.warning("native_attention_unavailable", reason=reason, fallback="--attention-backend cpu")
+        return None
+
+
+def main() -> None:
+    """Builds (or finds) the kernel; exit status 1 when it cannot be built."""
+    module = load()
+    print(f"native paged attention: {'ready in ' + str(build_dir()) if module else 'unavailable'}")
+    sys.exit(0 if module else 1)

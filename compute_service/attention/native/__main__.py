@@ -1,0 +1,3 @@
+from compute_service.attention.native import main
+
+main()

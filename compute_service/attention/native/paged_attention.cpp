@@ -1,0 +1,295 @@
+// Paged attention that reads K/V in place by block table: no gather copy, an online softmax in float32.
+//
+// One work item is (sequence, KV head, chunk of up to kQueryChunk queries): its rows are every query head
+// of that KV head (GQA) for each query of the chunk, so each key and value row is read and upcast once per
+// item. Items run in parallel with at::parallel_for. Query i of a sequence with q_len new tokens and
+// context_len keys sits at position context_len - q_len + i and sees keys 0 ..= that position (causal).
+// Inner loops are plain float loops over the head dim or the block's tokens, written so that the compiler
+// vectorises them (-O3 -march=native -fopenmp-simd, sums reassociated: native/__init__.py CFLAGS).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <bit>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQueryChunk = 8;
+
+// e^x for x <= 0 (Cody-Waite range reduction, Cephes' degree-5 polynomial; relative error ~1e-7); a plain
+// function of floats so that a loop over it vectorises, unlike std::exp.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  return e * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+struct Geometry {
+  int64_t num_blocks, block_size, num_kv_heads, head_dim, group;
+};
+
+struct Scratch {
+  std::vector<float> q, acc, max, sum, scores;
+  std::vector<int64_t> visible;
+  Scratch(const Geometry& g)
+      : q(kQueryChunk * g.group * g.head_dim),
+        acc(q.size()),
+        max(kQueryChunk * g.group),
+        sum(max.size()),
+        scores(max.size() * g.block_size),
+        visible(max.size()) {}
+};
+
+// q . k over the head dim (a compile-time D where it is a common size, so the loop unrolls into vectors).
+template <int64_t D, typename kv_t>
+inline float dot(const float* __restrict__ q, const kv_t* __restrict__ k, int64_t head_dim) {
+  const int64_t n = D > 0 ? D : head_dim;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < n; ++d) sum += q[d] * static_cast<float>(k[d]);
+  return sum;
+}
+
+// Scores of one row against keys [0, n) of a block: scores[t] = q . k_t.
+template <int64_t D, typename kv_t>
+inline void row_scores(const float* __restrict__ q, const kv_t* __restrict__ k, int64_t stride, int64_t n,
+                       int64_t head_dim, float* __restrict__ scores) {
+  for (int64_t t = 0; t < n; ++t) scores[t] = dot<D>(q, k + t * stride, head_dim);
+}
+
+// acc += sum over t < n of p[t] * v_t, the accumulator kept in registers where D is a compile-time size.
+template <int64_t D, typename kv_t>
+inline void row_values(float* __restrict__ acc, const float* __restrict__ p, const kv_t* __restrict__ v,
+                       int64_t stride, int64_t n, int64_t head_dim) {
+  if constexpr (D > 0) {
+    float local[D];
+    for (int64_t d = 0; d < D; ++d) local[d] = acc[d];
+    for (int64_t t = 0; t < n; ++t) {
+      const kv_t* __restrict__ vt = v + t * stride;
+      const float pt = p[t];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) local[d] += pt * static_cast<float>(vt[d]);
+    }
+    for (int64_t d = 0; d < D; ++d) acc[d] = local[d];
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      const kv_t* __restrict__ vt = v + t * stride;
+      const float pt = p[t];
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += pt * static_cast<float>(vt[d]);
+    }
+  }
+}
+
+// Folds one block of keys [k, k + n rows) into every row's running max, sum and accumulator; row r sees the
+// block's first visible[r] keys (visible[r] <= n, 0: none).
+template <int64_t D, typename kv_t>
+void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const int64_t* visible, int64_t rows,
+                  const Geometry& g, Scratch& s) {
+  const int64_t stride = g.num_kv_heads * g.head_dim, hd = g.head_dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = visible[r];
+    if (m <= 0) continue;
+    float* __restrict__ scores = &s.scores[r * g.block_size];
+    row_scores<D>(&s.q[r * hd], k, stride, m, hd, scores);
+    float block_max = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < m; ++t) block_max = std::max(block_max, scores[t]);
+    float* __restrict__ acc = &s.acc[r * hd];
+    if (block_max > s.max[r]) {
+      const float rescale = std::exp(s.max[r] - block_max);  // 0 for the first block (max = -inf)
+      s.sum[r] *= rescale;
+#pragma omp simd
+      for (int64_t d = 0; d < hd; ++d) acc[d] *= rescale;
+      s.max[r] = block_max;
+    }
+    const float row_max = s.max[r];
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < m; ++t) {
+      scores[t] = exp_nonpositive(scores[t] - row_max);
+      sum += scores[t];
+    }
+    s.sum[r] += sum;
+    row_values<D>(acc, scores, v, stride, m, hd);
+  }
+}
+
+// Asks for the next block's rows of this KV head while the current one is attended: its rows lie a whole
+// token row (all KV heads) apart, a stride the hardware prefetcher follows late.
+template <typename kv_t>
+inline void prefetch_block(const kv_t* k, const kv_t* v, int64_t block, int64_t kv_head, const Geometry& g) {
+  if (block < 0 || block >= g.num_blocks) return;  // refused when its turn comes
+  const int64_t row = g.num_kv_heads * g.head_dim, bytes = g.head_dim * static_cast<int64_t>(sizeof(kv_t));
+  const int64_t offset = block * g.block_size * row + kv_head * g.head_dim;
+  for (int64_t t = 0; t < g.block_size; ++t) {
+    const char* kt = reinterpret_cast<const char*>(k + offset + t * row);
+    const char* vt = reinterpret_cast<const char*>(v + offset + t * row);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(kt + b);
+      __builtin_prefetch(vt + b);
+    }
+  }
+}
+
+struct Item {
+  int64_t seq, first, count;  // queries [first, first + count) of the sequence's new tokens
+};
+
+template <typename kv_t, typename q_t>
+void attend_item(const Item& item, int64_t kv_head, const at::Tensor& query, at::Tensor& out,
+                 const kv_t* k_cache, const kv_t* v_cache, const int64_t* tables, int64_t table_width,
+                 const int64_t* q_starts, const int64_t* q_lens, const int64_t* context_lens,
+                 const Geometry& g, float q_scale, float v_scale, Scratch& s) {
+  const int64_t context_len = context_lens[item.seq], q_len = q_lens[item.seq];
+  const int64_t first_pos = context_len - q_len + item.first;  // position of the chunk's first query
+  const int64_t rows = item.count * g.group;
+  const q_t* q_data = query.data_ptr<q_t>();
+  const int64_t qs_t = query.stride(0), qs_h = query.stride(1);
+  for (int64_t i = 0; i < item.count; ++i) {
+    for (int64_t j = 0; j < g.group; ++j) {
+      const int64_t r = i * g.group + j;
+      const q_t* src = q_data + (q_starts[item.seq] + item.first + i) * qs_t + (kv_head * g.group + j) * qs_h;
+      for (int64_t d = 0; d < g.head_dim; ++d) s.q[r * g.head_dim + d] = static_cast<float>(src[d]) * q_scale;
+    }
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + rows * g.head_dim, 0.0f);
+  std::fill(s.max.begin(), s.max.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(s.sum.begin(), s.sum.begin() + rows, 0.0f);
+  const int64_t keys = first_pos + item.count;  // the last query's visible keys
+  const int64_t row = g.num_kv_heads * g.head_dim;
+  const int64_t* table = tables + item.seq * table_width;
+  int64_t* visible = s.visible.data();
+  for (int64_t start = 0; start < keys; start += g.block_size) {
+    const int64_t block = table[start / g.block_size];
+    TORCH_CHECK(block >= 0 && block < g.num_blocks, "block id ", block, " is outside the pool");
+    const int64_t offset = block * g.block_size * row + kv_head * g.head_dim;
+    if (start + g.block_size < keys) prefetch_block(k_cache, v_cache, table[start / g.block_size + 1], kv_head, g);
+    for (int64_t i = 0; i < item.count; ++i) {
+      const int64_t seen = std::max<int64_t>(0, std::min(g.block_size, first_pos + i + 1 - start));
+      for (int64_t j = 0; j < g.group; ++j) visible[i * g.group + j] = seen;
+    }
+    if (g.head_dim == 64) {
+      attend_block<64>(k_cache + offset, v_cache + offset, visible, rows, g, s);
+    } else if (g.head_dim == 128) {
+      attend_block<128>(k_cache + offset, v_cache + offset, visible, rows, g, s);
+    } else {
+      attend_block<0>(k_cache + offset, v_cache + offset, visible, rows, g, s);
+    }
+  }
+  q_t* o_data = out.data_ptr<q_t>();
+  for (int64_t i = 0; i < item.count; ++i) {
+    for (int64_t j = 0; j < g.group; ++j) {
+      const int64_t r = i * g.group + j;
+      q_t* dst = o_data + ((q_starts[item.seq] + item.first + i) * out.size(1) + kv_head * g.group + j) * g.head_dim;
+      const float norm = v_scale / s.sum[r];
+      for (int64_t d = 0; d < g.head_dim; ++d) dst[d] = static_cast<q_t>(s.acc[r * g.head_dim + d] * norm);
+    }
+  }
+}
+
+template <typename kv_t, typename q_t>
+void attend_all(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
+                const at::Tensor& context_lens, const Geometry& g, float q_scale, float v_scale) {
+  std::vector<Item> items;
+  const int64_t* lens = q_lens.data_ptr<int64_t>();
+  for (int64_t seq = 0; seq < q_lens.size(0); ++seq) {
+    for (int64_t first = 0; first < lens[seq]; first += kQueryChunk) {
+      items.push_back({seq, first, std::min(kQueryChunk, lens[seq] - first)});
+    }
+  }
+  const auto* k = reinterpret_cast<const kv_t*>(k_cache.data_ptr());
+  const auto* v = reinterpret_cast<const kv_t*>(v_cache.data_ptr());
+  const int64_t total = static_cast<int64_t>(items.size()) * g.num_kv_heads;
+  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(g);
+    for (int64_t w = begin; w < end; ++w) {
+      attend_item<kv_t, q_t>(items[w / g.num_kv_heads], w % g.num_kv_heads, query, out, k, v,
+                             block_tables.data_ptr<int64_t>(), block_tables.size(1), q_starts.data_ptr<int64_t>(),
+                             lens, context_lens.data_ptr<int64_t>(), g, q_scale, v_scale, scratch);
+    }
+  });
+}
+
+template <typename kv_t>
+void dispatch_query(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
+                    const at::Tensor& context_lens, const Geometry& g, float q_scale, float v_scale) {
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      return attend_all<kv_t, float>(query, out, k_cache, v_cache, block_tables, q_starts, q_lens, context_lens, g,
+                                     q_scale, v_scale);
+    case at::kBFloat16:
+      return attend_all<kv_t, at::BFloat16>(query, out, k_cache, v_cache, block_tables, q_starts, q_lens,
+                                            context_lens, g, q_scale, v_scale);
+    case at::kHalf:
+      return attend_all<kv_t, at::Half>(query, out, k_cache, v_cache, block_tables, q_starts, q_lens, context_lens,
+                                        g, q_scale, v_scale);
+    default:
+      TORCH_CHECK(false, "paged attention: unsupported query dtype ", query.scalar_type());
+  }
+}
+
+// out[q_starts[s] + i] = attention of query[q_starts[s] + i] ([T, H, D]) over the context of sequence s, for
+// i < q_lens[s], the keys read from k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim] through
+// block_tables [N, W]. Stored keys are multiplied by k_scale and values by v_scale (fp8 pools).
+void paged_attention(const at::Tensor& query_in, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
+                     const at::Tensor& context_lens, double scale, double k_scale, double v_scale) {
+  TORCH_CHECK(query_in.dim() == 3, "query must be [T, H, D]");
+  // NOTE: the small-batch linears (compute_service/linear.py) hand over queries strided in D; one copy of the
+  // step's queries lets every row be read with unit stride.
+  const at::Tensor query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+              "out must be a contiguous tensor shaped and typed like query");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] alike");
+  for (const auto* t : {&block_tables, &q_starts, &q_lens, &context_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "step metadata must be contiguous int64");
+  }
+  const Geometry g{k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3),
+                   query.size(1) / k_cache.size(2)};
+  TORCH_CHECK(query.size(2) == g.head_dim && g.group * g.num_kv_heads == query.size(1),
+              "query heads must be a multiple of the KV heads, with the same head dim");
+  const float q_scale = static_cast<float>(scale * k_scale), vs = static_cast<float>(v_scale);
+  const at::Tensor& q = query;  // short name for the dispatch below
+  switch (k_cache.scalar_type()) {
+    case at::kFloat:
+      return dispatch_query<float>(q, out, k_cache, v_cache, block_tables, q_starts, q_lens, context_lens, g, q_scale,
+                                   vs);
+    case at::kBFloat16:
+      return dispatch_query<at::BFloat16>(q, out, k_cache, v_cache, block_tables, q_starts, q_lens, context_lens, g,
+                                          q_scale, vs);
+    case at::kHalf:
+      return dispatch_query<at::Half>(q, out, k_cache, v_cache, block_tables, q_starts, q_lens, context_lens, g,
+                                      q_scale, vs);
+    case at::kFloat8_e4m3fn:
+      return dispatch_query<c10::Float8_e4m3fn>(q, out, k_cache, v_cache, block_tables, q_starts, q_lens,
+                                                context_lens, g, q_scale, vs);
+    case at::kFloat8_e5m2:
+      return dispatch_query<c10::Float8_e5m2>(q, out, k_cache, v_cache, block_tables, q_starts, q_lens,
+                                              context_lens, g, q_scale, vs);
+    default:
+      TORCH_CHECK(false, "paged attention: unsupported pool dtype ", k_cache.scalar_type());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention reading K/V in place by block table");
+}

@@ -1,0 +1,157 @@
+"""The native paged-attention kernel against the dense reference: random block tables, context lengths at
+and around block boundaries, GQA, every pool dtype, decodes and prompt chunks over a cached prefix, shared
+blocks; and its refusals."""
+
+import pytest
+import torch
+
+from common import paging
+from compute_service import model_loader
+from compute_service.attention import cpu_native, native, registry
+from compute_service.attention.reference import reference_attention
+
+NUM_BLOCKS = 256
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+
+
+def pool(block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, scale: float = 1.0):
+    """K and V pools of finite random entries, stored as `dtype` (divided by `scale`, as fp8 stores)."""
+    shape = (NUM_BLOCKS, block_size, kv_heads, head_dim)
+    return tuple((torch.randn(shape) * 3 / scale).to(dtype) for _ in range(2))
+
+
+def tables(context_lens: list[int], block_size: int, shared: int = 0) -> torch.Tensor:
+    """Shuffled block tables; the first `shared` blocks are the same blocks in every row (a shared prefix)."""
+    order = torch.randperm(NUM_BLOCKS).tolist()
+    prefix, order = order[:shared], order[shared:]
+    width = max(paging.blocks_for(n, block_size) for n in context_lens)
+    rows = []
+    for n in context_lens:
+        own = paging.blocks_for(n, block_size) - shared
+        rows.append(prefix + order[:own] + [-1] * (width - shared - own))
+        order = order[own:]
+    return torch.tensor(rows)
+
+
+def attend(q, k_cache, v_cache, q_lens, context_lens, table, scale, kv_scales=(1.0, 1.0)):
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    starts = torch.tensor([0, *q_lens]).cumsum(0)
+    cpu_native.kernel().paged_attention(
+        q, out, k_cache, v_cache, table, starts[:-1], torch.tensor(q_lens), torch.tensor(context_lens), scale,
+        *kv_scales,
+    )  # fmt: skip
+    return out, starts
+
+
+def check(q_lens, context_lens, block_size=16, heads=9, kv_heads=3, head_dim=64, kv_dtype=torch.float32,
+          q_dtype=torch.float32, shared=0, kv_scales=(1.0, 1.0)):  # fmt: skip
+    k_cache, v_cache = pool(block_size, kv_heads, head_dim, kv_dtype, kv_scales[0])
+    table = tables(context_lens, block_size, shared)
+    q = torch.randn(sum(q_lens), heads, head_dim).to(q_dtype)
+    scale = head_dim**-0.5
+    out, starts = attend(q, k_cache, v_cache, q_lens, context_lens, table, scale, kv_scales)
+    keys, values = k_cache.float() * kv_scales[0], v_cache.float() * kv_scales[1]
+    expected = reference_attention(q, keys, values, starts, torch.tensor(context_lens), table, scale)
+    exact = q_dtype == torch.float32
+    torch.testing.assert_close(out, expected, **(dict(atol=2e-5, rtol=1e-4) if exact else {}))
+
+
+@pytest.mark.parametrize("context_len", [1, 15, 16, 17, 32, 33, 560, 1500])
+def test_decode_at_and_around_block_boundaries(context_len):
+    check([1, 1], [context_len, max(1, context_len - 7)])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 8), (8, 1, 16), (6, 2, 128)])
+def test_gqa_groups_and_head_dims(heads, kv_heads, head_dim):
+    check([1, 1, 1], [40, 3, 77], heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 5, 16, 32])
+def test_block_sizes(block_size):
+    check([1, 6, 1], [50, 20, 1], block_size=block_size)
+
+
+def test_prompt_chunks_over_a_cached_prefix_are_causal():
+    check([13, 1, 8, 17, 3], [45, 600, 8, 17, 300])
+
+
+def test_decodes_sharing_prefix_blocks():
+    lens = [512 + 16 * i + 3 for i in range(8)]
+    check([1] * 8, lens, shared=32)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_pool_and_query_dtypes(kv_dtype, q_dtype):
+    check([1, 5, 1], [70, 30, 129], kv_dtype=kv_dtype, q_dtype=q_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_pools_with_layer_scales(kv_dtype):
+    check([1, 4, 1], [90, 20, 33], kv_dtype=kv_dtype, kv_scales=(0.05, 0.2))
+
+
+def test_queries_strided_in_the_head_dim():
+    """The small-batch linears' output layout (compute_service/linear.py): W·xᵀ transposed back."""
+    k_cache, v_cache = pool(16, 3, 64, torch.float32)
+    table = tables([40, 17, 5], 16)
+    q = torch.randn(9 * 64, 3).t().view(3, 9, 64)
+    assert q.stride(2) != 1
+    out, starts = attend(q, k_cache, v_cache, [1, 1, 1], [40, 17, 5], table, 0.125)
+    expected = reference_attention(q, k_cache, v_cache, starts, torch.tensor([40, 17, 5]), table, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_writes_only_the_rows_of_its_sequences():
+    k_cache, v_cache = pool(16, 3, 64, torch.float32)
+    q = torch.randn(10, 9, 64)
+    out = torch.full_like(q, float("nan"))
+    table = tables([20, 30], 16)
+    # rows 0-3 and 6-9 belong to other sequences (fresh prompts attended elsewhere)
+    cpu_native.kernel().paged_attention(
+        q, out, k_cache, v_cache, table, torch.tensor([4, 5]), torch.tensor([1, 1]), torch.tensor([20, 30]),
+        0.125, 1.0, 1.0,
+    )  # fmt: skip
+    assert out[4:6].isfinite().all()
+    assert out[:4].isnan().all() and out[6:].isnan().all()
+
+
+def test_refuses_a_block_outside_the_pool():
+    k_cache, v_cache = pool(16, 3, 64, torch.float32)
+    table = torch.tensor([[3, NUM_BLOCKS]])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        attend(torch.randn(1, 9, 64), k_cache, v_cache, [1], [20], table, 0.125)
+
+
+def test_refuses_mismatched_geometry():
+    k_cache, v_cache = pool(16, 3, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of the KV heads"):
+        attend(torch.randn(1, 8, 64), k_cache, v_cache, [1], [5], torch.tensor([[0]]), 0.125)
+    with pytest.raises(RuntimeError, match="int64"):
+        attend(torch.randn(1, 9, 64), k_cache, v_cache, [1], [5], torch.tensor([[0]], dtype=torch.int32), 0.1)
+
+
+def test_a_machine_that_cannot_build_falls_back_to_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")  # the compiler fails
+    native.load.cache_clear()
+    try:
+        assert native.load() is None
+        assert registry.default_backend() == "cpu"
+        with pytest.raises(ValueError, match="cpu-native: its kernel cannot be built"):
+            model_loader.load("unused", torch.float32, "cpu-native")
+        with pytest.raises(RuntimeError, match="--attention-backend cpu"):
+            cpu_native.kernel()
+    finally:
+        monkeypatch.undo()
+        native.load.cache_clear()
+    assert registry.default_backend() == "cpu-native", "this machine builds it"
+
+
+def test_bfloat16_weights_default_to_the_cpu_backend():
+    assert registry.default_backend("float32") == "cpu-native"
+    assert registry.default_backend("bfloat16") == "cpu"

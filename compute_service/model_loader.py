@@ -12,6 +12,7 @@ from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend, require_kv_dtype
 from compute_service.kv_calibration import calibrate
 from compute_service.linear import use_small_batch_linears
+from compute_service.quantized import QUANTIZED_MODES, quantize_linears, resolve_weights
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,12 @@ class ModelSpec:
     # What the pool stores K/V as (the weights' dtype unless --kv-dtype), and its fp8 scales.
     kv_dtype: torch.dtype
     kv_scales: KVScales = NO_SCALES
+    # How the linear layers hold their weights (--weights): the dtype's name, or int8 / int4.
+    weights: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.weights:
+            object.__setattr__(self, "weights", self.dtype_name)
 
     @property
     def dtype_name(self) -> str:
@@ -54,11 +61,19 @@ def load(
     backend: str = "cpu",
     plain_linear: bool = False,
     kv_dtype: torch.dtype | None = None,
+    weights: str = "auto",
 ) -> tuple[PreTrainedModel, ModelSpec]:
     """The model with paged attention; its linear layers take the small-batch path (see
-    compute_service.linear) unless `plain_linear`. K/V are stored as `kv_dtype` (default: `dtype`); an fp8
-    one is calibrated here (compute_service.kv_calibration). ValueError if the backend cannot store it."""
+    compute_service.linear) unless `plain_linear`, and hold int8/int4 weights if `weights` says so
+    (compute_service.quantized). K/V are stored as `kv_dtype` (default: `dtype`); an fp8 one is calibrated
+    here (compute_service.kv_calibration). ValueError if the backend cannot store it or a layer cannot be
+    quantised."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
+    weights = resolve_weights(weights, dtype_name(dtype))
+    if plain_linear and weights in QUANTIZED_MODES:
+        raise ValueError(
+            f"--plain-linear keeps dense nn.Linear layers; it cannot combine with --weights {weights}"
+        )
     require_kv_dtype(backend, dtype_name(kv_dtype))
     files = local_copy(model)
     hf_model = AutoModelForCausalLM.from_pretrained(
@@ -66,7 +81,8 @@ def load(
     ).eval()
     if not plain_linear:
         use_small_batch_linears(hf_model)
-    spec = model_spec(hf_model, files.name, backend, kv_dtype)
+    quantize_linears(hf_model, weights)
+    spec = replace(model_spec(hf_model, files.name, backend, kv_dtype), weights=weights)
     return hf_model, replace(spec, kv_scales=calibrate(hf_model, files.path, kv_dtype))
 
 

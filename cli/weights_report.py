@@ -1,0 +1,163 @@
+"""`python -m cli.weights_report`: what each `--weights` mode costs in quality and gives in speed, the
+README's "Quantised weights" table. Runs compute's paged path in this process (no services), each mode against
+float32 weights and activations:
+
+- greedy agreement over the e2e parity prompts (tests/e2e/prompts.py: 8 prompts, 32 new tokens): tokens
+  identical until each prompt's first divergence, and identical positions overall;
+- perplexity on a fixed public-domain text (cli/data/perplexity_text.txt, the opening of Dickens' "A Tale
+  of Two Cities"), cut into PPL_SEQS sequences teacher-forced through decode steps, so that it measures
+  the path decode takes (the quantised kernel at these row counts);
+- with --speed, the decode step time (the full model through compute's Runner, sampling excluded) at
+  SPEED_BATCHES sequences of SPEED_PROMPT tokens: the modes' steps interleaved round after round, so that
+  load drifting on a shared machine hits them alike; medians of the rounds.
+
+`--dense-head` adds rows with the output head kept dense, to weigh quantising it.
+Run it from a checkout (it reads the prompts' text from tests/e2e/prompts.py).
+"""
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from cli.kv_report import PagedRun, agreement, greedy
+from common.model_files import local_copy
+from common.shared_pool import dtype_from_name, dtype_name
+from compute_service.attention.kv_codec import NO_SCALES
+from compute_service.model_loader import load
+from compute_service.quantized import quantize_linears
+
+TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
+# (dtype, weights, output head quantised): float32 first, the reference.
+MODES = [
+    ("float32", "float32", True),
+    ("bfloat16", "bfloat16", True),
+    ("float32", "int8", True),
+    ("float32", "int4", True),
+    ("bfloat16", "int8", True),
+    ("bfloat16", "int4", True),
+]
+PPL_SEQS = 4
+SPEED_BATCHES, SPEED_PROMPT, SPEED_STEPS, SPEED_ROUNDS = (1, 4, 16, 64), 128, 4, 3
+
+
+def build(model_name: str, dtype: str, weights: str, head: bool):
+    """The paged model in `dtype` with its linears held as `weights` (the output head too if `head`)."""
+    model, _ = load(model_name, dtype_from_name(dtype))
+    quantize_linears(model, weights, lm_head=head)
+    return model
+
+
+def perplexity(model, ids: list[int]) -> float:
+    """exp(mean NLL) of the text's tokens, PPL_SEQS slices fed one token per decode step."""
+    span = len(ids) // PPL_SEQS
+    texts = [ids[i * span : (i + 1) * span] for i in range(PPL_SEQS)]
+    run = PagedRun(model, dtype_name(model.dtype), NO_SCALES, [span] * PPL_SEQS)
+    nll = 0.0
+    for i in range(span - 1):
+        logits = run.step([[t[i]] for t in texts])
+        targets = torch.tensor([t[i + 1] for t in texts])
+        nll -= torch.log_softmax(logits, -1).gather(1, targets[:, None]).sum().item()
+    return math.exp(nll / (PPL_SEQS * (span - 1)))
+
+
+def decode_ms(models: dict, ids: list[int]) -> dict:
+    """Median ms of one decode step per mode and batch size (see the module's --speed)."""
+    runs = {}
+    for key, model in models.items():
+        for n in SPEED_BATCHES:
+            run = PagedRun(
+                model, dtype_name(model.dtype), NO_SCALES, [SPEED_PROMPT + SPEED_ROUNDS * SPEED_STEPS + 1] * n
+            )
+            prompts = [ids[i * 3 : i * 3 + SPEED_PROMPT] for i in range(n)]
+            runs[key, n] = run, run.step(prompts).argmax(-1).tolist(), []
+    for _ in range(SPEED_ROUNDS):
+        for run, tokens, times in runs.values():
+            for _ in range(SPEED_STEPS):
+                start = time.perf_counter()
+                tokens[:] = run.step([[t] for t in tokens]).argmax(-1).tolist()
+                times.append(time.perf_counter() - start)
+    result: dict = {}
+    for (key, n), (_, _, times) in runs.items():
+        result.setdefault(key, {})[n] = round(statistics.median(times) * 1e3, 1)
+    return result
+
+
+def report(model_name: str, speed: bool, dense_head: bool) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from tests.e2e.prompts import PARITY_LENGTHS, PARITY_NEW_TOKENS, long_text, prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(local_copy(model_name).path)
+    prompts = prompt_ids(tokenizer, PARITY_LENGTHS)
+    text = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    modes = MODES + ([(d, w, False) for d, w, _ in MODES if w.startswith("int")] if dense_head else [])
+    models = {mode: build(model_name, *mode) for mode in modes}
+    reference = greedy(models[MODES[0]], "float32", NO_SCALES, prompts, PARITY_NEW_TOKENS)
+    step_ms = decode_ms(models, tokenizer.encode(long_text(), add_special_tokens=False)) if speed else {}
+    rows = []
+    for mode, model in models.items():
+        tokens = greedy(model, dtype_name(model.dtype), NO_SCALES, prompts, PARITY_NEW_TOKENS)
+        prefix, same, total = agreement(tokens, reference)
+        rows.append(
+            dict(
+                dtype=mode[0],
+                weights=mode[1],
+                head=mode[2] or mode[1] == mode[0],
+                prefix_agreement=prefix,
+                agreement=same,
+                tokens=total,
+                prompts_identical=sum(a == b for a, b in zip(tokens, reference, strict=True)),
+                prompts=len(prompts),
+                perplexity=perplexity(model, text),
+                decode_step_ms=step_ms.get(mode, {}),
+            )
+        )
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    batches = " / ".join(map(str, SPEED_BATCHES))
+    lines = [
+        "| --dtype | --weights | tokens identical until divergence | identical overall | prompts identical | "
+        f"perplexity | decode step, {batches} sequences |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    base = rows[0]["perplexity"]
+    for r in rows:
+        speed = (
+            " / ".join(f"{ms}" for ms in r["decode_step_ms"].values()) + " ms" if r["decode_step_ms"] else "–"
+        )
+        weights = r["weights"] + ("" if r["head"] else " (head dense)")
+        lines.append(
+            f"| {r['dtype']} | {weights} | {r['prefix_agreement']}/{r['tokens']} "
+            f"| {r['agreement']}/{r['tokens']} | {r['prompts_identical']}/{r['prompts']} "
+            f"| {r['perplexity']:.2f} ({100 * (r['perplexity'] / base - 1):+.1f} %) | {speed} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m cli.weights_report", description=__doc__)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--speed", action="store_true", help="also time decode steps (needs a quiet host)")
+    parser.add_argument(
+        "--dense-head", action="store_true", help="also the quantised modes with a dense head"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = report(args.model, args.speed, args.dense_head)
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from common.model_files import local_copy
 from common.shared_pool import dtype_from_name, dtype_name
 from compute_service.attention.kv_codec import NO_SCALES
 from compute_service.model_loader import load
-from compute_service.quantized import quantize_linears
+from compute_service.quantized import QUANTIZED_MAX_ROWS, quantize_linears
 
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
 # (dtype, weights, output head quantised): float32 first, the reference.
@@ -45,10 +46,10 @@ PPL_SEQS = 4
 SPEED_BATCHES, SPEED_PROMPT, SPEED_STEPS, SPEED_ROUNDS = (1, 4, 16, 64), 128, 4, 3
 
 
-def build(model_name: str, dtype: str, weights: str, head: bool):
+def build(model_name: str, dtype: str, weights: str, head: bool, kernel_max_rows: int):
     """The paged model in `dtype` with its linears held as `weights` (the output head too if `head`)."""
     model, _ = load(model_name, dtype_from_name(dtype))
-    quantize_linears(model, weights, lm_head=head)
+    quantize_linears(model, weights, lm_head=head, kernel_max_rows=kernel_max_rows)
     return model
 
 
@@ -65,11 +66,11 @@ def perplexity(model, ids: list[int]) -> float:
     return math.exp(nll / (PPL_SEQS * (span - 1)))
 
 
-def decode_ms(models: dict, ids: list[int]) -> dict:
+def decode_ms(models: dict, ids: list[int], batches: tuple[int, ...]) -> dict:
     """Median ms of one decode step per mode and batch size (see the module's --speed)."""
     runs = {}
     for key, model in models.items():
-        for n in SPEED_BATCHES:
+        for n in batches:
             run = PagedRun(
                 model, dtype_name(model.dtype), NO_SCALES, [SPEED_PROMPT + SPEED_ROUNDS * SPEED_STEPS + 1] * n
             )
@@ -87,18 +88,19 @@ def decode_ms(models: dict, ids: list[int]) -> dict:
     return result
 
 
-def report(model_name: str, speed: bool, dense_head: bool) -> list[dict]:
+def report(args: argparse.Namespace) -> list[dict]:
     from transformers import AutoTokenizer
 
     from tests.e2e.prompts import PARITY_LENGTHS, PARITY_NEW_TOKENS, long_text, prompt_ids
 
-    tokenizer = AutoTokenizer.from_pretrained(local_copy(model_name).path)
+    tokenizer = AutoTokenizer.from_pretrained(local_copy(args.model).path)
     prompts = prompt_ids(tokenizer, PARITY_LENGTHS)
     text = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
-    modes = MODES + ([(d, w, False) for d, w, _ in MODES if w.startswith("int")] if dense_head else [])
-    models = {mode: build(model_name, *mode) for mode in modes}
+    modes = MODES + ([(d, w, False) for d, w, _ in MODES if w.startswith("int")] if args.dense_head else [])
+    models = {mode: build(args.model, *mode, args.kernel_max_rows) for mode in modes}
     reference = greedy(models[MODES[0]], "float32", NO_SCALES, prompts, PARITY_NEW_TOKENS)
-    step_ms = decode_ms(models, tokenizer.encode(long_text(), add_special_tokens=False)) if speed else {}
+    ids = tokenizer.encode(long_text(), add_special_tokens=False)
+    step_ms = decode_ms(models, ids, tuple(args.batches)) if args.speed else {}
     rows = []
     for mode, model in models.items():
         tokens = greedy(model, dtype_name(model.dtype), NO_SCALES, prompts, PARITY_NEW_TOKENS)
@@ -117,11 +119,12 @@ def report(model_name: str, speed: bool, dense_head: bool) -> list[dict]:
                 decode_step_ms=step_ms.get(mode, {}),
             )
         )
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    batches = " / ".join(map(str, SPEED_BATCHES))
+def table(rows: list[dict], batches: tuple[int, ...]) -> str:
+    batches = " / ".join(map(str, batches))
     lines = [
         "| --dtype | --weights | tokens identical until divergence | identical overall | prompts identical | "
         f"perplexity | decode step, {batches} sequences |",
@@ -149,12 +152,19 @@ def main(argv: list[str] | None = None) -> None:
         "--dense-head", action="store_true", help="also the quantised modes with a dense head"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--batches", type=int, nargs="+", default=SPEED_BATCHES, help="--speed's batch sizes")
+    parser.add_argument(
+        "--kernel-max-rows",
+        type=int,
+        default=QUANTIZED_MAX_ROWS,
+        help="rows up to which the quantised kernel runs (to find the crossover with the dense GEMM)",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = report(args.model, args.speed, args.dense_head)
-    print(table(rows))
+    rows = report(args)
+    print(table(rows, tuple(args.batches)))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -47,10 +47,11 @@ class QuantizedLinear(nn.Module):
     """y = x·Wᵀ + b with W held quantised (`mode` int8 or int4) and, for large batches, dequantised in the
     input dtype. Equal to F.linear on the dequantised weights up to bfloat16 rounding of the activations."""
 
-    def __init__(self, linear: nn.Linear, mode: str) -> None:
+    def __init__(self, linear: nn.Linear, mode: str, kernel_max_rows: int = QUANTIZED_MAX_ROWS) -> None:
         super().__init__()
         assert mode in QUANTIZED_MODES, mode
         self.mode = mode
+        self.kernel_max_rows = kernel_max_rows
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach().float()
@@ -84,8 +85,9 @@ class QuantizedLinear(nn.Module):
         return ((levels - 8) * scales[..., None] + zeros[..., None]).flatten(1)
 
     def uses_kernel(self, rows: int) -> bool:
-        """Whether an input of `rows` rows takes the quantised kernel (else the dense GEMM)."""
-        return rows <= QUANTIZED_MAX_ROWS
+        """Whether an input of `rows` rows takes the quantised kernel (else the dense GEMM): at most
+        `kernel_max_rows` (QUANTIZED_MAX_ROWS unless the quality report searches the crossover)."""
+        return rows <= self.kernel_max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -123,10 +125,13 @@ def check_quantizable(name: str, linear: nn.Linear, mode: str) -> None:
         )
 
 
-def quantize_linears(model: nn.Module, mode: str, lm_head: bool = True) -> int:
+def quantize_linears(
+    model: nn.Module, mode: str, lm_head: bool = True, kernel_max_rows: int = QUANTIZED_MAX_ROWS
+) -> int:
     """Replaces every nn.Linear (SmallBatchLinear included, fused projections too) of the model in place by
     a QuantizedLinear in `mode`; the output head only if `lm_head`. Returns how many were replaced; a dense
-    `mode` replaces none. ValueError (before any replacement) if a layer's shape does not fit the kernel."""
+    `mode` replaces none; `kernel_max_rows`: see QuantizedLinear.uses_kernel. ValueError (before any
+    replacement) if a layer's shape does not fit the kernel."""
     if mode not in QUANTIZED_MODES:
         return 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -139,5 +144,5 @@ def quantize_linears(model: nn.Module, mode: str, lm_head: bool = True) -> int:
     for parent, name, child in targets:
         check_quantizable(f"{type(parent).__name__}.{name}", child, mode)
     for parent, name, child in targets:
-        setattr(parent, name, QuantizedLinear(child, mode))
+        setattr(parent, name, QuantizedLinear(child, mode, kernel_max_rows))
     return len(targets)

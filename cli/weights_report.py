@@ -30,7 +30,7 @@ from common.model_files import local_copy
 from common.shared_pool import dtype_from_name, dtype_name
 from compute_service.attention.kv_codec import NO_SCALES
 from compute_service.model_loader import load
-from compute_service.quantized import QUANTIZED_MAX_ROWS, quantize_linears
+from compute_service.quantized import QUANTIZED_MAX_ROWS, QUANTIZED_MODES, quantize_linears
 
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
 # (dtype, weights, output head quantised): float32 first, the reference.
@@ -96,7 +96,8 @@ def report(args: argparse.Namespace) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(local_copy(args.model).path)
     prompts = prompt_ids(tokenizer, PARITY_LENGTHS)
     text = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
-    modes = MODES + ([(d, w, False) for d, w, _ in MODES if w.startswith("int")] if args.dense_head else [])
+    dense_head = [(d, w, False) for d, w, _ in MODES if d == "float32" and w in QUANTIZED_MODES]
+    modes = MODES + (dense_head if args.dense_head else [])
     models = {mode: build(args.model, *mode, args.kernel_max_rows) for mode in modes}
     reference = greedy(models[MODES[0]], "float32", NO_SCALES, prompts, PARITY_NEW_TOKENS)
     ids = tokenizer.encode(long_text(), add_special_tokens=False)
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--speed", action="store_true", help="also time decode steps (needs a quiet host)")
     parser.add_argument(
-        "--dense-head", action="store_true", help="also the quantised modes with a dense head"
+        "--dense-head", action="store_true", help="also float32's quantised modes with a dense head"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--batches", type=int, nargs="+", default=SPEED_BATCHES, help="--speed's batch sizes")

@@ -5,8 +5,7 @@ float32 weights and activations:
 - greedy agreement over the e2e parity prompts (tests/e2e/prompts.py: 8 prompts, 32 new tokens): tokens
   identical until each prompt's first divergence, and identical positions overall;
 - perplexity on a fixed public-domain text (cli/data/perplexity_text.txt, the opening of Dickens' "A Tale
-  of Two Cities"), cut into PPL_SEQS sequences teacher-forced through decode steps, so that it measures
-  the path decode takes (the quantised kernel at these row counts);
+  of Two Cities"), one forward of plain transformers with the same quantised linears;
 - with --speed, the decode step time (the full model through compute's Runner, sampling excluded) at
   SPEED_BATCHES sequences of SPEED_PROMPT tokens: the modes' steps interleaved round after round, so that
   load drifting on a shared machine hits them alike; medians of the rounds.
@@ -42,8 +41,14 @@ MODES = [
     ("bfloat16", "int8", True),
     ("bfloat16", "int4", True),
 ]
-PPL_SEQS = 4
 SPEED_BATCHES, SPEED_PROMPT, SPEED_STEPS, SPEED_ROUNDS = (1, 4, 16, 64), 128, 4, 3
+
+
+def tokenized_text(model_name: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(local_copy(model_name).path)
+    return tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
 
 
 def build(model_name: str, dtype: str, weights: str, head: bool, kernel_max_rows: int):
@@ -53,17 +58,22 @@ def build(model_name: str, dtype: str, weights: str, head: bool, kernel_max_rows
     return model
 
 
-def perplexity(model, ids: list[int]) -> float:
-    """exp(mean NLL) of the text's tokens, PPL_SEQS slices fed one token per decode step."""
-    span = len(ids) // PPL_SEQS
-    texts = [ids[i * span : (i + 1) * span] for i in range(PPL_SEQS)]
-    run = PagedRun(model, dtype_name(model.dtype), NO_SCALES, [span] * PPL_SEQS)
-    nll = 0.0
-    for i in range(span - 1):
-        logits = run.step([[t[i]] for t in texts])
-        targets = torch.tensor([t[i + 1] for t in texts])
-        nll -= torch.log_softmax(logits, -1).gather(1, targets[:, None]).sum().item()
-    return math.exp(nll / (PPL_SEQS * (span - 1)))
+def perplexity(model_name: str, dtype: str, weights: str, head: bool) -> float:
+    """exp(mean NLL) of the text's tokens, one forward of plain transformers with the same quantised linears.
+
+    NOTE: a whole-text forward takes the dense GEMM on the dequantised weights, the values the kernel
+    multiplies by; the kernel's bfloat16 activations add rounding the greedy columns see instead. One
+    forward instead of a decode step per token keeps the report within minutes on a loaded host.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = local_copy(model_name).path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype_from_name(dtype)).eval()
+    quantize_linears(model, weights, lm_head=head)
+    ids = torch.tensor([tokenized_text(model_name)])
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0, :-1].float()
+    return math.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item())
 
 
 def decode_ms(models: dict, ids: list[int], batches: tuple[int, ...]) -> dict:
@@ -95,9 +105,8 @@ def report(args: argparse.Namespace) -> list[dict]:
 
     tokenizer = AutoTokenizer.from_pretrained(local_copy(args.model).path)
     prompts = prompt_ids(tokenizer, PARITY_LENGTHS)
-    text = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     dense_head = [(d, w, False) for d, w, _ in MODES if d == "float32" and w in QUANTIZED_MODES]
-    modes = MODES + (dense_head if args.dense_head else [])
+    modes = [m for m in MODES + (dense_head if args.dense_head else []) if _chosen(m, args.modes)]
     models = {mode: build(args.model, *mode, args.kernel_max_rows) for mode in modes}
     reference = greedy(models[MODES[0]], "float32", NO_SCALES, prompts, PARITY_NEW_TOKENS)
     ids = tokenizer.encode(long_text(), add_special_tokens=False)
@@ -116,12 +125,17 @@ def report(args: argparse.Namespace) -> list[dict]:
                 tokens=total,
                 prompts_identical=sum(a == b for a, b in zip(tokens, reference, strict=True)),
                 prompts=len(prompts),
-                perplexity=perplexity(model, text),
+                perplexity=perplexity(args.model, *mode),
                 decode_step_ms=step_ms.get(mode, {}),
             )
         )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
+
+
+def _chosen(mode: tuple[str, str, bool], names: list[str] | None) -> bool:
+    """Whether --modes (dtype:weights names) picks the mode; the float32 reference always runs."""
+    return mode == MODES[0] or names is None or f"{mode[0]}:{mode[1]}" in names
 
 
 def table(rows: list[dict], batches: tuple[int, ...]) -> str:
@@ -153,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         "--dense-head", action="store_true", help="also float32's quantised modes with a dense head"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--modes", nargs="+", help="only these dtype:weights modes (e.g. float32:int8)")
     parser.add_argument("--batches", type=int, nargs="+", default=SPEED_BATCHES, help="--speed's batch sizes")
     parser.add_argument(
         "--kernel-max-rows",

@@ -70,7 +70,9 @@ def test_replaces_every_linear_small_batch_and_fused_ones_too(mode):
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert quantize_linears(model, mode) == linears
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert isinstance(layer.qkv_proj, QuantizedLinear) and isinstance(model.lm_head, QuantizedLinear)
+    assert isinstance(layer.qkv_proj, QuantizedLinear) and layer.qkv_proj.mode == mode
+    # the output head is int8 in either mode (int4 there cost 3.7 % perplexity)
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.mode == "int8"
     assert quantize_linears(model, mode) == 0
 
 

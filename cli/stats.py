@@ -1,4 +1,5 @@
-"""`pagedserve stats`: the cache service's GetStats as a table, or JSON with --json."""
+"""`pagedserve stats`: the cache service's GetStats as a table, or JSON with --json; with --compute-target,
+compute's model, dtype, weights mode, KV dtype and attention backend too (rows `compute.*`)."""
 
 import argparse
 import json
@@ -8,7 +9,10 @@ import grpc
 
 from common import transport
 from common.server import channel
-from protos import cache_pb2, cache_pb2_grpc
+from protos import cache_pb2, cache_pb2_grpc, compute_pb2, compute_pb2_grpc
+
+# What --compute-target adds from compute's GetModelInfo.
+COMPUTE_FIELDS = ("model", "dtype", "weights", "kv_dtype", "attention_backend")
 
 
 def add_parser(commands) -> None:
@@ -18,6 +22,11 @@ def add_parser(commands) -> None:
         default="127.0.0.1:50052",
         help="cache service address HOST:PORT, or unix:PATH (`pagedserve up`: unix:RUNTIME_DIR/cache.sock)",
     )
+    p.add_argument(
+        "--compute-target",
+        help="also compute's model info (weights mode, dtypes): HOST:PORT or unix:PATH (`pagedserve up`: "
+        "unix:RUNTIME_DIR/compute.sock)",
+    )
     transport.add_client_certs(p)
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.add_argument("--timeout", type=float, default=10.0)
@@ -25,20 +34,21 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with channel(args.cache_target, transport.credentials_of(args)) as ch:
-        try:
-            stats = cache_pb2_grpc.CacheStub(ch).GetStats(cache_pb2.GetStatsRequest(), timeout=args.timeout)
-        except grpc.RpcError as err:
-            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
-    fields = _plain(stats)
+    try:
+        fields = _plain(_cache_stats(args))
+        if args.compute_target:
+            info = _plain(_model_info(args))
+            fields["compute"] = {name: info[name] for name in COMPUTE_FIELDS}
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(fields))
         return 0
-    # The tier's message (kv_tier) becomes one row per field: kv_tier.hit_blocks, ...
+    # The tier's message (kv_tier) becomes one row per field: kv_tier.hit_blocks, ...; so does compute's.
     rows = {}
     for name, value in fields.items():
-        if name == "kv_tier":
+        if name in ("kv_tier", "compute"):
             rows.update({f"{name}.{inner}": tier_value for inner, tier_value in value.items()})
         else:
             rows[name] = value
@@ -46,6 +56,17 @@ def run(args: argparse.Namespace) -> int:
     for name, value in rows.items():
         print(f"{name:<{width}}  {value}")
     return 0
+
+
+def _cache_stats(args: argparse.Namespace) -> cache_pb2.CacheStats:
+    with channel(args.cache_target, transport.credentials_of(args)) as ch:
+        return cache_pb2_grpc.CacheStub(ch).GetStats(cache_pb2.GetStatsRequest(), timeout=args.timeout)
+
+
+def _model_info(args: argparse.Namespace) -> compute_pb2.ModelInfo:
+    with channel(args.compute_target, transport.credentials_of(args)) as ch:
+        request = compute_pb2.GetModelInfoRequest()
+        return compute_pb2_grpc.ComputeStub(ch).GetModelInfo(request, timeout=args.timeout)
 
 
 def _plain(message) -> dict:

@@ -14,6 +14,7 @@ from compute_service.attention.registry import get_backend, require_kv_dtype
 from compute_service.fused import fuse
 from compute_service.kv_calibration import calibrate
 from compute_service.linear import use_small_batch_linears
+from compute_service.quantized import QUANTIZED_MODES, quantize_linears, resolve_weights
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,12 @@ class ModelSpec:
     # What the pool stores K/V as (the weights' dtype unless --kv-dtype), and its fp8 scales.
     kv_dtype: torch.dtype
     kv_scales: KVScales = NO_SCALES
+    # How the linear layers hold their weights (--weights): the dtype's name, or int8 / int4.
+    weights: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.weights:
+            object.__setattr__(self, "weights", self.dtype_name)
 
     @property
     def dtype_name(self) -> str:
@@ -58,13 +65,22 @@ def load(
     kv_dtype: torch.dtype | None = None,
     device: str = "cpu",
     fused: bool = True,
+    weights: str = "auto",
 ) -> tuple[PreTrainedModel, ModelSpec]:
     """The model with paged attention; its linear layers take the small-batch path (see
     compute_service.linear) unless `plain_linear`; a Llama-family model runs on fused projections and a
-    lighter layer forward (compute_service.fused) unless not `fused`. K/V are stored as `kv_dtype` (default:
-    `dtype`); an fp8 one is calibrated here (compute_service.kv_calibration). The model is placed on `device`
-    (a torch device name). ValueError if the backend cannot store it."""
+    lighter layer forward (compute_service.fused) unless not `fused`; the linears hold int8/int4 weights if
+    `weights` says so (compute_service.quantized). K/V are stored as `kv_dtype` (default: `dtype`); an fp8
+    one is calibrated here (compute_service.kv_calibration). The model is placed on `device` (a torch device
+    name). ValueError if the backend cannot store it or a layer cannot be quantised."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
+    weights = resolve_weights(weights, dtype_name(dtype))
+    if weights in QUANTIZED_MODES and device != "cpu":
+        raise ValueError(f"--weights {weights} runs torch's CPU kernels; on {device} use --weights auto")
+    if plain_linear and weights in QUANTIZED_MODES:
+        raise ValueError(
+            f"--plain-linear keeps dense nn.Linear layers; it cannot combine with --weights {weights}"
+        )
     require_kv_dtype(backend, dtype_name(kv_dtype))
     if backend == "cpu-native" and native.load() is None:
         raise ValueError(
@@ -80,10 +96,12 @@ def load(
     )
     if not plain_linear and device == "cpu":
         use_small_batch_linears(hf_model)
-    spec = model_spec(hf_model, files.name, backend, kv_dtype)
+    spec = replace(model_spec(hf_model, files.name, backend, kv_dtype), weights=weights)
     spec = replace(spec, kv_scales=calibrate(hf_model, files.path, kv_dtype))
     if fused:
+        # NOTE: fused before quantised: fusing stacks dense weights, and the fused linears are quantised too.
         fuse(hf_model)
+    quantize_linears(hf_model, weights)
     return hf_model, spec
 
 

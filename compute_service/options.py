@@ -5,6 +5,7 @@ import argparse
 from common.options import ServiceOptions, add_dtype, add_kv_device, add_kv_dtype, add_logging, add_model
 from common.transport import add_listen
 from compute_service.attention.registry import BACKENDS
+from compute_service.quantized import INT4_GROUP_SIZE, WEIGHTS_CHOICES
 
 
 def add_settings(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +27,13 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep transformers' layer forward (default: float32 Llama models run fused QKV and gate/up "
         "projections and a lighter layer forward)",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHTS_CHOICES,
+        default="auto",
+        help="how linear layers hold weights: auto (= --dtype), int8 (per output channel) or int4 (groups of "
+        f"{INT4_GROUP_SIZE}); quantised ones run torch's weight-only kernels on decode-sized batches",
     )
 
 

@@ -32,7 +32,9 @@ FORWARD_SECONDS = Histogram(
     "pagedserve_forward_step_duration_seconds", "Duration of one Forward step.", buckets=LATENCY_BUCKETS
 )
 STEP_TOKENS = Histogram("pagedserve_forward_step_tokens", "Tokens in one step.", buckets=TOKEN_BUCKETS)
-COMPUTE_INFO = Info("pagedserve_compute", "The model, its dtype, the KV dtype and the attention backend.")
+COMPUTE_INFO = Info(
+    "pagedserve_compute", "The model, its dtype, weights mode, KV dtype and attention backend."
+)
 NO_POOL = "no KV pool attached: the gateway must call AttachPool first"
 SEGMENT_REMOVED = "the pool's segment was removed (cache restarted?): attach the new pool"
 # How often compute looks whether its pool's segment still exists.
@@ -68,6 +70,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             attention_backend=spec.attention_backend,
             kv_dtype=spec.kv_dtype_name,
             kv_scales_id=spec.kv_scales.identity,
+            weights=spec.weights,
         )
 
     def AttachPool(self, handle: common_pb2.PoolHandle, context) -> compute_pb2.AttachPoolResponse:
@@ -178,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
             kv_dtype,
             args.kv_device.torch,
             fused=not args.unfused,
+            weights=args.weights,
         )
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"compute_service: {exc}") from exc
@@ -185,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         "model_loaded",
         model=spec.name,
         dtype=spec.dtype_name,
+        weights=spec.weights,
         kv_dtype=spec.kv_dtype_name,
         kv_scales_id=spec.kv_scales.identity,
         layers=spec.num_layers,
@@ -196,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         {
             "model": spec.name,
             "dtype": spec.dtype_name,
+            "weights": spec.weights,
             "kv_dtype": spec.kv_dtype_name,
             "device": str(args.kv_device),
             "attention_backend": spec.attention_backend,

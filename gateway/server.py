@@ -60,6 +60,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             kv_dtype=engine.handle.dtype,
             device=engine.handle.device,
             attention_backend=info.attention_backend,
+            weights=info.weights or info.dtype,
         )
 
 

@@ -142,7 +142,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "max_model_len", "vocab_size", "block_size", "num_blocks", "eos_token_ids", "kv_dtype", "device", "attention_backend")
+    __slots__ = ("model", "dtype", "max_model_len", "vocab_size", "block_size", "num_blocks", "eos_token_ids", "kv_dtype", "device", "attention_backend", "weights")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class GetInfoResponse(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     max_model_len: int
@@ -163,4 +164,5 @@ class GetInfoResponse(_message.Message):
     kv_dtype: str
     device: str
     attention_backend: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    weights: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., weights: _Optional[str] = ...) -> None: ...

@@ -18,6 +18,7 @@ from cli.launch import Stack
 from cli.scrape import scrape
 from common.model_files import local_copy
 from common.options import ServiceOptions, add_dtype, add_kv_dtype, add_model
+from compute_service.quantized import WEIGHTS_CHOICES
 from sdk.client import Client
 
 # The cache's KV tier flags, forwarded to the stacks the bench starts (those given only).
@@ -52,6 +53,12 @@ def add_parser(commands) -> None:
     )
     p.add_argument(
         "--plain-linear", action="store_true", help="the stack's compute keeps nn.Linear (for comparison)"
+    )
+    p.add_argument(
+        "--weights",
+        choices=WEIGHTS_CHOICES,
+        default="auto",
+        help="the stack's compute --weights (int8, int4)",
     )
     p.add_argument("--json", type=Path, help="also write the figures here")
     add_tier_settings(p)
@@ -111,7 +118,8 @@ def _start(args, *flags: str) -> Stack:
     linear = ["--plain-linear"] if args.plain_linear else []
     return Stack.start(
         "--model", args.model, "--dtype", args.dtype, "--kv-dtype", args.kv_dtype,
-        "--block-size", str(args.block_size), *linear, *TIER.command_line(args), *flags,
+        "--block-size", str(args.block_size), "--weights", args.weights, *linear, *TIER.command_line(args),
+        *flags,
     )  # fmt: skip
 
 
@@ -148,6 +156,7 @@ def _check(args) -> None:
         raise SystemExit("pagedserve bench: --profile with --target needs the gateway's --metrics-url")
     for flag, given in (
         ("--plain-linear", args.plain_linear),
+        ("--weights", args.weights != "auto"),
         ("--cold-restart", args.cold_restart),
         ("--kv-tier/--config", TIER.command_line(args)),
     ):
@@ -190,7 +199,7 @@ def _run(args: argparse.Namespace) -> int:
         result = {
             "workload": workload.name,
             "description": workload.description,
-            "setup": f"{info.model}, {info.dtype}, KV {info.kv_dtype}"
+            "setup": f"{info.model}, {info.dtype}, weights {info.weights or info.dtype}, KV {info.kv_dtype}"
             f"{', plain nn.Linear' if args.plain_linear else ''}, "
             f"block size {info.block_size}, {_tier_label(args)}"
             f"{', cold restarts' if args.cold_restart else ''}, median of {args.repeat}",

@@ -1,0 +1,153 @@
+"""Weight-only quantised linear layers (`--weights int8|int4`), quantised once at load time.
+
+int8: one scale per output channel, symmetric (q in [-127, 127]). int4: asymmetric, one scale and zero point
+per INT4_GROUP_SIZE inputs of an output channel. Small batches (at most QUANTIZED_MAX_ROWS rows: decode steps)
+run torch's CPU weight-only kernels on bfloat16 activations; larger ones (prefill) run a dense GEMM on the
+dequantised weights in the model's dtype, so both paths multiply by the same (quantised) values.
+
+NOTE: the kernels vectorise bfloat16 activations only; with float32 ones they take a scalar path (measured
+~4x slower at 1 row, ~30x at 16), so the input is cast to bfloat16 and the output back to the model's dtype.
+Above ~16 rows the dense GEMM is faster than either kernel, which is why the dense weights are kept: they
+cost the model's dtype per weight on top of the quantised copy.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compute_service.linear import SMALL_BATCH_ROWS
+
+WEIGHTS_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")
+QUANTIZED_MODES = ("int8", "int4")
+# Inputs sharing one int4 scale and zero point (the kernel accepts 32, 64, 128, 256; 32 is the most exact).
+INT4_GROUP_SIZE = 32
+# The int4 packing needs whole tiles of output channels.
+INT4_ROW_MULTIPLE = 16
+# The output head's mode under either quantised mode. NOTE: measured on SmolLM2-135M (cli/weights_report.py),
+# int4 decoder layers change perplexity by -0.2 % with a dense head but +3.7 % with an int4 head; an int8
+# head costs +0.1 %, at a quarter of float32's bytes.
+HEAD_MODE = "int8"
+# Rows up to which the quantised kernel runs; above, the dense GEMM (see the module docstring).
+QUANTIZED_MAX_ROWS = 16
+KERNEL_DTYPE = torch.bfloat16
+
+
+def resolve_weights(weights: str, dtype: str) -> str:
+    """The linear layers' weights: `auto` and a dense dtype name are the model's (resolved) `dtype`, which
+    is the only dense dtype a model runs in; ValueError for another dense dtype or an unknown mode."""
+    if weights not in WEIGHTS_CHOICES:
+        raise ValueError(f"unknown --weights {weights!r}: choose one of {', '.join(WEIGHTS_CHOICES)}")
+    if weights == "auto" or weights in QUANTIZED_MODES:
+        return dtype if weights == "auto" else weights
+    if weights != dtype:
+        raise ValueError(
+            f"--weights {weights} with --dtype {dtype}: dense weights run in the model's dtype; "
+            f"pass --dtype {weights}, or --weights auto|int8|int4"
+        )
+    return weights
+
+
+class QuantizedLinear(nn.Module):
+    """y = x·Wᵀ + b with W held quantised (`mode` int8 or int4) and, for large batches, dequantised in the
+    input dtype. Equal to F.linear on the dequantised weights up to bfloat16 rounding of the activations."""
+
+    def __init__(self, linear: nn.Linear, mode: str, kernel_max_rows: int = QUANTIZED_MAX_ROWS) -> None:
+        super().__init__()
+        assert mode in QUANTIZED_MODES, mode
+        self.mode = mode
+        self.kernel_max_rows = kernel_max_rows
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach().float()
+        dequantized = self._set_int8(weight) if mode == "int8" else self._set_int4(weight)
+        # The dense GEMM's weight: the values the kernel multiplies by, in the model's dtype.
+        self.register_buffer("dense", dequantized.to(linear.weight.dtype))
+        self.bias = linear.bias
+
+    def _set_int8(self, weight: torch.Tensor) -> torch.Tensor:
+        """Holds the int8 weight and its per-channel scales; returns the dequantised float32 weight."""
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        scales = scales.to(KERNEL_DTYPE).float()
+        qweight = torch.round(weight / scales[:, None]).clamp(-127, 127)
+        self.register_buffer("qweight", qweight.to(torch.int8))
+        self.register_buffer("scales", scales.to(KERNEL_DTYPE))
+        return qweight * scales[:, None]
+
+    def _set_int4(self, weight: torch.Tensor) -> torch.Tensor:
+        """Holds the packed int4 weight and its per-group scales and zero points; returns the dequantised
+        float32 weight."""
+        groups = weight.reshape(self.out_features, -1, INT4_GROUP_SIZE)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny).to(KERNEL_DTYPE).float()
+        # NOTE: the kernel dequantises level q as (q - 8) * scale + zero, so zero = low + 8 * scale.
+        zeros = (low + 8 * scales).to(KERNEL_DTYPE).float()
+        levels = torch.round((groups - zeros[..., None]) / scales[..., None] + 8).clamp(0, 15)
+        packed = torch._convert_weight_to_int4pack_for_cpu(levels.flatten(1).to(torch.int32), 1)
+        self.register_buffer("qweight", packed)
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("scales", scales_and_zeros.to(KERNEL_DTYPE))
+        return ((levels - 8) * scales[..., None] + zeros[..., None]).flatten(1)
+
+    def uses_kernel(self, rows: int) -> bool:
+        """Whether an input of `rows` rows takes the quantised kernel (else the dense GEMM): at most
+        `kernel_max_rows` (QUANTIZED_MAX_ROWS unless the quality report searches the crossover)."""
+        return rows <= self.kernel_max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if not self.uses_kernel(rows):
+            return self._dense(x, rows)
+        flat = x.reshape(rows, self.in_features).to(KERNEL_DTYPE)
+        if self.mode == "int8":
+            out = torch._weight_int8pack_mm(flat, self.qweight, self.scales)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(flat, self.qweight, INT4_GROUP_SIZE, self.scales)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def _dense(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        if x.dtype != torch.float32 or rows > SMALL_BATCH_ROWS:
+            return F.linear(x, self.dense, self.bias)
+        # NOTE: float32's small-batch GEMM runs faster as W·xᵀ (compute_service/linear.py).
+        out = torch.mm(self.dense, x.reshape(rows, self.in_features).t()).t()
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
+
+
+def check_quantizable(name: str, linear: nn.Linear, mode: str) -> None:
+    """ValueError naming the layer if the int4 kernel cannot hold its shape."""
+    if mode != "int4":
+        return
+    if linear.in_features % INT4_GROUP_SIZE or linear.out_features % INT4_ROW_MULTIPLE:
+        raise ValueError(
+            f"--weights int4 needs in_features divisible by {INT4_GROUP_SIZE} and out_features by "
+            f"{INT4_ROW_MULTIPLE}; layer {name!r} is {linear.out_features} x {linear.in_features}: "
+            "use --weights int8"
+        )
+
+
+def quantize_linears(
+    model: nn.Module, mode: str, lm_head: bool = True, kernel_max_rows: int = QUANTIZED_MAX_ROWS
+) -> int:
+    """Replaces every nn.Linear (SmallBatchLinear included, fused projections too) of the model in place by
+    a QuantizedLinear in `mode`; the output head only if `lm_head`, and in HEAD_MODE. Returns how many were
+    replaced; a dense `mode` replaces none; `kernel_max_rows`: see QuantizedLinear.uses_kernel. ValueError
+    (before any replacement) if a layer's shape does not fit the kernel."""
+    if mode not in QUANTIZED_MODES:
+        return 0
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear) and (lm_head or child is not head)
+    ]
+    modes = [HEAD_MODE if child is head else mode for _, _, child in targets]
+    for (parent, name, child), child_mode in zip(targets, modes, strict=True):
+        check_quantizable(f"{type(parent).__name__}.{name}", child, child_mode)
+    for (parent, name, child), child_mode in zip(targets, modes, strict=True):
+        setattr(parent, name, QuantizedLinear(child, child_mode, kernel_max_rows))
+    return len(targets)

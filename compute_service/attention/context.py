@@ -69,6 +69,17 @@ def get_context() -> Context:
     return _CONTEXT
 
 
+def layer_call(
+    module: torch.nn.Module, attention_mask: torch.Tensor | None, kwargs: dict
+) -> tuple[Context, torch.Tensor, torch.Tensor]:
+    """For a backend's transformers attention function: the step's context and the layer's K and V caches.
+    Asserts the call is one paged attention serves (no mask of the model's, no sliding window, no softcap)."""
+    assert attention_mask is None, "paged attention builds its own masks; the model must not pass one"
+    assert kwargs.get("sliding_window") is None and kwargs.get("softcap") is None, "not supported yet"
+    ctx = get_context()
+    return ctx, ctx.k_caches[module.layer_idx], ctx.v_caches[module.layer_idx]
+
+
 def set_context(context: Context) -> None:
     global _CONTEXT
     _CONTEXT = context

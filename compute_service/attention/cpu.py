@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from compute_service.attention import kv_codec
-from compute_service.attention.context import DecodeGroup, Segment, get_context
+from compute_service.attention.context import DecodeGroup, Segment, layer_call
 
 # The pool dtypes this backend reads and writes (common/shared_pool.py DTYPES: all of them).
 KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
@@ -38,10 +38,7 @@ def paged_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
-    assert attention_mask is None, "paged attention builds its own masks; the model must not pass one"
-    assert kwargs.get("sliding_window") is None and kwargs.get("softcap") is None, "not supported yet"
-    ctx = get_context()
-    k_cache, v_cache = ctx.k_caches[module.layer_idx], ctx.v_caches[module.layer_idx]
+    ctx, k_cache, v_cache = layer_call(module, attention_mask, kwargs)
     scales = ctx.scales.of_layer(module.layer_idx)
     write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping, scales)
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from compute_service.attention import cpu, native
-from compute_service.attention.context import Context, Segment, get_context
+from compute_service.attention.context import Context, Segment, layer_call
 
 KV_DTYPES = cpu.KV_DTYPES
 
@@ -48,10 +48,7 @@ def paged_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
-    assert attention_mask is None, "paged attention builds its own masks; the model must not pass one"
-    assert kwargs.get("sliding_window") is None and kwargs.get("softcap") is None, "not supported yet"
-    ctx = get_context()
-    k_cache, v_cache = ctx.k_caches[module.layer_idx], ctx.v_caches[module.layer_idx]
+    ctx, k_cache, v_cache = layer_call(module, attention_mask, kwargs)
     scales = ctx.scales.of_layer(module.layer_idx)
     cpu.write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping, scales)
     plan = step_plan(ctx)

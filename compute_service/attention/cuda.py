@@ -7,7 +7,7 @@ argument building is exercised end to end where no GPU is."""
 import torch
 
 from compute_service.attention import cuda_args
-from compute_service.attention.context import get_context
+from compute_service.attention.context import layer_call
 from compute_service.attention.cpu import write_kv
 
 # Pool dtypes this backend reads and writes (fp8 needs scaled reads the kernel does not do: cpu only).
@@ -34,10 +34,7 @@ def paged_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
-    assert attention_mask is None, "paged attention builds its own masks; the model must not pass one"
-    assert kwargs.get("sliding_window") is None and kwargs.get("softcap") is None, "not supported yet"
-    ctx = get_context()
-    k_cache, v_cache = ctx.k_caches[module.layer_idx], ctx.v_caches[module.layer_idx]
+    ctx, k_cache, v_cache = layer_call(module, attention_mask, kwargs)
     args = ctx.plans.get("cuda")
     if args is None:
         args = ctx.plans["cuda"] = cuda_args.build_varlen_args(

@@ -8,7 +8,7 @@ import importlib
 import torch
 
 from compute_service.attention import npu_args
-from compute_service.attention.context import get_context
+from compute_service.attention.context import layer_call
 
 # The pool dtypes the fused op reads (half precision; fp8/float32 K/V are cpu-only).
 KV_DTYPES = ("bfloat16", "float16")
@@ -35,10 +35,8 @@ def paged_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
-    assert attention_mask is None, "paged attention builds its own masks; the model must not pass one"
     torch_npu = require_torch_npu()
-    ctx = get_context()
-    k_cache, v_cache = ctx.k_caches[module.layer_idx], ctx.v_caches[module.layer_idx]
+    ctx, k_cache, v_cache = layer_call(module, attention_mask, kwargs)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     args = ctx.plans.get("npu")
     if args is None:

@@ -129,3 +129,10 @@ def test_the_loader_names_the_dense_dtype_and_refuses_plain_linear_with_quantise
     assert load(path, torch.bfloat16)[1].weights == "bfloat16"
     with pytest.raises(ValueError, match="--plain-linear .* cannot combine with --weights int4"):
         load(path, torch.float32, plain_linear=True, weights="int4")
+
+
+@pytest.mark.parametrize("device", ["cuda", "npu:0"])
+def test_the_loader_refuses_quantised_weights_off_the_cpu_before_loading(device):
+    message = f"--weights int8 runs torch's CPU kernels; on {device} use --weights auto"
+    with pytest.raises(ValueError, match=message):
+        load("no-such-model", torch.float32, device=device, weights="int8")

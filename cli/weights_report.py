@@ -28,6 +28,7 @@ from cli.kv_report import PagedRun, agreement, greedy
 from common.model_files import local_copy
 from common.shared_pool import dtype_from_name, dtype_name
 from compute_service.attention.kv_codec import NO_SCALES
+from compute_service.linear import pack_linears
 from compute_service.model_loader import load
 from compute_service.quantized import QUANTIZED_MAX_ROWS, QUANTIZED_MODES, quantize_linears
 
@@ -53,8 +54,10 @@ def tokenized_text(model_name: str) -> list[int]:
 
 def build(model_name: str, dtype: str, weights: str, head: bool, kernel_max_rows: int):
     """The paged model in `dtype` with its linears held as `weights` (the output head too if `head`)."""
-    model, _ = load(model_name, dtype_from_name(dtype))
+    model, _ = load(model_name, dtype_from_name(dtype), plain_linear=True)
     quantize_linears(model, weights, lm_head=head, kernel_max_rows=kernel_max_rows)
+    # NOTE: packed after quantising, as the loader does (packing hides the plain weights).
+    pack_linears(model)
     return model
 
 

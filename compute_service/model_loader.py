@@ -13,7 +13,7 @@ from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend, require_kv_dtype
 from compute_service.fused import fuse
 from compute_service.kv_calibration import calibrate
-from compute_service.linear import use_small_batch_linears
+from compute_service.linear import pack_linears
 from compute_service.quantized import QUANTIZED_MODES, quantize_linears, resolve_weights
 
 
@@ -67,8 +67,8 @@ def load(
     fused: bool = True,
     weights: str = "auto",
 ) -> tuple[PreTrainedModel, ModelSpec]:
-    """The model with paged attention; its linear layers take the small-batch path (see
-    compute_service.linear) unless `plain_linear`; a Llama-family model runs on fused projections and a
+    """The model with paged attention; its float32 CPU linear layers run on oneDNN with weights packed once
+    (compute_service.linear) unless `plain_linear`; a Llama-family model runs on fused projections and a
     lighter layer forward (compute_service.fused) unless not `fused`; the linears hold int8/int4 weights if
     `weights` says so (compute_service.quantized). K/V are stored as `kv_dtype` (default: `dtype`); an fp8
     one is calibrated here (compute_service.kv_calibration). The model is placed on `device` (a torch device
@@ -94,14 +94,15 @@ def load(
         .eval()
         .to(device)
     )
-    if not plain_linear and device == "cpu":
-        use_small_batch_linears(hf_model)
     spec = replace(model_spec(hf_model, files.name, backend, kv_dtype), weights=weights)
     spec = replace(spec, kv_scales=calibrate(hf_model, files.path, kv_dtype))
     if fused:
         # NOTE: fused before quantised: fusing stacks dense weights, and the fused linears are quantised too.
         fuse(hf_model)
     quantize_linears(hf_model, weights)
+    if not plain_linear:
+        # NOTE: last, since packing hides the plain weights that fusing and quantising read.
+        pack_linears(hf_model)
     return hf_model, spec
 
 

@@ -2,8 +2,9 @@
 
 int8: one scale per output channel, symmetric (q in [-127, 127]). int4: asymmetric, one scale and zero point
 per INT4_GROUP_SIZE inputs of an output channel. Small batches (at most QUANTIZED_MAX_ROWS rows: decode steps)
-run torch's CPU weight-only kernels on bfloat16 activations; larger ones (prefill) run a dense GEMM on the
-dequantised weights in the model's dtype, so both paths multiply by the same (quantised) values.
+run torch's CPU weight-only kernels on bfloat16 activations; larger ones (prefill) run a dense linear (an
+nn.Linear child, `dense`, which compute_service.linear's packing reaches too) on the dequantised weights in
+the model's dtype, so both paths multiply by the same (quantised) values.
 
 NOTE: the kernels vectorise bfloat16 activations only; with float32 ones they take a scalar path (measured
 ~4x slower at 1 row, ~30x at 16), so the input is cast to bfloat16 and the output back to the model's dtype.
@@ -12,10 +13,7 @@ cost the model's dtype per weight on top of the quantised copy.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-
-from compute_service.linear import SMALL_BATCH_ROWS
 
 WEIGHTS_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")
 QUANTIZED_MODES = ("int8", "int4")
@@ -60,9 +58,10 @@ class QuantizedLinear(nn.Module):
         self.out_features = linear.out_features
         weight = linear.weight.detach().float()
         dequantized = self._set_int8(weight) if mode == "int8" else self._set_int4(weight)
-        # The dense GEMM's weight: the values the kernel multiplies by, in the model's dtype.
-        self.register_buffer("dense", dequantized.to(linear.weight.dtype))
-        self.bias = linear.bias
+        # The dense GEMM: the values the kernel multiplies by, in the model's dtype.
+        self.dense = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        self.dense.weight = nn.Parameter(dequantized.to(linear.weight.dtype), requires_grad=False)
+        self.dense.bias = self.bias = linear.bias
 
     def _set_int8(self, weight: torch.Tensor) -> torch.Tensor:
         """Holds the int8 weight and its per-channel scales; returns the dequantised float32 weight."""
@@ -96,21 +95,13 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if not self.uses_kernel(rows):
-            return self._dense(x, rows)
+            return self.dense(x)
         flat = x.reshape(rows, self.in_features).to(KERNEL_DTYPE)
         if self.mode == "int8":
             out = torch._weight_int8pack_mm(flat, self.qweight, self.scales)
         else:
             out = torch._weight_int4pack_mm_for_cpu(flat, self.qweight, INT4_GROUP_SIZE, self.scales)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
-
-    def _dense(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        if x.dtype != torch.float32 or rows > SMALL_BATCH_ROWS:
-            return F.linear(x, self.dense, self.bias)
-        # NOTE: float32's small-batch GEMM runs faster as W·xᵀ (compute_service/linear.py).
-        out = torch.mm(self.dense, x.reshape(rows, self.in_features).t()).t()
-        out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
@@ -143,7 +134,9 @@ def quantize_linears(
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and (lm_head or child is not head)
+        if isinstance(child, nn.Linear)
+        and not isinstance(parent, QuantizedLinear)
+        and (lm_head or child is not head)
     ]
     modes = [HEAD_MODE if child is head else mode for _, _, child in targets]
     for (parent, name, child), child_mode in zip(targets, modes, strict=True):

@@ -1,4 +1,6 @@
-"""A decode step through compute's runner, transformers' layers against the fused ones, in one process.
+"""A decode step through compute's runner, two model variants against each other, in one process:
+transformers' layers against the fused ones (`--compare fused`), or nn.Linear against the packed oneDNN
+linears (`--compare linear`, both fused).
 
     PYTHONPATH=$PWD python -m tests.step_bench [--model smollm2] [--sizes 1 4 16 64] [--prefill 512]
 
@@ -25,6 +27,11 @@ from compute_service.validation import Limits
 from tests.forward import forward_request
 
 BLOCK_SIZE, CONTEXT = 16, 256
+# per comparison: the baseline's and the new variant's loader options
+VARIANTS = {
+    "fused": {"transformers": {"fused": False}, "fused": {"fused": True}},
+    "linear": {"nn.Linear": {"plain_linear": True}, "packed": {}},
+}
 
 
 def step_request(model, num_seqs: int):
@@ -66,6 +73,7 @@ def main() -> None:
         "--prefill", type=int, default=0, help="also time one fresh prompt of this many tokens"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared host)")
+    parser.add_argument("--compare", choices=sorted(VARIANTS), default="fused")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -74,11 +82,12 @@ def main() -> None:
         max(args.sizes) * blocks_for(CONTEXT + 1, BLOCK_SIZE), blocks_for(args.prefill, BLOCK_SIZE)
     )
     variants = {}
-    for name, fused in (("transformers", False), ("fused", True)):
-        model, spec = load(args.model, torch.float32, fused=fused)
+    for name, options in VARIANTS[args.compare].items():
+        model, spec = load(args.model, torch.float32, **options)
         variants[name] = make_runner(model, spec, num_blocks)
     print(f"threads={torch.get_num_threads()} context={CONTEXT} clock={clock.__name__}")
-    model = variants["fused"][0].model
+    base, new = variants
+    model = variants[new][0].model
     steps = [(f"{size:3d} seqs", step_request(model, size)) for size in args.sizes]
     if args.prefill:
         steps.append((f"prefill {args.prefill}", prefill_request(model, args.prefill)))
@@ -88,11 +97,11 @@ def main() -> None:
             for name, (runner, limits) in variants.items():
                 times[name].append(timed_step(runner, limits, request, clock))
         medians = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
-        ratio = medians["transformers"] / medians["fused"]
+        ratio = medians[base] / medians[new]
         cells = "  ".join(f"{name} {ms:7.1f} ms" for name, ms in medians.items())
         print(f"{label}  {cells}  speed-up {ratio:.2f}x")
         if args.profile:
-            runner, limits = variants["fused"]
+            runner, limits = variants[new]
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 timed_step(runner, limits, request)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))

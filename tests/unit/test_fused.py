@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, MistralConfig
 
 from compute_service.batch import ForwardBatch
 from compute_service.fused import can_fuse, fuse
-from compute_service.linear import SmallBatchLinear, use_small_batch_linears
+from compute_service.linear import pack_linears
 from compute_service.llama_layer import FusedLlamaModel
 from compute_service.model_loader import register_attention
 from compute_service.runner import Runner, StepTimes
@@ -22,16 +22,13 @@ CACHED = [9, 0, 5, 14]
 TABLES = [[40, 2, 17], [5, 31, 8], [44, 12, 3, 29], [0, 21, 9, 38]]
 
 
-def paged_model(seed: int = 0, small_batch: bool = True, **overrides) -> nn.Module:
+def paged_model(seed: int = 0, **overrides) -> nn.Module:
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(
+    return AutoModelForCausalLM.from_config(
         tiny_llama_config(initializer_range=0.3, **overrides),
         attn_implementation=register_attention("cpu"),
         dtype=torch.float32,
     ).eval()
-    if small_batch:
-        use_small_batch_linears(model)
-    return model
 
 
 def step_logits(model, new: list[list[int]], cached: list[int], prefilled: list[list[int]]) -> torch.Tensor:
@@ -53,13 +50,15 @@ def step_logits(model, new: list[list[int]], cached: list[int], prefilled: list[
     return logits
 
 
-@pytest.mark.parametrize("small_batch", [True, False], ids=["small-batch linear", "plain linear"])
-def test_fused_logits_equal_unfused_on_a_decode_and_prefill_mix(small_batch):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed linear", "plain linear"])
+def test_fused_logits_equal_unfused_on_a_decode_and_prefill_mix(packed):
     torch.manual_seed(1)
     prefilled = [torch.randint(3, 256, (n,)).tolist() for n in CACHED]
     new = [[17], torch.randint(3, 256, (7,)).tolist(), torch.randint(3, 256, (6,)).tolist(), [250]]
-    unfused, fused = paged_model(small_batch=small_batch), paged_model(small_batch=small_batch)
+    unfused, fused = paged_model(), paged_model()
     assert fuse(fused)
+    if packed:
+        assert pack_linears(unfused) == 7 * 2 + 1 and pack_linears(fused) == 4 * 2 + 1
     expected = step_logits(unfused, new, CACHED, prefilled)
     got = step_logits(fused, new, CACHED, prefilled)
     assert expected.shape == got.shape == (4, 256)
@@ -76,7 +75,7 @@ def test_fused_projections_stack_the_weights_as_linears_of_the_same_class():
     embedding = model.get_input_embeddings().weight
     assert fuse(model)
     fused = model.model.layers[1]
-    assert type(fused.qkv_proj) is SmallBatchLinear and type(fused.gate_up_proj) is SmallBatchLinear
+    assert type(fused.qkv_proj) is nn.Linear and type(fused.gate_up_proj) is nn.Linear
     assert torch.equal(fused.qkv_proj.weight, torch.cat([q, k, v]))
     assert torch.equal(fused.gate_up_proj.weight, torch.cat([gate, up]))
     assert isinstance(model.model, FusedLlamaModel)

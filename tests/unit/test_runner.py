@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from compute_service.batch import ForwardBatch
 from compute_service.fused import fuse
-from compute_service.linear import use_small_batch_linears
+from compute_service.linear import pack_linears
 from compute_service.model_loader import register_attention
 from compute_service.runner import Runner
 from compute_service.validation import Limits
@@ -22,11 +22,11 @@ PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 44, 55, 66, 77, 88, 99, 11, 12, 13], [10, 2
 forward_request = partial(paged_forward_request, block_size=BLOCK_SIZE)
 
 
-@pytest.fixture(scope="module", params=["small-batch linear", "plain linear", "fused"])
+@pytest.fixture(scope="module", params=["packed linear", "plain linear", "fused"])
 def models(request):
     """The reference and the paged model, the latter's linears on the path the compute service uses by
-    default, or on nn.Linear's (--plain-linear), or the default's rebuilt on fused layers
-    (compute_service.fused)."""
+    default (oneDNN, packed weights), or on nn.Linear's (--plain-linear), or rebuilt on fused layers
+    (compute_service.fused) and packed, as the loader does."""
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(
         tiny_llama_config(initializer_range=0.3), attn_implementation="sdpa", dtype=torch.float32
@@ -37,10 +37,11 @@ def models(request):
         dtype=torch.float32,
     ).eval()
     paged.load_state_dict(reference.state_dict())
-    if request.param != "plain linear":
-        assert use_small_batch_linears(paged) == 7 * paged.config.num_hidden_layers + 1
     if request.param == "fused":
         assert fuse(paged)
+    if request.param != "plain linear":
+        linears = 4 if request.param == "fused" else 7
+        assert pack_linears(paged) == linears * paged.config.num_hidden_layers + 1
     return reference, paged
 
 

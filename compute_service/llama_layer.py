@@ -16,8 +16,8 @@ class FusedLlamaLayer(nn.Module):
     """One decoder layer: RMSNorm -> fused QKV -> rotary -> paged attention -> o_proj, added to the residual;
     RMSNorm -> fused gate/up -> SiLU·up -> down_proj, added to the residual.
 
-    Its linears are ordinary modules (nn.Linear or SmallBatchLinear), so later passes over the model's
-    linears (quantisation) apply to them."""
+    Its linears are ordinary nn.Linear modules, so later passes over the model's linears (quantising,
+    packing) apply to them."""
 
     def __init__(
         self,

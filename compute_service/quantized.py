@@ -123,10 +123,10 @@ def check_quantizable(name: str, linear: nn.Linear, mode: str) -> None:
 def quantize_linears(
     model: nn.Module, mode: str, lm_head: bool = True, kernel_max_rows: int = QUANTIZED_MAX_ROWS
 ) -> int:
-    """Replaces every nn.Linear (SmallBatchLinear included, fused projections too) of the model in place by
-    a QuantizedLinear in `mode`; the output head only if `lm_head`, and in HEAD_MODE. Returns how many were
-    replaced; a dense `mode` replaces none; `kernel_max_rows`: see QuantizedLinear.uses_kernel. ValueError
-    (before any replacement) if a layer's shape does not fit the kernel."""
+    """Replaces every nn.Linear (fused projections too) of the model in place by a QuantizedLinear in
+    `mode`; the output head only if `lm_head`, and in HEAD_MODE. Returns how many were replaced; a dense
+    `mode` replaces none; `kernel_max_rows`: see QuantizedLinear.uses_kernel. ValueError (before any
+    replacement) if a layer's shape does not fit the kernel."""
     if mode not in QUANTIZED_MODES:
         return 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

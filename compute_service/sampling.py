@@ -136,7 +136,7 @@ def process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The raw logits after repetition, presence and frequency penalties, logit bias and min_tokens."""
     if not (len(batch.cu_history) or len(batch.bias_ids) or len(batch.suppress_ids)):
         return logits
-    # NOTE: contiguous, as _penalize_ writes through a flat view (the small-batch linear returns a transpose).
+    # NOTE: a contiguous copy, as _penalize_ writes through a flat view.
     logits = logits.clone(memory_format=torch.contiguous_format)
     if len(batch.cu_history):
         _penalize_(logits, batch)

@@ -96,7 +96,7 @@ def test_fp8_pools_with_layer_scales(kv_dtype):
 
 
 def test_queries_strided_in_the_head_dim():
-    """The small-batch linears' output layout (compute_service/linear.py): W·xᵀ transposed back."""
+    """A query view strided in the head dim (a transposed product's layout) is read as it is."""
     k_cache, v_cache = pool(16, 3, 64, torch.float32)
     table = tables([40, 17, 5], 16)
     q = torch.randn(9 * 64, 3).t().view(3, 9, 64)

@@ -146,8 +146,8 @@ def reference_penalties(logits, history, prompt_len, repetition, presence, frequ
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_penalties_change_logits_exactly_as_defined(layout):
-    """`transposed`: logits as the small-batch linear returns them (found by the fuzz suite: a penalized row
-    beside another failed the whole step with INTERNAL, "view size is not compatible")."""
+    """`transposed`: a strided view of logits (found by the fuzz suite when the output head returned one: a
+    penalized row beside another failed the whole step with INTERNAL, "view size is not compatible")."""
     logits = torch.randn(3, VOCAB) * 3
     if layout == "transposed":
         logits = logits.t().contiguous().t()

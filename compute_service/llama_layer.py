@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from compute_service.attention.context import get_context
+
 
 class FusedLlamaLayer(nn.Module):
     """One decoder layer: RMSNorm -> fused QKV -> rotary -> paged attention -> o_proj, added to the residual;
@@ -65,6 +67,8 @@ class FusedLlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens, self.norm, self.rotary_emb = embed_tokens, norm, rotary_emb
         self.layers = nn.ModuleList(layers)
+        # The C++ stack for all-decode steps (compute_service.native_decode), set by the loader if it fits.
+        self.native_decode = None
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -78,8 +82,12 @@ class FusedLlamaModel(nn.Module):
         residual = self.embed_tokens(input_ids[0])
         cos, sin = self.rotary_emb(residual[None], position_ids)
         rope = rope_tables(cos[0], sin[0])
-        for layer in self.layers:
-            layer(residual, rope)
+        ctx = get_context() if self.native_decode is not None else None
+        if ctx is not None and self.native_decode.serves(ctx):
+            self.native_decode.run(residual, rope, ctx)
+        else:
+            for layer in self.layers:
+                layer(residual, rope)
         return BaseModelOutputWithPast(last_hidden_state=rms_norm(residual, self.norm)[None])
 
 

@@ -7,6 +7,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedMod
 
 from common.model_files import local_copy
 from common.shared_pool import dtype_name
+from compute_service import native_decode
 from compute_service.attention import native
 from compute_service.attention.context import timed
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
@@ -103,6 +104,7 @@ def load(
     if not plain_linear:
         # NOTE: last, since packing hides the plain weights that fusing and quantising read.
         pack_linears(hf_model)
+        native_decode.enable(hf_model)
     return hf_model, spec
 
 

@@ -74,6 +74,7 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared host)")
     parser.add_argument("--compare", choices=sorted(VARIANTS), default="fused")
+    parser.add_argument("--backend", default="cpu-native", help="attention backend (default: float32's)")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -83,7 +84,7 @@ def main() -> None:
     )
     variants = {}
     for name, options in VARIANTS[args.compare].items():
-        model, spec = load(args.model, torch.float32, **options)
+        model, spec = load(args.model, torch.float32, backend=args.backend, **options)
         variants[name] = make_runner(model, spec, num_blocks)
     print(f"threads={torch.get_num_threads()} context={CONTEXT} clock={clock.__name__}")
     base, new = variants

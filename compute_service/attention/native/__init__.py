@@ -1,4 +1,5 @@
-"""The native paged-attention kernel (paged_attention.cpp), compiled from source once per machine.
+"""The native kernels, compiled from source once per machine: paged attention (paged_attention.cpp) and the
+float32 Llama decoder stack of all-decode steps (decode_layers.cpp, compute_service.native_decode).
 
 `load()` builds it with torch's C++ extension tooling (g++, ninja) into a cache directory keyed by the
 source, the torch version, the compiler flags and the CPU's flags, then imports it; a later process imports
@@ -18,7 +19,9 @@ import torch
 
 from common.precision import cpu_flags
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "paged_attention.cpp", HERE / "decode_layers.cpp")
+HEADERS = (HERE / "paged_attention.h",)
 # NOTE: -march=native tunes the build to this machine's vector units; the cache key includes the CPU's flags,
 # so a build is never loaded on a CPU that lacks an instruction it uses.
 # NOTE: reassociation lets the compiler sum a dot product's lanes as a tree of vector adds instead of one lane
@@ -42,7 +45,8 @@ def build_dir() -> Path:
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedserve" / "extensions")
     key = hashlib.sha256(
         b"\0".join(
-            [SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode()]
+            [path.read_bytes() for path in (*SOURCES, *HEADERS)]
+            + [torch.__version__.encode(), " ".join(CFLAGS).encode()]
             + [" ".join(sorted(cpu_flags())).encode()]
         )
     ).hexdigest()[:16]
@@ -64,7 +68,7 @@ def load() -> ModuleType | None:
         name = "pagedserve_attention_" + hashlib.sha256(str(directory).encode()).hexdigest()[:12]
         return cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=list(CFLAGS),
             build_directory=str(directory),
             verbose=False,

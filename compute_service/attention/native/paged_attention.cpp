@@ -6,7 +6,7 @@
 // context_len keys sits at position context_len - q_len + i and sees keys 0 ..= that position (causal).
 // Inner loops are plain float loops over the head dim or the block's tokens, written so that the compiler
 // vectorises them (-O3 -march=native -fopenmp-simd, sums reassociated: native/__init__.py CFLAGS).
-#include <torch/extension.h>
+#include "paged_attention.h"
 
 #include <ATen/Parallel.h>
 
@@ -243,6 +243,8 @@ void dispatch_query(const at::Tensor& query, at::Tensor& out, const at::Tensor& 
   }
 }
 
+}  // namespace
+
 // out[q_starts[s] + i] = attention of query[q_starts[s] + i] ([T, H, D]) over the context of sequence s, for
 // i < q_lens[s], the keys read from k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim] through
 // block_tables [N, W]. Stored keys are multiplied by k_scale and values by v_scale (fp8 pools).
@@ -250,8 +252,8 @@ void paged_attention(const at::Tensor& query_in, at::Tensor& out, const at::Tens
                      const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
                      const at::Tensor& context_lens, double scale, double k_scale, double v_scale) {
   TORCH_CHECK(query_in.dim() == 3, "query must be [T, H, D]");
-  // NOTE: the small-batch linears (compute_service/linear.py) hand over queries strided in D; one copy of the
-  // step's queries lets every row be read with unit stride.
+  // NOTE: queries strided in D (a transposed product's layout) are copied once, so that every row is read with
+  // unit stride; other strides (a view into the fused qkv output) are read as they are.
   const at::Tensor query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
               "out must be a contiguous tensor shaped and typed like query");
@@ -288,8 +290,7 @@ void paged_attention(const at::Tensor& query_in, at::Tensor& out, const at::Tens
   }
 }
 
-}  // namespace
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention reading K/V in place by block table");
+  m.def("decode_layers", &decode_layers, "a float32 Llama decoder stack over one all-decode step");
 }

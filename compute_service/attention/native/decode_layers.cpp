@@ -1,0 +1,143 @@
+// A float32 Llama decoder stack over one step in which every sequence decodes one token: the same function
+// as compute_service/llama_layer.py's FusedLlamaLayer, run from C++ so that the ~25 small ops of each layer
+// cost no Python dispatch. Its matrix products are oneDNN's inner product on the weights
+// compute_service/linear.py packed (mkldnn::_linear_pointwise, called through the dispatcher); attention is
+// paged_attention() on the pool, after the step's keys and values are stored at their slots.
+//
+// Per layer, on residual [T, hidden] in place:
+//   x = rms_norm(residual) -> qkv = x Wqkv^T -> rotary on q, k -> k, v stored at slot_mapping ->
+//   attention -> residual += out Wo^T -> x = rms_norm(residual) -> gate, up = x Wgu^T ->
+//   residual += (silu(gate) * up) Wdown^T
+#include "paged_attention.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+// Tensors per layer in `weights`: input norm, packed qkv, packed o, post-attention norm, packed gate/up, packed
+// down (compute_service/native_decode.py builds the list).
+constexpr size_t kPerLayer = 6;
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, c10::IValue(), c10::IValue("none"),
+                          c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * w, row by row (transformers' LlamaRMSNorm in float32).
+void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t width, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * width;
+    float* o = out + r * width;
+    float sum = 0.f;
+    for (int64_t i = 0; i < width; ++i) sum += xr[i] * xr[i];
+    const float rstd = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
+    for (int64_t i = 0; i < width; ++i) o[i] = (xr[i] * rstd) * w[i];
+  }
+}
+
+// Rotates `heads` heads of head_dim d at x (row stride `stride`) in place: x*cos + roll(x, d/2)*signed_sin.
+void rotate(float* x, int64_t rows, int64_t stride, int64_t heads, int64_t d, const float* cos, const float* ssin) {
+  const int64_t half = d / 2;
+  std::vector<float> saved(d);
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* c = cos + t * d;
+    const float* s = ssin + t * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + t * stride + h * d;
+      std::memcpy(saved.data(), v, d * sizeof(float));
+      for (int64_t i = 0; i < half; ++i) v[i] = saved[i] * c[i] + saved[i + half] * s[i];
+      for (int64_t i = half; i < d; ++i) v[i] = saved[i] * c[i] + saved[i - half] * s[i];
+    }
+  }
+}
+
+// Copies row t of src (`width` floats, row stride `stride`) to row slots[t] of cache.
+void store(float* cache, const float* src, int64_t rows, int64_t stride, int64_t width, const int64_t* slots) {
+  for (int64_t t = 0; t < rows; ++t) std::memcpy(cache + slots[t] * width, src + t * stride, width * sizeof(float));
+}
+
+// out [rows, inter] = silu(gate) * up from gate_up [rows, 2 * inter].
+void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * 2 * inter;
+    const float* u = g + inter;
+    float* o = out + r * inter;
+    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+}
+
+void check_step(const at::Tensor& residual, const at::Tensor& cos, const at::Tensor& signed_sin,
+                const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& k_caches,
+                const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping, const at::Tensor& q_lens) {
+  const int64_t rows = residual.size(0);
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
+              "residual must be contiguous float32 [T, hidden]");
+  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.sizes() == signed_sin.sizes() &&
+                  cos.size(0) == rows && cos.scalar_type() == at::kFloat,
+              "cos and signed_sin must be contiguous float32 [T, head_dim]");
+  TORCH_CHECK(weights.size() == kPerLayer * k_caches.size() && k_caches.size() == v_caches.size(),
+              "weights must hold 6 tensors per layer, one K and one V cache per layer");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == rows,
+              "slot_mapping must be contiguous int64 [T]");
+  TORCH_CHECK(q_lens.numel() == rows && q_lens.eq(1).all().item<bool>(), "every sequence must decode one token");
+  for (size_t i = 0; i < k_caches.size(); ++i) {
+    TORCH_CHECK(k_caches[i].scalar_type() == at::kFloat && k_caches[i].is_contiguous() &&
+                    v_caches[i].scalar_type() == at::kFloat && v_caches[i].is_contiguous(),
+                "the native decode stack takes contiguous float32 K/V caches");
+  }
+}
+
+}  // namespace
+
+// Runs every layer over residual [T, hidden] in place for one all-decode step; returns the seconds spent in
+// attention (storing K/V included), for the step's timings.
+double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tensor& signed_sin,
+                     const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& k_caches,
+                     const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
+                     const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
+                     double scale) {
+  check_step(residual, cos, signed_sin, weights, k_caches, v_caches, slot_mapping, q_lens);
+  const int64_t rows = residual.size(0), hidden = residual.size(1), d = cos.size(1);
+  const int64_t q_width = num_heads * d, kv_width = num_kv_heads * d, qkv_width = q_width + 2 * kv_width;
+  const float feps = static_cast<float>(eps);
+  const int64_t pool_slots = k_caches.front().numel() / kv_width;
+  TORCH_CHECK(k_caches.front().size(-1) == d && k_caches.front().size(-2) == num_kv_heads,
+              "K/V caches must be [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(slot_mapping.min().item<int64_t>() >= 0 && slot_mapping.max().item<int64_t>() < pool_slots,
+              "slot_mapping must lie inside the pool");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  at::Tensor x = at::empty_like(residual);
+  at::Tensor out = at::empty({rows, num_heads, d}, residual.options());
+  double attention_s = 0.0;
+  for (size_t layer = 0; layer < k_caches.size(); ++layer) {
+    const at::Tensor* w = weights.data() + kPerLayer * layer;
+    rms_norm(residual.data_ptr<float>(), w[0].data_ptr<float>(), x.data_ptr<float>(), rows, hidden, feps);
+    at::Tensor qkv = onednn_linear(x, w[1]);
+    TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == qkv_width, "qkv projection of an unexpected shape");
+    float* q = qkv.data_ptr<float>();
+    rotate(q, rows, qkv_width, num_heads + num_kv_heads, d, cos.data_ptr<float>(), signed_sin.data_ptr<float>());
+    const auto start = std::chrono::steady_clock::now();
+    store(k_caches[layer].data_ptr<float>(), q + q_width, rows, qkv_width, kv_width, slots);
+    store(v_caches[layer].data_ptr<float>(), q + q_width + kv_width, rows, qkv_width, kv_width, slots);
+    paged_attention(qkv.narrow(1, 0, q_width).view({rows, num_heads, d}), out, k_caches[layer], v_caches[layer],
+                    block_tables, q_starts, q_lens, context_lens, scale, 1.0, 1.0);
+    attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    residual.add_(onednn_linear(out.view({rows, q_width}), w[2]));
+    rms_norm(residual.data_ptr<float>(), w[3].data_ptr<float>(), x.data_ptr<float>(), rows, hidden, feps);
+    at::Tensor gate_up = onednn_linear(x, w[4]);
+    const int64_t inter = gate_up.size(1) / 2;
+    at::Tensor act = at::empty({rows, inter}, residual.options());
+    silu_mul(gate_up.data_ptr<float>(), act.data_ptr<float>(), rows, inter);
+    residual.add_(onednn_linear(act, w[5]));
+  }
+  return attention_s;
+}

@@ -1,0 +1,113 @@
+"""The fused Llama stack's all-decode steps in C++ (compute_service/attention/native/decode_layers.cpp).
+
+A decode step of a small model is mostly small ops: per layer ~25 of them (two RMSNorms, the rotary
+embedding, the K/V store, the residual adds, SiLU, views) around four matrix products and attention, each
+costing Python dispatch. The native stack runs the same function with no Python between the ops: the
+products are the same oneDNN calls on the same packed weights (compute_service.linear), attention is the
+same cpu-native kernel (compute_service.attention.cpu_native), the rest plain loops.
+
+Where it runs (`NativeDecode.serves`): a FusedLlamaModel whose linears are all packed and bias-free, loaded
+with the cpu-native attention on a float32 pool without fp8 scales, in a step where every sequence decodes
+one token. Any other step (a prompt or a chunk in the batch) runs the Python layers.
+"""
+
+import torch
+
+from compute_service.attention import cpu_native, native
+from compute_service.attention.context import Context
+from compute_service.linear import PackedLinear
+from compute_service.llama_layer import FusedLlamaLayer, FusedLlamaModel
+
+BACKEND = "cpu-native"
+
+
+class NativeDecode:
+    """The weights of a fused stack as the native decode_layers call takes them (six tensors per layer)."""
+
+    def __init__(self, layers: list[FusedLlamaLayer]) -> None:
+        first = layers[0]
+        self.num_heads, self.num_kv_heads, self.scale = first.num_heads, first.num_kv_heads, first.scaling
+        self.eps = first.input_layernorm.variance_epsilon
+        self.weights = [
+            tensor
+            for layer in layers
+            for tensor in (
+                layer.input_layernorm.weight.detach(),
+                layer.qkv_proj.packed,
+                layer.o_proj.packed,
+                layer.post_attention_layernorm.weight.detach(),
+                layer.gate_up_proj.packed,
+                layer.down_proj.packed,
+            )
+        ]
+
+    @staticmethod
+    def fits(layers: list[FusedLlamaLayer], attn_implementation: str) -> bool:
+        """Whether these layers can run natively: all four linears packed and bias-free, the same shape and
+        norm epsilon in every layer, float32 norms, the cpu-native attention, and the kernel built here."""
+        linears = [
+            linear
+            for layer in layers
+            for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
+        norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        first = layers[0]
+        return (
+            attn_implementation == f"pagedserve_{BACKEND}"
+            and all(type(lin) is PackedLinear and lin.bias is None for lin in linears)
+            and all(norm.weight.dtype == torch.float32 for norm in norms)
+            and len({norm.variance_epsilon for norm in norms}) == 1
+            and all(
+                (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling)
+                == (first.num_heads, first.num_kv_heads, first.head_dim, first.scaling)
+                for layer in layers
+            )
+            and native.load() is not None
+        )
+
+    @staticmethod
+    def serves(ctx: Context) -> bool:
+        """Whether this step can run natively: every sequence decodes one token, on a float32 pool without
+        fp8 scales."""
+        return (
+            not ctx.segments
+            and not ctx.scales.k
+            and ctx.k_caches[0].dtype == torch.float32
+            and len(ctx.decode_tokens) == len(ctx.slot_mapping)
+        )
+
+    def run(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: Context) -> None:
+        """Every layer over residual [T, hidden] in place (see decode_layers.cpp); attention's time is added
+        to the step's."""
+        cos, signed_sin = (table[:, 0].contiguous() for table in rope)
+        plan = cpu_native.step_plan(ctx)
+        ctx.attention_s += native.load().decode_layers(
+            residual,
+            cos,
+            signed_sin,
+            self.weights,
+            ctx.k_caches,
+            ctx.v_caches,
+            ctx.slot_mapping.contiguous(),
+            plan.block_tables,
+            plan.q_starts,
+            plan.q_lens,
+            plan.context_lens,
+            self.num_heads,
+            self.num_kv_heads,
+            self.eps,
+            self.scale,
+        )
+
+
+def enable(model: torch.nn.Module) -> bool:
+    """Gives a loaded model's FusedLlamaModel its NativeDecode if its layers fit (run after packing); returns
+    whether it did."""
+    base = getattr(model, "model", None)
+    if not isinstance(base, FusedLlamaModel):
+        return False
+    layers = list(base.layers)
+    if not NativeDecode.fits(layers, model.config._attn_implementation):
+        return False
+    base.native_decode = NativeDecode(layers)
+    return True

@@ -1,0 +1,149 @@
+"""The native decode stack (compute_service.native_decode, decode_layers.cpp) against the Python layers it
+stands in for: the same logits on all-decode steps, the same greedy tokens over many steps, only where it
+fits, and its input checks."""
+
+import pytest
+import torch
+
+from compute_service.attention import native
+from compute_service.batch import ForwardBatch
+from compute_service.model_loader import load
+from compute_service.runner import Runner
+from compute_service.validation import Limits
+from tests.forward import forward_request
+from tests.tiny_model import save_tiny_llama
+
+BLOCK_SIZE, NUM_BLOCKS = 4, 96
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels cannot be built here")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", initializer_range=0.3))
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    model, _ = load(tiny, torch.float32, backend="cpu-native")
+    return model
+
+
+def runner_for(model, kv_dtype=torch.float32) -> tuple[Runner, Limits]:
+    config = model.config
+    runner = Runner(model)
+    shape = (config.num_hidden_layers, 2, NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
+    runner.attach((torch.randn(shape) * 0.5).to(kv_dtype))
+    return runner, Limits(config.vocab_size, config.max_position_embeddings, NUM_BLOCKS, BLOCK_SIZE)
+
+
+def both(model, step) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's logits through the native stack and through the Python layers (the pool written alike)."""
+    stack = model.model.native_decode
+    assert stack is not None
+    try:
+        native_logits = step()
+        model.model.native_decode = None
+        python_logits = step()
+    finally:
+        model.model.native_decode = stack
+    return native_logits, python_logits
+
+
+def test_the_loader_enables_it_for_a_packed_fused_float32_model_on_cpu_native(model):
+    assert model.model.native_decode is not None
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"backend": "cpu"}, {"plain_linear": True}, {"fused": False}, {"weights": "int8"}],
+    ids=["cpu backend", "plain linear", "unfused", "int8"],
+)
+def test_the_loader_leaves_it_off_where_it_does_not_fit(tiny, options):
+    model, _ = load(tiny, torch.float32, **{"backend": "cpu-native", **options})
+    assert getattr(model.model, "native_decode", None) is None
+
+
+@pytest.mark.parametrize("cached", [[7], [3, 12, 4, 9], [0, 1, 5, 8, 16, 23, 2]])
+def test_all_decode_steps_give_the_python_layers_logits(model, cached):
+    torch.manual_seed(len(cached))
+    runner, limits = runner_for(model)
+    blocks = torch.randperm(NUM_BLOCKS).tolist()
+    tables = [blocks[i * 8 : (i + 1) * 8] for i in range(len(cached))]
+    new = [[int(t)] for t in torch.randint(3, 256, (len(cached),))]
+    batch = ForwardBatch.from_request(forward_request(new, cached, tables, block_size=BLOCK_SIZE), limits)
+    got, expected = both(model, lambda: runner.logits(batch))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_greedy_tokens_over_many_steps_equal_the_python_layers(model):
+    """A prompt per sequence (the Python layers), then 24 batched decodes (the native stack)."""
+
+    def run(native_on: bool) -> list[list[int]]:
+        stack = model.model.native_decode
+        model.model.native_decode = stack if native_on else None
+        try:
+            torch.manual_seed(3)
+            runner, limits = runner_for(model)
+            prompts = [torch.randint(3, 256, (n,)).tolist() for n in (5, 11, 2)]
+            tables = [list(range(i * 12, (i + 1) * 12)) for i in range(3)]
+            new, cached, out = prompts, [0, 0, 0], [[], [], []]
+            for _ in range(25):
+                request = forward_request(new, cached, tables, block_size=BLOCK_SIZE)
+                tokens = runner.forward(ForwardBatch.from_request(request, limits)).tokens.tolist()
+                cached = [c + len(n) for c, n in zip(cached, new, strict=True)]
+                new = [[t] for t in tokens]
+                for seq, token in zip(out, tokens, strict=True):
+                    seq.append(token)
+            return out
+        finally:
+            model.model.native_decode = stack
+
+    assert run(True) == run(False)
+
+
+def test_steps_with_a_prompt_take_the_python_layers(model, monkeypatch):
+    runner, limits = runner_for(model)
+    calls = []
+    module = native.load()
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(module, name)
+
+        @staticmethod
+        def decode_layers(*args):
+            calls.append(len(args[0]))
+            return module.decode_layers(*args)
+
+    monkeypatch.setattr(native, "load", lambda: Spy())
+    decode = forward_request([[9], [4]], [6, 3], [[1, 2], [3, 4]], block_size=BLOCK_SIZE)
+    mixed = forward_request([[9], [4, 5, 6]], [7, 0], [[1, 2], [5, 6]], block_size=BLOCK_SIZE)
+    runner.logits(ForwardBatch.from_request(decode, limits))
+    runner.logits(ForwardBatch.from_request(mixed, limits))
+    assert calls == [2]
+
+
+def test_fp8_pools_take_the_python_layers(tiny):
+    model, spec = load(tiny, torch.float32, backend="cpu-native", kv_dtype=torch.float8_e4m3fn)
+    assert model.model.native_decode is not None, "the model fits; the step's pool decides"
+    runner, limits = runner_for(model, torch.float8_e4m3fn)
+    runner.scales = spec.kv_scales
+    batch = ForwardBatch.from_request(forward_request([[9]], [6], [[1, 2]], block_size=BLOCK_SIZE), limits)
+    got, expected = both(model, lambda: runner.logits(batch))
+    assert torch.equal(got, expected)
+
+
+def test_refuses_slots_outside_the_pool(model):
+    config = model.config
+    stack = model.model.native_decode
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    caches = [torch.zeros(NUM_BLOCKS, BLOCK_SIZE, kv_heads, dim) for _ in range(config.num_hidden_layers)]
+    one = torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="slot_mapping must lie inside the pool"):
+        native.load().decode_layers(
+            torch.zeros(1, config.hidden_size), torch.ones(1, dim), torch.zeros(1, dim), stack.weights,
+            caches, caches, torch.tensor([NUM_BLOCKS * BLOCK_SIZE]), torch.zeros(1, 1, dtype=torch.long),
+            torch.zeros(1, dtype=torch.long), one, one, heads, kv_heads, 1e-5, dim**-0.5,
+        )  # fmt: skip

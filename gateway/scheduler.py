@@ -103,7 +103,7 @@ class Scheduler:
         """First chunks of waiting sequences, in rank order; nobody overtakes a request that does not fit.
         A prefix hit takes a block only if neither a table nor an earlier admission holds it."""
         slots = sum(seq.num_slots for seq in self.running)
-        held = self.kv.held_blocks() if self.waiting else set()
+        held = self.kv.held_blocks() if any(seq.prefix_blocks for seq in self.waiting) else set()
         for seq in sorted(self.waiting, key=lambda s: s.rank):
             revived = len(set(seq.prefix_blocks) - held)
             room = free - revived - (self.watermark if self.running else 0)

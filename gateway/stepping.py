@@ -73,12 +73,16 @@ class Stepping:
         try:
             with calling("cache"):
                 self.kv.reserve(step.seqs)
-            return
         except PeerFault as fault:
             new = [seq for seq in step.seqs if not self.kv.holds(seq)]
             if fault.lost or fault.err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or not new:
                 raise
             log.warning("admission_undone", seq_ids=[s.seq_id for s in new], error=fault.err.details())
+            self._undo_admissions(step, new)
+
+    def _undo_admissions(self, step: ScheduledStep, new: list[Sequence]) -> None:
+        """The step's new sequences wait again; the others are reserved alone (the step list shrinks in
+        place: a failure from here on fails only them)."""
         self.scheduler.unadmit(new)
         step.seqs[:] = [seq for seq in step.seqs if self.kv.holds(seq)]
         if step.seqs:

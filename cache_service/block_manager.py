@@ -16,6 +16,7 @@ from cache_service.sequence import (
     check_free,
     check_known,
     check_new,
+    check_progress,
     check_running,
 )
 from cache_service.stats import BlockStats, Counters
@@ -89,9 +90,7 @@ class BlockManager:
         # NOTE: the blocks the running sequences wrote last step are indexed before the new sequences look
         # the prefix cache up, so a prompt admitted now finds a shared prefix another prompt computed in the
         # step before (indexing only adds hits: the counts above over-count the blocks to take, never under).
-        for request in running:
-            seq = self._seqs[request.seq_id]
-            self._register(seq, min(request.num_computed, seq.num_tokens))
+        self.index_written({r.seq_id: r.num_computed for r in running})
         self._admit(new, use_partials)
         self._grow_running(running)
         tails = [
@@ -109,8 +108,20 @@ class BlockManager:
 
     def cached_prefix(self, request: SeqRequest) -> int:
         """Leading tokens of a valid new request found computed in whole indexed blocks (never the last)."""
+        return len(self.prefix_blocks(request)) * self.block_size
+
+    def prefix_blocks(self, request: SeqRequest) -> list[int]:
+        """The indexed blocks holding `cached_prefix(request)`, in order."""
         hits, _ = self._lookup(self._new_state(request), request.num_tokens, partials=False)
-        return len(hits) * self.block_size
+        return [block_id for block_id, _ in hits]
+
+    def index_written(self, num_computed: Mapping[str, int]) -> None:
+        """Indexes the full blocks of each sequence's first num_computed tokens (K/V written; at most its
+        tokens). Raises NotFound (no table) and InvalidArgument (negative); on error nothing changed."""
+        check_progress(num_computed, self._seqs)
+        for seq_id, computed in num_computed.items():
+            seq = self._seqs[seq_id]
+            self._register(seq, min(computed, seq.num_tokens))
 
     def fit(self, new: Sequence[SeqRequest]) -> list[SeqRequest]:
         """Valid new requests, each with max_compute trimmed to its prefix hits plus max_compute tokens."""

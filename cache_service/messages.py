@@ -2,6 +2,7 @@
 
 from collections.abc import Sequence
 
+from cache_service.block_manager import BlockManager
 from cache_service.sequence import SeqRequest, TableTail
 from protos import cache_pb2
 
@@ -31,4 +32,13 @@ def block_tables(seq_ids: Sequence[str], tails: Sequence[TableTail], available: 
             for seq_id, tail in zip(seq_ids, tails, strict=True)
         ],
         available_blocks=available,
+    )
+
+
+def lookup_response(prefixes: Sequence[list[int]], blocks: BlockManager) -> cache_pb2.LookupResponse:
+    """Lookup's reply: each prompt's cached prefix, in tokens and in blocks, and the blocks available."""
+    return cache_pb2.LookupResponse(
+        cached_tokens=[len(block_ids) * blocks.block_size for block_ids in prefixes],
+        prefix_blocks=[cache_pb2.PrefixBlocks(block_ids=block_ids) for block_ids in prefixes],
+        available_blocks=blocks.num_available,
     )

@@ -108,6 +108,14 @@ def check_known(seq_ids: Sequence[str], seqs: Mapping[str, SeqState]) -> None:
         raise NotFound(f"unknown sequences {unknown}: Reserve them as new first (or they were freed)")
 
 
+def check_progress(num_computed: Mapping[str, int], seqs: Mapping[str, SeqState]) -> None:
+    """NotFound (a sequence without a table) or InvalidArgument (a negative count)."""
+    check_known(list(num_computed), seqs)
+    negative = sorted(seq_id for seq_id, computed in num_computed.items() if computed < 0)
+    if negative:
+        raise InvalidArgument(f"sequences {negative}: num_computed must not be negative")
+
+
 def check_prompt(request: SeqRequest) -> None:
     """InvalidArgument (bad request, token_ids neither empty nor num_tokens long)."""
     check_request(request)

@@ -107,13 +107,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
     def Lookup(self, request: cache_pb2.LookupRequest, context) -> cache_pb2.LookupResponse:
         with self._lock:
-            blocks = self._blocks()
+            progress = dict(request.num_computed)
+            blocks = self._owning(request.session_id, progress) if progress else self._blocks()
             prompts = [messages.seq_request(seq) for seq in request.seqs]
             for prompt in prompts:
                 check_prompt(prompt)
+            blocks.index_written(progress)
             self._tier.load_prefixes(blocks, prompts)
-            cached = [blocks.cached_prefix(prompt) for prompt in prompts]
-            return cache_pb2.LookupResponse(cached_tokens=cached, available_blocks=blocks.num_available)
+            return messages.lookup_response([blocks.prefix_blocks(p) for p in prompts], blocks)
 
     def Fork(self, request: cache_pb2.ForkRequest, context) -> cache_pb2.BlockTables:
         with self._lock:

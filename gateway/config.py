@@ -22,6 +22,8 @@ class EngineConfig:
     block_size: int = 16
     max_batched_tokens: int = 4096
     max_seqs: int = 64
+    # Prompt tokens of a step that also runs decodes (0: no cap below max_batched_tokens).
+    prefill_tokens_with_decodes: int = 256
     rpc_timeout_s: float = 120.0
     # Seconds a lost peer has to come back before the waiting requests fail.
     peer_restart_grace_s: float = 30.0

@@ -76,7 +76,10 @@ class Engine(Stepping):
             self.kv = KVView(
                 self._cache, self.config.block_size, num_blocks, self.config.rpc_timeout_s, self.lease
             )
-            self.scheduler = Scheduler(self.kv, self.config.max_batched_tokens, self.config.max_seqs)
+            config = self.config
+            self.scheduler = Scheduler(
+                self.kv, config.max_batched_tokens, config.max_seqs, config.prefill_tokens_with_decodes
+            )
             return
         self.kv.reattach([seq for seq in self._by_id.values() if self.kv.holds(seq)], num_blocks, same_pool)
 
@@ -196,7 +199,7 @@ class Engine(Stepping):
         if seqs:
             try:
                 with calling("cache"):
-                    self.kv.lookup(seqs)
+                    self.kv.lookup(seqs, self.scheduler.running)
             except PeerFault as fault:
                 log.warning("lookup_failed", error=fault.err.details())
 

@@ -37,9 +37,11 @@ class KVView:
     sized by the tokens left to compute, and its Reserve caps the tokens computed after the hits
     (max_compute_tokens), so a stale answer costs neither budget nor blocks.
 
-    NOTE: blocks needed are an upper bound (they count every block of a new table, though prefix hits on
-    blocks other tables hold take none), so a reservation sized by `blocks_needed` never fails for want of
-    blocks.
+    A new sequence's prefix hits (the Lookup's `prefix_blocks`) count as blocks of its table: they take no
+    new block. One that no table holds is cached (evictable) and counted in `available_blocks`: taking it
+    costs one of them, which the scheduler counts (`held_blocks`).
+    NOTE: a hint may be stale; the Reserve's max_compute_tokens keeps the new blocks of a table as planned,
+    and a Reserve refused all the same undoes the admissions (gateway.stepping).
     """
 
     def __init__(
@@ -74,26 +76,43 @@ class KVView:
         return seq.num_computed if seq.seq_id in self._seqs else seq.prefix_hint or 0
 
     def blocks_needed(self, seq: Sequence, end: int) -> int:
-        """Blocks the sequence lacks to hold `end` tokens (plus one to copy a shared block into)."""
-        kv = self._seqs.get(seq.seq_id, SeqBlocks())
-        return max(0, blocks_for(end, self.block_size) - len(kv.block_table)) + kv.shares_tail
+        """Blocks the sequence lacks to hold `end` tokens (plus one to copy a shared block into); a new
+        one's prefix hits are not among them."""
+        shares_tail = self._seqs[seq.seq_id].shares_tail if seq.seq_id in self._seqs else False
+        return max(0, blocks_for(end, self.block_size) - self._table_len(seq)) + shares_tail
 
     def room(self, seq: Sequence, free: int) -> int:
         """Tokens past `start` the sequence can hold if it takes up to `free` more blocks."""
-        kv = self._seqs.get(seq.seq_id, SeqBlocks())
-        return (len(kv.block_table) + free - kv.shares_tail) * self.block_size - self.start(seq)
+        shares_tail = self._seqs[seq.seq_id].shares_tail if seq.seq_id in self._seqs else False
+        return (self._table_len(seq) + free - shares_tail) * self.block_size - self.start(seq)
+
+    def held_blocks(self) -> set[int]:
+        """Every block some table of the view holds: a prefix hit on one of them takes no block."""
+        return {block_id for kv in self._seqs.values() for block_id in kv.block_table}
+
+    def _table_len(self, seq: Sequence) -> int:
+        """Blocks of its table: those it holds, or without a table its prefix hits (the Lookup's)."""
+        kv = self._seqs.get(seq.seq_id)
+        return len(kv.block_table) if kv else len(seq.prefix_blocks)
 
     # calls
 
-    def lookup(self, seqs: Seqs[Sequence]) -> None:
-        """Sets each sequence's prefix_hint: the leading tokens the cache holds computed of it (a KV tier's
-        blocks loaded into the pool first)."""
+    def lookup(self, seqs: Seqs[Sequence], running: Seqs[Sequence] = ()) -> None:
+        """Sets each sequence's prefix_hint and prefix_blocks: the leading tokens the cache holds computed
+        of it (a KV tier's blocks loaded into the pool first), and their blocks. The running sequences'
+        progress goes with it, so the blocks their last step wrote are found (as the next Reserve would)."""
+        held = [seq for seq in running if self.holds(seq)]
+        progress = {s.seq_id: min(s.num_computed, self._seqs[s.seq_id].num_synced) for s in held}
         request = cache_pb2.LookupRequest(
-            seqs=[_seq_request(seq, seq.token_ids, seq.num_tokens) for seq in seqs]
+            seqs=[_seq_request(seq, seq.token_ids, seq.num_tokens) for seq in seqs],
+            num_computed=progress,
+            session_id=self._session_id if progress else "",
         )
         reply = self._stub.Lookup(request, timeout=self._timeout, metadata=_ids(seqs))
-        for seq, cached in zip(seqs, reply.cached_tokens, strict=True):
-            seq.prefix_hint = cached
+        # NOTE: a cache that sends no prefix_blocks has its hits counted as new blocks (an upper bound).
+        blocks = [tuple(p.block_ids) for p in reply.prefix_blocks] or [()] * len(seqs)
+        for seq, cached, block_ids in zip(seqs, reply.cached_tokens, blocks, strict=True):
+            seq.prefix_hint, seq.prefix_blocks = cached, block_ids
         self.available_blocks = reply.available_blocks
 
     def covers(self, seqs: Seqs[Sequence]) -> bool:

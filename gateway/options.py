@@ -33,10 +33,24 @@ def add_http(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _tokens(text: str) -> int:
+    """A flag's token count: an integer >= 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (an integer >= 0)")
+    return int(text)
+
+
 def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument(
         "--max-batched-tokens", type=int, default=4096, help="tokens of one step: decodes, then prompt chunks"
+    )
+    parser.add_argument(
+        "--prefill-tokens-with-decodes",
+        type=_tokens,
+        default=256,
+        help="prompt tokens of a step that also runs decodes, so streams do not stall behind a long "
+        "prefill (0: no cap below --max-batched-tokens)",
     )
     parser.add_argument("--max-seqs", type=int, default=64, help="sequences running at once")
     parser.add_argument(

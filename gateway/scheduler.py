@@ -25,15 +25,23 @@ class ScheduledStep:
 class Scheduler:
     """Every step packs, under `max_batched_tokens` and `max_seqs`: the running decodes, then the next chunks
     of running prompts, then first chunks of waiting ones (admitted in rank order while the blocks of their
-    chunk are free). Rank: lower priority value first, then arrival.
+    chunk are free). Rank: lower priority value first, then arrival. A step with decodes takes at most
+    `prefill_tokens_with_decodes` prompt tokens, so that running streams do not wait behind a long prefill.
 
     Blocks (available, needed, room in a table) are the KV view's answers; the scheduler writes none of it.
+    A waiting prompt's prefix hits on blocks a table holds (or a prompt admitted before it in the step
+    takes) cost no block; a hit on a cached block nobody holds costs one (it leaves the evictable ones).
     """
 
-    def __init__(self, kv: KVView, max_batched_tokens: int, max_seqs: int) -> None:
+    def __init__(
+        self, kv: KVView, max_batched_tokens: int, max_seqs: int, prefill_tokens_with_decodes: int = 0
+    ) -> None:
+        assert max_batched_tokens > 0 and max_seqs > 0 and prefill_tokens_with_decodes >= 0
         self.kv = kv
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
+        # 0: no separate cap (a step's prompt tokens take what its decodes leave of max_batched_tokens).
+        self.prefill_tokens_with_decodes = prefill_tokens_with_decodes or max_batched_tokens
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -66,6 +74,7 @@ class Scheduler:
         # running: decodes first, then the next chunks of partly computed prompts
         running = sorted(self.running, key=lambda s: s.rank)
         for seq in sorted(running, key=lambda s: s.num_tokens - s.num_computed > 1):
+            budget = self._prompt_budget(step, budget) if seq.num_tokens - seq.num_computed > 1 else budget
             if budget == 0:
                 break
             n = self._chunk(seq, budget, free)
@@ -73,22 +82,44 @@ class Scheduler:
                 return ScheduledStep(preempted=[self._preempt(running[-1])])
             budget, free = budget - n, free - self._take(seq, n)
             step.seqs.append(seq)
-        # waiting: first chunks, in rank order; nobody overtakes a request that does not fit
+        budget = self._prompt_budget(step, budget)
+        self._admit(step, budget, free)
+        if not step.is_decode:
+            # NOTE: this step's prompt chunks write blocks the waiting prompts may share: look them up again.
+            for seq in self.waiting:
+                seq.forget_prefix()
+        return step if step.seqs else None
+
+    def _prompt_budget(self, step: ScheduledStep, budget: int) -> int:
+        """What is left of `budget` for prompt tokens: with decodes in the step, at most
+        prefill_tokens_with_decodes of prompt tokens in all."""
+        decodes = [seq for seq in step.seqs if seq.chunk_end - seq.num_computed == 1]
+        if not decodes:
+            return budget
+        prompt_tokens = sum(seq.chunk_end - seq.num_computed for seq in step.seqs) - len(decodes)
+        return max(0, min(budget, self.prefill_tokens_with_decodes - prompt_tokens))
+
+    def _admit(self, step: ScheduledStep, budget: int, free: int) -> None:
+        """First chunks of waiting sequences, in rank order; nobody overtakes a request that does not fit.
+        A prefix hit takes a block only if neither a table nor an earlier admission holds it."""
         slots = sum(seq.num_slots for seq in self.running)
+        held = self.kv.held_blocks() if any(seq.prefix_blocks for seq in self.waiting) else set()
         for seq in sorted(self.waiting, key=lambda s: s.rank):
-            room = free - (self.watermark if self.running else 0)
+            revived = len(set(seq.prefix_blocks) - held)
+            room = free - revived - (self.watermark if self.running else 0)
             n = self._chunk(seq, budget, room)
             # NOTE: a preempted sequence comes back only once its whole context fits, or it would take the
             # blocks back a chunk at a time and be preempted again at once (thrashing).
             refit = seq.num_preemptions == 0 or self.kv.blocks_needed(seq, seq.num_tokens) <= room
             if n == 0 or not refit or slots + seq.num_slots > self.max_seqs:
                 break
-            budget, free, slots = budget - n, free - self._take(seq, n), slots + seq.num_slots
+            budget, slots = budget - n, slots + seq.num_slots
+            free -= self._take(seq, n) + revived
+            held.update(seq.prefix_blocks)
             self.waiting.remove(seq)
             self.running.append(seq)
             seq.status = Status.RUNNING
             step.seqs.append(seq)
-        return step if step.seqs else None
 
     def _take(self, seq: Sequence, n: int) -> int:
         """Schedules n tokens of the sequence; returns the blocks that takes (at most)."""
@@ -104,6 +135,16 @@ class Scheduler:
         self.waiting.append(seq)
         self.num_preemptions += 1
         return seq
+
+    def unadmit(self, seqs: list[Sequence]) -> None:
+        """Newly admitted sequences whose Reserve was refused wait again, in their place (by rank), and
+        look their prefix up again."""
+        for seq in seqs:
+            assert seq.status is Status.RUNNING and seq.num_computed == 0, seq.seq_id
+            self.running.remove(seq)
+            seq.status, seq.chunk_end = Status.WAITING, 0
+            seq.forget_prefix()
+            self.waiting.append(seq)
 
     def unlooked(self) -> list[Sequence]:
         """Waiting sequences the scheduler may admit next (the first max_seqs in rank order) whose cached

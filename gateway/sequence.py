@@ -67,6 +67,8 @@ class Sequence:
     chunk_end: int = 0
     # Without a block table: leading tokens the cache's Lookup found computed (None: not looked up since).
     prefix_hint: int | None = None
+    # The blocks holding prefix_hint's tokens, as the Lookup found them.
+    prefix_blocks: tuple[int, ...] = ()
     num_preemptions: int = 0
     # Leading prompt tokens the first reservation found in the prefix cache (reported in the usage).
     cached_tokens: int = 0
@@ -131,7 +133,11 @@ class Sequence:
         """After its blocks are freed: nothing is computed any more (the tokens are kept), and what the
         prefix cache holds of it is to be looked up again."""
         self.num_computed = self.chunk_end = 0
-        self.prefix_hint = None
+        self.forget_prefix()
+
+    def forget_prefix(self) -> None:
+        """What the prefix cache holds of it is to be looked up again (the Lookup's answer may be stale)."""
+        self.prefix_hint, self.prefix_blocks = None, ()
 
     @property
     def token_ids(self) -> list[int]:

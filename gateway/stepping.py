@@ -1,6 +1,7 @@
 """The engine's step: one Cache.Reserve (or Free of the preempted), one Compute.Forward, then the sampled
 tokens appended, finished sequences released and outputs handed to their requests."""
 
+import grpc
 import structlog
 
 from common.errors import PagedServeError, from_rpc_error
@@ -38,12 +39,15 @@ class Stepping:
 
     def _step(self, step: ScheduledStep, timer: StepTimer) -> None:
         kind = "decode" if step.is_decode else "prefill"
-        with timer.phase("cache_rpc"), calling("cache"):
+        with timer.phase("cache_rpc"):
             if step.preempted:
-                self.kv.free(step.preempted)
+                with calling("cache"):
+                    self.kv.free(step.preempted)
                 log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
                 return
-            self.kv.reserve(step.seqs)
+            self._reserve(step)
+        if not step.seqs:
+            return
         chunks = [[s.request_id, s.index, s.chunk_end - s.num_computed] for s in step.seqs]
         log.debug("step", chunks=chunks)
         if self._fail_step in {seq.request_id for seq in step.seqs}:
@@ -61,6 +65,29 @@ class Stepping:
         self._advance(seqs, reply)
         timer.compute = reply
         timer.finish(kind)
+
+    def _reserve(self, step: ScheduledStep) -> None:
+        """The step's Reserve. One refused for want of blocks (the admission counted on a stale Lookup)
+        undoes the step's admissions: those sequences wait again, and the step runs the others. The cache
+        changed nothing (a Reserve is all or nothing), so no block is leaked."""
+        try:
+            with calling("cache"):
+                self.kv.reserve(step.seqs)
+        except PeerFault as fault:
+            new = [seq for seq in step.seqs if not self.kv.holds(seq)]
+            if fault.lost or fault.err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or not new:
+                raise
+            log.warning("admission_undone", seq_ids=[s.seq_id for s in new], error=fault.err.details())
+            self._undo_admissions(step, new)
+
+    def _undo_admissions(self, step: ScheduledStep, new: list[Sequence]) -> None:
+        """The step's new sequences wait again; the others are reserved alone (the step list shrinks in
+        place: a failure from here on fails only them)."""
+        self.scheduler.unadmit(new)
+        step.seqs[:] = [seq for seq in step.seqs if self.kv.holds(seq)]
+        if step.seqs:
+            with calling("cache"):
+                self.kv.reserve(step.seqs)
 
     def _forward(self, seqs: list[Sequence]) -> compute_pb2.ForwardResponse:
         tables = [self.kv.block_table(seq) for seq in seqs]

@@ -98,18 +98,37 @@ class BlockTable(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., first_block: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("seqs",)
+    __slots__ = ("seqs", "num_computed", "session_id")
+    class NumComputedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SEQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     seqs: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
-    def __init__(self, seqs: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
+    num_computed: _containers.ScalarMap[str, int]
+    session_id: str
+    def __init__(self, seqs: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ..., num_computed: _Optional[_Mapping[str, int]] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class PrefixBlocks(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("cached_tokens", "available_blocks")
+    __slots__ = ("cached_tokens", "available_blocks", "prefix_blocks")
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     cached_tokens: _containers.RepeatedScalarFieldContainer[int]
     available_blocks: int
-    def __init__(self, cached_tokens: _Optional[_Iterable[int]] = ..., available_blocks: _Optional[int] = ...) -> None: ...
+    prefix_blocks: _containers.RepeatedCompositeFieldContainer[PrefixBlocks]
+    def __init__(self, cached_tokens: _Optional[_Iterable[int]] = ..., available_blocks: _Optional[int] = ..., prefix_blocks: _Optional[_Iterable[_Union[PrefixBlocks, _Mapping]]] = ...) -> None: ...
 
 class BlockTables(_message.Message):
     __slots__ = ("tables", "available_blocks")

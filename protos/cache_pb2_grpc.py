@@ -125,7 +125,9 @@ class CacheServicer:
 
     def Lookup(self, request, context):
         """How many leading tokens of each prompt the pool holds computed (after loading what a KV tier holds of
-        them): the caller sizes a new sequence's first step by the tokens left to compute. Changes no table.
+        them), and in which blocks: the caller sizes a new sequence's first step by the tokens left to compute,
+        and counts as taken only the hit blocks no table holds. The running sequences' progress (optional)
+        indexes their written full blocks first, as their next Reserve would. Changes no table.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -10,23 +10,9 @@ import grpc
 
 from common.errors import RowsRefused
 from protos import cache_pb2, common_pb2, compute_pb2
-from tests.fake_cache import FakeCache
+from tests.fake_cache import FakeCache, RpcError
 
 VOCAB = 100
-
-
-class RpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple = ()) -> None:
-        self._code, self._details, self._trailing = code, details, trailing_metadata
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> tuple:
-        return self._trailing
 
 
 def unreachable(service: str) -> RpcError:

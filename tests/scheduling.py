@@ -18,9 +18,15 @@ def seq(name: str, prompt_len: int, priority: int = 0, n: int = 1) -> Sequence:
                     max_len=1024, priority=priority, arrival=next(_clock))  # fmt: skip
 
 
-def make(block_size: int, num_blocks: int, max_batched_tokens: int, max_seqs: int) -> Scheduler:
+def make(
+    block_size: int,
+    num_blocks: int,
+    max_batched_tokens: int,
+    max_seqs: int,
+    prefill_tokens_with_decodes: int = 0,
+) -> Scheduler:
     kv = KVView(FakeCache(num_blocks, block_size), block_size, num_blocks)
-    return Scheduler(kv, max_batched_tokens, max_seqs)
+    return Scheduler(kv, max_batched_tokens, max_seqs, prefill_tokens_with_decodes)
 
 
 def run(scheduler: Scheduler, step: ScheduledStep) -> dict[str, int]:

@@ -319,3 +319,22 @@ def test_lookup_finds_a_prompts_cached_prefix_over_grpc_and_refuses_bad_counts(s
         stub.Lookup, cache_pb2.LookupRequest(seqs=[bad]), grpc.StatusCode.INVALID_ARGUMENT
     )
     assert service.stats().used_blocks == 0
+
+
+def test_lookup_indexes_the_running_progress_first_and_names_the_hit_blocks(stub, service):
+    prompt = list(range(500, 500 + 3 * BLOCK_SIZE + 5))
+    request = cache_pb2.SequenceRequest(seq_id="w", num_tokens=len(prompt), token_ids=prompt)
+    (table,) = stub.Reserve(cache_pb2.ReserveRequest(new_seqs=[request])).tables
+    query = cache_pb2.SequenceRequest(seq_id="q", num_tokens=len(prompt), token_ids=prompt)
+    reply = stub.Lookup(cache_pb2.LookupRequest(seqs=[query]))
+    assert list(reply.cached_tokens) == [0], "nothing reported written yet"
+    reply = stub.Lookup(cache_pb2.LookupRequest(seqs=[query], num_computed={"w": 2 * BLOCK_SIZE + 1}))
+    assert list(reply.cached_tokens) == [2 * BLOCK_SIZE]
+    assert list(reply.prefix_blocks[0].block_ids) == list(table.block_ids[:2]), "w's own blocks: held"
+    for progress, code in (
+        ({"nobody": 4}, grpc.StatusCode.NOT_FOUND),
+        ({"w": -1}, grpc.StatusCode.INVALID_ARGUMENT),
+    ):
+        refused(stub.Lookup, cache_pb2.LookupRequest(seqs=[query], num_computed=progress), code)
+    stub.Free(cache_pb2.FreeRequest(seq_ids=["w"]))
+    assert service.stats().used_blocks == 0

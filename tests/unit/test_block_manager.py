@@ -357,3 +357,24 @@ def test_max_compute_trims_a_new_table_to_its_prefix_hits_plus_the_tokens_it_may
     blocks.check_invariants()
     with pytest.raises(InvalidArgument, match="max_compute_tokens must be >= 0"):
         blocks.reserve([SeqRequest("e", 30, prompt, max_compute=-1)], [])
+
+
+def test_a_lookup_finds_the_blocks_of_a_prefix_and_the_progress_of_running_ones_first():
+    blocks = manager(16)
+    prompt = list(range(300, 330))  # 8 blocks of 4
+    allocate(blocks, [SeqRequest("a", 30, prompt)])
+    query = SeqRequest("q", 30, prompt)
+    assert blocks.prefix_blocks(query) == [], "nothing is written yet"
+    blocks.index_written({"a": 13})
+    assert blocks.prefix_blocks(query) == blocks.block_table("a")[:3], "the 3 full written blocks"
+    assert blocks.cached_prefix(query) == 12
+    blocks.index_written({"a": 13})
+    assert blocks.prefix_blocks(query) == blocks.block_table("a")[:3], "indexing again changes nothing"
+    with pytest.raises(NotFound):
+        blocks.index_written({"nobody": 4})
+    with pytest.raises(InvalidArgument, match="must not be negative"):
+        blocks.index_written({"a": -1})
+    tail, _ = blocks.reserve([SeqRequest("b", 30, prompt)], [SeqRequest("a", 30, (), num_computed=13)])
+    assert tail.block_ids[:3] == blocks.block_table("a")[:3] and tail.cached_tokens == 12
+    assert [blocks.refcount(b) for b in tail.block_ids[:3]] == [2, 2, 2], "a hit on held blocks takes none"
+    blocks.check_invariants()

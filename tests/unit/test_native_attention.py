@@ -2,6 +2,11 @@
 and around block boundaries, GQA, every pool dtype, decodes and prompt chunks over a cached prefix, shared
 blocks; and its refusals."""
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -150,6 +155,35 @@ def test_a_machine_that_cannot_build_falls_back_to_cpu(monkeypatch, tmp_path):
         monkeypatch.undo()
         native.load.cache_clear()
     assert registry.default_backend() == "cpu-native", "this machine builds it"
+
+
+def test_a_build_is_loaded_past_a_killed_builds_lock_file():
+    """A compute killed while torch's extension loader held the build directory's lock used to leave every
+    later start waiting on it forever; a finished build is now imported without taking the lock."""
+    assert native.load() is not None
+    lock = native.build_dir() / "lock"
+    lock.touch()
+    try:
+        loaded = subprocess.run(
+            [sys.executable, "-c", "from compute_service.attention import native; assert native.load()"],
+            timeout=120,
+            capture_output=True,
+        )
+        assert loaded.returncode == 0, loaded.stderr.decode()[-500:]
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def test_a_stale_lock_is_removed_before_a_build_and_a_fresh_one_kept(tmp_path):
+    stale, fresh = tmp_path / "stale", tmp_path / "fresh"
+    stale.touch()
+    fresh.touch()
+    old = time.time() - native.STALE_LOCK_S - 60
+    os.utime(stale, (old, old))
+    native._remove_stale_lock(stale)
+    native._remove_stale_lock(fresh)
+    native._remove_stale_lock(tmp_path / "absent")
+    assert not stale.exists() and fresh.exists()
 
 
 def test_bfloat16_weights_default_to_the_cpu_backend():

@@ -7,10 +7,13 @@ the cached build. `make setup` builds it ahead (`python -m compute_service.atten
 that cannot build it gets None, with the reason logged: the pure-torch backend then serves.
 """
 
+import contextlib
 import functools
 import hashlib
+import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -37,6 +40,8 @@ CFLAGS = (
     "-fno-trapping-math",
 )
 CACHE_ENV = "PAGEDSERVE_EXTENSIONS_DIR"
+# A build takes about a minute; a lock file older than this is a killed build's.
+STALE_LOCK_S = 600.0
 log = structlog.get_logger()
 
 
@@ -59,13 +64,16 @@ def load() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     directory = build_dir()
-    if not any(directory.glob("*.so")):
-        log.info("native_attention_build", directory=str(directory), note="compiling once, about a minute")
+    # NOTE: a name per directory: torch renames (and so rebuilds) an extension loaded under one name from
+    # two directories in one process.
+    name = "pagedserve_attention_" + hashlib.sha256(str(directory).encode()).hexdigest()[:12]
     try:
+        built = directory / f"{name}.so"
+        if built.exists():
+            return _import_built(name, built)
+        log.info("native_attention_build", directory=str(directory), note="compiling once, about a minute")
         directory.mkdir(parents=True, exist_ok=True)
-        # NOTE: a name per directory: torch renames (and so rebuilds) an extension loaded under one name from
-        # two directories in one process.
-        name = "pagedserve_attention_" + hashlib.sha256(str(directory).encode()).hexdigest()[:12]
+        _remove_stale_lock(directory / "lock")
         return cpp_extension.load(
             name=name,
             sources=[str(path) for path in SOURCES],
@@ -77,6 +85,27 @@ def load() -> ModuleType | None:
         reason = (str(exc).strip().splitlines() or [repr(exc)])[-1]
         log.warning("native_attention_unavailable", reason=reason, fallback="--attention-backend cpu")
         return None
+
+
+def _import_built(name: str, path: Path) -> ModuleType:
+    """Imports a finished build directly. NOTE: not through cpp_extension.load, which takes the build
+    directory's lock file even when nothing needs building: a process killed while holding it (a compute
+    stopped during start-up) left every later start waiting on that lock forever."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the native build {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    """Removes the build lock of a build that cannot still be running (older than STALE_LOCK_S)."""
+    with contextlib.suppress(FileNotFoundError):
+        age = time.time() - lock.stat().st_mtime
+        if age > STALE_LOCK_S:
+            lock.unlink()
+            log.warning("native_attention_stale_lock_removed", path=str(lock), age_s=round(age))
 
 
 def main() -> None:

@@ -18,6 +18,13 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument(
+        "--single-stream-threads",
+        type=int,
+        default=None,
+        help="torch threads for a step of one new token (default: --threads minus one, at least 1, leaving "
+        "a core to the gateway and its clients)",
+    )
+    parser.add_argument(
         "--plain-linear",
         action="store_true",
         help="keep nn.Linear as is (default: float32 CPU linears run on oneDNN, weights packed once)",

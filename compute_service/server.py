@@ -24,6 +24,7 @@ from compute_service.llama_layer import FusedLlamaModel
 from compute_service.model_loader import ModelSpec, load
 from compute_service.options import OPTIONS
 from compute_service.runner import Runner, StepTimes
+from compute_service.threads import ThreadPolicy
 from compute_service.validation import Limits
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
 
@@ -44,8 +45,11 @@ SEGMENT_CHECK_S = 1.0
 class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     """Holds no scheduling state: one attached pool and the model; steps run one at a time."""
 
-    def __init__(self, runner: Runner, spec: ModelSpec, log, device: Device = CPU) -> None:
+    def __init__(
+        self, runner: Runner, spec: ModelSpec, log, device: Device = CPU, threads: ThreadPolicy | None = None
+    ) -> None:
         self.runner = runner
+        self.threads = threads
         self.device = device
         self.spec = spec
         self.log = log
@@ -106,6 +110,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                     "service restarted; create a pool and AttachPool its handle again"
                 )
             batch = ForwardBatch.from_request(request, self._limits)
+            if self.threads is not None:
+                self.threads.apply(len(batch.token_ids))
             times = StepTimes(prepare=time.perf_counter() - start)
             sampled = self.runner.forward(batch, times)
             elapsed_ms = (time.perf_counter() - start) * 1e3
@@ -167,8 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     log = configure("compute", args.log_format, args.log_level)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = ThreadPolicy.from_flags(args.threads, args.single_stream_threads)
+    torch.set_num_threads(threads.threads)
     weights = resolve_dtype(args.dtype, device_type=args.kv_device.type)
     kv_dtype = dtype_from_name(resolve_kv_dtype(args.kv_dtype, weights))
     try:
@@ -193,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         kv_dtype=spec.kv_dtype_name,
         kv_scales_id=spec.kv_scales.identity,
         layers=spec.num_layers,
-        threads=torch.get_num_threads(),
+        threads=threads.threads,
+        single_stream_threads=threads.single_stream,
         plain_linear=args.plain_linear,
         fused=isinstance(model.model, FusedLlamaModel),
     )
@@ -207,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
             "attention_backend": spec.attention_backend,
         }
     )
-    servicer = ComputeServicer(Runner(model, spec.kv_scales), spec, log, args.kv_device)
+    servicer = ComputeServicer(Runner(model, spec.kv_scales), spec, log, args.kv_device, threads)
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(
         [(compute_pb2_grpc.add_ComputeServicer_to_server, servicer, SERVICE_NAME)],

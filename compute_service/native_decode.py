@@ -69,12 +69,7 @@ class NativeDecode:
     def serves(ctx: Context) -> bool:
         """Whether this step can run natively: every sequence decodes one token, on a float32 pool without
         fp8 scales."""
-        return (
-            not ctx.segments
-            and not ctx.scales.k
-            and ctx.k_caches[0].dtype == torch.float32
-            and len(ctx.decode_tokens) == len(ctx.slot_mapping)
-        )
+        return not ctx.segments and not ctx.scales.k and ctx.k_caches[0].dtype == torch.float32
 
     def run(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: Context) -> None:
         """Every layer over residual [T, hidden] in place (see decode_layers.cpp); attention's time is added

@@ -43,10 +43,11 @@ void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t 
   }
 }
 
-// Rotates `heads` heads of head_dim d at x (row stride `stride`) in place: x*cos + roll(x, d/2)*signed_sin.
-void rotate(float* x, int64_t rows, int64_t stride, int64_t heads, int64_t d, const float* cos, const float* ssin) {
+// Rotates `heads` heads of head_dim d at x (row stride `stride`) in place: x*cos + roll(x, d/2)*signed_sin;
+// `saved` holds d floats of scratch.
+void rotate(float* x, int64_t rows, int64_t stride, int64_t heads, int64_t d, const float* cos, const float* ssin,
+            std::vector<float>& saved) {
   const int64_t half = d / 2;
-  std::vector<float> saved(d);
   for (int64_t t = 0; t < rows; ++t) {
     const float* c = cos + t * d;
     const float* s = ssin + t * d;
@@ -117,6 +118,8 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   at::Tensor x = at::empty_like(residual);
   at::Tensor out = at::empty({rows, num_heads, d}, residual.options());
+  at::Tensor act;  // [T, intermediate], sized by the first gate/up product
+  std::vector<float> saved(d);
   double attention_s = 0.0;
   for (size_t layer = 0; layer < k_caches.size(); ++layer) {
     const at::Tensor* w = weights.data() + kPerLayer * layer;
@@ -124,7 +127,8 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
     at::Tensor qkv = onednn_linear(x, w[1]);
     TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == qkv_width, "qkv projection of an unexpected shape");
     float* q = qkv.data_ptr<float>();
-    rotate(q, rows, qkv_width, num_heads + num_kv_heads, d, cos.data_ptr<float>(), signed_sin.data_ptr<float>());
+    rotate(q, rows, qkv_width, num_heads + num_kv_heads, d, cos.data_ptr<float>(), signed_sin.data_ptr<float>(),
+           saved);
     const auto start = std::chrono::steady_clock::now();
     store(k_caches[layer].data_ptr<float>(), q + q_width, rows, qkv_width, kv_width, slots);
     store(v_caches[layer].data_ptr<float>(), q + q_width + kv_width, rows, qkv_width, kv_width, slots);
@@ -135,7 +139,7 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
     rms_norm(residual.data_ptr<float>(), w[3].data_ptr<float>(), x.data_ptr<float>(), rows, hidden, feps);
     at::Tensor gate_up = onednn_linear(x, w[4]);
     const int64_t inter = gate_up.size(1) / 2;
-    at::Tensor act = at::empty({rows, inter}, residual.options());
+    if (!act.defined()) act = at::empty({rows, inter}, residual.options());
     silu_mul(gate_up.data_ptr<float>(), act.data_ptr<float>(), rows, inter);
     residual.add_(onednn_linear(act, w[5]));
   }

@@ -4,6 +4,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.model_files import local_copy
 from tests.e2e.stack import SMALL_FLAGS, start_stack
+from tests.tiny_model import save_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -14,6 +15,14 @@ def model_dir():
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, tokenizer):
+    """A random-weight Llama (peaked logits, so greedy picks are clear) with the real model's tokenizer."""
+    model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
+    tokenizer.save_pretrained(model)
+    return model
 
 
 @pytest.fixture(scope="session")

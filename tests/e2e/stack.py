@@ -1,5 +1,8 @@
 """The whole stack (`pagedserve up`) as a real process tree, for end-to-end tests."""
 
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from cli.launch import Stack
@@ -18,3 +21,22 @@ SMALL_FLAGS = (
 def start_stack(log_dir: Path, *args: str) -> Stack:
     """`pagedserve up` with these flags on free ports, its log in log_dir; waits until it serves."""
     return Stack.start(*args, log_dir=log_dir, cwd=ROOT, timeout=600)
+
+
+@contextmanager
+def stacks_side_by_side(
+    log_dir: Path, flags: Sequence[str], option: str, values: Sequence[str]
+) -> Iterator[dict]:
+    """One stack per value of `option` (with `flags` besides), started side by side, by value; each must stop
+    cleanly (exit status 0).
+    NOTE: side by side: most of a start is imports and model loading, mostly waiting on disk."""
+    started: dict[str, Stack] = {}
+    try:
+        with ThreadPoolExecutor(len(values)) as pool:
+            futures = {value: pool.submit(start_stack, log_dir, *flags, option, value) for value in values}
+            for value, future in futures.items():
+                started[value] = future.result()
+        yield started
+    finally:
+        codes = [stack.stop() for stack in started.values()]
+    assert codes == [0] * len(values)

@@ -19,7 +19,6 @@ from protos import cache_pb2, cache_pb2_grpc, compute_pb2_grpc
 from sdk.client import Client, GenerationError
 from tests.forward import forward_request
 from tests.helpers import free_port, log_events, start, stop, wait_healthy
-from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 GATEWAY_SERVICE = "pagedserve.v1.Generation"
@@ -48,13 +47,11 @@ def start_services(model: Path, logs: Path, env: dict[str, str]) -> tuple[dict, 
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory, tokenizer):
-    model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
-    tokenizer.save_pretrained(model)
+def gateway(tmp_path_factory, tiny_model):
     logs = tmp_path_factory.mktemp("logs")
     procs: list[subprocess.Popen] = []
     try:
-        targets, procs = start_services(model, logs, {BAD_ROW_ENV: BAD_REQUEST})
+        targets, procs = start_services(tiny_model, logs, {BAD_ROW_ENV: BAD_REQUEST})
         yield targets["gateway"], logs / "gateway.log", targets
     finally:
         codes = [stop(proc) for proc in reversed(procs)]

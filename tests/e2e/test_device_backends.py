@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM
 from protos import common_pb2
 from tests.e2e.stack import start_stack
 from tests.helpers import ROOT
-from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 
@@ -25,10 +24,8 @@ GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, tokenizer):
-    path = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
-    tokenizer.save_pretrained(path)
-    return path
+def model(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,6 @@ from tests.fuzz_strategies import (
 )
 from tests.helpers import free_port, start, stop, wait_healthy
 from tests.processes import segments_of
-from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "100"))
@@ -157,15 +156,13 @@ class Fuzzed:
 
 
 @pytest.fixture(scope="module")
-def fuzzed(tmp_path_factory, tokenizer, request):
-    model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
-    tokenizer.save_pretrained(model)
+def fuzzed(tmp_path_factory, tiny_model, request):
     logs = tmp_path_factory.mktemp("fuzz-logs")
     # NOTE: not under tmp_path: a unix socket's path must stay within the kernel's 107 bytes.
     sockets = Path(tempfile.mkdtemp(prefix="ps-fuzz-"))
     services = Services({}, {})
     try:
-        services = start_services(model, logs, sockets)
+        services = start_services(tiny_model, logs, sockets)
         fuzz = _attach(services)
         segment = Path(fuzz.live.handle.shm.path)
         size = segment.stat().st_size

@@ -24,7 +24,6 @@ from sdk.client import Client
 from tests.forward import forward_request
 from tests.helpers import PAGEDSERVE, ROOT, free_port, start, stop, wait_healthy
 from tests.processes import services_of
-from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 NOBODY = 65534
@@ -42,13 +41,6 @@ for path in sys.argv[1:]:
         except OSError as err:
             print(err.strerror)
 """
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, tokenizer):
-    model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
-    tokenizer.save_pretrained(model)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ blocks scale with the dtype's size in the same --kv-memory, GetInfo/stats/metric
 of another dtype or other fp8 scales is refused."""
 
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -11,8 +10,8 @@ import pytest
 from cli.launch import Stack
 from compute_service.attention.registry import default_backend
 from protos import cache_pb2, compute_pb2
-from tests.e2e.stack import start_stack
-from tests.tiny_model import save_tiny_llama, tiny_llama_config
+from tests.e2e.stack import stacks_side_by_side
+from tests.tiny_model import tiny_llama_config
 
 pytestmark = pytest.mark.e2e
 
@@ -23,21 +22,10 @@ GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def stacks(tmp_path_factory, tokenizer, logs):
-    model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
-    tokenizer.save_pretrained(model)
-    flags = ("--model", str(model), "--dtype", "float32", "--kv-memory", str(KV_MEMORY))
-    started: dict[str, Stack] = {}
-    try:
-        # NOTE: started side by side: most of a start is imports and model loading, mostly waiting on disk.
-        with ThreadPoolExecutor(len(KV_DTYPES)) as pool:
-            futures = {name: pool.submit(start_stack, logs, *flags, "--kv-dtype", name) for name in KV_DTYPES}
-            for name, future in futures.items():
-                started[name] = future.result()
+def stacks(tiny_model, logs):
+    flags = ("--model", str(tiny_model), "--dtype", "float32", "--kv-memory", str(KV_MEMORY))
+    with stacks_side_by_side(logs, flags, "--kv-dtype", KV_DTYPES) as started:
         yield started
-    finally:
-        codes = [stack.stop() for stack in started.values()]
-    assert codes == [0] * len(KV_DTYPES)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)

@@ -19,7 +19,6 @@ from gateway.config import FAIL_STEP_ENV
 from sdk.client import Client, GenerationError
 from tests.helpers import free_port, start, stop, wait_healthy
 from tests.processes import segments_of
-from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 GATEWAY_SERVICE = "pagedserve.v1.Generation"
@@ -69,10 +68,8 @@ class Services:
 
 
 @pytest.fixture(scope="module")
-def services(tmp_path_factory, tokenizer):
-    model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
-    tokenizer.save_pretrained(model)
-    svc = Services(model, tmp_path_factory.mktemp("logs"))
+def services(tmp_path_factory, tiny_model):
+    svc = Services(tiny_model, tmp_path_factory.mktemp("logs"))
     try:
         svc.start("cache")
         svc.start("compute")

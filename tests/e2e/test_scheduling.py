@@ -18,19 +18,10 @@ from sdk.client import GenerationError, build_request
 from tests.e2e.greedy import hf_greedy
 from tests.e2e.stack import SMALL_BUDGET, start_stack
 from tests.helpers import log_events
-from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 PREEMPTIONS = "pagedserve_preemptions_total"
 TIE = 1e-3  # float32 logprobs this close are a tie for greedy comparisons
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, tokenizer):
-    """A random-weight Llama (peaked logits, so greedy picks are clear) with the real model's tokenizer."""
-    model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
-    tokenizer.save_pretrained(model)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cli.launch import Stack
 from compute_service.quantized import QUANTIZED_MAX_ROWS
-from tests.e2e.stack import start_stack
+from tests.e2e.stack import stacks_side_by_side
 from tests.helpers import ROOT
-from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 
@@ -25,25 +23,15 @@ GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, tokenizer):
-    path = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
-    tokenizer.save_pretrained(path)
-    return path
+def model(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
 def stacks(model, logs):
     flags = ("--model", str(model), "--dtype", "float32", "--kv-blocks", "64")
-    started: dict[str, Stack] = {}
-    try:
-        with ThreadPoolExecutor(len(MODES)) as pool:
-            futures = {mode: pool.submit(start_stack, logs, *flags, "--weights", mode) for mode in MODES}
-            for mode, future in futures.items():
-                started[mode] = future.result()
+    with stacks_side_by_side(logs, flags, "--weights", MODES) as started:
         yield started
-    finally:
-        codes = [stack.stop() for stack in started.values()]
-    assert codes == [0] * len(MODES)
 
 
 @pytest.mark.parametrize("mode", MODES)

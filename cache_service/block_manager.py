@@ -69,7 +69,7 @@ class BlockManager:
         (never the last token, whose logits are needed): whole blocks are shared, and a prefix that ends
         inside a block gets a copy of the cached block it matches. `running` ones record their new tokens
         and progress, index their newly written full blocks, copy the blocks the step writes that are shared
-        or indexed (copy-on-write) and grow to hold num_tokens.
+        or indexed (copy-on-write) and grow to hold num_tokens plus lookahead (a table never shrinks).
 
         A new sequence with max_compute holds its prefix hits plus at most that many tokens (`fit`).
         Returns what the caller lacks of each table, `new` then `running`: a new sequence's whole table (and
@@ -147,7 +147,7 @@ class BlockManager:
         need, copied = 0, Counter()
         for request in running:
             seq = self._seqs[request.seq_id]
-            need += self.blocks_needed(request.num_tokens) - len(seq.block_table)
+            need += seq.growth(request, self.block_size)
             for block_id in seq.block_table[request.num_computed // self.block_size :]:
                 if self.block_pool.must_copy(block_id, copied[block_id]):
                     need += 1
@@ -186,35 +186,35 @@ class BlockManager:
     def _grow_running(self, requests: Sequence[SeqRequest]) -> None:
         for request in requests:
             seq = self._seqs[request.seq_id]
-            self._counters.account(
-                request.num_tokens - seq.num_tokens,
-                self.blocks_needed(request.num_tokens) - len(seq.block_table),
-            )
+            grow = seq.growth(request, self.block_size)
+            self._counters.account(request.num_tokens - seq.num_tokens, grow)
             seq.num_tokens = request.num_tokens
             if seq.token_ids is not None:
                 seq.token_ids.extend(request.token_ids)
             self._register(seq, request.num_computed)
             self._copy_on_write(seq, request.num_computed // self.block_size)
-            self._grow(seq, self.blocks_needed(request.num_tokens) - len(seq.block_table))
+            self._grow(seq, grow)
 
     # fork
 
     def fork(self, parent_id: str, child_ids: Sequence[str]) -> list[list[int]]:
-        """Gives each child a table sharing every block of the parent (and its tokens); returns the tables.
+        """Gives each child a table sharing the parent's blocks of its tokens (not its lookahead blocks,
+        which hold nothing yet) and its tokens; returns the tables.
 
         Raises NotFound (unknown parent), InvalidArgument (empty or repeated child id) and AlreadyExists
         (a child has a table); on any error nothing changed.
         """
         check_fork(parent_id, child_ids, self._seqs)
         parent = self._seqs[parent_id]
+        shared = parent.block_table[: self.blocks_needed(parent.num_tokens)]
         for child_id in child_ids:
             tokens = list(parent.token_ids) if parent.token_ids is not None else None
             self._seqs[child_id] = SeqState(
-                parent.num_tokens, parent.root, tokens, list(parent.block_table), list(parent.hashes)
+                parent.num_tokens, parent.root, tokens, list(shared), list(parent.hashes)
             )
-            for block_id in parent.block_table:
+            for block_id in shared:
                 self.block_pool.reference(block_id)
-            self._counters.account(parent.num_tokens, len(parent.block_table))
+            self._counters.account(parent.num_tokens, len(shared))
         return [self.block_table(child_id) for child_id in child_ids]
 
     # free

@@ -15,6 +15,7 @@ def seq_request(seq: cache_pb2.SequenceRequest) -> SeqRequest:
         seq.num_computed,
         seq.cache_salt,
         seq.max_compute_tokens,
+        seq.lookahead_tokens,
     )
 
 

@@ -10,6 +10,9 @@ from cache_service.prefix_cache import BlockHash
 from common.errors import AlreadyExists, InvalidArgument, NotFound
 from common.paging import blocks_for
 
+# NOTE: bounds the blocks one Reserve may take past a running sequence's tokens (multi-step decode's steps).
+MAX_LOOKAHEAD_TOKENS = 64
+
 
 class SeqRequest(NamedTuple):
     """A sequence, the tokens it must hold after the call, and its progress.
@@ -18,6 +21,8 @@ class SeqRequest(NamedTuple):
     previous call; empty for a sequence that is never prefix-cached. num_computed (running): leading tokens
     whose K/V is written; the step that follows writes [num_computed, num_tokens). max_compute (new, > 0):
     the step computes at most that many tokens after the prefix hits (`BlockManager.fit` trims num_tokens).
+    lookahead (running, 0..MAX_LOOKAHEAD_TOKENS): the table also holds blocks for that many tokens past
+    num_tokens, the slots a multi-step decode writes before their tokens are known.
     """
 
     seq_id: str
@@ -26,6 +31,7 @@ class SeqRequest(NamedTuple):
     num_computed: int = 0
     cache_salt: str = ""
     max_compute: int = 0
+    lookahead: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +48,8 @@ class TableTail:
 @dataclass(slots=True)
 class SeqState:
     """A sequence's block table and, when it is prefix-cached, its tokens and the hash chain of its leading
-    full blocks (`hashes[i]` names block i, whether or not the index kept that very block)."""
+    full blocks (`hashes[i]` names block i, whether or not the index kept that very block).
+    NOTE: the table may hold lookahead blocks past those of num_tokens; it never shrinks."""
 
     num_tokens: int
     root: BlockHash
@@ -57,11 +64,17 @@ class SeqState:
         return self.hashes[-1] if self.hashes else self.root
 
     def check_invariants(self, seq_id: str, block_size: int) -> None:
-        """Asserts: the table holds no block twice and exactly the blocks for num_tokens; tokens all kept."""
-        table = self.block_table
+        """Asserts: the table holds no block twice, the blocks for num_tokens and at most the lookahead
+        limit's more; tokens all kept."""
+        table, n = self.block_table, self.num_tokens
         assert len(set(table)) == len(table), f"sequence {seq_id!r} holds a block twice: {table}"
-        assert len(table) == blocks_for(self.num_tokens, block_size), (seq_id, self.num_tokens, table)
+        low, high = blocks_for(n, block_size), blocks_for(n + MAX_LOOKAHEAD_TOKENS, block_size)
+        assert low <= len(table) <= high, (seq_id, n, table)
         assert self.token_ids is None or len(self.token_ids) == self.num_tokens, seq_id
+
+    def growth(self, request: SeqRequest, block_size: int) -> int:
+        """Blocks the table lacks for the request's num_tokens plus lookahead (0 when it holds them)."""
+        return max(0, blocks_for(request.num_tokens + request.lookahead, block_size) - len(self.block_table))
 
     def check_grow(self, request: SeqRequest, block_size: int) -> None:
         """InvalidArgument unless `request` grows this sequence consistently: no shrinking, new token ids
@@ -90,7 +103,7 @@ class SeqState:
 
 
 def check_request(request: SeqRequest) -> None:
-    """InvalidArgument for an empty seq_id, num_tokens <= 0 or max_compute < 0."""
+    """InvalidArgument for an empty seq_id, num_tokens <= 0, max_compute < 0 or lookahead out of range."""
     if not request.seq_id:
         raise InvalidArgument("seq_id must not be empty")
     if request.num_tokens <= 0:
@@ -99,6 +112,11 @@ def check_request(request: SeqRequest) -> None:
     if request.max_compute < 0:
         name, n = request.seq_id, request.max_compute
         raise InvalidArgument(f"sequence {name!r}: max_compute_tokens must be >= 0, got {n}")
+    if not 0 <= request.lookahead <= MAX_LOOKAHEAD_TOKENS:
+        name, n = request.seq_id, request.lookahead
+        raise InvalidArgument(
+            f"sequence {name!r}: lookahead_tokens must be in [0, {MAX_LOOKAHEAD_TOKENS}], got {n}"
+        )
 
 
 def check_known(seq_ids: Sequence[str], seqs: Mapping[str, SeqState]) -> None:
@@ -117,8 +135,14 @@ def check_progress(num_computed: Mapping[str, int], seqs: Mapping[str, SeqState]
 
 
 def check_prompt(request: SeqRequest) -> None:
-    """InvalidArgument (bad request, token_ids neither empty nor num_tokens long)."""
+    """InvalidArgument (bad request, lookahead on a new sequence, token_ids neither empty nor num_tokens
+    long)."""
     check_request(request)
+    if request.lookahead:
+        raise InvalidArgument(
+            f"sequence {request.seq_id!r}: lookahead_tokens must be 0 for a new sequence (running sequences "
+            f"take [0, {MAX_LOOKAHEAD_TOKENS}]), got {request.lookahead}"
+        )
     if request.token_ids and len(request.token_ids) != request.num_tokens:
         raise InvalidArgument(
             f"sequence {request.seq_id!r}: {len(request.token_ids)} token_ids for num_tokens "

@@ -48,20 +48,22 @@ class CreatePoolRequest(_message.Message):
     def __init__(self, geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "token_ids", "num_computed", "cache_salt", "max_compute_tokens")
+    __slots__ = ("seq_id", "num_tokens", "token_ids", "num_computed", "cache_salt", "max_compute_tokens", "lookahead_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MAX_COMPUTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     num_tokens: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed: int
     cache_salt: str
     max_compute_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_compute_tokens: _Optional[int] = ...) -> None: ...
+    lookahead_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_compute_tokens: _Optional[int] = ..., lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("new_seqs", "running_seqs", "session_id")

@@ -117,7 +117,8 @@ class CacheServicer:
         """One scheduler step's reservation, batched, all or nothing, the one call that grows tables. New
         sequences get block tables reusing cached prefix blocks (see cached_tokens); running ones record their
         progress, index their newly written full blocks, copy shared blocks the coming step writes
-        (copy-on-write) and grow to hold num_tokens. Tables come back in that order (new, then running).
+        (copy-on-write) and grow to hold num_tokens plus lookahead_tokens. Tables come back in that order
+        (new, then running).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -134,7 +135,7 @@ class CacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Fork(self, request, context):
-        """Gives child sequences tables sharing every block of a parent.
+        """Gives child sequences tables sharing the blocks of a parent's tokens (not its lookahead blocks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -338,3 +338,43 @@ def test_lookup_indexes_the_running_progress_first_and_names_the_hit_blocks(stub
         refused(stub.Lookup, cache_pb2.LookupRequest(seqs=[query], num_computed=progress), code)
     stub.Free(cache_pb2.FreeRequest(seq_ids=["w"]))
     assert service.stats().used_blocks == 0
+
+
+def test_reserve_with_lookahead_grows_the_table_ahead_and_refuses_a_bad_value(stub, service):
+    stub.Reserve(cache_pb2.ReserveRequest(new_seqs=seqs(("la", BLOCK_SIZE))))
+
+    def step(num_tokens: int, num_computed: int, lookahead: int = 0) -> cache_pb2.BlockTables:
+        seq = cache_pb2.SequenceRequest(
+            seq_id="la", num_tokens=num_tokens, num_computed=num_computed, lookahead_tokens=lookahead
+        )
+        return cache_pb2.ReserveRequest(running_seqs=[seq])
+
+    ahead = stub.Reserve(step(BLOCK_SIZE, BLOCK_SIZE, lookahead=BLOCK_SIZE))
+    (tail,) = ahead.tables
+    assert (tail.first_block, len(tail.block_ids)) == (1, 1), "the lookahead block, past the full first one"
+    assert ahead.available_blocks == NUM_BLOCKS - 2
+    grown = stub.Reserve(step(2 * BLOCK_SIZE, BLOCK_SIZE + 1))
+    assert list(grown.tables[0].block_ids) == list(tail.block_ids), "growing into it takes no block"
+    assert grown.available_blocks == NUM_BLOCKS - 2
+    before = service.stats()
+    for request, message in (
+        (
+            step(2 * BLOCK_SIZE, 2 * BLOCK_SIZE, lookahead=-1),
+            "'la': lookahead_tokens must be in [0, 64], got -1",
+        ),
+        (
+            step(2 * BLOCK_SIZE, 2 * BLOCK_SIZE, lookahead=65),
+            "'la': lookahead_tokens must be in [0, 64], got 65",
+        ),
+        (
+            cache_pb2.ReserveRequest(
+                new_seqs=[cache_pb2.SequenceRequest(seq_id="n", num_tokens=4, lookahead_tokens=4)],
+                running_seqs=step(2 * BLOCK_SIZE, 2 * BLOCK_SIZE, lookahead=8).running_seqs,
+            ),
+            "'n': lookahead_tokens must be 0 for a new sequence (running sequences take [0, 64]), got 4",
+        ),
+    ):
+        assert message in refused(stub.Reserve, request, grpc.StatusCode.INVALID_ARGUMENT)
+    assert service.stats() == before, "a refused Reserve changes nothing"
+    freed = stub.Free(cache_pb2.FreeRequest(seq_ids=["la"]))
+    assert (freed.freed_blocks, freed.available_blocks) == (2, NUM_BLOCKS)

@@ -43,7 +43,7 @@ def _refuse(request: object, method: str) -> None:
 
 
 class DecodingInterceptor(grpc.ServerInterceptor):
-    """Refuses undecodable unary requests of every method with INVALID_ARGUMENT. Place it after the error
+    """Refuses undecodable requests of every method with INVALID_ARGUMENT. Place it after the error
     interceptor (it runs inside it, so its InvalidArgument becomes the status)."""
 
     def intercept_service(self, continuation, handler_call_details):
@@ -70,5 +70,19 @@ class DecodingInterceptor(grpc.ServerInterceptor):
 
             return handler._replace(
                 request_deserializer=tolerant(handler.request_deserializer), unary_stream=stream
+            )
+        if handler.stream_stream:
+            inner_duplex = handler.stream_stream
+
+            def checked(requests):
+                for request in requests:
+                    _refuse(request, method)
+                    yield request
+
+            def duplex(requests, context):
+                yield from inner_duplex(checked(requests), context)
+
+            return handler._replace(
+                request_deserializer=tolerant(handler.request_deserializer), stream_stream=duplex
             )
         return handler

@@ -10,6 +10,10 @@ import torch
 
 N = TypeVar("N", int, torch.Tensor)
 
+# Decode steps one Compute.ForwardSteps call may run per row: compute refuses more, and the gateway's
+# --decode-steps is capped at it (its tables then hold at most that many slots ahead).
+MAX_DECODE_STEPS = 64
+
 
 def blocks_for(num_tokens: N, block_size: int) -> N:
     """Blocks needed to hold `num_tokens` tokens (ceiling division; ints or integer tensors)."""

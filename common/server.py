@@ -92,6 +92,18 @@ class _ErrorInterceptor(grpc.ServerInterceptor):
                     _abort(context, exc, method, log)
 
             return handler._replace(unary_stream=stream)
+        if handler.stream_stream:
+            inner_duplex = handler.stream_stream
+
+            def duplex(requests, context):
+                _bind_request_id(handler_call_details)
+                log.debug("rpc", method=method)
+                try:
+                    yield from inner_duplex(requests, context)
+                except Exception as exc:  # noqa: BLE001
+                    _abort(context, exc, method, log)
+
+            return handler._replace(stream_stream=duplex)
         return handler
 
 

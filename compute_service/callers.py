@@ -8,6 +8,6 @@ SERVICE = compute_pb2.DESCRIPTOR.services_by_name["Compute"]
 
 CALLERS = table(
     SERVICE.full_name,
-    {"GetModelInfo": OPERATORS, "AttachPool": GATEWAY, "Forward": GATEWAY},
+    {"GetModelInfo": OPERATORS, "AttachPool": GATEWAY, "Forward": GATEWAY, "ForwardSteps": GATEWAY},
     [method.name for method in SERVICE.methods],
 )

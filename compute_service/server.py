@@ -1,8 +1,12 @@
 """The Compute gRPC service: model info, attaching the cache service's pool, and packed forward steps."""
 
 import argparse
+import contextlib
+import contextvars
+import queue
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,6 +28,7 @@ from compute_service.llama_layer import FusedLlamaModel
 from compute_service.model_loader import ModelSpec, load
 from compute_service.options import OPTIONS
 from compute_service.runner import Runner, StepTimes
+from compute_service.steps import StepsPlan
 from compute_service.threads import ThreadPolicy
 from compute_service.validation import Limits
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
@@ -101,20 +106,66 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     def Forward(self, request: compute_pb2.ForwardRequest, context) -> compute_pb2.ForwardResponse:
         with self._lock:
             start = time.perf_counter()
-            self._drop_removed_pool()
-            if self._epoch is None:
-                raise FailedPrecondition(self._no_pool)
-            if request.pool_epoch != self._epoch:
-                raise FailedPrecondition(
-                    f"stale pool epoch {request.pool_epoch!r}, attached pool is {self._epoch!r}: the cache "
-                    "service restarted; create a pool and AttachPool its handle again"
-                )
-            batch = ForwardBatch.from_request(request, self._limits)
-            if self.threads is not None:
-                self.threads.apply(len(batch.token_ids))
-            times = StepTimes(prepare=time.perf_counter() - start)
-            sampled = self.runner.forward(batch, times)
-            elapsed_ms = (time.perf_counter() - start) * 1e3
+            return self._run(self._checked(request), start)
+
+    def ForwardSteps(self, request_iterator, context) -> Iterator[compute_pb2.ForwardResponse]:
+        """Runs the steps in a worker thread, which holds the lock throughout (no other step runs between
+        them), while this thread sends each reply: compute starts a step as soon as the last one sampled."""
+        first = next(request_iterator, None)
+        if first is None:
+            raise InvalidArgument("ForwardSteps needs a first message: the first step and its limits")
+        stop, replies = threading.Event(), queue.SimpleQueue()
+        threading.Thread(target=_stop_on_next, args=(request_iterator, stop), daemon=True).start()
+        worker = contextvars.copy_context().run
+        threading.Thread(target=worker, args=(self._run_steps, first, stop, replies), daemon=True).start()
+        try:
+            while (reply := replies.get()) is not None:
+                if isinstance(reply, Exception):
+                    raise reply
+                yield reply
+        finally:
+            stop.set()
+
+    def _run_steps(self, first: compute_pb2.StepsRequest, stop: threading.Event, replies) -> None:
+        """Puts each step's reply (or the exception that ended the steps), then None."""
+        try:
+            with self._lock:
+                start, request = time.perf_counter(), first.first
+                batch = self._checked(request)
+                plan = StepsPlan.check(first, self._limits)
+                while True:
+                    reply = self._run(batch, start)
+                    reply.rows.extend(plan.rows)
+                    replies.put(reply)
+                    request = plan.advance(request, list(reply.token_ids))
+                    if request is None or stop.is_set():
+                        break
+                    start = time.perf_counter()
+                    batch = self._checked(request)
+        except Exception as exc:  # noqa: BLE001 - the handler raises it as the call's status
+            replies.put(exc)
+        finally:
+            replies.put(None)
+
+    def _checked(self, request: compute_pb2.ForwardRequest) -> ForwardBatch:
+        """The request's batch, on the attached pool; raises FailedPrecondition or InvalidArgument."""
+        self._drop_removed_pool()
+        if self._epoch is None:
+            raise FailedPrecondition(self._no_pool)
+        if request.pool_epoch != self._epoch:
+            raise FailedPrecondition(
+                f"stale pool epoch {request.pool_epoch!r}, attached pool is {self._epoch!r}: the cache "
+                "service restarted; create a pool and AttachPool its handle again"
+            )
+        return ForwardBatch.from_request(request, self._limits)
+
+    def _run(self, batch: ForwardBatch, start: float) -> compute_pb2.ForwardResponse:
+        """One checked step, begun (received) at `start`; the caller holds the lock."""
+        if self.threads is not None:
+            self.threads.apply(len(batch.token_ids))
+        times = StepTimes(prepare=time.perf_counter() - start)
+        sampled = self.runner.forward(batch, times)
+        elapsed_ms = (time.perf_counter() - start) * 1e3
         FORWARD_SECONDS.observe(elapsed_ms / 1e3)
         STEP_TOKENS.observe(len(batch.token_ids))
         self.log.debug(
@@ -226,6 +277,14 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     threading.Thread(target=_watch_segment, args=(servicer, stop), name="segment-watch", daemon=True).start()
     server.wait(on_stop=stop.set)
+
+
+def _stop_on_next(request_iterator: Iterator[compute_pb2.StepsRequest], stop: threading.Event) -> None:
+    """A ForwardSteps caller's second message, half-close or cancellation: stop after the running step."""
+    # NOTE: a cancelled call ends the iterator with an error: stop all the same.
+    with contextlib.suppress(Exception):
+        next(request_iterator, None)
+    stop.set()
 
 
 def _watch_segment(servicer: ComputeServicer, stop: threading.Event) -> None:

@@ -63,6 +63,13 @@ def check_sent(sent: Sent, limits: Limits) -> None:
     check_sampling(sent.sampling, limits.vocab_size, sent.sample.nonzero()[:, 0])
 
 
+def check_reach(sent: Sent, context_lens: torch.Tensor, limits: Limits) -> None:
+    """Raises RowsRefused unless every row's context could grow to `context_lens` tokens: within the model's
+    length, its blocks in its table, inside the pool (a multi-step decode's last step, checked up front)."""
+    _check_sequences(sent, context_lens, limits)
+    _check_blocks(sent, context_lens, limits)
+
+
 def row_of_token(cu_seqlens_q: torch.Tensor) -> torch.Tensor:
     """[T] the sequence (row) each packed token belongs to; needs consistent counts."""
     q_lens = cu_seqlens_q.diff()

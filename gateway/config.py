@@ -24,6 +24,8 @@ class EngineConfig:
     max_seqs: int = 64
     # Prompt tokens of a step that also runs decodes (0: no cap below max_batched_tokens).
     prefill_tokens_with_decodes: int = 256
+    # Decode steps one Compute call may run (ForwardSteps; 1: one Forward per step).
+    decode_steps: int = 8
     rpc_timeout_s: float = 120.0
     # Seconds a lost peer has to come back before the waiting requests fail.
     peer_restart_grace_s: float = 30.0

@@ -39,6 +39,8 @@ class Engine(Stepping):
         self._aborts: set[str] = set()
         self._stopped = False
         self._by_id: dict[str, Sequence] = {}
+        # Set while a ForwardSteps call runs: setting it ends the call after compute's current step.
+        self._steps_stop: threading.Event | None = None
         self.model_info: compute_pb2.ModelInfo | None = None
         self.handle: common_pb2.PoolHandle | None = None
         self.kv: KVView | None = None
@@ -104,6 +106,13 @@ class Engine(Stepping):
                 raise self.recovery.error()
             self._intake.append(seq)
             self._cond.notify()
+            self._end_steps()
+
+    def _end_steps(self) -> None:
+        """News for the loop: a running ForwardSteps call ends after its current step, so the loop sees it."""
+        steps_stop = self._steps_stop
+        if steps_stop is not None:
+            steps_stop.set()
 
     def queued(self) -> int:
         """Requests waiting for a step: submitted, or in the scheduler's queue (read without a lock)."""
@@ -113,6 +122,7 @@ class Engine(Stepping):
         with self._cond:
             self._aborts.add(seq_id)
             self._cond.notify()
+            self._end_steps()
 
     def peer_restarted(self, service: str, seen_at: float) -> None:
         """From the health watcher: `service` restarted (or serves another pool) after `seen_at`
@@ -122,6 +132,7 @@ class Engine(Stepping):
                 return
             self._lost.add(service)
             self._cond.notify()
+            self._end_steps()
 
     def session_lost(self) -> None:
         """From the lease: recovered like a lost cache."""
@@ -133,6 +144,7 @@ class Engine(Stepping):
         with self._cond:
             self._stopped = True
             self._cond.notify()
+            self._end_steps()
             pending = [*self._intake, *list(self._by_id.values())]
         tell(pending, Unavailable("the gateway is shutting down; retry on another replica or later"))
         self.lease.close()

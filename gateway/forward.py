@@ -80,13 +80,25 @@ class ComputeSteps:
         eos_ids: frozenset[int],
     ) -> compute_pb2.ForwardResponse:
         """One Forward of the chunks of `seqs` to `compute` (PeerFault naming compute if it fails)."""
-        request = forward_request(seqs, tables, epoch, eos_ids)
-        for row, seq in enumerate(seqs):
-            if self._bad_row is not None and seq.request_id == self._bad_row:
-                request.token_ids[request.cu_seqlens_q[row]] = -1
+        request = self.marked(seqs, forward_request(seqs, tables, epoch, eos_ids))
         tokens, metadata = len(request.token_ids), request_metadata(seq.request_id for seq in seqs)
         with calling("compute"):
             start = time.monotonic()
             reply = compute.Forward(request, timeout=self._deadline.timeout(tokens), metadata=metadata)
         self._deadline.observe(time.monotonic() - start, tokens)
         return reply
+
+    def marked(self, seqs: list[Sequence], request: compute_pb2.ForwardRequest) -> compute_pb2.ForwardRequest:
+        """The request, with the test hook's bad token in the rows of its request id (when set)."""
+        for row, seq in enumerate(seqs):
+            if self._bad_row is not None and seq.request_id == self._bad_row:
+                request.token_ids[request.cu_seqlens_q[row]] = -1
+        return request
+
+    def steps_timeout(self, steps: int) -> float:
+        """The deadline of a ForwardSteps call of up to `steps` one-token steps."""
+        return self._deadline.timeout(1) * steps
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        """One step of a ForwardSteps call took `seconds`, for the step deadline."""
+        self._deadline.observe(seconds, tokens)

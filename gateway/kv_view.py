@@ -115,16 +115,18 @@ class KVView:
             seq.prefix_hint, seq.prefix_blocks = cached, block_ids
         self.available_blocks = reply.available_blocks
 
-    def covers(self, seqs: Seqs[Sequence]) -> bool:
-        """Whether the step needs no Reserve: every sequence has a table whose blocks hold its chunk and
-        that it alone holds (no fork since its last Reserve), so nothing is to be grown or copied."""
+    def covers(self, seqs: Seqs[Sequence], lookahead: int = 0) -> bool:
+        """Whether the step needs no Reserve: every sequence has a table whose blocks hold its chunk (and
+        `lookahead` tokens after it) and that it alone holds (no fork since its last Reserve), so nothing is
+        to be grown or copied."""
         for seq in seqs:
             kv = self._seqs.get(seq.seq_id)
-            if kv is None or kv.shares_tail or seq.chunk_end > len(kv.block_table) * self.block_size:
+            end = seq.chunk_end + lookahead
+            if kv is None or kv.shares_tail or end > len(kv.block_table) * self.block_size:
                 return False
         return True
 
-    def reserve(self, seqs: Seqs[Sequence]) -> None:
+    def reserve(self, seqs: Seqs[Sequence], lookahead: int = 0) -> None:
         """One Reserve for a step, unless the tables cover it (`covers`): then nothing is sent, and the
         new tokens and progress go with the next Reserve (NOTE: a decode then calls the cache once per
         block; the prefix cache learns its written blocks that much later). Otherwise: a table for each
@@ -133,16 +135,17 @@ class KVView:
         (the reply carries only the part of a table that may change).
 
         Prefix hits move num_computed on, and a new table's size sets chunk_end; a sequence's first
-        reservation sets scheduled_at and cached_tokens.
+        reservation sets scheduled_at and cached_tokens. `lookahead` (running sequences only): the tables
+        also hold that many slots after the chunk, for the steps of a ForwardSteps call.
         """
-        if self.covers(seqs):
+        if self.covers(seqs, lookahead):
             return
         now = time.monotonic()
         new = [seq for seq in seqs if seq.seq_id not in self._seqs]
         running = [seq for seq in seqs if seq.seq_id in self._seqs]
         request = cache_pb2.ReserveRequest(
             new_seqs=[self._new_request(seq) for seq in new],
-            running_seqs=[self._running_request(seq) for seq in running],
+            running_seqs=[self._running_request(seq, lookahead) for seq in running],
             session_id=self._session_id,
         )
         reply = self._stub.Reserve(request, timeout=self._timeout, metadata=_ids(seqs))
@@ -163,11 +166,13 @@ class KVView:
         tokens = seq.token_ids[: seq.chunk_end]
         return _seq_request(seq, tokens, seq.chunk_end, max_compute=seq.chunk_end - self.start(seq))
 
-    def _running_request(self, seq: Sequence) -> cache_pb2.SequenceRequest:
+    def _running_request(self, seq: Sequence, lookahead: int) -> cache_pb2.SequenceRequest:
         """The tokens appended since the previous Reserve, and its progress."""
-        return _seq_request(
+        request = _seq_request(
             seq, seq.token_ids[self._seqs[seq.seq_id].num_synced : seq.chunk_end], seq.chunk_end
         )
+        request.lookahead_tokens = lookahead
+        return request
 
     def fork(self, parent: Sequence, children: Seqs[Sequence]) -> None:
         """The children get tables sharing every block of the parent, which holds its whole sequence; the

@@ -4,6 +4,7 @@ import argparse
 from pathlib import Path
 
 from common.options import ServiceOptions, add_logging, add_model, positive_seconds
+from common.paging import MAX_DECODE_STEPS
 from common.transport import add_client_certs
 from gateway.limits import add_limits
 
@@ -40,6 +41,13 @@ def _tokens(text: str) -> int:
     return int(text)
 
 
+def _decode_steps(text: str) -> int:
+    """--decode-steps: an integer in [1, MAX_DECODE_STEPS]."""
+    if not text.isdigit() or not 1 <= int(text) <= MAX_DECODE_STEPS:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a step count from 1 to {MAX_DECODE_STEPS}")
+    return int(text)
+
+
 def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument(
@@ -51,6 +59,14 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="prompt tokens of a step that also runs decodes, so streams do not stall behind a long "
         "prefill (0: no cap below --max-batched-tokens)",
+    )
+    parser.add_argument(
+        "--decode-steps",
+        type=_decode_steps,
+        default=8,
+        help="decode steps one compute call may run back to back (compute feeds each sampled token into "
+        "the next step), so the round trip is paid once per call; 1: one call per step; at most "
+        f"{MAX_DECODE_STEPS}",
     )
     parser.add_argument("--max-seqs", type=int, default=64, help="sequences running at once")
     parser.add_argument(

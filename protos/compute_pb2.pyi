@@ -112,8 +112,20 @@ class RowSampling(_message.Message):
     suppress_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., suppress_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class StepsRequest(_message.Message):
+    __slots__ = ("first", "max_steps", "stop_token_ids", "cu_stop_token_ids")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CU_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    first: ForwardRequest
+    max_steps: _containers.RepeatedScalarFieldContainer[int]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cu_stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first: _Optional[_Union[ForwardRequest, _Mapping]] = ..., max_steps: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cu_stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ForwardResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "forward_ms", "top_logprobs_width", "top_token_ids", "top_logprobs", "prepare_ms", "model_ms", "attention_ms", "sample_ms")
+    __slots__ = ("token_ids", "logprobs", "forward_ms", "top_logprobs_width", "top_token_ids", "top_logprobs", "prepare_ms", "model_ms", "attention_ms", "sample_ms", "rows")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +136,7 @@ class ForwardResponse(_message.Message):
     MODEL_MS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     forward_ms: float
@@ -134,4 +147,5 @@ class ForwardResponse(_message.Message):
     model_ms: float
     attention_ms: float
     sample_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., top_logprobs_width: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_ms: _Optional[float] = ..., model_ms: _Optional[float] = ..., attention_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ...) -> None: ...
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., top_logprobs_width: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_ms: _Optional[float] = ..., model_ms: _Optional[float] = ..., attention_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...

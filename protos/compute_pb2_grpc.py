@@ -51,6 +51,11 @@ class ComputeStub:
                 request_serializer=protos_dot_compute__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=protos_dot_compute__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.ForwardSteps = channel.stream_stream(
+                '/pagedserve.v1.Compute/ForwardSteps',
+                request_serializer=protos_dot_compute__pb2.StepsRequest.SerializeToString,
+                response_deserializer=protos_dot_compute__pb2.ForwardResponse.FromString,
+                _registered_method=True)
 
 
 class ComputeServicer:
@@ -77,6 +82,16 @@ class ComputeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForwardSteps(self, request_iterator, context):
+        """Multi-step decode: the first message is a step in which every row decodes one token and samples, with
+        how far each row may go; compute then feeds each row's sampled token into the next step itself, and
+        replies once per step, until every row has stopped or the caller sends a second message or half-closes
+        (then it stops after the step it is running). Rows stop at their max_steps or on one of their stop ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ComputeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +108,11 @@ def add_ComputeServicer_to_server(servicer, server):
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
                     request_deserializer=protos_dot_compute__pb2.ForwardRequest.FromString,
+                    response_serializer=protos_dot_compute__pb2.ForwardResponse.SerializeToString,
+            ),
+            'ForwardSteps': grpc.stream_stream_rpc_method_handler(
+                    servicer.ForwardSteps,
+                    request_deserializer=protos_dot_compute__pb2.StepsRequest.FromString,
                     response_serializer=protos_dot_compute__pb2.ForwardResponse.SerializeToString,
             ),
     }
@@ -177,6 +197,33 @@ class Compute:
             target,
             '/pagedserve.v1.Compute/Forward',
             protos_dot_compute__pb2.ForwardRequest.SerializeToString,
+            protos_dot_compute__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardSteps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagedserve.v1.Compute/ForwardSteps',
+            protos_dot_compute__pb2.StepsRequest.SerializeToString,
             protos_dot_compute__pb2.ForwardResponse.FromString,
             options,
             channel_credentials,

@@ -65,7 +65,7 @@ class FakeCache:
         try:
             tables = [self._new(seq) for seq in request.new_seqs]
             tables += [
-                self._grow(s.seq_id, s.num_tokens, s.num_computed // self.block_size)
+                self._grow(s.seq_id, s.num_tokens + s.lookahead_tokens, s.num_computed // self.block_size)
                 for s in request.running_seqs
             ]
         except _OutOfBlocks:
@@ -103,7 +103,8 @@ class FakeCache:
         return cache_pb2.FreeResponse(available_blocks=self.available)
 
     def _grow(self, seq_id: str, num_tokens: int, first: int) -> cache_pb2.BlockTable:
-        """Copies the shared blocks from `first` on, grows the table to num_tokens; returns its tail."""
+        """Copies the shared blocks from `first` on, grows the table to num_tokens (lookahead included);
+        returns its tail."""
         table = self.tables.setdefault(seq_id, [])
         for index in range(first, len(table)):
             if self.refs[table[index]] > 1:

@@ -4,15 +4,18 @@
 through the block tables, so a recompute that skips tokens or trusts a lost pool fails (KeyError) or
 samples differently."""
 
+import threading
 from collections.abc import Callable
 
 import grpc
 
 from common.errors import RowsRefused
+from compute_service.steps import next_request
 from protos import cache_pb2, common_pb2, compute_pb2
 from tests.fake_cache import FakeCache, RpcError
 
 VOCAB = 100
+STEP_S = 0.005
 
 
 def unreachable(service: str) -> RpcError:
@@ -79,9 +82,9 @@ class FakePoolCache(FakeCache):
 
 class FakeCompute:
     """`down` refuses every call; `restart()` detaches the pool; `before[n]()` runs at the start of the n-th
-    Forward (and may raise, as a dying process's call does); a step with a row holding a token of `refused`
-    is refused (INVALID_ARGUMENT) naming those rows, as the real compute does, before anything is written.
-    Block size 4."""
+    step (a Forward, or a step of a ForwardSteps call) and may raise, as a dying process's call does; a step
+    with a row holding a token of `refused` is refused (INVALID_ARGUMENT) naming those rows, as the real
+    compute does, before anything is written. Block size 4."""
 
     def __init__(self) -> None:
         self.kv: dict[tuple[str, int, int], int] = {}
@@ -89,6 +92,8 @@ class FakeCompute:
         self.down = False
         self.before: dict[int, Callable[[], None]] = {}
         self.forwards = 0
+        # Steps each ForwardSteps call ran, in call order.
+        self.call_steps: list[int] = []
         self.refused: set[int] = set()
 
     def restart(self) -> None:
@@ -103,6 +108,35 @@ class FakeCompute:
         self._check()
         self.epoch = handle.epoch
         return compute_pb2.AttachPoolResponse(epoch=handle.epoch, num_blocks=handle.shape[2])
+
+    def ForwardSteps(self, requests, **_):
+        """As the real compute: the first message's step, then each row's sampled token fed into the next
+        step until its max_steps or a stop id, or until the caller half-closes (checked between steps)."""
+        self._check()
+        first = next(requests)
+        stop = threading.Event()
+        threading.Thread(target=lambda: (next(requests, None), stop.set()), daemon=True).start()
+        return self._steps(first, stop)
+
+    def _steps(self, first: compute_pb2.StepsRequest, stop: threading.Event):
+        request, cu, rows = first.first, first.cu_stop_token_ids, list(range(len(first.max_steps)))
+        taken = [0] * len(rows)
+        self.call_steps.append(0)
+        while rows:
+            self.call_steps[-1] += 1
+            reply = self.Forward(request)
+            reply.rows.extend(rows)
+            yield reply
+            for row, token in zip(rows, reply.token_ids, strict=True):
+                taken[row] += 1
+                if taken[row] >= first.max_steps[row] or token in first.stop_token_ids[cu[row] : cu[row + 1]]:
+                    taken[row] = -1
+            keep = [i for i, row in enumerate(rows) if taken[row] >= 0]
+            # NOTE: a step's time, in which the caller's half-close arrives (the fake's steps take none).
+            if stop.wait(STEP_S) or not keep:
+                return
+            rows = [rows[i] for i in keep]
+            request = next_request(request, list(reply.token_ids), keep)
 
     def Forward(self, request: compute_pb2.ForwardRequest, **_) -> compute_pb2.ForwardResponse:
         self._check()

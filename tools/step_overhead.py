@@ -80,6 +80,7 @@ def main() -> None:
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--decode-steps", default="8", help="the gateway's --decode-steps")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch, socket_dir() as sockets:
         model, vocab = Path(args.model), 49152
@@ -95,7 +96,9 @@ def main() -> None:
         metrics_port = free_port()
         try:
             stack.start_cache("--kv-blocks", "2048")
-            stack.start_rest(free_port(), "--metrics-port", str(metrics_port))
+            stack.start_rest(
+                free_port(), "--metrics-port", str(metrics_port), "--decode-steps", args.decode_steps
+            )
             url = f"http://127.0.0.1:{metrics_port}/metrics"
             run_batch(stack.gateway_target, 1, 4, vocab, 0)  # warm-up
             print("| batch | decode steps | step ms | compute ms | overhead ms (share) | outside Forward ms "

@@ -35,9 +35,9 @@ def tokenizer():
 def start(tokenizer):
     engines = []
 
-    def start(grace: float = 30.0) -> tuple[Engine, FakePoolCache, FakeCompute]:
+    def start(grace: float = 30.0, **settings) -> tuple[Engine, FakePoolCache, FakeCompute]:
         config = EngineConfig(CACHE, COMPUTE, block_size=4, max_batched_tokens=16, max_seqs=8,
-                              peer_restart_grace_s=grace)  # fmt: skip
+                              peer_restart_grace_s=grace, **settings)  # fmt: skip
         engine = Engine(config, tokenizer)
         engine._cache, engine._compute = cache, compute = FakePoolCache(BLOCKS, 4), FakeCompute()
         engine.lease = Lease(cache, config.session_ttl_s, engine.session_lost)

@@ -3,7 +3,11 @@ compute feeding each row's sampled token into the next step, so the round trip b
 (~1–2 ms, README: Performance) is paid once per call instead of once per token. Each step's tokens still
 stream back as it finishes."""
 
+import threading
+import time
 from dataclasses import dataclass
+
+import grpc
 
 from gateway.forward import forward_request
 from gateway.sequence import Sequence
@@ -74,3 +78,47 @@ def select_rows(
                 part.top_logprobs.extend(reply.top_logprobs[span])
         asked += seq.sampling.logprobs is not None
     return part
+
+
+class ReplyDeadline:
+    """Cancels a streaming call whose next reply does not come within `seconds` of the last one (or of
+    the start): each step of a ForwardSteps call gets a step's deadline, not the whole call's. One thread
+    per call; `expired` tells that it cancelled the call."""
+
+    def __init__(self, call: grpc.Future, seconds: float) -> None:
+        self.expired = False
+        self._call, self._seconds = call, seconds
+        self._due = time.monotonic() + seconds
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, daemon=True, name="steps-deadline").start()
+
+    def replied(self, seconds: float) -> None:
+        """A reply came; the next one has `seconds`."""
+        self._due = time.monotonic() + seconds
+
+    def close(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(max(0.0, self._due - time.monotonic())):
+            if time.monotonic() >= self._due:
+                self.expired = True
+                self._call.cancel()
+                return
+
+
+class StepExpired(grpc.RpcError):
+    """What a ForwardSteps call cancelled by its ReplyDeadline counts as: DEADLINE_EXCEEDED (compute lost)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self._seconds = seconds
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return f"no reply of compute's ForwardSteps call within the step deadline ({self._seconds:.1f} s)"
+
+    def trailing_metadata(self) -> tuple:
+        return ()

@@ -95,9 +95,9 @@ class ComputeSteps:
                 request.token_ids[request.cu_seqlens_q[row]] = -1
         return request
 
-    def steps_timeout(self, steps: int) -> float:
-        """The deadline of a ForwardSteps call of up to `steps` one-token steps."""
-        return self._deadline.timeout(1) * steps
+    def step_timeout(self, tokens: int) -> float:
+        """The deadline of one step of `tokens` new tokens (each reply of a ForwardSteps call)."""
+        return self._deadline.timeout(tokens)
 
     def observe(self, seconds: float, tokens: int) -> None:
         """One step of a ForwardSteps call took `seconds`, for the step deadline."""

@@ -12,7 +12,15 @@ import structlog
 from common.errors import PagedServeError, from_rpc_error, refused_rows
 from common.server import request_metadata
 from gateway.config import FAIL_STEP_ENV
-from gateway.decode_steps import RowLimit, eligible, row_limit, select_rows, steps_request
+from gateway.decode_steps import (
+    ReplyDeadline,
+    RowLimit,
+    StepExpired,
+    eligible,
+    row_limit,
+    select_rows,
+    steps_request,
+)
 from gateway.forward import forward_rows
 from gateway.outputs import Output, advance
 from gateway.recovery import PeerFault, calling
@@ -123,30 +131,37 @@ class Stepping:
         request = steps_request(seqs, tables, self.handle.epoch, eos, limits)
         self._steps.marked(seqs, request.first)
         stop = self._steps_stop = threading.Event()
-        taken, held, ran = [0] * len(seqs), [], 0
+        taken, held, ran, step_s = [0] * len(seqs), [], 0, self._steps.step_timeout(len(seqs))
+        deadline = None
         try:
             with calling("compute"):
                 replies = self._compute.ForwardSteps(
                     _messages(request, stop),
-                    timeout=self._steps.steps_timeout(steps),
+                    timeout=step_s * steps,
                     metadata=request_metadata(seq.request_id for seq in seqs),
                 )
+                deadline = ReplyDeadline(replies, step_s)
                 while True:
                     with timer.phase("compute_rpc"):
                         reply = next(replies, None)
                     if reply is None:
                         return True
                     ran += 1
+                    deadline.replied(step_s)
                     self._steps.observe(time.perf_counter() - timer.start, len(reply.rows))
                     held += self._step_of_steps(seqs, reply, limits, taken, stop)
                     timer.compute = reply
                     timer.finish("decode")
                     timer = StepTimer()
         except PeerFault as fault:
+            if deadline is not None and deadline.expired:
+                raise PeerFault("compute", StepExpired(step_s)) from fault
             if ran == 0 and not fault.lost and refused_rows(fault.err):
                 return False
             raise
         finally:
+            if deadline is not None:
+                deadline.close()
             stop.set()
             self._steps_stop = None
             self._release([seq for seq, _ in held])

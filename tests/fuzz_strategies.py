@@ -259,6 +259,34 @@ def near_valid(base: st.SearchStrategy[Message], live: Live) -> st.SearchStrateg
 
 
 @st.composite
+def valid_steps(draw, live: Live) -> compute_pb2.StepsRequest:
+    """A ForwardSteps first message: one new token per row, every row sampling, each row's steps within its
+    table (of 3 blocks), a few stop ids."""
+    num_seqs, width = draw(st.integers(1, 4)), 3
+    computed = [draw(st.integers(0, 2 * live.block_size)) for _ in range(num_seqs)]
+    blocks = st.integers(0, live.num_blocks - 1)
+    flat = draw(st.lists(blocks, min_size=num_seqs * width, max_size=num_seqs * width, unique=True))
+    first = compute_pb2.ForwardRequest(
+        pool_epoch=live.epoch,
+        token_ids=[draw(st.integers(0, live.vocab_size - 1)) for _ in range(num_seqs)],
+        cu_seqlens_q=range(num_seqs + 1),
+        num_computed=computed,
+        block_tables=flat,
+        block_table_width=width,
+        sample=[True] * num_seqs,
+        sampling=[draw(valid_row_sampling(live)) for _ in range(num_seqs)],
+    )
+    room = [width * live.block_size - c for c in computed]
+    request = compute_pb2.StepsRequest(
+        first=first, max_steps=[draw(st.integers(1, min(8, r))) for r in room], cu_stop_token_ids=[0]
+    )
+    for _ in range(num_seqs):
+        request.stop_token_ids.extend(draw(st.lists(st.integers(0, live.vocab_size - 1), max_size=3)))
+        request.cu_stop_token_ids.append(len(request.stop_token_ids))
+    return request
+
+
+@st.composite
 def valid_forward(draw, live: Live) -> compute_pb2.ForwardRequest:
     """A Forward whose counts fit together, on the live epoch, its blocks in the pool (mostly distinct)."""
     num_seqs, width = draw(st.integers(1, 4)), 3

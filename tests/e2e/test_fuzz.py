@@ -57,6 +57,7 @@ from tests.fuzz_strategies import (
     valid_free,
     valid_generate,
     valid_reserve,
+    valid_steps,
 )
 from tests.helpers import free_port, start, stop, wait_healthy
 from tests.processes import segments_of
@@ -332,6 +333,16 @@ def test_compute_forward(fuzzed, data):
     live = fuzzed.live
     request = message(data, compute_pb2.ForwardRequest, near_valid(valid_forward(live), live), live=live)
     exercise(fuzzed, "compute", "Forward", lambda: fuzzed.compute.Forward(request, timeout=30), True)
+
+
+@FUZZ
+@given(data=st.data())
+def test_compute_forward_steps(fuzzed, data):
+    """The caller half-closes after its first message: compute runs at most the steps already begun."""
+    live = fuzzed.live
+    request = message(data, compute_pb2.StepsRequest, near_valid(valid_steps(live), live), live=live)
+    call = lambda: list(fuzzed.compute.ForwardSteps(iter([request]), timeout=30))  # noqa: E731
+    exercise(fuzzed, "compute", "ForwardSteps", call, True)
 
 
 # Generation

@@ -2,6 +2,7 @@
 same tokens as one Forward per step, fewer calls, a call ended early by news, a stop string's blocks held
 until the call is over; and the compute side's plan (compute_service/steps.py)."""
 
+import threading
 import time
 from dataclasses import replace
 
@@ -11,7 +12,7 @@ import torch
 from common.errors import InvalidArgument, RowsRefused
 from compute_service.steps import StepsPlan, next_request
 from compute_service.validation import Limits
-from gateway.decode_steps import RowLimit, row_limit, select_rows
+from gateway.decode_steps import ReplyDeadline, RowLimit, row_limit, select_rows
 from gateway.sequence import Sampling, Sequence
 from protos import compute_pb2
 from tests.forward import forward_request
@@ -175,3 +176,25 @@ def test_the_next_step_feeds_the_sampled_tokens_and_grows_the_penalties_history(
     assert list(step.history_prompt_lens) == [0, 3] and list(step.output_lens) == [2, 2]
     assert [s.presence_penalty for s in step.sampling] == [0.5, 0.0]
     assert torch.equal(torch.tensor(step.cu_seqlens_q), torch.arange(3)) and all(step.sample)
+
+
+class _Call:
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def test_a_reply_deadline_cancels_the_call_only_when_a_step_overruns():
+    call = _Call()
+    deadline = ReplyDeadline(call, 0.2)
+    for _ in range(4):  # replies every 0.1 s keep it alive past the first 0.2 s
+        time.sleep(0.1)
+        deadline.replied(0.2)
+    assert not call.cancelled.is_set() and not deadline.expired
+    assert call.cancelled.wait(2) and deadline.expired
+    closed = ReplyDeadline(_Call(), 0.1)
+    closed.close()
+    time.sleep(0.2)
+    assert not closed.expired

@@ -219,19 +219,27 @@ class BlockManager:
 
     # free
 
-    def free(self, seq_ids: Sequence[str], num_computed: Mapping[str, int] | None = None) -> int:
+    def free(
+        self,
+        seq_ids: Sequence[str],
+        num_computed: Mapping[str, int] | None = None,
+        appended: Mapping[str, Sequence[int]] | None = None,
+    ) -> int:
         """Drops the sequences' tables and returns how many blocks left use; all or nothing.
 
         num_computed (optional, per sequence): its leading tokens whose K/V is written, so that its full
-        blocks stay in the prefix cache. Raises NotFound (unknown sequence) and InvalidArgument (listed
-        twice, bad num_computed); on any error nothing changed.
+        blocks stay in the prefix cache; appended (optional, per sequence): tokens it gained since its last
+        Reserve, within its table, which num_computed may cover. Raises NotFound (unknown sequence) and
+        InvalidArgument (listed twice, bad num_computed, appended tokens beyond the table); on any error
+        nothing changed.
         """
-        num_computed = num_computed or {}
-        check_free(seq_ids, num_computed, self._seqs)
+        num_computed, appended = num_computed or {}, appended or {}
+        check_free(seq_ids, num_computed, self._seqs, appended, self.block_size)
         released = 0
         for seq_id in seq_ids:
             seq = self._seqs.pop(seq_id)
             self._counters.account(-seq.num_tokens, -len(seq.block_table))
+            seq.append(appended.get(seq_id, ()))
             self._register(seq, num_computed.get(seq_id, 0))
             # NOTE: tail blocks first, so they are evicted before the prefix blocks others may share.
             released += sum(self.block_pool.release(block_id) for block_id in reversed(seq.block_table))

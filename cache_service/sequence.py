@@ -76,6 +76,12 @@ class SeqState:
         """Blocks the table lacks for the request's num_tokens plus lookahead (0 when it holds them)."""
         return max(0, blocks_for(request.num_tokens + request.lookahead, block_size) - len(self.block_table))
 
+    def append(self, tokens: Sequence[int]) -> None:
+        """Tokens the sequence gained into its table's free slots (checked by the caller)."""
+        self.num_tokens += len(tokens)
+        if self.token_ids is not None:
+            self.token_ids.extend(tokens)
+
     def check_grow(self, request: SeqRequest, block_size: int) -> None:
         """InvalidArgument unless `request` grows this sequence consistently: no shrinking, new token ids
         (if it is prefix-cached) that add up to num_tokens, and num_computed not below its hashed blocks."""
@@ -189,13 +195,27 @@ def check_fork(parent_id: str, child_ids: Sequence[str], seqs: Mapping[str, SeqS
         raise AlreadyExists(f"sequences {taken} already have block tables")
 
 
-def check_free(seq_ids: Sequence[str], num_computed: Mapping[str, int], seqs: Mapping[str, SeqState]) -> None:
-    """NotFound (no table) or InvalidArgument (listed twice, num_computed for a sequence not freed or out
-    of range)."""
-    check_known([*seq_ids, *num_computed], seqs)
+def check_free(
+    seq_ids: Sequence[str],
+    num_computed: Mapping[str, int],
+    seqs: Mapping[str, SeqState],
+    appended: Mapping[str, Sequence[int]],
+    block_size: int,
+) -> None:
+    """NotFound (no table) or InvalidArgument (listed twice, num_computed or appended tokens for a sequence
+    not freed, num_computed out of range, appended tokens beyond the table)."""
+    check_known([*seq_ids, *num_computed, *appended], seqs)
     twice = sorted(seq_id for seq_id, count in Counter(seq_ids).items() if count > 1)
-    if twice or set(num_computed) - set(seq_ids):
+    if twice or (set(num_computed) | set(appended)) - set(seq_ids):
         raise InvalidArgument(f"sequences {twice} are listed twice in one Free, or not freed")
+    for seq_id, tokens in appended.items():
+        seq = seqs[seq_id]
+        end, slots = seq.num_tokens + len(tokens), len(seq.block_table) * block_size
+        if end > slots:
+            raise InvalidArgument(
+                f"sequence {seq_id!r}: {len(tokens)} appended tokens take it to {end} tokens, beyond its "
+                f"table's {slots} slots"
+            )
     for seq_id, computed in num_computed.items():
-        if not 0 <= computed <= seqs[seq_id].num_tokens:
+        if not 0 <= computed <= seqs[seq_id].num_tokens + len(appended.get(seq_id, ())):
             raise InvalidArgument(f"sequence {seq_id!r}: num_computed {computed} is out of range")

@@ -132,7 +132,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def Free(self, request: cache_pb2.FreeRequest, context) -> cache_pb2.FreeResponse:
         with self._lock:
             blocks = self._owning(request.session_id, request.seq_ids)
-            freed = blocks.free(list(request.seq_ids), dict(request.num_computed))
+            appended = {seq_id: list(t.token_ids) for seq_id, t in request.appended_token_ids.items()}
+            freed = blocks.free(list(request.seq_ids), dict(request.num_computed), appended)
             self._sessions.freed(request.session_id, list(request.seq_ids))
             return cache_pb2.FreeResponse(freed_blocks=freed, available_blocks=blocks.num_available)
 

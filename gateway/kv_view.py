@@ -188,14 +188,21 @@ class KVView:
         self.available_blocks = reply.available_blocks
 
     def free(self, seqs: Seqs[Sequence]) -> None:
-        """Releases the sequences' blocks (their written full blocks stay in the prefix cache) and forgets
-        them; they keep their tokens, and their progress starts again from 0."""
+        """Releases the sequences' blocks (their written full blocks stay in the prefix cache, the tokens the
+        cache does not hold yet sent along) and forgets them; they keep their tokens, and their progress
+        starts again from 0."""
         request = cache_pb2.FreeRequest(
             seq_ids=[s.seq_id for s in seqs],
-            # NOTE: the cache holds only the synced tokens: it can index no block beyond them.
-            num_computed={s.seq_id: min(s.num_computed, self._seqs[s.seq_id].num_synced) for s in seqs},
+            num_computed={s.seq_id: s.num_computed for s in seqs},
             session_id=self._session_id,
         )
+        # NOTE: the tokens written since the last Reserve (a multi-step decode's) go along, so the full
+        # blocks they complete are indexed as well.
+        for seq in seqs:
+            synced = self._seqs[seq.seq_id].num_synced
+            if synced < seq.num_computed:
+                appended = request.appended_token_ids[seq.seq_id].token_ids
+                appended.extend(seq.token_ids[synced : seq.num_computed])
         reply = self._stub.Free(request, timeout=self._timeout, metadata=_ids(seqs))
         self.available_blocks = reply.available_blocks
         self.forget(seqs)

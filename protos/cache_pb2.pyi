@@ -141,7 +141,7 @@ class BlockTables(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., available_blocks: _Optional[int] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("seq_ids", "num_computed", "session_id")
+    __slots__ = ("seq_ids", "num_computed", "session_id", "appended_token_ids")
     class NumComputedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -149,13 +149,28 @@ class FreeRequest(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class AppendedTokenIdsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TokenIds
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    APPENDED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     num_computed: _containers.ScalarMap[str, int]
     session_id: str
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_computed: _Optional[_Mapping[str, int]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    appended_token_ids: _containers.MessageMap[str, TokenIds]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_computed: _Optional[_Mapping[str, int]] = ..., session_id: _Optional[str] = ..., appended_token_ids: _Optional[_Mapping[str, TokenIds]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("freed_blocks", "available_blocks")

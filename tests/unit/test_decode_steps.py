@@ -15,8 +15,8 @@ from compute_service.validation import Limits
 from gateway.decode_steps import ReplyDeadline, RowLimit, row_limit, select_rows
 from gateway.sequence import Sampling, Sequence
 from protos import compute_pb2
+from tests.fake_engine import BLOCKS, GREEDY, PROMPTS, collect, run_all, start, submit, tokenizer
 from tests.forward import forward_request
-from tests.unit.test_recovery import BLOCKS, GREEDY, PROMPTS, collect, run_all, start, submit, tokenizer
 
 __all__ = ["start", "tokenizer"]  # fixtures
 

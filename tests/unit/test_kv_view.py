@@ -115,7 +115,7 @@ def test_reset_takes_the_new_pools_size_once_nothing_is_held():
     assert kv.num_blocks == kv.available_blocks == 16 and not kv.holds(a)
 
 
-def test_a_free_reports_no_progress_past_the_tokens_the_cache_holds():
+def test_a_free_sends_the_tokens_the_cache_does_not_hold_with_the_progress():
     cache = Recording(16)
     kv, a = KVView(cache, BS, 16), seq("a", 6)
     a.chunk_end = 6
@@ -126,7 +126,8 @@ def test_a_free_reports_no_progress_past_the_tokens_the_cache_holds():
     requests = []
     cache.Free = lambda request, **kw: requests.append(request) or FakeCache.Free(cache, request, **kw)
     kv.free([a])
-    assert dict(requests[0].num_computed) == {"a": 6}
+    assert dict(requests[0].num_computed) == {"a": 7}
+    assert {k: list(v.token_ids) for k, v in requests[0].appended_token_ids.items()} == {"a": [42]}
 
 
 def test_a_fork_or_a_full_block_makes_the_step_reserve_again():

@@ -219,3 +219,36 @@ def test_random_lookahead_steps_grow_tables_monotonically_and_free_everything(st
         blocks.check_invariants()
     held = len(blocks.block_table("a"))
     assert blocks.free(["a"]) == held and blocks.num_available == num_blocks
+
+
+def test_a_free_with_the_appended_tokens_indexes_the_blocks_they_complete():
+    blocks = manager(32, block_size=4)
+    allocate(blocks, [SeqRequest("a", 8, list(range(8)))])
+    blocks.reserve((), [SeqRequest("a", 8, [], 8, lookahead=8)])  # slots for 16 tokens
+    table = blocks.block_table("a")
+    # a multi-step decode wrote 7 more tokens; the Free brings them: blocks 2 (full) and 3 (not) hold them
+    assert blocks.free(["a"], {"a": 15}, {"a": list(range(8, 15))}) == 4
+    query = SeqRequest("q", 14, list(range(14)))
+    assert blocks.prefix_blocks(query) == table[:3], "the block the appended tokens completed is a hit"
+    blocks.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "num_computed, appended, message",
+    [
+        ({"a": 8}, {"a": list(range(9))}, "beyond its table's 16 slots"),  # 8 + 9 > 16
+        ({"a": 13}, {"a": [1, 2, 3, 4]}, "num_computed 13 is out of range"),
+        ({}, {"b": [1]}, "not freed"),
+    ],
+)
+def test_a_free_with_appended_tokens_beyond_the_table_is_refused_and_changes_nothing(
+    num_computed, appended, message
+):
+    blocks = manager(32, block_size=4)
+    allocate(blocks, [SeqRequest("a", 8, list(range(8))), SeqRequest("b", 4, list(range(4)))])
+    blocks.reserve((), [SeqRequest("a", 8, [], 8, lookahead=8)])
+    before = snapshot(blocks, ["a", "b"])
+    with pytest.raises(InvalidArgument, match=message):
+        blocks.free(["a"], num_computed, appended)
+    assert snapshot(blocks, ["a", "b"]) == before
+    blocks.check_invariants()

@@ -7,78 +7,29 @@ from dataclasses import replace
 
 import grpc
 import pytest
-from transformers import AutoTokenizer
 
 from common.errors import InvalidArgument, PagedServeError, Unavailable
-from common.model_files import local_copy
-from gateway.config import FAIL_STEP_ENV, EngineConfig
-from gateway.engine import Engine
-from gateway.lease import Lease
+from gateway.config import FAIL_STEP_ENV
 from gateway.recovery import FIRST_DELAY_S, MAX_DELAY_S, PeerFault, PeerRecovery
-from gateway.sequence import Sampling, Sequence
+from gateway.sequence import Sequence
 from gateway.step_deadline import FLOOR_S, WARMUP, StepDeadline
 from gateway.streams import SPARE_THREADS, StreamSlots
-from tests.fake_peers import FakeCompute, FakePoolCache, RpcError, unreachable
+from tests.fake_engine import (
+    BLOCKS,
+    CACHE,
+    COMPUTE,
+    GREEDY,
+    PROMPTS,
+    assert_nothing_held,
+    collect,
+    run_all,
+    start,
+    submit,
+    tokenizer,
+)
+from tests.fake_peers import RpcError, unreachable
 
-CACHE, COMPUTE = "127.0.0.1:1", "127.0.0.1:2"
-BLOCKS = 64
-GREEDY = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True)
-PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 19)), list(range(20, 33))]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(local_copy("smollm2").path)
-
-
-@pytest.fixture
-def start(tokenizer):
-    engines = []
-
-    def start(grace: float = 30.0, **settings) -> tuple[Engine, FakePoolCache, FakeCompute]:
-        config = EngineConfig(CACHE, COMPUTE, block_size=4, max_batched_tokens=16, max_seqs=8,
-                              peer_restart_grace_s=grace, **settings)  # fmt: skip
-        engine = Engine(config, tokenizer)
-        engine._cache, engine._compute = cache, compute = FakePoolCache(BLOCKS, 4), FakeCompute()
-        engine.lease = Lease(cache, config.session_ttl_s, engine.session_lost)
-        engine.handshake(timeout=1.0, wait=False)
-        thread = threading.Thread(target=engine.run, daemon=True)
-        thread.start()
-        engines.append((engine, thread))
-        return engine, cache, compute
-
-    yield start
-    for engine, thread in engines:
-        engine.stop()
-        thread.join(5)
-        assert not thread.is_alive(), "the engine loop did not stop"
-
-
-def submit(engine: Engine, prompt: list[int], request_id: str = "") -> Sequence:
-    seq = Sequence(seq_id=f"s{id(prompt)}-{request_id}", prompt_ids=prompt, sampling=GREEDY, max_len=512,
-                   request_id=request_id or str(prompt[0]))  # fmt: skip
-    engine.submit(seq)
-    return seq
-
-
-def collect(seq: Sequence, timeout: float = 20.0) -> list[int] | Exception:
-    tokens = []
-    while True:
-        item = seq.outbox.get(timeout=timeout)
-        if isinstance(item, Exception):
-            return item
-        tokens += item.token_ids
-        if item.finish_reason:
-            return tokens
-
-
-def run_all(engine: Engine) -> list:
-    return [collect(seq) for seq in [submit(engine, prompt) for prompt in PROMPTS]]
-
-
-def assert_nothing_held(engine: Engine, cache: FakePoolCache) -> None:
-    assert cache.tables == {} and len(cache.free) == BLOCKS
-    assert not engine.scheduler.has_work() and engine.attached_epoch() == cache.epoch
+__all__ = ["start", "tokenizer"]  # fixtures
 
 
 @pytest.fixture

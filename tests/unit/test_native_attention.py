@@ -89,6 +89,56 @@ def test_decodes_sharing_prefix_blocks():
     check([1] * 8, lens, shared=32)
 
 
+def _unshared(k_cache, v_cache, table: torch.Tensor):
+    """The same keys and values with every sequence's blocks its own: shared blocks copied apart."""
+    used = table[table >= 0]
+    assert used.numel() <= NUM_BLOCKS, "room to copy every entry"
+    spread = torch.full_like(table, -1)
+    spread[table >= 0] = torch.arange(used.numel())
+    return k_cache[used].clone(), v_cache[used].clone(), spread
+
+
+# each decode: (context length, the shared prefix its table starts with: "a" 10 blocks, "b" 6, or none)
+STEP = [(41, "a"), (40, "a"), (13, None), (90, "a"), (39, "a"), (64, "b"), (25, "b"), (44, "a"), (44, "a"),
+        (60, "a"), (24, "b"), (47, "a"), (70, "a"), (41, "a"), (43, "a"), (33, None)]  # fmt: skip
+
+
+def shared_tables(context_lens: list[int], prefixes: list[str | None], block_size: int) -> torch.Tensor:
+    order = torch.randperm(NUM_BLOCKS).tolist()
+    shared, free = {"a": order[:10], "b": order[10:16]}, iter(order[16:])
+    rows = []
+    for context_len, prefix in zip(context_lens, prefixes, strict=True):
+        need = paging.blocks_for(context_len, block_size)
+        blocks = shared[prefix][:need] if prefix else []
+        rows.append(blocks + [next(free) for _ in range(need - len(blocks))])
+    width = max(map(len, rows))
+    return torch.tensor([row + [-1] * (width - len(row)) for row in rows])
+
+
+@pytest.mark.parametrize(
+    ("block_size", "kv_dtype"), [(4, torch.float32), (4, torch.bfloat16), (16, torch.float32)]
+)
+def test_decodes_sharing_leading_blocks_get_what_reading_them_apart_gives(block_size, kv_dtype):
+    """Decodes whose tables start with the same blocks are attended in groups (each shared block read once
+    for the group): more sharers than a group holds, two prefixes, contexts ending inside, at and past the
+    shared blocks, a prompt chunk beside them. Blocks of 4: exactly the output of the same keys in blocks of
+    their own; blocks of 16 (the group's keys scored transposed): that output up to float rounding."""
+    k_cache, v_cache = pool(block_size, 3, 64, kv_dtype)
+    q_lens = [1] * len(STEP) + [5]
+    context_lens = [c * block_size // 4 for c, _ in STEP] + [30 * block_size // 4]
+    table = shared_tables(context_lens, [p for _, p in STEP] + [None], block_size)
+    q = torch.randn(sum(q_lens), 9, 64)
+    grouped, starts = attend(q, k_cache, v_cache, q_lens, context_lens, table, 0.125)
+    k_apart, v_apart, table_apart = _unshared(k_cache, v_cache, table)
+    apart, _ = attend(q, k_apart, v_apart, q_lens, context_lens, table_apart, 0.125)
+    if block_size == 4:
+        assert torch.equal(grouped, apart)
+    torch.testing.assert_close(grouped, apart, atol=2e-5, rtol=1e-4)
+    keys, values, lens = k_cache.float(), v_cache.float(), torch.tensor(context_lens)
+    expected = reference_attention(q, keys, values, starts, lens, table, 0.125)
+    torch.testing.assert_close(grouped, expected, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_pool_and_query_dtypes(kv_dtype, q_dtype):

@@ -2,7 +2,8 @@
 //
 // One work item is (sequence, KV head, chunk of up to kQueryChunk queries): its rows are every query head
 // of that KV head (GQA) for each query of the chunk, so each key and value row is read and upcast once per
-// item. Items run in parallel with at::parallel_for. Query i of a sequence with q_len new tokens and
+// item. Decodes whose tables start with the same blocks (a shared prompt) are grouped, up to kQueryChunk
+// sequences per item: the blocks they share are read once for all of them, the rest per sequence. Items run in parallel with at::parallel_for. Query i of a sequence with q_len new tokens and
 // context_len keys sits at position context_len - q_len + i and sees keys 0 ..= that position (causal).
 // Inner loops are plain float loops over the head dim or the block's tokens, written so that the compiler
 // vectorises them (-O3 -march=native -fopenmp-simd, sums reassociated: native/__init__.py CFLAGS).
@@ -42,7 +43,7 @@ struct Geometry {
 };
 
 struct Scratch {
-  std::vector<float> q, acc, max, sum, scores;
+  std::vector<float> q, acc, max, sum, scores, keys_t;
   std::vector<int64_t> visible;
   Scratch(const Geometry& g)
       : q(kQueryChunk * g.group * g.head_dim),
@@ -50,8 +51,13 @@ struct Scratch {
         max(kQueryChunk * g.group),
         sum(max.size()),
         scores(max.size() * g.block_size),
+        keys_t(g.head_dim * g.block_size),
         visible(max.size()) {}
 };
+
+// Rows at which scoring a block through its transposed keys pays for the transpose (a group's).
+constexpr int64_t kTransposedRows = 8;
+constexpr int64_t kTransposedBlock = 16;
 
 // q . k over the head dim (a compile-time D where it is a common size, so the loop unrolls into vectors).
 template <int64_t D, typename kv_t>
@@ -94,17 +100,45 @@ inline void row_values(float* __restrict__ acc, const float* __restrict__ p, con
   }
 }
 
+// Scores of every row with visible keys against the block's first n keys, through the keys transposed once
+// ([head_dim][16]): a row's 16 scores are one vector, built by FMAs over the head dim with no horizontal sums.
+// For blocks of 16 keys read by many rows (a group's shared blocks).
+template <int64_t D, typename kv_t>
+void scores_transposed(const kv_t* __restrict__ k, int64_t stride, int64_t n, const int64_t* visible, int64_t rows,
+                       const Geometry& g, Scratch& s) {
+  constexpr int64_t B = kTransposedBlock;
+  const int64_t hd = D > 0 ? D : g.head_dim;
+  float* __restrict__ kt = s.keys_t.data();
+  for (int64_t t = 0; t < B; ++t) {
+    for (int64_t d = 0; d < hd; ++d) kt[d * B + t] = t < n ? static_cast<float>(k[t * stride + d]) : 0.0f;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (visible[r] <= 0) continue;
+    const float* __restrict__ q = &s.q[r * hd];
+    float acc[B] = {};
+    for (int64_t d = 0; d < hd; ++d) {
+      const float qd = q[d];
+#pragma omp simd
+      for (int64_t t = 0; t < B; ++t) acc[t] += qd * kt[d * B + t];
+    }
+    std::copy(acc, acc + B, &s.scores[r * g.block_size]);
+  }
+}
+
 // Folds one block of keys [k, k + n rows) into every row's running max, sum and accumulator; row r sees the
 // block's first visible[r] keys (visible[r] <= n, 0: none).
 template <int64_t D, typename kv_t>
 void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const int64_t* visible, int64_t rows,
                   const Geometry& g, Scratch& s) {
   const int64_t stride = g.num_kv_heads * g.head_dim, hd = g.head_dim;
+  const int64_t active = std::count_if(visible, visible + rows, [](int64_t m) { return m > 0; });
+  const bool transposed = g.block_size == kTransposedBlock && active >= kTransposedRows;
+  if (transposed) scores_transposed<D>(k, stride, *std::max_element(visible, visible + rows), visible, rows, g, s);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t m = visible[r];
     if (m <= 0) continue;
     float* __restrict__ scores = &s.scores[r * g.block_size];
-    row_scores<D>(&s.q[r * hd], k, stride, m, hd, scores);
+    if (!transposed) row_scores<D>(&s.q[r * hd], k, stride, m, hd, scores);
     float block_max = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < m; ++t) block_max = std::max(block_max, scores[t]);
     float* __restrict__ acc = &s.acc[r * hd];
@@ -148,6 +182,102 @@ struct Item {
   int64_t seq, first, count;  // queries [first, first + count) of the sequence's new tokens
 };
 
+// Decodes (one new query each) whose tables start with the same `shared` blocks, every key of which all of
+// them see: those blocks are read once for all of them (a shared prompt's keys), the rest per sequence.
+struct Group {
+  int64_t seqs[kQueryChunk];
+  int64_t count, shared;
+};
+
+// Copies the rows of one query token (every query head of a KV head, scaled) into s.q from row `first_row`.
+template <typename q_t>
+void load_query(const at::Tensor& query, int64_t token, int64_t kv_head, int64_t first_row, const Geometry& g,
+                float q_scale, Scratch& s) {
+  const q_t* q_data = query.data_ptr<q_t>();
+  for (int64_t j = 0; j < g.group; ++j) {
+    const q_t* src = q_data + token * query.stride(0) + (kv_head * g.group + j) * query.stride(1);
+    float* dst = &s.q[(first_row + j) * g.head_dim];
+    for (int64_t d = 0; d < g.head_dim; ++d) dst[d] = static_cast<float>(src[d]) * q_scale;
+  }
+}
+
+// Writes the normalised accumulator of `group` rows from `first_row` as the output of one query token.
+template <typename q_t>
+void store_output(at::Tensor& out, int64_t token, int64_t kv_head, int64_t first_row, const Geometry& g,
+                  float v_scale, const Scratch& s) {
+  q_t* o_data = out.data_ptr<q_t>();
+  for (int64_t j = 0; j < g.group; ++j) {
+    const int64_t r = first_row + j;
+    q_t* dst = o_data + (token * out.size(1) + kv_head * g.group + j) * g.head_dim;
+    const float norm = v_scale / s.sum[r];
+    for (int64_t d = 0; d < g.head_dim; ++d) dst[d] = static_cast<q_t>(s.acc[r * g.head_dim + d] * norm);
+  }
+}
+
+template <typename kv_t>
+inline void attend_rows(const kv_t* k, const kv_t* v, const int64_t* visible, int64_t rows, const Geometry& g,
+                        Scratch& s) {
+  if (g.head_dim == 64) {
+    attend_block<64>(k, v, visible, rows, g, s);
+  } else if (g.head_dim == 128) {
+    attend_block<128>(k, v, visible, rows, g, s);
+  } else {
+    attend_block<0>(k, v, visible, rows, g, s);
+  }
+}
+
+inline void reset_rows(int64_t rows, const Geometry& g, Scratch& s) {
+  std::fill(s.acc.begin(), s.acc.begin() + rows * g.head_dim, 0.0f);
+  std::fill(s.max.begin(), s.max.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(s.sum.begin(), s.sum.begin() + rows, 0.0f);
+}
+
+// Folds blocks [first_block, ...) of one table, up to `keys` keys, into the rows where `visible` is set up
+// by `see(start)` (which fills s.visible for the block starting at key `start`).
+template <typename kv_t, typename See>
+void attend_blocks(const int64_t* table, int64_t first_block, int64_t keys, int64_t kv_head, int64_t rows,
+                   const kv_t* k_cache, const kv_t* v_cache, const Geometry& g, Scratch& s, See see) {
+  const int64_t row = g.num_kv_heads * g.head_dim;
+  for (int64_t start = first_block * g.block_size; start < keys; start += g.block_size) {
+    const int64_t block = table[start / g.block_size];
+    TORCH_CHECK(block >= 0 && block < g.num_blocks, "block id ", block, " is outside the pool");
+    if (start + g.block_size < keys) prefetch_block(k_cache, v_cache, table[start / g.block_size + 1], kv_head, g);
+    see(start);
+    const int64_t offset = block * g.block_size * row + kv_head * g.head_dim;
+    attend_rows(k_cache + offset, v_cache + offset, s.visible.data(), rows, g, s);
+  }
+}
+
+template <typename kv_t, typename q_t>
+void attend_group(const Group& group, int64_t kv_head, const at::Tensor& query, at::Tensor& out,
+                  const kv_t* k_cache, const kv_t* v_cache, const int64_t* tables, int64_t table_width,
+                  const int64_t* q_starts, const int64_t* context_lens, const Geometry& g, float q_scale,
+                  float v_scale, Scratch& s) {
+  const int64_t rows = group.count * g.group;
+  for (int64_t m = 0; m < group.count; ++m) {
+    load_query<q_t>(query, q_starts[group.seqs[m]], kv_head, m * g.group, g, q_scale, s);
+  }
+  reset_rows(rows, g, s);
+  int64_t* visible = s.visible.data();
+  // the shared blocks: every key of them seen by every row, each block read once
+  std::fill(visible, visible + rows, g.block_size);
+  attend_blocks(tables + group.seqs[0] * table_width, 0, group.shared * g.block_size, kv_head, rows, k_cache,
+                v_cache, g, s, [](int64_t) {});
+  // then each sequence's own keys, its rows alone
+  for (int64_t m = 0; m < group.count; ++m) {
+    const int64_t seq = group.seqs[m], keys = context_lens[seq];
+    attend_blocks(tables + seq * table_width, group.shared, keys, kv_head, rows, k_cache, v_cache, g, s,
+                  [&](int64_t start) {
+                    std::fill(visible, visible + rows, 0);
+                    std::fill(visible + m * g.group, visible + (m + 1) * g.group,
+                              std::min(g.block_size, keys - start));
+                  });
+  }
+  for (int64_t m = 0; m < group.count; ++m) {
+    store_output<q_t>(out, q_starts[group.seqs[m]], kv_head, m * g.group, g, v_scale, s);
+  }
+}
+
 template <typename kv_t, typename q_t>
 void attend_item(const Item& item, int64_t kv_head, const at::Tensor& query, at::Tensor& out,
                  const kv_t* k_cache, const kv_t* v_cache, const int64_t* tables, int64_t table_width,
@@ -155,48 +285,63 @@ void attend_item(const Item& item, int64_t kv_head, const at::Tensor& query, at:
                  const Geometry& g, float q_scale, float v_scale, Scratch& s) {
   const int64_t context_len = context_lens[item.seq], q_len = q_lens[item.seq];
   const int64_t first_pos = context_len - q_len + item.first;  // position of the chunk's first query
-  const int64_t rows = item.count * g.group;
-  const q_t* q_data = query.data_ptr<q_t>();
-  const int64_t qs_t = query.stride(0), qs_h = query.stride(1);
-  for (int64_t i = 0; i < item.count; ++i) {
-    for (int64_t j = 0; j < g.group; ++j) {
-      const int64_t r = i * g.group + j;
-      const q_t* src = q_data + (q_starts[item.seq] + item.first + i) * qs_t + (kv_head * g.group + j) * qs_h;
-      for (int64_t d = 0; d < g.head_dim; ++d) s.q[r * g.head_dim + d] = static_cast<float>(src[d]) * q_scale;
-    }
-  }
-  std::fill(s.acc.begin(), s.acc.begin() + rows * g.head_dim, 0.0f);
-  std::fill(s.max.begin(), s.max.begin() + rows, -std::numeric_limits<float>::infinity());
-  std::fill(s.sum.begin(), s.sum.begin() + rows, 0.0f);
-  const int64_t keys = first_pos + item.count;  // the last query's visible keys
-  const int64_t row = g.num_kv_heads * g.head_dim;
-  const int64_t* table = tables + item.seq * table_width;
+  const int64_t first_token = q_starts[item.seq] + item.first, rows = item.count * g.group;
+  for (int64_t i = 0; i < item.count; ++i) load_query<q_t>(query, first_token + i, kv_head, i * g.group, g, q_scale, s);
+  reset_rows(rows, g, s);
   int64_t* visible = s.visible.data();
-  for (int64_t start = 0; start < keys; start += g.block_size) {
-    const int64_t block = table[start / g.block_size];
-    TORCH_CHECK(block >= 0 && block < g.num_blocks, "block id ", block, " is outside the pool");
-    const int64_t offset = block * g.block_size * row + kv_head * g.head_dim;
-    if (start + g.block_size < keys) prefetch_block(k_cache, v_cache, table[start / g.block_size + 1], kv_head, g);
-    for (int64_t i = 0; i < item.count; ++i) {
-      const int64_t seen = std::max<int64_t>(0, std::min(g.block_size, first_pos + i + 1 - start));
-      for (int64_t j = 0; j < g.group; ++j) visible[i * g.group + j] = seen;
+  attend_blocks(tables + item.seq * table_width, 0, first_pos + item.count, kv_head, rows, k_cache, v_cache, g, s,
+                [&](int64_t start) {
+                  for (int64_t i = 0; i < item.count; ++i) {
+                    const int64_t seen = std::max<int64_t>(0, std::min(g.block_size, first_pos + i + 1 - start));
+                    std::fill(visible + i * g.group, visible + (i + 1) * g.group, seen);
+                  }
+                });
+  for (int64_t i = 0; i < item.count; ++i) store_output<q_t>(out, first_token + i, kv_head, i * g.group, g, v_scale, s);
+}
+
+// Leading blocks two tables share that both contexts see whole (block ids equal).
+inline int64_t shared_blocks(const int64_t* a, const int64_t* b, int64_t full_blocks) {
+  int64_t n = 0;
+  while (n < full_blocks && a[n] == b[n]) ++n;
+  return n;
+}
+
+// The step's work: decodes whose tables share leading blocks go in Groups of up to kQueryChunk (in the order
+// of their tables, so that sharers meet), every other sequence in Items of up to kQueryChunk queries.
+void plan_work(const int64_t* tables, int64_t width, const int64_t* q_lens, const int64_t* context_lens, int64_t n,
+               int64_t block_size, std::vector<Item>& items, std::vector<Group>& groups) {
+  std::vector<int64_t> decodes;
+  for (int64_t seq = 0; seq < n; ++seq) {
+    if (q_lens[seq] == 1 && context_lens[seq] > block_size) {
+      decodes.push_back(seq);
+      continue;
     }
-    if (g.head_dim == 64) {
-      attend_block<64>(k_cache + offset, v_cache + offset, visible, rows, g, s);
-    } else if (g.head_dim == 128) {
-      attend_block<128>(k_cache + offset, v_cache + offset, visible, rows, g, s);
-    } else {
-      attend_block<0>(k_cache + offset, v_cache + offset, visible, rows, g, s);
+    for (int64_t first = 0; first < q_lens[seq]; first += kQueryChunk) {
+      items.push_back({seq, first, std::min(kQueryChunk, q_lens[seq] - first)});
     }
   }
-  q_t* o_data = out.data_ptr<q_t>();
-  for (int64_t i = 0; i < item.count; ++i) {
-    for (int64_t j = 0; j < g.group; ++j) {
-      const int64_t r = i * g.group + j;
-      q_t* dst = o_data + ((q_starts[item.seq] + item.first + i) * out.size(1) + kv_head * g.group + j) * g.head_dim;
-      const float norm = v_scale / s.sum[r];
-      for (int64_t d = 0; d < g.head_dim; ++d) dst[d] = static_cast<q_t>(s.acc[r * g.head_dim + d] * norm);
+  std::stable_sort(decodes.begin(), decodes.end(), [&](int64_t a, int64_t b) {
+    return std::lexicographical_compare(tables + a * width, tables + (a + 1) * width, tables + b * width,
+                                        tables + (b + 1) * width);
+  });
+  for (size_t i = 0; i < decodes.size();) {
+    Group group{{decodes[i]}, 1, context_lens[decodes[i]] / block_size};
+    const int64_t* head = tables + decodes[i] * width;
+    size_t next = i + 1;
+    for (; next < decodes.size() && group.count < kQueryChunk; ++next) {
+      const int64_t seq = decodes[next];
+      const int64_t full = std::min(group.shared, context_lens[seq] / block_size);
+      const int64_t shared = shared_blocks(head, tables + seq * width, full);
+      if (shared == 0) break;
+      group.seqs[group.count++] = seq;
+      group.shared = shared;
     }
+    if (group.count > 1) {
+      groups.push_back(group);
+    } else {
+      items.push_back({decodes[i], 0, 1});
+    }
+    i = next;
   }
 }
 
@@ -205,21 +350,26 @@ void attend_all(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_ca
                 const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
                 const at::Tensor& context_lens, const Geometry& g, float q_scale, float v_scale) {
   std::vector<Item> items;
+  std::vector<Group> groups;
   const int64_t* lens = q_lens.data_ptr<int64_t>();
-  for (int64_t seq = 0; seq < q_lens.size(0); ++seq) {
-    for (int64_t first = 0; first < lens[seq]; first += kQueryChunk) {
-      items.push_back({seq, first, std::min(kQueryChunk, lens[seq] - first)});
-    }
-  }
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t width = block_tables.size(1);
+  plan_work(tables, width, lens, context_lens.data_ptr<int64_t>(), q_lens.size(0), g.block_size, items, groups);
   const auto* k = reinterpret_cast<const kv_t*>(k_cache.data_ptr());
   const auto* v = reinterpret_cast<const kv_t*>(v_cache.data_ptr());
-  const int64_t total = static_cast<int64_t>(items.size()) * g.num_kv_heads;
-  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+  const int64_t units = static_cast<int64_t>(groups.size() + items.size());
+  at::parallel_for(0, units * g.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(g);
     for (int64_t w = begin; w < end; ++w) {
-      attend_item<kv_t, q_t>(items[w / g.num_kv_heads], w % g.num_kv_heads, query, out, k, v,
-                             block_tables.data_ptr<int64_t>(), block_tables.size(1), q_starts.data_ptr<int64_t>(),
-                             lens, context_lens.data_ptr<int64_t>(), g, q_scale, v_scale, scratch);
+      const int64_t unit = w / g.num_kv_heads, kv_head = w % g.num_kv_heads;
+      if (unit < static_cast<int64_t>(groups.size())) {
+        attend_group<kv_t, q_t>(groups[unit], kv_head, query, out, k, v, tables, width, q_starts.data_ptr<int64_t>(),
+                                context_lens.data_ptr<int64_t>(), g, q_scale, v_scale, scratch);
+      } else {
+        attend_item<kv_t, q_t>(items[unit - groups.size()], kv_head, query, out, k, v, tables, width,
+                               q_starts.data_ptr<int64_t>(), lens, context_lens.data_ptr<int64_t>(), g, q_scale,
+                               v_scale, scratch);
+      }
     }
   });
 }

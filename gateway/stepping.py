@@ -114,9 +114,12 @@ class Stepping:
 
     def _decode_steps(self, step: ScheduledStep) -> int:
         """How many steps an all-decode step may run as one ForwardSteps call (1: a plain Forward): up to
-        --decode-steps, while nothing new waits to be scheduled and the slots fit above the watermark."""
+        --decode-steps, while no request waits (for room the lookahead blocks would hold) or is new, and the
+        slots fit above the watermark."""
         steps = self.config.decode_steps
-        if steps <= 1 or self._intake or not eligible(step.seqs) or not all(map(self.kv.holds, step.seqs)):
+        if steps <= 1 or self._intake or self.scheduler.waiting:
+            return 1
+        if not eligible(step.seqs) or not all(map(self.kv.holds, step.seqs)):
             return 1
         need = sum(self.kv.blocks_needed(seq, seq.chunk_end + steps - 1) for seq in step.seqs)
         return steps if need <= self.kv.available_blocks - self.scheduler.watermark else 1
@@ -178,7 +181,8 @@ class Stepping:
     ) -> list[tuple[Sequence, Output]]:
         """One reply of a ForwardSteps call: its tokens appended (rows the gateway ended meanwhile skip
         theirs). A sequence that ended where compute stops its row too is released now; one compute still
-        runs (a stop string) ends the call and is returned, to be released once the call is over."""
+        runs (a stop string) ends the call and is returned, to be released once the call is over. (No request
+        waits for the room it frees: a call starts only when none waits, and a new one ends it.)"""
         live = [seqs[row] for row in reply.rows]
         for row in reply.rows:
             taken[row] += 1
@@ -192,7 +196,7 @@ class Stepping:
         ended = [row for row, (_, output) in zip(rows, outputs, strict=True) if output.finish_reason]
         done = {row for row in ended if limits[row].stops(taken[row], seqs[row].output_ids[-1])}
         held = [(seqs[row], outputs[i][1]) for i, row in enumerate(rows) if row in ended and row not in done]
-        if held or (done and self.scheduler.waiting):
+        if held:
             stop.set()
         self._release([seqs[row] for row in done])
         for row, (seq, output) in zip(rows, outputs, strict=True):

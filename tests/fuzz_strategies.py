@@ -242,7 +242,7 @@ def mutated(draw, base: st.SearchStrategy[Message], live: Live) -> Message:
     for field in draw(st.lists(st.sampled_from(list(message.DESCRIPTOR.fields)), max_size=2)):
         message.ClearField(field.name)
         if field.is_repeated and field.message_type is not None and field.message_type.GetOptions().map_entry:
-            getattr(message, field.name).update(getattr(hostile, field.name))
+            getattr(message, field.name).MergeFrom(getattr(hostile, field.name))  # message values too
         elif field.is_repeated:
             getattr(message, field.name).extend(getattr(hostile, field.name))
         elif field.type == F.TYPE_MESSAGE:

@@ -30,13 +30,14 @@ from common.shared_pool import dtype_from_name, dtype_name
 from compute_service.attention.kv_codec import NO_SCALES
 from compute_service.linear import pack_linears
 from compute_service.model_loader import load
-from compute_service.quantized import QUANTIZED_MAX_ROWS, QUANTIZED_MODES, quantize_linears
+from compute_service.quantized import MIXED_PRECISION, QUANTIZED_MAX_ROWS, QUANTIZED_MODES, quantize_linears
 
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
 # (dtype, weights, output head quantised): float32 first, the reference.
 MODES = [
     ("float32", "float32", True),
     ("bfloat16", "bfloat16", True),
+    ("float32", "bfloat16", True),
     ("float32", "int8", True),
     ("float32", "int4", True),
     ("bfloat16", "int8", True),
@@ -57,8 +58,14 @@ def build(model_name: str, dtype: str, weights: str, head: bool, kernel_max_rows
     model, _ = load(model_name, dtype_from_name(dtype), plain_linear=True)
     quantize_linears(model, weights, lm_head=head, kernel_max_rows=kernel_max_rows)
     # NOTE: packed after quantising, as the loader does (packing hides the plain weights).
-    pack_linears(model)
+    pack_linears(model, _packed_dtype(dtype, weights))
     return model
+
+
+def _packed_dtype(dtype: str, weights: str) -> torch.dtype:
+    """The dtype dense linears are packed in: bfloat16 in the mixed-precision mode, else float32 (the
+    packing applies to float32 linears only)."""
+    return torch.bfloat16 if (dtype, weights) == MIXED_PRECISION else torch.float32
 
 
 def perplexity(model_name: str, dtype: str, weights: str, head: bool) -> float:
@@ -73,6 +80,8 @@ def perplexity(model_name: str, dtype: str, weights: str, head: bool) -> float:
     path = local_copy(model_name).path
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype_from_name(dtype)).eval()
     quantize_linears(model, weights, lm_head=head)
+    if (dtype, weights) == MIXED_PRECISION:
+        pack_linears(model, torch.bfloat16)
     ids = torch.tensor([tokenized_text(model_name)])
     with torch.inference_mode():
         logits = model(input_ids=ids).logits[0, :-1].float()

@@ -14,8 +14,8 @@ from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend, require_kv_dtype
 from compute_service.fused import fuse
 from compute_service.kv_calibration import calibrate
-from compute_service.linear import pack_linears
-from compute_service.quantized import QUANTIZED_MODES, quantize_linears, resolve_weights
+from compute_service.linear import bfloat16_native, pack_linears
+from compute_service.quantized import MIXED_PRECISION, QUANTIZED_MODES, quantize_linears, resolve_weights
 
 
 @dataclass(frozen=True)
@@ -71,16 +71,23 @@ def load(
     """The model with paged attention; its float32 CPU linear layers run on oneDNN with weights packed once
     (compute_service.linear) unless `plain_linear`; a Llama-family model runs on fused projections and a
     lighter layer forward (compute_service.fused) unless not `fused`; the linears hold int8/int4 weights if
-    `weights` says so (compute_service.quantized). K/V are stored as `kv_dtype` (default: `dtype`); an fp8
-    one is calibrated here (compute_service.kv_calibration). The model is placed on `device` (a torch device
-    name). ValueError if the backend cannot store it or a layer cannot be quantised."""
+    `weights` says so (compute_service.quantized), or bfloat16 ones in a float32 model on a cpu that
+    multiplies bfloat16 natively (compute_service.linear). K/V are stored as `kv_dtype` (default: `dtype`);
+    an fp8 one is calibrated here (compute_service.kv_calibration). The model is placed on `device` (a torch
+    device name). ValueError if the backend cannot store it or a layer cannot be quantised."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     weights = resolve_weights(weights, dtype_name(dtype))
     if weights in QUANTIZED_MODES and device != "cpu":
         raise ValueError(f"--weights {weights} runs torch's CPU kernels; on {device} use --weights auto")
-    if plain_linear and weights in QUANTIZED_MODES:
+    if plain_linear and weights != dtype_name(dtype):
         raise ValueError(
             f"--plain-linear keeps dense nn.Linear layers; it cannot combine with --weights {weights}"
+        )
+    mixed = (dtype_name(dtype), weights) == MIXED_PRECISION
+    if mixed and (device != "cpu" or not bfloat16_native()):
+        raise ValueError(
+            "--weights bfloat16 with --dtype float32 runs oneDNN's bfloat16 products, which need a cpu with "
+            "AVX512-BF16 or AMX (this one would emulate them ~30x slower): use --weights auto, int8 or int4"
         )
     require_kv_dtype(backend, dtype_name(kv_dtype))
     if backend == "cpu-native" and native.load() is None:
@@ -103,7 +110,7 @@ def load(
     quantize_linears(hf_model, weights)
     if not plain_linear:
         # NOTE: last, since packing hides the plain weights that fusing and quantising read.
-        pack_linears(hf_model)
+        pack_linears(hf_model, torch.bfloat16 if mixed else torch.float32)
         native_decode.enable(hf_model)
     return hf_model, spec
 

@@ -7,8 +7,8 @@ products are the same oneDNN calls on the same packed weights (compute_service.l
 same cpu-native kernel (compute_service.attention.cpu_native), the rest plain loops.
 
 Where it runs (`NativeDecode.serves`): a FusedLlamaModel whose linears are all packed and bias-free, loaded
-with the cpu-native attention on a float32 pool without fp8 scales, in a step where every sequence decodes
-one token. Any other step (a prompt or a chunk in the batch) runs the Python layers.
+with the cpu-native attention on a float32 or bfloat16 pool, in a step where every sequence decodes one
+token. Any other step (a prompt or a chunk in the batch) runs the Python layers.
 """
 
 import torch
@@ -19,6 +19,8 @@ from compute_service.linear import PackedLinear
 from compute_service.llama_layer import FusedLlamaLayer, FusedLlamaModel
 
 BACKEND = "cpu-native"
+# The pools the native stack stores K/V into (decode_layers.cpp's `store`).
+POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class NativeDecode:
@@ -67,9 +69,9 @@ class NativeDecode:
 
     @staticmethod
     def serves(ctx: Context) -> bool:
-        """Whether this step can run natively: every sequence decodes one token, on a float32 pool without
-        fp8 scales."""
-        return not ctx.segments and not ctx.scales.k and ctx.k_caches[0].dtype == torch.float32
+        """Whether this step can run natively: every sequence decodes one token, on a float32 or bfloat16
+        pool (fp8 ones have scales the stack does not apply)."""
+        return not ctx.segments and ctx.k_caches[0].dtype in POOL_DTYPES
 
     def run(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: Context) -> None:
         """Every layer over residual [T, hidden] in place (see decode_layers.cpp); attention's time is added

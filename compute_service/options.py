@@ -39,7 +39,8 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "--weights",
         choices=WEIGHTS_CHOICES,
         default="auto",
-        help="how linear layers hold weights: auto (= --dtype), int8 (per output channel) or int4 (groups of "
+        help="how linear layers hold weights: auto (= --dtype), bfloat16 (with --dtype float32: bfloat16 "
+        "products, the rest float32; needs AVX512-BF16 or AMX), int8 (per output channel) or int4 (groups of "
         f"{INT4_GROUP_SIZE}); quantised ones run torch's weight-only kernels on decode-sized batches",
     )
 

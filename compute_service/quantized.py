@@ -17,6 +17,8 @@ from torch import nn
 
 WEIGHTS_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")
 QUANTIZED_MODES = ("int8", "int4")
+# (--dtype, --weights) of the mixed-precision mode: bfloat16 linears, everything else float32.
+MIXED_PRECISION = ("float32", "bfloat16")
 # Inputs sharing one int4 scale and zero point (the kernel accepts 32, 64, 128, 256; 32 is the most exact).
 INT4_GROUP_SIZE = 32
 # The int4 packing needs whole tiles of output channels.
@@ -31,16 +33,17 @@ KERNEL_DTYPE = torch.bfloat16
 
 
 def resolve_weights(weights: str, dtype: str) -> str:
-    """The linear layers' weights: `auto` and a dense dtype name are the model's (resolved) `dtype`, which
-    is the only dense dtype a model runs in; ValueError for another dense dtype or an unknown mode."""
+    """The linear layers' weights: `auto` is the model's (resolved) `dtype`; a dense dtype name is that
+    dtype, or bfloat16 in a float32 model (MIXED_PRECISION: compute_service.linear); ValueError for another
+    dense dtype or an unknown mode."""
     if weights not in WEIGHTS_CHOICES:
         raise ValueError(f"unknown --weights {weights!r}: choose one of {', '.join(WEIGHTS_CHOICES)}")
     if weights == "auto" or weights in QUANTIZED_MODES:
         return dtype if weights == "auto" else weights
-    if weights != dtype:
+    if weights != dtype and (dtype, weights) != MIXED_PRECISION:
         raise ValueError(
-            f"--weights {weights} with --dtype {dtype}: dense weights run in the model's dtype; "
-            f"pass --dtype {weights}, or --weights auto|int8|int4"
+            f"--weights {weights} with --dtype {dtype}: dense weights run in the model's dtype, or in "
+            f"bfloat16 in a float32 model; pass --dtype {weights}, or --weights auto|int8|int4"
         )
     return weights
 

@@ -2,8 +2,16 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from compute_service.linear import bfloat16_native
+
+# For tests of --weights bfloat16 in a float32 model (refused where oneDNN would emulate bfloat16).
+needs_native_bfloat16 = pytest.mark.skipif(
+    not bfloat16_native(), reason="this cpu has no native bfloat16 products (AVX512-BF16/AMX)"
+)
 
 
 def tiny_llama_config(**overrides) -> LlamaConfig:

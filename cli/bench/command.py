@@ -220,7 +220,7 @@ def _run(args: argparse.Namespace) -> int:
         if stack is not None:
             stack.stop()
     if "vllm" in args.peer:
-        others[vllm_peer.NAME], result["vllm_setup"] = _vllm(args, workload, info.dtype)
+        others[vllm_peer.NAME], result["vllm_setup"] = _vllm(args, workload, args.vllm_dtype or info.dtype)
     if not args.no_peers:
         others = {**_peers(args, workload, info.dtype), **others}
     if others:

@@ -141,6 +141,11 @@ def add_flags(parser) -> None:
         help=f"the interpreter of a venv with vLLM installed (default: ${PYTHON_ENV})",
     )  # fmt: skip
     parser.add_argument(
+        "--vllm-dtype", choices=["float32", "bfloat16"],
+        help="the dtype vLLM runs in (default: the stack's --dtype); bfloat16 is vLLM's own default on a cpu "
+        "with bfloat16 products, the peer of --weights bfloat16",
+    )  # fmt: skip
+    parser.add_argument(
         "--vllm-kv-memory", type=parse_size, default=DEFAULT_KV_MEMORY,
         help="vLLM's KV cache size, e.g. 256MiB (default: the cache service's default pool, 256MiB)",
     )  # fmt: skip

@@ -213,6 +213,10 @@ def test_peer_vllm_needs_an_interpreter(monkeypatch, tmp_path):
     vllm_peer.check_flags(_flags("--peer", "vllm", "--vllm-python", sys.executable))
     assert _flags("--vllm-kv-memory", "1GiB").vllm_kv_memory == 2**30
     assert _flags().vllm_kv_memory == 256 * 2**20, "the cache service's default pool"
+    assert _flags().vllm_dtype is None, "the stack's dtype"
+    assert _flags("--vllm-dtype", "bfloat16").vllm_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        _flags("--vllm-dtype", "float16")
 
 
 def test_vllm_gets_every_cpu_unless_told(monkeypatch):

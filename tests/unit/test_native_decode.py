@@ -11,7 +11,7 @@ from compute_service.model_loader import load
 from compute_service.runner import Runner
 from compute_service.validation import Limits
 from tests.forward import forward_request
-from tests.tiny_model import save_tiny_llama
+from tests.tiny_model import needs_native_bfloat16, save_tiny_llama
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 96
 
@@ -77,6 +77,20 @@ def test_all_decode_steps_give_the_python_layers_logits(model, cached):
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
+@needs_native_bfloat16
+def test_bfloat16_weights_run_natively_with_the_python_layers_logits(tiny):
+    """Mixed precision (--weights bfloat16): the native stack casts each product's input as PackedLinear
+    does."""
+    model, _ = load(tiny, torch.float32, backend="cpu-native", weights="bfloat16")
+    torch.manual_seed(5)
+    runner, limits = runner_for(model)
+    tables = [list(range(i * 8, (i + 1) * 8)) for i in range(3)]
+    request = forward_request([[5], [17], [40]], [4, 9, 13], tables, block_size=BLOCK_SIZE)
+    batch = ForwardBatch.from_request(request, limits)
+    got, expected = both(model, lambda: runner.logits(batch))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_greedy_tokens_over_many_steps_equal_the_python_layers(model):
     """A prompt per sequence (the Python layers), then 24 batched decodes (the native stack)."""
 
@@ -114,6 +128,24 @@ def test_steps_with_a_prompt_take_the_python_layers(model, monkeypatch):
     runner.logits(ForwardBatch.from_request(decode, limits))
     runner.logits(ForwardBatch.from_request(mixed, limits))
     assert calls == [2]
+
+
+def test_bfloat16_pools_run_natively_with_the_python_layers_logits(tiny, monkeypatch):
+    model, _ = load(tiny, torch.float32, backend="cpu-native", kv_dtype=torch.bfloat16)
+    calls = []
+    module = native.load()
+    real = module.decode_layers
+    monkeypatch.setattr(module, "decode_layers", lambda *args: calls.append(args[4][0].dtype) or real(*args))
+    runner, limits = runner_for(model, torch.bfloat16)
+    tables = [list(range(i * 8, (i + 1) * 8)) for i in range(3)]
+    request = forward_request([[9], [4], [77]], [6, 3, 20], tables, block_size=BLOCK_SIZE)
+    batch = ForwardBatch.from_request(request, limits)
+    slots = batch.slot_mapping
+    before = runner.k_caches[0].flatten(0, 1)[slots].clone()
+    native_logits, python_logits = both(model, lambda: runner.logits(batch))
+    torch.testing.assert_close(native_logits, python_logits, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(runner.k_caches[0].flatten(0, 1)[slots], before), "the step's keys were stored"
+    assert calls == [torch.bfloat16], "one native step, on the bfloat16 pool"
 
 
 def test_fp8_pools_take_the_python_layers(tiny):

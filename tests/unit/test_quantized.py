@@ -94,7 +94,7 @@ def test_dense_modes_replace_nothing():
 @pytest.mark.parametrize(
     ("weights", "dtype", "expected"),
     [("auto", "float32", "float32"), ("auto", "bfloat16", "bfloat16"), ("bfloat16", "bfloat16", "bfloat16"),
-     ("int8", "float32", "int8"), ("int4", "bfloat16", "int4")],
+     ("bfloat16", "float32", "bfloat16"), ("int8", "float32", "int8"), ("int4", "bfloat16", "int4")],
 )  # fmt: skip
 def test_resolves_weights_against_the_dtype(weights, dtype, expected):
     assert resolve_weights(weights, dtype) == expected
@@ -102,8 +102,7 @@ def test_resolves_weights_against_the_dtype(weights, dtype, expected):
 
 @pytest.mark.parametrize(
     ("weights", "dtype", "message"),
-    [("int3", "float32", "unknown --weights 'int3'"), ("bfloat16", "float32", "pass --dtype bfloat16"),
-     ("float32", "bfloat16", "pass --dtype float32")],
+    [("int3", "float32", "unknown --weights 'int3'"), ("float32", "bfloat16", "pass --dtype float32")],
 )  # fmt: skip
 def test_refuses_unknown_modes_and_another_dense_dtype(weights, dtype, message):
     with pytest.raises(ValueError, match=message):

@@ -1,8 +1,9 @@
 // A float32 Llama decoder stack over one step in which every sequence decodes one token: the same function
 // as compute_service/llama_layer.py's FusedLlamaLayer, run from C++ so that the ~25 small ops of each layer
 // cost no Python dispatch. Its matrix products are oneDNN's inner product on the weights
-// compute_service/linear.py packed (mkldnn::_linear_pointwise, called through the dispatcher); attention is
-// paged_attention() on the pool, after the step's keys and values are stored at their slots.
+// compute_service/linear.py packed, float32 or bfloat16 (mkldnn::_linear_pointwise, called through the
+// dispatcher); attention is paged_attention() on the pool, after the step's keys and values are stored at
+// their slots.
 //
 // Per layer, on residual [T, hidden] in place:
 //   x = rms_norm(residual) -> qkv = x Wqkv^T -> rotary on q, k -> k, v stored at slot_mapping ->
@@ -22,13 +23,17 @@ namespace {
 // down (compute_service/native_decode.py builds the list).
 constexpr size_t kPerLayer = 6;
 
+// x [rows, in] float32 times a packed weight: float32, or bfloat16 (mixed precision: x cast to bfloat16, the
+// product, accumulated in float32 by oneDNN, cast back).
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x, packed, c10::IValue(), c10::IValue("none"),
+  const bool mixed = packed.scalar_type() == at::kBFloat16;
+  torch::jit::Stack stack{mixed ? x.to(at::kBFloat16) : x, packed, c10::IValue(), c10::IValue("none"),
                           c10::List<std::optional<at::Scalar>>(), c10::IValue()};
   op.callBoxed(&stack);
-  return stack[0].toTensor();
+  at::Tensor out = stack[0].toTensor();
+  return mixed ? out.to(at::kFloat) : out;
 }
 
 // out = x * rsqrt(mean(x^2) + eps) * w, row by row (transformers' LlamaRMSNorm in float32).
@@ -60,9 +65,20 @@ void rotate(float* x, int64_t rows, int64_t stride, int64_t heads, int64_t d, co
   }
 }
 
-// Copies row t of src (`width` floats, row stride `stride`) to row slots[t] of cache.
-void store(float* cache, const float* src, int64_t rows, int64_t stride, int64_t width, const int64_t* slots) {
-  for (int64_t t = 0; t < rows; ++t) std::memcpy(cache + slots[t] * width, src + t * stride, width * sizeof(float));
+// Copies row t of src (`width` floats, row stride `stride`) to row slots[t] of cache: float32, or bfloat16
+// rounded to nearest even (as torch's .to() rounds).
+void store(at::Tensor& cache, const float* src, int64_t rows, int64_t stride, int64_t width, const int64_t* slots) {
+  if (cache.scalar_type() == at::kFloat) {
+    float* dst = cache.data_ptr<float>();
+    for (int64_t t = 0; t < rows; ++t) std::memcpy(dst + slots[t] * width, src + t * stride, width * sizeof(float));
+    return;
+  }
+  at::BFloat16* dst = cache.data_ptr<at::BFloat16>();
+  for (int64_t t = 0; t < rows; ++t) {
+    at::BFloat16* row = dst + slots[t] * width;
+    const float* from = src + t * stride;
+    for (int64_t i = 0; i < width; ++i) row[i] = at::BFloat16(from[i]);
+  }
 }
 
 // out [rows, inter] = silu(gate) * up from gate_up [rows, 2 * inter].
@@ -89,10 +105,13 @@ void check_step(const at::Tensor& residual, const at::Tensor& cos, const at::Ten
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == rows,
               "slot_mapping must be contiguous int64 [T]");
   TORCH_CHECK(q_lens.numel() == rows && q_lens.eq(1).all().item<bool>(), "every sequence must decode one token");
+  const auto pool_dtype = k_caches.front().scalar_type();
+  TORCH_CHECK(pool_dtype == at::kFloat || pool_dtype == at::kBFloat16,
+              "the native decode stack takes float32 or bfloat16 K/V caches");
   for (size_t i = 0; i < k_caches.size(); ++i) {
-    TORCH_CHECK(k_caches[i].scalar_type() == at::kFloat && k_caches[i].is_contiguous() &&
-                    v_caches[i].scalar_type() == at::kFloat && v_caches[i].is_contiguous(),
-                "the native decode stack takes contiguous float32 K/V caches");
+    TORCH_CHECK(k_caches[i].scalar_type() == pool_dtype && k_caches[i].is_contiguous() &&
+                    v_caches[i].scalar_type() == pool_dtype && v_caches[i].is_contiguous(),
+                "the native decode stack takes contiguous K/V caches of one dtype");
   }
 }
 
@@ -130,8 +149,9 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
     rotate(q, rows, qkv_width, num_heads + num_kv_heads, d, cos.data_ptr<float>(), signed_sin.data_ptr<float>(),
            saved);
     const auto start = std::chrono::steady_clock::now();
-    store(k_caches[layer].data_ptr<float>(), q + q_width, rows, qkv_width, kv_width, slots);
-    store(v_caches[layer].data_ptr<float>(), q + q_width + kv_width, rows, qkv_width, kv_width, slots);
+    at::Tensor k_cache = k_caches[layer], v_cache = v_caches[layer];
+    store(k_cache, q + q_width, rows, qkv_width, kv_width, slots);
+    store(v_cache, q + q_width + kv_width, rows, qkv_width, kv_width, slots);
     paged_attention(qkv.narrow(1, 0, q_width).view({rows, num_heads, d}), out, k_caches[layer], v_caches[layer],
                     block_tables, q_starts, q_lens, context_lens, scale, 1.0, 1.0);
     attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

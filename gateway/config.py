@@ -23,7 +23,7 @@ class EngineConfig:
     max_batched_tokens: int = 4096
     max_seqs: int = 64
     # Prompt tokens of a step that also runs decodes (0: no cap below max_batched_tokens).
-    prefill_tokens_with_decodes: int = 256
+    prefill_tokens_with_decodes: int = 512
     # Decode steps one Compute call may run (ForwardSteps; 1: one Forward per step).
     decode_steps: int = 8
     rpc_timeout_s: float = 120.0

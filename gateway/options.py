@@ -56,7 +56,7 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-tokens-with-decodes",
         type=_tokens,
-        default=256,
+        default=512,
         help="prompt tokens of a step that also runs decodes, so streams do not stall behind a long "
         "prefill (0: no cap below --max-batched-tokens)",
     )

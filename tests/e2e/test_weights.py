@@ -69,8 +69,10 @@ def test_info_and_metrics_name_the_weights_mode(stacks, mode):
 
 @pytest.mark.parametrize(
     ("flags", "message"),
-    [(("--dtype", "float32", "--weights", "bfloat16"), "pass --dtype bfloat16, or --weights auto|int8|int4"),
-     (("--dtype", "float32", "--weights", "int4", "--plain-linear"), "cannot combine with --weights int4")],
+    [(("--dtype", "bfloat16", "--weights", "float32"), "pass --dtype float32, or --weights auto|int8|int4"),
+     (("--dtype", "float32", "--weights", "int4", "--plain-linear"), "cannot combine with --weights int4"),
+     (("--dtype", "float32", "--weights", "bfloat16", "--plain-linear"),
+      "cannot combine with --weights bfloat16")],
 )  # fmt: skip
 def test_compute_refuses_a_combination_it_cannot_run(model, tmp_path, flags, message):
     command = [sys.executable, "-m", "compute_service", "--model", str(model), *flags]

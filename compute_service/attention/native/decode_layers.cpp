@@ -67,7 +67,7 @@ void rotate(float* x, int64_t rows, int64_t stride, int64_t heads, int64_t d, co
 
 // Copies row t of src (`width` floats, row stride `stride`) to row slots[t] of cache: float32, or bfloat16
 // rounded to nearest even (as torch's .to() rounds).
-void store(at::Tensor& cache, const float* src, int64_t rows, int64_t stride, int64_t width, const int64_t* slots) {
+void store(const at::Tensor& cache, const float* src, int64_t rows, int64_t stride, int64_t width, const int64_t* slots) {
   if (cache.scalar_type() == at::kFloat) {
     float* dst = cache.data_ptr<float>();
     for (int64_t t = 0; t < rows; ++t) std::memcpy(dst + slots[t] * width, src + t * stride, width * sizeof(float));
@@ -149,9 +149,8 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
     rotate(q, rows, qkv_width, num_heads + num_kv_heads, d, cos.data_ptr<float>(), signed_sin.data_ptr<float>(),
            saved);
     const auto start = std::chrono::steady_clock::now();
-    at::Tensor k_cache = k_caches[layer], v_cache = v_caches[layer];
-    store(k_cache, q + q_width, rows, qkv_width, kv_width, slots);
-    store(v_cache, q + q_width + kv_width, rows, qkv_width, kv_width, slots);
+    store(k_caches[layer], q + q_width, rows, qkv_width, kv_width, slots);
+    store(v_caches[layer], q + q_width + kv_width, rows, qkv_width, kv_width, slots);
     paged_attention(qkv.narrow(1, 0, q_width).view({rows, num_heads, d}), out, k_caches[layer], v_caches[layer],
                     block_tables, q_starts, q_lens, context_lens, scale, 1.0, 1.0);
     attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -1,6 +1,7 @@
 """Fixtures shared by unit and end-to-end tests."""
 
 import pytest
+import torch
 
 from tests.redis_server import RedisServer
 
@@ -14,3 +15,13 @@ def redis_server(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def torch_threads():
+    """Restores torch's thread count after a test that sets its own."""
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

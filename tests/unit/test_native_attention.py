@@ -175,6 +175,19 @@ def test_writes_only_the_rows_of_its_sequences():
     assert out[:4].isnan().all() and out[6:].isnan().all()
 
 
+def test_the_kernels_run_on_torchs_threads_with_the_same_result(torch_threads):
+    # the build has OpenMP (without it at::parallel_for runs every loop on the calling thread)
+    k_cache, v_cache = pool(16, 3, 64, torch.float32)
+    table = tables([300, 17, 5, 64], 16, shared=1)
+    q = torch.randn(4, 9, 64)
+    outputs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        assert cpu_native.kernel().parallel_threads() == threads
+        outputs.append(attend(q, k_cache, v_cache, [1, 1, 1, 1], [300, 17, 5, 64], table, 0.125)[0])
+    torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)
+
+
 def test_refuses_a_block_outside_the_pool():
     k_cache, v_cache = pool(16, 3, 64, torch.float32)
     table = torch.tensor([[3, NUM_BLOCKS]])

@@ -29,12 +29,12 @@ def model(tiny):
     return model
 
 
-def runner_for(model, kv_dtype=torch.float32) -> tuple[Runner, Limits]:
+def runner_for(model, kv_dtype=torch.float32, num_blocks=NUM_BLOCKS) -> tuple[Runner, Limits]:
     config = model.config
     runner = Runner(model)
-    shape = (config.num_hidden_layers, 2, NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
+    shape = (config.num_hidden_layers, 2, num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
     runner.attach((torch.randn(shape) * 0.5).to(kv_dtype))
-    return runner, Limits(config.vocab_size, config.max_position_embeddings, NUM_BLOCKS, BLOCK_SIZE)
+    return runner, Limits(config.vocab_size, config.max_position_embeddings, num_blocks, BLOCK_SIZE)
 
 
 def both(model, step) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +75,20 @@ def test_all_decode_steps_give_the_python_layers_logits(model, cached):
     got, expected = both(model, lambda: runner.logits(batch))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_steps_of_many_rows_split_across_threads_give_the_python_layers_logits(model, torch_threads):
+    # 300 rows: the norm and SiLU loops split across threads (decode_layers.cpp for_rows)
+    torch.set_num_threads(2)
+    assert native.load().parallel_threads() == 2
+    torch.manual_seed(3)
+    runner, limits = runner_for(model, num_blocks=300)
+    new = [[int(t)] for t in torch.randint(3, 256, (300,))]
+    batch = ForwardBatch.from_request(
+        forward_request(new, [2] * 300, [[i] for i in range(300)], block_size=BLOCK_SIZE), limits
+    )
+    got, expected = both(model, lambda: runner.logits(batch))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 @needs_native_bfloat16

@@ -30,10 +30,14 @@ HEADERS = (HERE / "paged_attention.h",)
 # NOTE: reassociation lets the compiler sum a dot product's lanes as a tree of vector adds instead of one lane
 # after another (measured: the lane-by-lane sum was the kernel's hottest code); infinities and NaN keep their
 # meaning (no -ffinite-math-only), so a row's running max may start at -inf.
+# NOTE: -fopenmp turns at::parallel_for (an inline template over `#pragma omp parallel`) into a parallel
+# loop; without it the kernels ran on one thread whatever torch's thread count (measured: 32 decodes of 560
+# keys, 2.59 ms per layer on 2 threads and on 1). The build links libgomp by its soname, so the process keeps
+# the one OpenMP runtime torch loaded (torch/lib/libgomp.so.1) and torch.set_num_threads governs both.
 CFLAGS = (
     "-O3",
     "-march=native",
-    "-fopenmp-simd",
+    "-fopenmp",
     "-fno-math-errno",
     "-fassociative-math",
     "-fno-signed-zeros",
@@ -78,6 +82,7 @@ def load() -> ModuleType | None:
             name=name,
             sources=[str(path) for path in SOURCES],
             extra_cflags=list(CFLAGS),
+            extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             verbose=False,
         )

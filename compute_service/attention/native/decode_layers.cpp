@@ -11,6 +11,7 @@
 //   residual += (silu(gate) * up) Wdown^T
 #include "paged_attention.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <chrono>
@@ -36,16 +37,30 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
   return mixed ? out.to(at::kFloat) : out;
 }
 
+// Elements per thread below which a row loop runs on the calling thread: a parallel region costs a few
+// microseconds, more than a short loop (a single stream's rows).
+constexpr int64_t kParallelElements = 16384;
+
+// fn(first_row, end_row) over [0, rows), split across torch's threads when the rows hold enough work.
+template <typename Fn>
+void for_rows(int64_t rows, int64_t width, const Fn& fn) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kParallelElements / std::max<int64_t>(1, width)), fn);
+}
+
 // out = x * rsqrt(mean(x^2) + eps) * w, row by row (transformers' LlamaRMSNorm in float32).
 void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t width, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * width;
-    float* o = out + r * width;
-    float sum = 0.f;
-    for (int64_t i = 0; i < width; ++i) sum += xr[i] * xr[i];
-    const float rstd = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
-    for (int64_t i = 0; i < width; ++i) o[i] = (xr[i] * rstd) * w[i];
-  }
+  for_rows(rows, width, [&](int64_t first, int64_t end) {
+    for (int64_t r = first; r < end; ++r) {
+      const float* xr = x + r * width;
+      float* o = out + r * width;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < width; ++i) sum += xr[i] * xr[i];
+      const float rstd = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) o[i] = (xr[i] * rstd) * w[i];
+    }
+  });
 }
 
 // Rotates `heads` heads of head_dim d at x (row stride `stride`) in place: x*cos + roll(x, d/2)*signed_sin;
@@ -81,14 +96,17 @@ void store(const at::Tensor& cache, const float* src, int64_t rows, int64_t stri
   }
 }
 
-// out [rows, inter] = silu(gate) * up from gate_up [rows, 2 * inter].
+// out [rows, inter] = silu(gate) * up from gate_up [rows, 2 * inter] (vector_exp: the loop vectorises).
 void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* g = gate_up + r * 2 * inter;
-    const float* u = g + inter;
-    float* o = out + r * inter;
-    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  }
+  for_rows(rows, inter, [&](int64_t first, int64_t end) {
+    for (int64_t r = first; r < end; ++r) {
+      const float* g = gate_up + r * 2 * inter;
+      const float* u = g + inter;
+      float* o = out + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + vector_exp(-g[i])) * u[i];
+    }
+  });
 }
 
 void check_step(const at::Tensor& residual, const at::Tensor& cos, const at::Tensor& signed_sin,

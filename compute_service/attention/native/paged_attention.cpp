@@ -12,31 +12,16 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
-#include <bit>
 #include <limits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kQueryChunk = 8;
-
-// e^x for x <= 0 (Cody-Waite range reduction, Cephes' degree-5 polynomial; relative error ~1e-7); a plain
-// function of floats so that a loop over it vectorises, unlike std::exp.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
-  return e * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-}
 
 struct Geometry {
   int64_t num_blocks, block_size, num_kv_heads, head_dim, group;
@@ -153,7 +138,7 @@ void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const 
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < m; ++t) {
-      scores[t] = exp_nonpositive(scores[t] - row_max);
+      scores[t] = vector_exp(scores[t] - row_max);
       sum += scores[t];
     }
     s.sum[r] += sum;
@@ -440,11 +425,20 @@ void paged_attention(const at::Tensor& query_in, at::Tensor& out, const at::Tens
   }
 }
 
-// NOTE: both run without the GIL, as torch's own ops do: a step of the decoder stack holds no Python state, and
+// The number of threads at::parallel_for spreads a loop over now: torch's thread count where the build has
+// OpenMP, 1 where it has not (what compute logs at start, and what the tests check).
+int64_t parallel_threads() {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, 64, 1, [&](int64_t, int64_t) { seen |= uint64_t{1} << std::min<int>(at::get_thread_num(), 63); });
+  return std::popcount(seen.load());
+}
+
+// NOTE: both kernels run without the GIL, as torch's own ops do: a step of the decoder stack holds no Python state, and
 // compute's other threads (the one sending the last step's reply) must not wait the whole step for it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention reading K/V in place by block table",
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_layers", &decode_layers, "a float32 Llama decoder stack over one all-decode step",
         py::call_guard<py::gil_scoped_release>());
+  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses now");
 }

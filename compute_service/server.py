@@ -31,7 +31,7 @@ from compute_service.options import OPTIONS
 from compute_service.runner import Runner, StepTimes
 from compute_service.steps import StepsPlan
 from compute_service.threads import ThreadPolicy
-from compute_service.validation import Limits
+from compute_service.validation import Limits, Sent
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
 
 SERVICE_NAME = compute_pb2.DESCRIPTOR.services_by_name["Compute"].full_name
@@ -128,7 +128,14 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             stop.set()
 
     def _run_steps(self, first: compute_pb2.StepsRequest, stop: threading.Event, replies) -> None:
-        """Puts each step's reply (or the exception that ended the steps), then None."""
+        """Puts each step's reply (or the exception that ended the steps), then None.
+
+        NOTE: only the first step is checked. A following one is derived from it (StepsPlan.advance) and needs
+        no checks of its own: StepsPlan.check verified up front that every row's slots for all its steps lie
+        in its table, the pool and the model's length; its sampling rows are the first step's, its new tokens
+        were sampled here, and the pool stays attached while this holds the lock. Measured through the stack
+        (latency workload): the checks took ~1 ms of a ~30 ms single-stream step, against 0.4 ms in a quiet
+        process."""
         try:
             with self._lock:
                 start, request = time.perf_counter(), first.first
@@ -142,7 +149,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                     if request is None or stop.is_set():
                         break
                     start = time.perf_counter()
-                    batch = self._checked(request)
+                    batch = ForwardBatch.derive(Sent.from_request(request), self._limits.block_size)
         except Exception as exc:  # noqa: BLE001 - the handler raises it as the call's status
             replies.put(exc)
         finally:

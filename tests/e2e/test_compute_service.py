@@ -304,9 +304,11 @@ def _history(request: compute_pb2.ForwardRequest, histories: list[list[int]], sa
 
 
 def in_steps(service, request: compute_pb2.StepsRequest, stop_after: int | None = None):
-    """Calls ForwardSteps; half-closes after `stop_after` replies (None: once the call ends). Returns the
-    replies."""
+    """Calls ForwardSteps; half-closes after `stop_after` replies (0: right after the request, None: once the
+    call ends). Returns the replies."""
     stop = threading.Event()
+    if stop_after == 0:
+        stop.set()
 
     def messages():
         yield request
@@ -378,7 +380,10 @@ def test_rows_stop_at_their_max_steps_or_stop_ids(service, pool):
 
 def test_the_callers_half_close_ends_the_call_after_the_running_step(service, pool):
     first = prefill(service, pool.epoch)
-    replies = in_steps(service, steps_request(pool.epoch, first, [STEPS] * 3), stop_after=1)
+    # NOTE: half-closed at once, not after the first reply: a step of the tiny model takes about a
+    # millisecond, less than a reply's way to the caller and its half-close's way back, so "after reply 1"
+    # let compute run a third step before it heard of the half-close
+    replies = in_steps(service, steps_request(pool.epoch, first, [STEPS] * 3), stop_after=0)
     # compute may have begun the second step when the half-close came; it never runs a third
     assert 1 <= len(replies) <= 2
 

@@ -19,14 +19,16 @@ from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 # NOTE: the streams must outlive the probe sent after SIGTERM (which may wait seconds on a loaded machine), or
-# the drained gateway has exited and the probe is refused by the OS instead of by the draining gateway.
-STREAMS, NEW_TOKENS = 8, 1500
+# the drained gateway has exited and the probe is refused by the OS instead of by the draining gateway. 1,500
+# tokens stopped being enough once multi-step decode stopped re-checking its steps (a fresh-clone run lost
+# the race), so they are 3,000 now, on a pool (DRAIN_BLOCKS) and a model length that hold them.
+STREAMS, NEW_TOKENS, DRAIN_BLOCKS = 8, 3000, 1600
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, tokenizer):
     model = save_tiny_llama(
-        tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3, max_position_embeddings=2048
+        tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3, max_position_embeddings=4096
     )
     tokenizer.save_pretrained(model)
     return model
@@ -95,7 +97,7 @@ def stream(stack: Stack, seed: int, started: threading.Semaphore, results: list)
 
 def test_sigterm_drains_the_running_requests_and_refuses_new_ones(tiny_model, logs):
     before = segments()
-    stack = start(tiny_model, logs, "--drain-timeout", "60")
+    stack = start(tiny_model, logs, "--drain-timeout", "120", "--kv-blocks", str(DRAIN_BLOCKS))
     results, started = [], threading.Semaphore(0)
     threads = [threading.Thread(target=stream, args=(stack, i, started, results)) for i in range(STREAMS)]
     try:

@@ -6,7 +6,7 @@
 // sequences per item: the blocks they share are read once for all of them, the rest per sequence. Items run in parallel with at::parallel_for. Query i of a sequence with q_len new tokens and
 // context_len keys sits at position context_len - q_len + i and sees keys 0 ..= that position (causal).
 // Inner loops are plain float loops over the head dim or the block's tokens, written so that the compiler
-// vectorises them (-O3 -march=native -fopenmp-simd, sums reassociated: native/__init__.py CFLAGS).
+// vectorises them (-O3 -march=native -fopenmp, sums reassociated: native/__init__.py CFLAGS).
 #include "paged_attention.h"
 
 #include <ATen/Parallel.h>

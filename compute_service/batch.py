@@ -25,6 +25,10 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [N, W], -1 padded
     sample: torch.Tensor  # [N] bool
     sampling: SamplingBatch
+    prompt_rows: list[int]  # the sequences with more than one new token (a prompt or a chunk of one)
+    # [S] the token whose logits each sampling sequence samples from (its last new one); None when that is
+    # every token (a step of decodes that all sample)
+    logit_tokens: torch.Tensor | None
 
     @classmethod
     def from_request(cls, request: compute_pb2.ForwardRequest, limits: Limits) -> "ForwardBatch":
@@ -48,6 +52,7 @@ class ForwardBatch:
         slot_mapping = paging.slots(
             sent.block_tables, seq_of_token * (width * block_size) + positions, block_size
         )
+        last = cu[1:][sent.sample] - 1
         return cls(
             token_ids=sent.token_ids,
             positions=positions,
@@ -57,4 +62,29 @@ class ForwardBatch:
             block_tables=sent.block_tables.view(-1, width),
             sample=sent.sample,
             sampling=sent.sampling,
+            prompt_rows=(cu.diff() > 1).nonzero().squeeze(1).tolist(),
+            logit_tokens=None if len(last) == num_tokens else last,
+        )
+
+    def following(self, tokens: torch.Tensor, keep: list[int], block_size: int) -> "ForwardBatch":
+        """The decode step after this one, an all-decode step of sampling rows, for its rows `keep` (indices,
+        ascending): each feeds the token it sampled (`tokens` [N]), one position on, into the slot its table
+        holds there. Unchecked: its caller verified every row's reach up front (compute_service.steps)."""
+        rows = None if len(keep) == len(tokens) else torch.tensor(keep)
+
+        def pick(values: torch.Tensor) -> torch.Tensor:
+            return values if rows is None else values[rows]
+
+        positions, tables = pick(self.positions) + 1, pick(self.block_tables)
+        return ForwardBatch(
+            token_ids=pick(tokens),
+            positions=positions,
+            slot_mapping=paging.slots(tables, positions[:, None], block_size)[:, 0],
+            cu_seqlens_q=self.cu_seqlens_q if rows is None else torch.arange(len(keep) + 1),
+            context_lens=pick(self.context_lens) + 1,
+            block_tables=tables,
+            sample=pick(self.sample),
+            sampling=self.sampling.following(tokens, rows),
+            prompt_rows=[],
+            logit_tokens=None,
         )

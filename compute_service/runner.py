@@ -59,8 +59,9 @@ class Runner:
             ).last_hidden_state[0]
         finally:
             reset_context()
-        last = batch.cu_seqlens_q[1:][batch.sample] - 1
-        logits = self.model.lm_head(hidden[last.to(hidden.device)]).float().cpu()
+        if batch.logit_tokens is not None:
+            hidden = hidden[batch.logit_tokens.to(hidden.device)]
+        logits = self.model.lm_head(hidden).float().cpu()
         times.prepare += built - start
         times.model += time.perf_counter() - built
         times.attention += context.attention_s

@@ -99,6 +99,55 @@ class SamplingBatch:
             output_lens=_ints(output_lens),
         )
 
+    def following(self, tokens: torch.Tensor, keep: torch.Tensor | None) -> "SamplingBatch":
+        """The next decode step's rows `keep` ([K] int64, ascending; None: all), each row having sampled its
+        token in `tokens` [S]: a penalized row's history gains it, the generated counts grow by one."""
+
+        def pick(values: torch.Tensor) -> torch.Tensor:
+            return values if keep is None else values[keep]
+
+        history, cu_history, prompt_lens = (
+            self._grown_history(tokens, torch.arange(len(self.seeds)) if keep is None else keep)
+            if len(self.cu_history)
+            else (self.history, self.cu_history, self.history_prompt_lens)
+        )
+        return SamplingBatch(
+            **{name: pick(getattr(self, name)) for name in (*NUMBER_CONTROLS, "wants_logprobs", "logprobs")},
+            seeds=self.seeds if keep is None else [self.seeds[i] for i in keep.tolist()],
+            **self._entries(("bias_rows", "bias_ids", "bias_values"), keep),
+            **self._entries(("suppress_rows", "suppress_ids"), keep),
+            history=history,
+            cu_history=cu_history,
+            history_prompt_lens=prompt_lens,
+            output_lens=pick(self.output_lens) + 1 if len(self.output_lens) else self.output_lens,
+        )
+
+    def _entries(self, names: tuple[str, ...], keep: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The per-entry tensors `names` (rows first: the logit bias or the suppressed ids) of the rows
+        `keep`, renumbered."""
+        entries = {name: getattr(self, name) for name in names}
+        if keep is None or not len(entries[names[0]]):
+            return entries
+        new_row = torch.full((len(self.seeds),), -1)
+        new_row[keep] = torch.arange(len(keep))
+        rows = new_row[entries[names[0]]]
+        kept = rows >= 0
+        return {names[0]: rows[kept], **{name: entries[name][kept] for name in names[1:]}}
+
+    def _grown_history(self, tokens: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """History, offsets and prompt lengths of `rows`, each penalized row's sampled token appended."""
+        penalized = (
+            (self.repetition_penalty != 1) | (self.presence_penalty != 0) | (self.frequency_penalty != 0)
+        )
+        starts, lens = self.cu_history[:-1][rows], self.cu_history.diff()[rows]
+        new_lens = lens + penalized[rows]
+        cu = torch.cat([new_lens.new_zeros(1), new_lens.cumsum(0)])
+        row = torch.repeat_interleave(torch.arange(len(rows)), new_lens, output_size=int(cu[-1]))
+        offset = torch.arange(len(row)) - cu[:-1][row]
+        # NOTE: an entry kept comes from its old place; an appended one is its row's token, after the history.
+        source = torch.where(offset < lens[row], starts[row] + offset, len(self.history) + rows[row])
+        return torch.cat([self.history, tokens])[source], cu, self.history_prompt_lens[rows]
+
 
 @dataclass(slots=True)
 class Sampled:

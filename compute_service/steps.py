@@ -1,6 +1,6 @@
 """Multi-step decode (Compute.ForwardSteps): the first step's limits checked up front, and each following
-step's request derived from the one before and the tokens it sampled, so that compute runs several decode
-steps per call without a round trip to the gateway between them."""
+step derived from the one before and the tokens it sampled (ForwardBatch.following), so that compute runs
+several decode steps per call without a round trip to the gateway between them."""
 
 from dataclasses import dataclass
 
@@ -51,54 +51,13 @@ class StepsPlan:
         stop_ids = [frozenset(stops[cu[row] : cu[row + 1]]) for row in range(n)]
         return cls(max_steps, stop_ids, list(range(n)), [0] * n)
 
-    def advance(
-        self, request: compute_pb2.ForwardRequest, tokens: list[int]
-    ) -> compute_pb2.ForwardRequest | None:
-        """Counts the step `request` ran, which sampled `tokens` (one per running row); returns the next
-        step's request for the rows that go on, or None when none does."""
+    def advance(self, tokens: list[int]) -> list[int]:
+        """Counts the step its rows ran, which sampled `tokens` (one per running row); returns which of them
+        (indices, ascending) go on to the next step, none when all are done."""
         keep = []
         for i, (row, token) in enumerate(zip(self.rows, tokens, strict=True)):
             self.taken[row] += 1
             if self.taken[row] < self.max_steps[row] and token not in self.stop_ids[row]:
                 keep.append(i)
         self.rows = [self.rows[i] for i in keep]
-        return next_request(request, tokens, keep) if keep else None
-
-
-def next_request(
-    request: compute_pb2.ForwardRequest, tokens: list[int], keep: list[int]
-) -> compute_pb2.ForwardRequest:
-    """The decode step after `request` (one new token per row, every row sampling) for its rows `keep`:
-    each feeds the token it sampled, one position on; a penalized row's history gains that token and the
-    generated counts grow by one."""
-    width, tables = request.block_table_width, request.block_tables
-    following = compute_pb2.ForwardRequest(
-        pool_epoch=request.pool_epoch,
-        token_ids=[tokens[i] for i in keep],
-        cu_seqlens_q=range(len(keep) + 1),
-        num_computed=[request.num_computed[i] + 1 for i in keep],
-        block_tables=[b for i in keep for b in tables[i * width : (i + 1) * width]],
-        block_table_width=width,
-        sample=[True] * len(keep),
-        sampling=[request.sampling[i] for i in keep],
-    )
-    if request.cu_history:
-        cu, history = request.cu_history, request.history_token_ids
-        rows = [
-            [*history[cu[i] : cu[i + 1]], *([tokens[i]] if penalized(request.sampling[i]) else [])]
-            for i in keep
-        ]
-        following.history_token_ids.extend(t for row in rows for t in row)
-        following.cu_history.extend([0])
-        for row in rows:
-            following.cu_history.append(following.cu_history[-1] + len(row))
-        following.history_prompt_lens.extend(request.history_prompt_lens[i] for i in keep)
-    if request.output_lens:
-        following.output_lens.extend(request.output_lens[i] + 1 for i in keep)
-    return following
-
-
-def penalized(row: compute_pb2.RowSampling) -> bool:
-    """Whether a penalty looks at the row's generated tokens (the gateway then sends them as history)."""
-    repetition = row.HasField("repetition_penalty") and row.repetition_penalty != 1
-    return repetition or row.presence_penalty != 0 or row.frequency_penalty != 0
+        return keep

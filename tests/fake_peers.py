@@ -10,7 +10,6 @@ from collections.abc import Callable
 import grpc
 
 from common.errors import RowsRefused
-from compute_service.steps import next_request
 from protos import cache_pb2, common_pb2, compute_pb2
 from tests.fake_cache import FakeCache, RpcError
 
@@ -136,7 +135,7 @@ class FakeCompute:
             if stop.wait(STEP_S) or not keep:
                 return
             rows = [rows[i] for i in keep]
-            request = next_request(request, list(reply.token_ids), keep)
+            request = _next_step(request, list(reply.token_ids), keep)
 
     def Forward(self, request: compute_pb2.ForwardRequest, **_) -> compute_pb2.ForwardResponse:
         self._check()
@@ -170,3 +169,20 @@ class FakeCompute:
     def _check(self) -> None:
         if self.down:
             raise unreachable("compute")
+
+
+def _next_step(
+    request: compute_pb2.ForwardRequest, tokens: list[int], keep: list[int]
+) -> compute_pb2.ForwardRequest:
+    """The decode step after `request` for its rows `keep`, each feeding the token it sampled (the fake reads
+    no sampling controls)."""
+    width = request.block_table_width
+    return compute_pb2.ForwardRequest(
+        pool_epoch=request.pool_epoch,
+        token_ids=[tokens[i] for i in keep],
+        cu_seqlens_q=range(len(keep) + 1),
+        num_computed=[request.num_computed[i] + 1 for i in keep],
+        block_tables=[b for i in keep for b in request.block_tables[i * width : (i + 1) * width]],
+        block_table_width=width,
+        sample=[True] * len(keep),
+    )

@@ -26,17 +26,6 @@ class Segment:
 
 
 @dataclass(slots=True)
-class DecodeGroup:
-    """Sequences with one new token and the same context length, attended as one batch (see GATHER_KEYS):
-    the decodes [first, first + count) of `Context.decode_tokens`."""
-
-    first: int
-    count: int
-    slots: torch.Tensor  # [count * context_len] pool slot of every key, sequence after sequence
-    context_len: int
-
-
-@dataclass(slots=True)
 class Context:
     k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
     v_caches: list[torch.Tensor]
@@ -44,23 +33,16 @@ class Context:
     cu_seqlens_q: torch.Tensor  # [N + 1]
     context_lens: torch.Tensor  # [N]
     block_tables: torch.Tensor  # [N, W], -1 padded
-    # NOTE: decodes are grouped by context length so that each group attends over exactly its keys with no
-    # mask: the same SDPA kernel and reduction order as an unpaged decode, which keeps bfloat16 outputs
-    # identical to transformers' own generate (a padded, masked batch rounds differently).
-    decode_groups: list[DecodeGroup]
-    decode_tokens: torch.Tensor  # [n] index of each decode's token in the packed batch, group after group
-    # prefill
-    segments: list[Segment]
+    segments: list[Segment]  # the prompts and prompt chunks; the decodes are the other sequences
     # The pool's fp8 scales per layer (none for other dtypes).
     scales: KVScales = NO_SCALES
     # Seconds spent in the attention function this step, summed over layers (see `timed`).
     attention_s: float = 0.0
-    # Per-backend data derived from the step once, by the first layer that needs it (cpu-native's plan, a
-    # device backend's kernel arguments), by backend name.
+    # Per-backend data derived from the step once, by the first layer that needs it (the cpu backend's
+    # decode groups, cpu-native's plan, a device backend's kernel arguments), by backend name.
     plans: dict[str, object] = field(default_factory=dict)
 
 
-GATHER_KEYS = 2048
 _CONTEXT: Context | None = None
 
 
@@ -114,24 +96,9 @@ def build_context(
     cu_seqlens_q, context_lens, block_tables = batch.cu_seqlens_q, batch.context_lens, batch.block_tables
     assert block_tables.dim() == 2 and len(block_tables) == len(context_lens) == len(cu_seqlens_q) - 1
     block_size = k_caches[0].shape[1]
-    q_lens = cu_seqlens_q.diff()
-    decode = q_lens == 1
-
-    # decode
-    # NOTE: the key slots are computed here once per step, so each layer gathers its keys with one
-    # index_select (a copy of whole rows) instead of an advanced index over blocks. A group is split so that
-    # no gather exceeds GATHER_KEYS keys: SDPA then reads keys still in cache, and the copies stay small
-    # (measured: 16 decodes of 256 tokens, 30 layers, 2.8x faster than one gather per group).
-    decode_tokens, decode_groups = _decode_groups(
-        decode.nonzero().squeeze(1), cu_seqlens_q, context_lens, block_tables, block_size
-    )
-
-    # prefill
-    starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
-    segments = [
-        _segment(starts[i], starts[i + 1], lens[i], block_tables[i], block_size)
-        for i in (~decode).nonzero().squeeze(1).tolist()
-    ]
+    prompts = batch.prompt_rows
+    starts, lens = (cu_seqlens_q.tolist(), context_lens.tolist()) if prompts else ([], [])
+    segments = [_segment(starts[i], starts[i + 1], lens[i], block_tables[i], block_size) for i in prompts]
     return Context(
         k_caches,
         v_caches,
@@ -139,37 +106,9 @@ def build_context(
         cu_seqlens_q,
         context_lens,
         block_tables,
-        decode_groups=decode_groups,
-        decode_tokens=decode_tokens,
         segments=segments,
         scales=scales,
     )
-
-
-def _decode_groups(
-    rows: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    block_size: int,
-) -> tuple[torch.Tensor, list[DecodeGroup]]:
-    """The decode sequences `rows` ordered by context length: their tokens, and their groups in chunks of at
-    most GATHER_KEYS keys; the slots of all of them are computed at once."""
-    if not len(rows):
-        return rows, []
-    lens, order = context_lens[rows].sort(stable=True)
-    rows = rows[order]
-    tokens = cu_seqlens_q[rows]
-    slots = _key_slots(block_tables[rows], int(lens[-1]), block_size)
-    groups, start = [], 0
-    lengths, counts = torch.unique_consecutive(lens, return_counts=True)
-    for length, count in zip(lengths.tolist(), counts.tolist(), strict=True):
-        step = max(1, GATHER_KEYS // length)
-        for first in range(start, start + count, step):
-            last = min(first + step, start + count)
-            groups.append(DecodeGroup(first, last - first, slots[first:last, :length].flatten(), length))
-        start += count
-    return tokens, groups
 
 
 def _segment(start: int, end: int, context_len: int, block_table: torch.Tensor, block_size: int) -> Segment:
@@ -177,12 +116,12 @@ def _segment(start: int, end: int, context_len: int, block_table: torch.Tensor, 
     cached = context_len - q_len
     if cached == 0:
         return Segment(start, end, context_len, None, None)
-    slots = _key_slots(block_table[None], context_len, block_size)[0]
+    slots = key_slots(block_table[None], context_len, block_size)[0]
     mask = torch.arange(context_len)[None, :] <= cached + torch.arange(q_len)[:, None]
     return Segment(start, end, context_len, slots, mask)
 
 
-def _key_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+def key_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """[n, length] pool slots of the first `length` tokens of each row of block tables [n, W]."""
     positions = torch.arange(length).expand(len(block_tables), length)
     return paging.slots(block_tables, positions, block_size)

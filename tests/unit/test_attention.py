@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compute_service.attention import context, cpu, cpu_native
+from compute_service.attention import cpu, cpu_native
 from compute_service.attention.context import build_context, reset_context, set_context
 from compute_service.attention.reference import reference_attention
 from compute_service.batch import ForwardBatch
@@ -151,11 +151,11 @@ def test_bfloat16_within_tolerance():
 
 
 def test_decode_groups_split_to_bound_each_gather(monkeypatch):
-    monkeypatch.setattr(context, "GATHER_KEYS", 20)
+    monkeypatch.setattr(cpu, "GATHER_KEYS", 20)
     seqs, k_cache, v_cache = make([9, 9, 9, 9, 9, 4])
     step(seqs, [8, 8, 8, 8, 8, 3], k_cache, v_cache)
-    groups = build_context(
-        [k_cache], [v_cache], batch([1] * 5, [8] * 5, [s.blocks for s in seqs[:5]])
-    ).decode_groups
+    groups = cpu.step_decodes(
+        build_context([k_cache], [v_cache], batch([1] * 5, [8] * 5, [s.blocks for s in seqs[:5]]))
+    ).groups
     assert [(g.first, g.count) for g in groups] == [(0, 2), (2, 2), (4, 1)], "at most 20 // 9 per gather"
     step(seqs, [1, 1, 1, 1, 1, 1], k_cache, v_cache)

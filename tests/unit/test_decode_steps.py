@@ -4,13 +4,14 @@ until the call is over; and the compute side's plan (compute_service/steps.py)."
 
 import threading
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
 
 from common.errors import InvalidArgument, RowsRefused
-from compute_service.steps import StepsPlan, next_request
+from compute_service.batch import ForwardBatch
+from compute_service.steps import StepsPlan
 from compute_service.validation import Limits
 from gateway.decode_steps import ReplyDeadline, RowLimit, row_limit, select_rows
 from gateway.sequence import Sampling, Sequence
@@ -131,10 +132,20 @@ def _steps_request(max_steps: list[int], stops: list[list[int]], tables=((0, 1),
 def test_a_plan_stops_each_row_at_its_max_steps_or_a_stop_id():
     request = _steps_request([3, 2], [[9], []])
     plan = StepsPlan.check(request, LIMITS)
-    step = plan.advance(request.first, [7, 8])
-    assert plan.rows == [0, 1] and list(step.token_ids) == [7, 8] and list(step.num_computed) == [5, 3]
-    step = plan.advance(step, [9, 8])  # row 0 samples its stop id, row 1 reaches its 2 steps
-    assert step is None and plan.rows == []
+    assert plan.advance([7, 8]) == [0, 1] and plan.rows == [0, 1]
+    assert plan.advance([9, 8]) == [] and plan.rows == []  # row 0 samples its stop id, row 1 ends its 2 steps
+
+
+def test_a_plan_keeps_the_rows_that_go_on_in_order():
+    first = forward_request([[5], [6], [7]], [4, 2, 3], [[0, 1], [2, 3], [4, 5]], block_size=4)
+    first.block_tables[:] = [0, 1, 2, 3, 4, 5]
+    request = compute_pb2.StepsRequest(
+        first=first, max_steps=[3, 1, 3], stop_token_ids=[4], cu_stop_token_ids=[0, 0, 0, 1]
+    )
+    plan = StepsPlan.check(request, LIMITS)
+    assert plan.advance([7, 8, 9]) == [0, 2] and plan.rows == [0, 2]  # row 1 ends its one step
+    assert plan.advance([7, 4]) == [0] and plan.rows == [0]  # row 2 samples its stop id
+    assert plan.advance([7]) == [] and plan.rows == []
 
 
 @pytest.mark.parametrize(
@@ -161,21 +172,73 @@ def test_a_plan_runs_decodes_only():
         StepsPlan.check(request, LIMITS)
 
 
-def test_the_next_step_feeds_the_sampled_tokens_and_grows_the_penalties_history():
+def _first_step() -> compute_pb2.ForwardRequest:
+    """Three decodes: row 0 presence-penalized with a pending min_tokens, row 1 biased, row 2
+    repetition-penalized, biased and seeded; every table reaches one more token."""
     first = forward_request([[5], [6], [7]], [4, 2, 3], [[0, 1], [2, 3], [4, 5]], block_size=4)
+    first.block_tables[:] = [0, 1, 2, 3, 4, 5]
     first.sampling[0].presence_penalty = 0.5
+    first.sampling[0].min_tokens = 4
+    first.sampling[0].suppress_token_ids.extend([2, 3])
+    first.sampling[1].logit_bias[11] = 2.0
+    first.sampling[2].repetition_penalty = 1.2
+    first.sampling[2].logit_bias[12] = -1.0
+    first.sampling[2].seed = 9
     first.history_token_ids.extend([5, 1, 2, 6, 7])  # row 0: its generated tokens; row 1: none; row 2: 3
     first.cu_history.extend([0, 1, 1, 5])
     first.history_prompt_lens.extend([0, 0, 3])
-    first.sampling[2].repetition_penalty = 1.2
     first.output_lens.extend([1, 0, 1])
-    step = next_request(first, [50, 60, 70], [0, 2])
-    assert list(step.token_ids) == [50, 70] and list(step.num_computed) == [5, 4]
-    assert list(step.block_tables) == [0, 1, 4, -1] and step.block_table_width == 2
-    assert list(step.history_token_ids) == [5, 50, 1, 2, 6, 7, 70] and list(step.cu_history) == [0, 2, 7]
-    assert list(step.history_prompt_lens) == [0, 3] and list(step.output_lens) == [2, 2]
-    assert [s.presence_penalty for s in step.sampling] == [0.5, 0.0]
-    assert torch.equal(torch.tensor(step.cu_seqlens_q), torch.arange(3)) and all(step.sample)
+    return first
+
+
+@pytest.mark.parametrize(
+    "keep, expected",
+    [
+        (
+            [0, 2],  # row 1 is done
+            dict(
+                token_ids=[50, 70],
+                num_computed=[5, 4],
+                block_tables=[0, 1, 4, 5],
+                history_token_ids=[5, 50, 1, 2, 6, 7, 70],
+                cu_history=[0, 2, 7],
+                history_prompt_lens=[0, 3],
+                output_lens=[2, 2],
+            ),
+        ),
+        (
+            [0, 1, 2],
+            dict(
+                token_ids=[50, 60, 70],
+                num_computed=[5, 3, 4],
+                block_tables=[0, 1, 2, 3, 4, 5],
+                history_token_ids=[5, 50, 1, 2, 6, 7, 70],  # row 1 is not penalized: no history
+                cu_history=[0, 2, 2, 7],
+                history_prompt_lens=[0, 0, 3],
+                output_lens=[2, 1, 2],
+            ),
+        ),
+    ],
+)
+def test_the_next_step_feeds_the_sampled_tokens_and_grows_the_penalties_history(keep, expected):
+    """ForwardBatch.following gives the batch of the request the gateway would send for the next step."""
+    first = _first_step()
+    following = ForwardBatch.from_request(first, LIMITS).following(torch.tensor([50, 60, 70]), keep, 4)
+    request = compute_pb2.ForwardRequest(
+        cu_seqlens_q=range(len(keep) + 1),
+        block_table_width=2,
+        sample=[True] * len(keep),
+        sampling=[first.sampling[i] for i in keep],
+        **expected,
+    )
+    want = ForwardBatch.from_request(request, LIMITS)
+    for got, wanted in [(following, want), (following.sampling, want.sampling)]:
+        for field in fields(wanted):
+            value, expected = getattr(got, field.name), getattr(wanted, field.name)
+            if isinstance(expected, torch.Tensor):
+                assert value.dtype == expected.dtype and torch.equal(value, expected), field.name
+            elif field.name != "sampling":
+                assert value == expected, field.name
 
 
 class _Call:

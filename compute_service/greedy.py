@@ -2,6 +2,8 @@
 log-probabilities: the argmax and its log-probability, with no [S, V] log-softmax written.
 """
 
+from types import ModuleType
+
 import torch
 
 from compute_service.sampling import Sampled, SamplingBatch
@@ -13,12 +15,20 @@ def is_plain_greedy(batch: SamplingBatch) -> bool:
     return not adjusted and not bool((batch.temperature > 0).any() or batch.wants_logprobs.any())
 
 
-def greedy(logits: torch.Tensor) -> Sampled:
+def greedy(logits: torch.Tensor, kernels: ModuleType | None) -> Sampled:
     """logits [S, V] -> the first most likely token of each row and its log-probability, as `sample` gives
-    them for a plain greedy batch (the log-probability up to float rounding)."""
-    best, tokens = logits.max(1, keepdim=True)
-    # log p(best) = -log Σ exp(logit - best): one pass over the vocabulary, no log-softmax written
-    logprobs = -(logits - best).exp_().sum(1).log_()
-    tokens = tokens.squeeze(1)
+    them for a plain greedy batch (the log-probability up to float rounding).
+
+    NOTE: float32 logits go to the native kernels' `greedy` where given (compute_service.attention.native):
+    one pass for each row's maximum and one for its sum of exponentials. torch's ops write [S, V]
+    temporaries in four passes (measured, 2 threads, 49,152 logits per row: 16 rows 1.07 -> 0.24 ms, 32 rows
+    2.2 -> 0.50 ms, 3-4 % of a decode step before)."""
+    if kernels is not None and logits.dtype == torch.float32:
+        tokens, logprobs = kernels.greedy(logits.contiguous())
+    else:
+        best, tokens = logits.max(1, keepdim=True)
+        # log p(best) = -log Σ exp(logit - best): one pass over the vocabulary, no log-softmax written
+        logprobs = -(logits - best).exp_().sum(1).log_()
+        tokens = tokens.squeeze(1)
     empty = logits.new_empty(0, 0)  # no row asks for top-n log-probabilities
     return Sampled(tokens, logprobs, empty.long(), empty)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from compute_service.attention import native
 from compute_service.attention.context import build_context, reset_context, set_context
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.batch import ForwardBatch
@@ -29,6 +30,8 @@ class Runner:
     def __init__(self, model: PreTrainedModel, scales: KVScales = NO_SCALES) -> None:
         self.model = model
         self.scales = scales
+        # the native kernels' greedy choice where the logits are on the cpu and the kernels build here
+        self.kernels = native.load() if model.device.type == "cpu" else None
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
 
@@ -74,7 +77,7 @@ class Runner:
         logits = self.logits(batch, times)
         start = time.perf_counter()
         if is_plain_greedy(batch.sampling):
-            result = greedy(logits)
+            result = greedy(logits, self.kernels)
         else:
             # the sampled token takes the position right after the sequence's context
             result = sample(logits, batch.sampling, batch.context_lens[batch.sample])

@@ -1,8 +1,10 @@
-"""The plain-greedy fast path (compute_service.greedy) returns what `sample` returns for such a batch."""
+"""The plain-greedy fast path (compute_service.greedy), native and in torch, returns what `sample` returns for
+such a batch."""
 
 import pytest
 import torch
 
+from compute_service.attention import native
 from compute_service.greedy import greedy, is_plain_greedy
 from compute_service.sampling import SamplingBatch, sample
 from protos import compute_pb2
@@ -10,15 +12,26 @@ from protos import compute_pb2
 GREEDY = compute_pb2.RowSampling(temperature=0)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 64])
-def test_greedy_equals_sample_on_a_plain_greedy_batch(rows):
+NATIVE = pytest.param(
+    native.load(),
+    id="native",
+    marks=pytest.mark.skipif(native.load() is None, reason="the native kernels cannot be built here"),
+)
+
+
+@pytest.mark.parametrize("kernels", [NATIVE, pytest.param(None, id="torch")])
+@pytest.mark.parametrize("rows, vocab", [(1, 1000), (3, 1000), (64, 49_157)])
+def test_greedy_equals_sample_on_a_plain_greedy_batch(kernels, rows, vocab):
     torch.manual_seed(rows)
-    logits = torch.randn(rows, 1000)
+    logits = torch.randn(rows, vocab) * 4
     logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie: the first index wins
+    if rows > 1:
+        logits[-1, -1] = logits[-1].max() + 0.5  # the most likely token in the last, partial lane group
     batch = SamplingBatch.from_params([GREEDY] * rows)
     assert is_plain_greedy(batch)
-    expected, got = sample(logits, batch, torch.arange(rows)), greedy(logits)
+    expected, got = sample(logits, batch, torch.arange(rows)), greedy(logits, kernels)
     assert torch.equal(got.tokens, expected.tokens) and int(got.tokens[0]) == 7
+    assert rows == 1 or int(got.tokens[-1]) == vocab - 1
     torch.testing.assert_close(got.logprobs, expected.logprobs)
     assert got.top_ids.shape == expected.top_ids.shape == (0, 0)
     assert got.top_logprobs.shape == expected.top_logprobs.shape

@@ -433,12 +433,14 @@ int64_t parallel_threads() {
   return std::popcount(seen.load());
 }
 
-// NOTE: both kernels run without the GIL, as torch's own ops do: a step of the decoder stack holds no Python state, and
+// NOTE: the kernels run without the GIL, as torch's own ops do: a step of the decoder stack holds no Python state, and
 // compute's other threads (the one sending the last step's reply) must not wait the whole step for it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention reading K/V in place by block table",
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_layers", &decode_layers, "a float32 Llama decoder stack over one all-decode step",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("greedy", &greedy, "each row's first most likely token and its log-probability",
         py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses now");
 }

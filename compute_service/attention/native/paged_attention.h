@@ -1,4 +1,4 @@
-// The native module's entry points (paged_attention.cpp, decode_layers.cpp).
+// The native module's entry points (paged_attention.cpp, decode_layers.cpp, greedy.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -30,6 +30,9 @@ inline float vector_exp(float x) {
 void paged_attention(const at::Tensor& query_in, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
                      const at::Tensor& context_lens, double scale, double k_scale, double v_scale);
+
+// See greedy.cpp: per row of logits [rows, vocab] float32, its first most likely token and log-probability.
+std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits);
 
 // See decode_layers.cpp.
 double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tensor& signed_sin,

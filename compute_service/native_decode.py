@@ -71,7 +71,7 @@ class NativeDecode:
     def serves(ctx: Context) -> bool:
         """Whether this step can run natively: every sequence decodes one token, on a float32 or bfloat16
         pool (fp8 ones have scales the stack does not apply)."""
-        return not ctx.segments and ctx.k_caches[0].dtype in POOL_DTYPES
+        return not ctx.prompt_rows and ctx.k_caches[0].dtype in POOL_DTYPES
 
     def run(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: Context) -> None:
         """Every layer over residual [T, hidden] in place (see decode_layers.cpp); attention's time is added

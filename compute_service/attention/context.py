@@ -7,22 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import paging
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.batch import ForwardBatch
-
-
-@dataclass(slots=True)
-class Segment:
-    """A sequence with more than one new token (a prompt or a chunk of one), attended on its own."""
-
-    start: int
-    end: int
-    context_len: int
-    # Pool slots of its whole context, and which keys each query sees; both None when nothing is cached
-    # before this step, so plain causal attention over the new keys suffices.
-    slots: torch.Tensor | None
-    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -33,13 +19,14 @@ class Context:
     cu_seqlens_q: torch.Tensor  # [N + 1]
     context_lens: torch.Tensor  # [N]
     block_tables: torch.Tensor  # [N, W], -1 padded
-    segments: list[Segment]  # the prompts and prompt chunks; the decodes are the other sequences
+    prompt_rows: list[int]  # the sequences with more than one new token; the others decode
     # The pool's fp8 scales per layer (none for other dtypes).
     scales: KVScales = NO_SCALES
     # Seconds spent in the attention function this step, summed over layers (see `timed`).
     attention_s: float = 0.0
     # Per-backend data derived from the step once, by the first layer that needs it (the cpu backend's
-    # decode groups, cpu-native's plan, a device backend's kernel arguments), by backend name.
+    # decode groups and prompt masks, cpu-native's plan, a device backend's kernel arguments), by backend
+    # name.
     plans: dict[str, object] = field(default_factory=dict)
 
 
@@ -92,13 +79,9 @@ def build_context(
     batch: ForwardBatch,
     scales: KVScales = NO_SCALES,
 ) -> Context:
-    """Derives what the layers share from a checked batch (see compute_service.batch)."""
+    """What the layers share, from a checked batch (see compute_service.batch)."""
     cu_seqlens_q, context_lens, block_tables = batch.cu_seqlens_q, batch.context_lens, batch.block_tables
     assert block_tables.dim() == 2 and len(block_tables) == len(context_lens) == len(cu_seqlens_q) - 1
-    block_size = k_caches[0].shape[1]
-    prompts = batch.prompt_rows
-    starts, lens = (cu_seqlens_q.tolist(), context_lens.tolist()) if prompts else ([], [])
-    segments = [_segment(starts[i], starts[i + 1], lens[i], block_tables[i], block_size) for i in prompts]
     return Context(
         k_caches,
         v_caches,
@@ -106,22 +89,6 @@ def build_context(
         cu_seqlens_q,
         context_lens,
         block_tables,
-        segments=segments,
+        prompt_rows=batch.prompt_rows,
         scales=scales,
     )
-
-
-def _segment(start: int, end: int, context_len: int, block_table: torch.Tensor, block_size: int) -> Segment:
-    q_len = end - start
-    cached = context_len - q_len
-    if cached == 0:
-        return Segment(start, end, context_len, None, None)
-    slots = key_slots(block_table[None], context_len, block_size)[0]
-    mask = torch.arange(context_len)[None, :] <= cached + torch.arange(q_len)[:, None]
-    return Segment(start, end, context_len, slots, mask)
-
-
-def key_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """[n, length] pool slots of the first `length` tokens of each row of block tables [n, W]."""
-    positions = torch.arange(length).expand(len(block_tables), length)
-    return paging.slots(block_tables, positions, block_size)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common import paging
 from compute_service.attention import kv_codec
-from compute_service.attention.context import Context, Segment, key_slots, layer_call
+from compute_service.attention.context import Context, layer_call
 
 # The pool dtypes this backend reads and writes (common/shared_pool.py DTYPES: all of them).
 KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
@@ -19,7 +20,7 @@ GATHER_KEYS = 2048
 @dataclass(frozen=True, slots=True)
 class DecodeGroup:
     """Sequences with one new token and the same context length, attended as one batch (see GATHER_KEYS):
-    the decodes [first, first + count) of `Decodes.tokens`."""
+    the decodes [first, first + count) of `Plan.decode_tokens`."""
 
     first: int
     count: int
@@ -28,15 +29,29 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True, slots=True)
-class Decodes:
-    """This step's decodes, grouped by context length.
+class Segment:
+    """A sequence with more than one new token (a prompt or a chunk of one), attended on its own."""
 
-    NOTE: grouped so that each group attends over exactly its keys with no mask: the same SDPA kernel and
-    reduction order as an unpaged decode, which keeps bfloat16 outputs identical to transformers' own
-    generate (a padded, masked batch rounds differently)."""
+    start: int
+    end: int
+    context_len: int
+    # Pool slots of its whole context, and which keys each query sees; both None when nothing is cached
+    # before this step, so plain causal attention over the new keys suffices.
+    slots: torch.Tensor | None
+    mask: torch.Tensor | None
 
-    tokens: torch.Tensor  # [n] index of each decode's token in the packed batch, group after group
-    groups: list[DecodeGroup]
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """This step's decodes, grouped by context length, and its prompts.
+
+    NOTE: decodes are grouped so that each group attends over exactly its keys with no mask: the same SDPA
+    kernel and reduction order as an unpaged decode, which keeps bfloat16 outputs identical to transformers'
+    own generate (a padded, masked batch rounds differently)."""
+
+    decode_tokens: torch.Tensor  # [n] index of each decode's token in the packed batch, group after group
+    decode_groups: list[DecodeGroup]
+    prompts: list[Segment]
 
 
 def write_kv(
@@ -68,30 +83,30 @@ def paged_attention(
     scales = ctx.scales.of_layer(module.layer_idx)
     write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping, scales)
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
-    decodes = step_decodes(ctx)
-    if decodes.groups:
+    plan = step_plan(ctx)
+    if plan.decode_groups:
         # NOTE: one query select and one output copy per layer; the keys are gathered group by group.
-        q = query[0].transpose(0, 1).index_select(0, decodes.tokens).unsqueeze(2)
+        q = query[0].transpose(0, 1).index_select(0, plan.decode_tokens).unsqueeze(2)
         outs = [
             _decode(q[g.first : g.first + g.count], k_cache, v_cache, g, scaling, scales)
-            for g in decodes.groups
+            for g in plan.decode_groups
         ]
-        out.index_copy_(0, decodes.tokens, outs[0] if len(outs) == 1 else torch.cat(outs))
-    for seg in ctx.segments:
+        out.index_copy_(0, plan.decode_tokens, outs[0] if len(outs) == 1 else torch.cat(outs))
+    for seg in plan.prompts:
         out[seg.start : seg.end] = prefill(query, key, value, k_cache, v_cache, seg, scaling, scales)
     return out.unsqueeze(0), None
 
 
-def step_decodes(ctx: Context) -> Decodes:
-    """This step's decodes, derived by the first layer and shared by the others."""
-    decodes = ctx.plans.get(__name__)
-    if decodes is None:
-        decodes = ctx.plans[__name__] = _decodes(ctx)
-    assert isinstance(decodes, Decodes)
-    return decodes
+def step_plan(ctx: Context) -> Plan:
+    """This step's plan, derived by the first layer and shared by the others."""
+    plan = ctx.plans.get(__name__)
+    if plan is None:
+        plan = ctx.plans[__name__] = Plan(*_decode_groups(ctx), _segments(ctx))
+    assert isinstance(plan, Plan)
+    return plan
 
 
-def _decodes(ctx: Context) -> Decodes:
+def _decode_groups(ctx: Context) -> tuple[torch.Tensor, list[DecodeGroup]]:
     """The decode sequences ordered by context length: their tokens, and their groups in chunks of at most
     GATHER_KEYS keys; the slots of all of them computed at once.
 
@@ -101,10 +116,10 @@ def _decodes(ctx: Context) -> Decodes:
     (measured: 16 decodes of 256 tokens, 30 layers, 2.8x faster than one gather per group)."""
     rows = (ctx.cu_seqlens_q.diff() == 1).nonzero().squeeze(1)
     if not len(rows):
-        return Decodes(rows, [])
+        return rows, []
     lens, order = ctx.context_lens[rows].sort(stable=True)
     rows = rows[order]
-    slots = key_slots(ctx.block_tables[rows], int(lens[-1]), ctx.k_caches[0].shape[1])
+    slots = _key_slots(ctx.block_tables[rows], int(lens[-1]), ctx.k_caches[0].shape[1])
     groups, start = [], 0
     lengths, counts = torch.unique_consecutive(lens, return_counts=True)
     for length, count in zip(lengths.tolist(), counts.tolist(), strict=True):
@@ -113,7 +128,32 @@ def _decodes(ctx: Context) -> Decodes:
             last = min(first + step, start + count)
             groups.append(DecodeGroup(first, last - first, slots[first:last, :length].flatten(), length))
         start += count
-    return Decodes(ctx.cu_seqlens_q[rows], groups)
+    return ctx.cu_seqlens_q[rows], groups
+
+
+def _segments(ctx: Context) -> list[Segment]:
+    if not ctx.prompt_rows:
+        return []
+    starts, lens, block_size = ctx.cu_seqlens_q.tolist(), ctx.context_lens.tolist(), ctx.k_caches[0].shape[1]
+    return [
+        _segment(starts[i], starts[i + 1], lens[i], ctx.block_tables[i], block_size) for i in ctx.prompt_rows
+    ]
+
+
+def _segment(start: int, end: int, context_len: int, block_table: torch.Tensor, block_size: int) -> Segment:
+    q_len = end - start
+    cached = context_len - q_len
+    if cached == 0:
+        return Segment(start, end, context_len, None, None)
+    slots = _key_slots(block_table[None], context_len, block_size)[0]
+    mask = torch.arange(context_len)[None, :] <= cached + torch.arange(q_len)[:, None]
+    return Segment(start, end, context_len, slots, mask)
+
+
+def _key_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """[n, length] pool slots of the first `length` tokens of each row of block tables [n, W]."""
+    positions = torch.arange(length).expand(len(block_tables), length)
+    return paging.slots(block_tables, positions, block_size)
 
 
 def _decode(

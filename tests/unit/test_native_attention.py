@@ -84,6 +84,11 @@ def test_prompt_chunks_over_a_cached_prefix_are_causal():
     check([13, 1, 8, 17, 3], [45, 600, 8, 17, 300])
 
 
+def test_prompt_chunks_longer_than_a_work_item():
+    # a chunk is attended in items of up to 32 queries: 70 is three of them, 64 two, 33 two
+    check([70, 64, 33, 5], [200, 600, 33, 21])
+
+
 def test_decodes_sharing_prefix_blocks():
     lens = [512 + 16 * i + 3 for i in range(8)]
     check([1] * 8, lens, shared=32)

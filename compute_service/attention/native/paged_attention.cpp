@@ -2,11 +2,14 @@
 //
 // One work item is (sequence, KV head, chunk of up to kQueryChunk queries): its rows are every query head
 // of that KV head (GQA) for each query of the chunk, so each key and value row is read and upcast once per
-// item. Decodes whose tables start with the same blocks (a shared prompt) are grouped, up to kQueryChunk
-// sequences per item: the blocks they share are read once for all of them, the rest per sequence. Items run in parallel with at::parallel_for. Query i of a sequence with q_len new tokens and
-// context_len keys sits at position context_len - q_len + i and sees keys 0 ..= that position (causal).
-// Inner loops are plain float loops over the head dim or the block's tokens, written so that the compiler
-// vectorises them (-O3 -march=native -fopenmp, sums reassociated: native/__init__.py CFLAGS).
+// item. Decodes whose tables start with the same blocks (a shared prompt) are grouped, up to kDecodeGroup
+// sequences per item: the blocks they share are read once for all of them, the rest per sequence. The
+// threads take items costliest first, each the next one when done. Query i of a sequence with q_len new
+// tokens and context_len keys sits at position context_len - q_len + i and sees keys 0 ..= that position
+// (causal). Inner loops are plain float loops over the head dim or the block's tokens, written so that the
+// compiler vectorises them (-O3 -march=native -fopenmp, sums reassociated: native/__init__.py CFLAGS); a
+// block's scores take four rows per key vector and its values two rows per value row, so that several
+// chains of FMAs are in flight.
 #include "paged_attention.h"
 
 #include <ATen/Parallel.h>
@@ -17,11 +20,15 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kQueryChunk = 8;
+// Queries per item of a prompt chunk (32 against 8: chunks over a 512-token prefix 0.85-1.0x -> 0.7-0.8x the
+// time of gather + SDPA), and decodes per group (more would leave a step's groups too few for the threads).
+constexpr int64_t kQueryChunk = 32;
+constexpr int64_t kDecodeGroup = 8;
 
 struct Geometry {
   int64_t num_blocks, block_size, num_kv_heads, head_dim, group;
@@ -85,6 +92,32 @@ inline void row_values(float* __restrict__ acc, const float* __restrict__ p, con
   }
 }
 
+// row_values for two rows at once, each value row loaded once for both: two rows' chains of FMAs in flight
+// where one row's wait on each FMA's latency. Their p are zero past their own visible keys.
+template <int64_t D, typename kv_t>
+inline void pair_values(float* __restrict__ acc_a, float* __restrict__ acc_b, const float* __restrict__ pa,
+                        const float* __restrict__ pb, const kv_t* __restrict__ v, int64_t stride, int64_t n) {
+  float a[D], b[D];
+  for (int64_t d = 0; d < D; ++d) {
+    a[d] = acc_a[d];
+    b[d] = acc_b[d];
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const kv_t* __restrict__ vt = v + t * stride;
+    const float at = pa[t], bt = pb[t];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = static_cast<float>(vt[d]);
+      a[d] += at * x;
+      b[d] += bt * x;
+    }
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    acc_a[d] = a[d];
+    acc_b[d] = b[d];
+  }
+}
+
 // Scores of every row with visible keys against the block's first n keys, through the keys transposed once
 // ([head_dim][16]): a row's 16 scores are one vector, built by FMAs over the head dim with no horizontal sums.
 // For blocks of 16 keys read by many rows (a group's shared blocks).
@@ -97,7 +130,29 @@ void scores_transposed(const kv_t* __restrict__ k, int64_t stride, int64_t n, co
   for (int64_t t = 0; t < B; ++t) {
     for (int64_t d = 0; d < hd; ++d) kt[d * B + t] = t < n ? static_cast<float>(k[t * stride + d]) : 0.0f;
   }
-  for (int64_t r = 0; r < rows; ++r) {
+  int64_t r = 0;
+  // NOTE: four rows at a time, each key vector loaded once for four independent accumulators: one row's
+  // chain of FMAs over the head dim waits on each FMA's latency.
+  for (; r + 4 <= rows; r += 4) {
+    const float* __restrict__ q = &s.q[r * hd];
+    float a0[B] = {}, a1[B] = {}, a2[B] = {}, a3[B] = {};
+    for (int64_t d = 0; d < hd; ++d) {
+      const float q0 = q[d], q1 = q[hd + d], q2 = q[2 * hd + d], q3 = q[3 * hd + d];
+      const float* __restrict__ kd = &kt[d * B];
+#pragma omp simd
+      for (int64_t t = 0; t < B; ++t) {
+        a0[t] += q0 * kd[t];
+        a1[t] += q1 * kd[t];
+        a2[t] += q2 * kd[t];
+        a3[t] += q3 * kd[t];
+      }
+    }
+    std::copy(a0, a0 + B, &s.scores[r * g.block_size]);
+    std::copy(a1, a1 + B, &s.scores[(r + 1) * g.block_size]);
+    std::copy(a2, a2 + B, &s.scores[(r + 2) * g.block_size]);
+    std::copy(a3, a3 + B, &s.scores[(r + 3) * g.block_size]);
+  }
+  for (; r < rows; ++r) {
     if (visible[r] <= 0) continue;
     const float* __restrict__ q = &s.q[r * hd];
     float acc[B] = {};
@@ -142,7 +197,23 @@ void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const 
       sum += scores[t];
     }
     s.sum[r] += sum;
-    row_values<D>(acc, scores, v, stride, m, hd);
+    std::fill(scores + m, scores + g.block_size, 0.0f);  // a pair's values run to the longer of its two rows
+  }
+  // then the values, rows two at a time where the head dim is a compile-time size
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = visible[r];
+    if (m <= 0) continue;
+    int64_t next = r + 1;
+    while (next < rows && visible[next] <= 0) ++next;
+    if constexpr (D > 0) {
+      if (next < rows) {
+        pair_values<D>(&s.acc[r * hd], &s.acc[next * hd], &s.scores[r * g.block_size],
+                       &s.scores[next * g.block_size], v, stride, std::max(m, visible[next]));
+        r = next;
+        continue;
+      }
+    }
+    row_values<D>(&s.acc[r * hd], &s.scores[r * g.block_size], v, stride, m, hd);
   }
 }
 
@@ -170,7 +241,7 @@ struct Item {
 // Decodes (one new query each) whose tables start with the same `shared` blocks, every key of which all of
 // them see: those blocks are read once for all of them (a shared prompt's keys), the rest per sequence.
 struct Group {
-  int64_t seqs[kQueryChunk];
+  int64_t seqs[kDecodeGroup];
   int64_t count, shared;
 };
 
@@ -291,7 +362,7 @@ inline int64_t shared_blocks(const int64_t* a, const int64_t* b, int64_t full_bl
   return n;
 }
 
-// The step's work: decodes whose tables share leading blocks go in Groups of up to kQueryChunk (in the order
+// The step's work: decodes whose tables share leading blocks go in Groups of up to kDecodeGroup (in the order
 // of their tables, so that sharers meet), every other sequence in Items of up to kQueryChunk queries.
 void plan_work(const int64_t* tables, int64_t width, const int64_t* q_lens, const int64_t* context_lens, int64_t n,
                int64_t block_size, std::vector<Item>& items, std::vector<Group>& groups) {
@@ -313,7 +384,7 @@ void plan_work(const int64_t* tables, int64_t width, const int64_t* q_lens, cons
     Group group{{decodes[i]}, 1, context_lens[decodes[i]] / block_size};
     const int64_t* head = tables + decodes[i] * width;
     size_t next = i + 1;
-    for (; next < decodes.size() && group.count < kQueryChunk; ++next) {
+    for (; next < decodes.size() && group.count < kDecodeGroup; ++next) {
       const int64_t seq = decodes[next];
       const int64_t full = std::min(group.shared, context_lens[seq] / block_size);
       const int64_t shared = shared_blocks(head, tables + seq * width, full);
@@ -342,18 +413,33 @@ void attend_all(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_ca
   plan_work(tables, width, lens, context_lens.data_ptr<int64_t>(), q_lens.size(0), g.block_size, items, groups);
   const auto* k = reinterpret_cast<const kv_t*>(k_cache.data_ptr());
   const auto* v = reinterpret_cast<const kv_t*>(v_cache.data_ptr());
-  const int64_t units = static_cast<int64_t>(groups.size() + items.size());
-  at::parallel_for(0, units * g.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t* contexts = context_lens.data_ptr<int64_t>();
+  // NOTE: handed out costliest first, each thread taking the next when done (a static split of a causal
+  // prompt's items gave one thread the short early chunks and the other the long late ones). Cost: query
+  // rows times the keys they read.
+  std::vector<std::pair<int64_t, int64_t>> work;  // (cost, unit)
+  for (const Group& group : groups) {
+    int64_t keys = group.shared * g.block_size;
+    for (int64_t m = 0; m < group.count; ++m) keys += contexts[group.seqs[m]] - group.shared * g.block_size;
+    work.emplace_back(group.count * keys, static_cast<int64_t>(work.size()));
+  }
+  for (const Item& item : items) {
+    const int64_t last = contexts[item.seq] - lens[item.seq] + item.first + item.count;
+    work.emplace_back(item.count * last, static_cast<int64_t>(work.size()));
+  }
+  std::stable_sort(work.begin(), work.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  const int64_t total = static_cast<int64_t>(work.size()) * g.num_kv_heads;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch scratch(g);
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t unit = w / g.num_kv_heads, kv_head = w % g.num_kv_heads;
+    for (int64_t w; (w = next.fetch_add(1)) < total;) {
+      const int64_t unit = work[w / g.num_kv_heads].second, kv_head = w % g.num_kv_heads;
       if (unit < static_cast<int64_t>(groups.size())) {
         attend_group<kv_t, q_t>(groups[unit], kv_head, query, out, k, v, tables, width, q_starts.data_ptr<int64_t>(),
-                                context_lens.data_ptr<int64_t>(), g, q_scale, v_scale, scratch);
+                                contexts, g, q_scale, v_scale, scratch);
       } else {
         attend_item<kv_t, q_t>(items[unit - groups.size()], kv_head, query, out, k, v, tables, width,
-                               q_starts.data_ptr<int64_t>(), lens, context_lens.data_ptr<int64_t>(), g, q_scale,
-                               v_scale, scratch);
+                               q_starts.data_ptr<int64_t>(), lens, contexts, g, q_scale, v_scale, scratch);
       }
     }
   });

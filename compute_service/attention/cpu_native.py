@@ -5,10 +5,11 @@ with an online softmax in float32 over the pool's own dtype (fp8 scales folded i
 output).
 
 NOTE: prompts went to the pure-torch backend's gather + SDPA (compute_service.attention.cpu) until the
-kernel scored four query rows per key vector and weighed values two rows at a time, in items of up to 32
-queries. Measured after that (one sequence, 9 heads over 3 KV heads of 64, float32, 2 threads, best of 8):
-a fresh prompt of 64 / 256 / 512 tokens 0.58x / 0.77x / 0.71x the time of SDPA; chunks of 16 / 64 / 256
-over a 512-token prefix 0.69x / 0.79x / 0.91x, over 3,968 tokens 0.89x / 0.55x / 0.76x.
+kernel scored four query rows per key vector, weighed values two rows at a time, took items of up to 32
+queries and handed them out costliest first. Measured then (one sequence, 9 heads over 3 KV heads of 64,
+float32, 2 threads, best of 8, against gather + SDPA in the same run): fresh prompts of 64 / 256 / 512
+tokens 0.50x / 0.54x / 0.51x the time, chunks of 16 / 64 / 256 over a 512-token prefix 0.72x / 0.79x /
+0.71x (README, Native paged attention).
 """
 
 from dataclasses import dataclass

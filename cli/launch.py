@@ -6,6 +6,7 @@ start and wait for any one server.
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -27,22 +28,45 @@ from sdk.client import Client
 GATEWAY_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
+# NOTE: ports handed out come from below the kernel's ephemeral range. A port the kernel picked (bind to 0)
+# and we released goes back to that range, where the next outgoing connection (a health probe, a gRPC
+# client, another stack's services) may be given it in the seconds before the server it was meant for binds
+# it: a fresh-clone run lost a compute metrics port that way, five restarts in a row.
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10_000
+_handed_out: set[int] = set()
+
+
+def _candidate_ports() -> range:
+    """The ports below the ephemeral range (all unprivileged ones if that leaves too few)."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    below = range(LOWEST_PORT, low)
+    return below if len(below) >= 1000 else range(1024, 65536)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)
 
 
 def free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports."""
+    """The first of `count` consecutive ports free on 127.0.0.1 now, outside the ephemeral range and not
+    handed out before by this process."""
+    ports = _candidate_ports()
     while True:
-        base = free_port()
+        base = random.randrange(ports.start, ports.stop - count + 1)
+        wanted = range(base, base + count)
+        if not _handed_out.isdisjoint(wanted):
+            continue
         with contextlib.ExitStack() as stack:
             try:
-                for port in range(base, base + count):
+                for port in wanted:
                     stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
             except OSError:
                 continue
+        _handed_out.update(wanted)
         return base
 
 

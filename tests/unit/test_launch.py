@@ -21,6 +21,13 @@ def test_free_ports_are_consecutive_and_bindable():
             sock.bind(("127.0.0.1", port))
 
 
+def test_free_ports_are_below_the_ephemeral_range_and_never_handed_out_twice():
+    low = int(launch.EPHEMERAL_RANGE.read_text().split()[0])
+    ports = [launch.free_port() for _ in range(200)] + [launch.free_ports(3) + i for i in range(3)]
+    assert len(set(ports)) == len(ports)
+    assert all(launch.LOWEST_PORT <= port < low for port in ports)
+
+
 def test_wait_healthy_reports_an_exit_with_the_log_tail(tmp_path):
     proc = launch.spawn([sys.executable, "-c", "print('boom'); raise SystemExit(3)"], tmp_path / "out.log")
     with pytest.raises(RuntimeError, match=r"exited with 3:\nboom"):

@@ -53,7 +53,10 @@ def add_model(parser: argparse.ArgumentParser) -> None:
 
 def add_dtype(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: bfloat16 where the CPU has native bf16"
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="auto: float32 on the cpu, bfloat16 on a GPU or NPU",
     )
 
 

@@ -3,18 +3,15 @@ from pathlib import Path
 from common.precision import cpu_flags, resolve_dtype
 
 
-def test_auto_is_bfloat16_only_with_native_bf16():
-    assert resolve_dtype("auto", frozenset({"avx2", "fma"})) == "float32"
-    assert resolve_dtype("auto", frozenset({"avx2", "avx512_bf16"})) == "bfloat16"
-    assert resolve_dtype("auto", frozenset({"amx_bf16", "amx_tile"})) == "bfloat16"
-    assert resolve_dtype("auto", frozenset({"avx2"}), device_type="cuda") == "bfloat16"
-    assert resolve_dtype("auto", frozenset({"avx2"}), device_type="npu") == "bfloat16"
-    assert resolve_dtype("float32", frozenset(), device_type="cuda") == "float32"
+def test_auto_is_float32_on_the_cpu_and_bfloat16_on_an_accelerator():
+    assert resolve_dtype("auto") == "float32"
+    assert resolve_dtype("auto", device_type="cuda") == "bfloat16"
+    assert resolve_dtype("auto", device_type="npu") == "bfloat16"
 
 
 def test_explicit_dtype_is_kept():
-    assert resolve_dtype("bfloat16", frozenset()) == "bfloat16"
-    assert resolve_dtype("float32", frozenset({"amx_bf16"})) == "float32"
+    assert resolve_dtype("bfloat16") == "bfloat16"
+    assert resolve_dtype("float32", device_type="cuda") == "float32"
 
 
 def test_cpu_flags_reads_the_flags_line(tmp_path: Path):

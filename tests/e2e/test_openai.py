@@ -7,7 +7,9 @@ disconnects mid-request has its sequence aborted and its blocks freed. API keys 
 test_edge.py.
 """
 
+import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -19,6 +21,7 @@ import openai
 import pytest
 
 from tests.e2e.stack import start_stack
+from tests.processes import services_of
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -237,17 +240,22 @@ def post(url: str, body: dict, *args: str) -> list[str]:
 
 def test_sigterm_drains_http_streams_and_refuses_new_requests(tmp_path, tokenizer, logs):
     """A stack of a random-weight model: SIGTERM while an HTTP stream runs lets it end with [DONE], while
-    /health and a new request get 503; then the stack exits 0."""
+    /health and a new request get 503; then the stack exits 0. Compute is stopped (SIGSTOP) while the probes
+    run, so the stream cannot end before them (as in test_supervisor's drain test)."""
     model = save_tiny_llama(tmp_path / "tiny", vocab_size=len(tokenizer))
     tokenizer.save_pretrained(model)
-    stack = start_stack(logs, "--model", str(model), "--dtype", "float32", "--kv-blocks", "64")
+    stack = start_stack(
+        logs, "--model", str(model), "--dtype", "float32", "--kv-blocks", "64", "--step-timeout", "120"
+    )
     health = stack.http_url.removesuffix("/v1") + "/health"
+    compute = services_of(stack.proc.pid)["compute"]
     try:
         body = {"prompt": [5, 6], "max_tokens": 500, "ignore_eos": True, "stream": True}
         client = subprocess.Popen(
             post(stack.http_url + "/completions", body, "-N"), stdout=subprocess.PIPE, text=True
         )
         assert client.stdout.readline().startswith("data: ")
+        os.kill(compute, signal.SIGSTOP)
         stack.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
         while (code := curl(health, "-o", "/dev/null", "-w", "%{http_code}").stdout) == "200":
@@ -257,8 +265,11 @@ def test_sigterm_drains_http_streams_and_refuses_new_requests(tmp_path, tokenize
         refused = subprocess.run(post(stack.http_url + "/completions", {"prompt": [5], "max_tokens": 1}),
                                  capture_output=True, text=True, timeout=60)  # fmt: skip
         assert json.loads(refused.stdout)["error"]["type"] == "service_unavailable_error", refused
+        os.kill(compute, signal.SIGCONT)
         rest = client.communicate(timeout=60)[0]
         assert rest.endswith('"finish_reason":"length"}]}\n\ndata: [DONE]\n\n'), rest[-300:]
         assert stack.proc.wait(60) == 0
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(compute, signal.SIGCONT)
         stack.stop()

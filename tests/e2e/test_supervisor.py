@@ -19,7 +19,7 @@ from tests.processes import gone, segments, segments_of, services_of
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
-STREAMS, NEW_TOKENS = 8, 200
+STREAMS, NEW_TOKENS = 8, 500
 
 
 @pytest.fixture(scope="module")

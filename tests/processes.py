@@ -1,5 +1,10 @@
-"""Processes seen through /proc: whether one still runs, and the services a `pagedserve up` started."""
+"""Processes seen through /proc: whether one still runs, and the services a `pagedserve up` started; one
+stopped for a while."""
 
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 SHM = Path("/dev/shm")
@@ -34,3 +39,15 @@ def segments() -> set[Path]:
 
 def segments_of(pid: int) -> set[Path]:
     return set(SHM.glob(f"pagedserve-kv-{pid}-*"))
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """pid stopped (SIGSTOP) inside the block and continued (SIGCONT) when it is left, also on an error; a
+    process gone meanwhile is not an error."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)

@@ -7,9 +7,7 @@ disconnects mid-request has its sequence aborted and its blocks freed. API keys 
 test_edge.py.
 """
 
-import contextlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -21,7 +19,7 @@ import openai
 import pytest
 
 from tests.e2e.stack import start_stack
-from tests.processes import services_of
+from tests.processes import services_of, stopped
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -255,21 +253,18 @@ def test_sigterm_drains_http_streams_and_refuses_new_requests(tmp_path, tokenize
             post(stack.http_url + "/completions", body, "-N"), stdout=subprocess.PIPE, text=True
         )
         assert client.stdout.readline().startswith("data: ")
-        os.kill(compute, signal.SIGSTOP)
-        stack.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while (code := curl(health, "-o", "/dev/null", "-w", "%{http_code}").stdout) == "200":
-            assert time.monotonic() < deadline, "health never turned 503"
-            time.sleep(0.05)
-        assert code == "503", code
-        refused = subprocess.run(post(stack.http_url + "/completions", {"prompt": [5], "max_tokens": 1}),
-                                 capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert json.loads(refused.stdout)["error"]["type"] == "service_unavailable_error", refused
-        os.kill(compute, signal.SIGCONT)
+        with stopped(compute):
+            stack.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while (code := curl(health, "-o", "/dev/null", "-w", "%{http_code}").stdout) == "200":
+                assert time.monotonic() < deadline, "health never turned 503"
+                time.sleep(0.05)
+            assert code == "503", code
+            refused = subprocess.run(post(stack.http_url + "/completions", {"prompt": [5], "max_tokens": 1}),
+                                     capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert json.loads(refused.stdout)["error"]["type"] == "service_unavailable_error", refused
         rest = client.communicate(timeout=60)[0]
         assert rest.endswith('"finish_reason":"length"}]}\n\ndata: [DONE]\n\n'), rest[-300:]
         assert stack.proc.wait(60) == 0
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(compute, signal.SIGCONT)
         stack.stop()

@@ -1,7 +1,6 @@
 """`pagedserve up` as an operator meets it: a killed service comes back, a killed launcher takes its
 services along, SIGTERM drains the gateway; no segment is left in /dev/shm. The tiny model starts fast."""
 
-import contextlib
 import os
 import signal
 import threading
@@ -15,7 +14,7 @@ from cli.launch import Stack
 from common.healthcheck import serving
 from sdk.client import GenerationError
 from tests.helpers import ROOT
-from tests.processes import gone, segments, segments_of, services_of
+from tests.processes import gone, segments, segments_of, services_of, stopped
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -103,22 +102,19 @@ def test_sigterm_drains_the_running_requests_and_refuses_new_ones(tiny_model, lo
         for thread in threads:
             thread.start()
         assert all(started.acquire(timeout=60) for _ in threads), "every stream runs"
-        os.kill(compute, signal.SIGSTOP)
-        stack.proc.send_signal(signal.SIGTERM)
-        assert wait_until(lambda: not serving(stack.target, timeout=1), 10), "NOT_SERVING at once"
-        with stack.client(timeout=30) as client, pytest.raises(GenerationError) as refused:
-            client.generate(token_ids=[5, 6, 7], max_tokens=4)
-        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
-        assert refused.value.details.startswith("draining: the gateway is shutting down")
-        assert results == [], "no stream can end while compute is stopped"
-        os.kill(compute, signal.SIGCONT)
+        with stopped(compute):
+            stack.proc.send_signal(signal.SIGTERM)
+            assert wait_until(lambda: not serving(stack.target, timeout=1), 10), "NOT_SERVING at once"
+            with stack.client(timeout=30) as client, pytest.raises(GenerationError) as refused:
+                client.generate(token_ids=[5, 6, 7], max_tokens=4)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+            assert refused.value.details.startswith("draining: the gateway is shutting down")
+            assert results == [], "no stream can end while compute is stopped"
         for thread in threads:
             thread.join(60)
         assert results == [("length", NEW_TOKENS)] * STREAMS
         assert stack.proc.wait(60) == 0
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(compute, signal.SIGCONT)
         stack.stop()
         for thread in threads:
             thread.join(10)

@@ -156,3 +156,26 @@ def test_a_handle_inconsistent_in_itself_is_refused(segment, tmp_path):
     bad_shape = _with(handle)
     bad_shape.shape[1] = 3
     assert "pool shape must be" in _refusal(bad_shape, tmp_path)
+
+
+def _resident_kib(path: str) -> int:
+    """Resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
+    resident, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split()[0]:  # a mapping's header line
+            inside = line.endswith(path)
+        elif inside and line.startswith("Rss:"):
+            resident += int(line.split()[1])
+    return resident
+
+
+def test_create_and_open_map_every_page_up_front(segment, tmp_path):
+    """The cache's pool and compute's mapping of it are resident before anything touches them: no first-touch
+    page faults on the serving path."""
+    tensor, handle = segment
+    size_kib = SPEC.nbytes // 1024
+    assert _resident_kib(handle.shm.path) >= size_kib
+    before = _resident_kib(handle.shm.path)
+    opened = shared_pool.open_pool(handle, tmp_path)
+    assert _resident_kib(handle.shm.path) - before >= size_kib, "compute's mapping is populated too"
+    assert torch.equal(opened, tensor)

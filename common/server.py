@@ -1,6 +1,7 @@
 """One gRPC server bootstrap for every service: error mapping, health, reflection, graceful stop."""
 
 import contextlib
+import gc
 import os
 import signal
 import threading
@@ -204,6 +205,11 @@ def serve(
     if socket is not None:
         # NOTE: the socket is created with the umask's mode; connecting needs write permission on it.
         os.chmod(socket, 0o600)
+    # NOTE: what start-up built (a model's modules and parameters, imported code) lives as long as the
+    # process: frozen out of the collector's generations, so that a full collection no longer walks it on
+    # the serving path (compute: the collector's walks were ~4 % of its CPU time in a throughput run).
+    gc.collect()
+    gc.freeze()
     server.start()
     result = Server(server, health_servicer, bound, socket)
     for _, _, name in services:

@@ -5,12 +5,13 @@
 // each query of the chunk, so each key and value row is read and upcast once per task. Decodes whose tables
 // start with the same blocks (a shared prompt) are grouped, up to kDecodeGroup sequences per item: the
 // blocks they share are read once for all of them, the rest per sequence. The threads take tasks costliest
-// first, each the next one when done. Query i of a sequence with q_len new
-// tokens and context_len keys sits at position context_len - q_len + i and sees keys 0 ..= that position
-// (causal). Inner loops are plain float loops over the head dim or the block's tokens, written so that the
-// compiler vectorises them (-O3 -march=native -fopenmp, sums reassociated: native/__init__.py CFLAGS); a
-// block's scores take four rows per key vector and its values two rows per value row, so that several
-// chains of FMAs are in flight.
+// first, each the next one when done. Query i of a sequence with q_len new tokens and context_len keys sits at
+// position context_len - q_len + i and sees keys 0 ..= that position (causal). Float keys of head dim 64 in
+// blocks of 16 (SmolLM2's and most small Llamas') go through explicit 16-float vectors where the build has
+// AVX-512 (scores64, values64); other inner loops are plain float loops over the head dim or the block's
+// tokens, written so that the compiler vectorises them (-O3 -march=native -fopenmp, sums reassociated:
+// native/__init__.py CFLAGS); a block's scores take four rows per key vector and its values two rows per
+// value row, so that several chains of FMAs are in flight.
 #include "paged_attention.h"
 
 #include <ATen/Parallel.h>
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -37,7 +39,7 @@ struct Geometry {
 
 struct Scratch {
   std::vector<float> q, acc, max, sum, scores, keys_t;
-  std::vector<int64_t> visible;
+  std::vector<int64_t> visible, active;
   // rows: a prompt chunk's for one KV head, or a decode group's for every KV head
   Scratch(const Geometry& g) : Scratch(g, std::max(kQueryChunk * g.group, kDecodeGroup * g.group * g.num_kv_heads)) {}
   Scratch(const Geometry& g, int64_t rows)
@@ -47,7 +49,8 @@ struct Scratch {
         sum(max.size()),
         scores(max.size() * g.block_size),
         keys_t(g.head_dim * g.block_size),
-        visible(max.size()) {}
+        visible(max.size()),
+        active(max.size()) {}
 };
 
 // Rows at which scoring a block through its transposed keys pays for the transpose (a group's).
@@ -168,16 +171,144 @@ void scores_transposed(const kv_t* __restrict__ k, int64_t stride, int64_t n, co
   }
 }
 
+// Whether the build targets AVX-512: the one ISA where scores64/values64 pay. Built for AVX2 (-march=x86-64-v3),
+// where a 16-float vector is two registers and a two-vector shuffle many instructions, they took 2.1x the
+// step of the plain loops (4.8x with the keys in cache), so AVX2 builds keep those.
+#if defined(__AVX512F__)
+constexpr bool kAvx512 = true;
+#else
+constexpr bool kAvx512 = false;
+#endif
+
+// GCC vector extensions: 16 floats, one AVX-512 register; v16u is loaded and stored at any float boundary.
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+
+// Lane t of the result is the sum of p[t]'s 16 lanes: the vectors halved and interleaved pairwise four times
+// (15 adds and 30 two-vector shuffles for 16 sums, against a horizontal sum of 4-5 steps each).
+inline v16 sum_lanes(const v16 (&p)[16]) {
+  constexpr i16 a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  constexpr i16 b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  constexpr i16 a2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  constexpr i16 b2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  constexpr i16 a3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  constexpr i16 b3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  constexpr i16 a4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  constexpr i16 b4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  v16 c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i) c[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], a1) + __builtin_shuffle(p[2 * i], p[2 * i + 1], b1);
+  for (int i = 0; i < 4; ++i) d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], a2) + __builtin_shuffle(c[2 * i], c[2 * i + 1], b2);
+  for (int i = 0; i < 2; ++i) e[i] = __builtin_shuffle(d[2 * i], d[2 * i + 1], a3) + __builtin_shuffle(d[2 * i], d[2 * i + 1], b3);
+  return __builtin_shuffle(e[0], e[1], a4) + __builtin_shuffle(e[0], e[1], b4);
+}
+
+// Scores of R rows (head dim 64) against a block's first n of 16 keys, each key loaded once for all R rows:
+// out[r][t] = q[r] . k_t for t < n (later lanes hold zeros).
+template <int R>
+inline void scores64(const float* const* q, const float* __restrict__ k, int64_t stride, int64_t n,
+                     float* const* out) {
+  v16 qv[R][4], part[R][16];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) qv[r][j] = load16(q[r] + 16 * j);
+  }
+  for (int t = 0; t < 16; ++t) {
+    if (t >= n) {
+      for (int r = 0; r < R; ++r) part[r][t] = v16{};
+      continue;
+    }
+    const float* kt = k + t * stride;
+    const v16 k0 = load16(kt), k1 = load16(kt + 16), k2 = load16(kt + 32), k3 = load16(kt + 48);
+    for (int r = 0; r < R; ++r) part[r][t] = qv[r][0] * k0 + qv[r][1] * k1 + qv[r][2] * k2 + qv[r][3] * k3;
+  }
+  for (int r = 0; r < R; ++r) store16(out[r], sum_lanes(part[r]));
+}
+
+// acc[r] += sum over t < n of p[r][t] * v_t for R rows (head dim 64), each value row loaded once for all R
+// rows, the accumulators in registers.
+template <int R>
+inline void values64(float* const* acc, const float* const* p, const float* __restrict__ v, int64_t stride,
+                     int64_t n) {
+  v16 a[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) a[r][j] = load16(acc[r] + 16 * j);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float* vt = v + t * stride;
+    const v16 v0 = load16(vt), v1 = load16(vt + 16), v2 = load16(vt + 32), v3 = load16(vt + 48);
+    for (int r = 0; r < R; ++r) {
+      const float pt = p[r][t];
+      a[r][0] += pt * v0;
+      a[r][1] += pt * v1;
+      a[r][2] += pt * v2;
+      a[r][3] += pt * v3;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) store16(acc[r] + 16 * j, a[r][j]);
+  }
+}
+
+// fn.template operator()<R>(first, R) over [0, n) in runs of up to 4 (R a compile-time count).
+template <typename Fn>
+inline void in_fours(int64_t n, const Fn& fn) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) fn.template operator()<4>(i);
+  switch (n - i) {
+    case 3: return fn.template operator()<3>(i);
+    case 2: return fn.template operator()<2>(i);
+    case 1: return fn.template operator()<1>(i);
+    default: return;
+  }
+}
+
 // Folds one block of keys [k, k + n rows) into the running max, sum and accumulator of scratch rows
 // [r0, r0 + rows); row r0 + r sees the block's first visible[r] keys (visible[r] <= n, 0: none).
 template <int64_t D, typename kv_t>
 void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const int64_t* visible, int64_t rows,
                   int64_t r0, const Geometry& g, Scratch& s) {
   const int64_t stride = g.num_kv_heads * g.head_dim, hd = g.head_dim;
-  const int64_t active = std::count_if(visible, visible + rows, [](int64_t m) { return m > 0; });
-  const bool transposed = g.block_size == kTransposedBlock && active >= kTransposedRows;
+  // the rows that see any key of the block
+  int64_t* const active = s.active.data();
+  int64_t count = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (visible[r] > 0) active[count++] = r;
+  }
+  const bool transposed = g.block_size == kTransposedBlock && count >= kTransposedRows;
+  // NOTE: float keys of head dim 64 in blocks of 16 go through scores64/values64: explicit vectors, up to four
+  // rows per key or value load, a block's 16 scores summed together (measured, 16 decodes of 290 keys on 2
+  // threads, in one process alternating the builds: 0.88-0.93x the step of row_scores/pair_values, 0.82x
+  // with the keys in cache; one decode on 1 thread 0.94x).
+  constexpr bool kVec64 = kAvx512 && D == 64 && std::is_same_v<kv_t, float>;
+  const bool vec64 = kVec64 && g.block_size == 16;
+  // the scratch rows (r0 + active[i]) of runs of up to four active rows, and the most keys any of them sees
+  const auto run = [&](int64_t first, int64_t n, int64_t* at) {
+    int64_t keys = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      at[i] = r0 + active[first + i];
+      keys = std::max(keys, visible[active[first + i]]);
+    }
+    return keys;
+  };
   if (transposed) {
     scores_transposed<D>(k, stride, *std::max_element(visible, visible + rows), visible, rows, r0, g, s);
+  } else if constexpr (kVec64) {
+    if (vec64) {
+      in_fours(count, [&]<int R>(int64_t first) {
+        int64_t at[R];
+        const int64_t keys = run(first, R, at);
+        const float* q[R];
+        float* out[R];
+        for (int i = 0; i < R; ++i) {
+          q[i] = &s.q[at[i] * hd];
+          out[i] = &s.scores[at[i] * g.block_size];
+        }
+        scores64<R>(q, reinterpret_cast<const float*>(k), stride, keys, out);
+      });
+    }
   }
   float* const row_maxes = &s.max[r0];
   float* const sums = &s.sum[r0];
@@ -185,7 +316,7 @@ void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const 
     const int64_t m = visible[r];
     if (m <= 0) continue;
     float* __restrict__ scores = &s.scores[(r0 + r) * g.block_size];
-    if (!transposed) row_scores<D>(&s.q[(r0 + r) * hd], k, stride, m, hd, scores);
+    if (!transposed && !vec64) row_scores<D>(&s.q[(r0 + r) * hd], k, stride, m, hd, scores);
     float block_max = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < m; ++t) block_max = std::max(block_max, scores[t]);
     float* __restrict__ acc = &s.acc[(r0 + r) * hd];
@@ -206,7 +337,24 @@ void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const 
     sums[r] += sum;
     std::fill(scores + m, scores + g.block_size, 0.0f);  // a pair's values run to the longer of its two rows
   }
-  // then the values, rows two at a time where the head dim is a compile-time size
+  // then the values: four rows at a time through values64, else two at a time where the head dim is a
+  // compile-time size
+  if constexpr (kVec64) {
+    if (vec64) {
+      in_fours(count, [&]<int R>(int64_t first) {
+        int64_t at[R];
+        const int64_t keys = run(first, R, at);
+        float* acc[R];
+        const float* p[R];
+        for (int i = 0; i < R; ++i) {
+          acc[i] = &s.acc[at[i] * hd];
+          p[i] = &s.scores[at[i] * g.block_size];
+        }
+        values64<R>(acc, p, reinterpret_cast<const float*>(v), stride, keys);
+      });
+      return;
+    }
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t m = visible[r];
     if (m <= 0) continue;

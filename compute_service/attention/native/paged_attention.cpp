@@ -252,7 +252,8 @@ inline void values64(float* const* acc, const float* const* p, const float* __re
   }
 }
 
-// fn.template operator()<R>(first, R) over [0, n) in runs of up to 4 (R a compile-time count).
+// fn.template operator()<R>(first) for runs [first, first + R) of up to four that cover [0, n) (R a
+// compile-time count).
 template <typename Fn>
 inline void in_fours(int64_t n, const Fn& fn) {
   int64_t i = 0;

@@ -1,4 +1,5 @@
-"""float32 linear layers on the CPU through oneDNN, each weight reordered once into oneDNN's blocked layout.
+"""float32 linear layers on the CPU, each weight packed once at load time: into panels for the native
+kernel (compute_service/attention/native/panel_linear.cpp) where it builds, else into oneDNN's blocked layout.
 
 NOTE: torch's float32 F.linear on the CPU is MKL's sgemm. oneDNN's inner product on a pre-reordered weight
 was faster at every batch size measured, decode and prefill alike. One step's linears of SmolLM2-135M (30
@@ -7,6 +8,13 @@ rows 1: 25-33 -> 11-15 ms; 16: 47-58 -> 20 ms; 64: 111-152 -> 50 ms; 512: ~800 -
 The reordered layout is tuned for PACK_ROWS rows; 32 was faster than 1 from 1 row to 512 (the layout for
 one row was no faster than the plain weight). vLLM's CPU engine takes the same route (a oneDNN matmul
 on a weight prepared once).
+
+The native panels went further where a step streams the weights from memory (a decode step: every weight
+read once, none in cache): the kernel prefetches each panel ahead of its arithmetic, which oneDNN's small
+products did not overlap well. 30 layers, 2 threads, Xeon with AVX-512, best of 5: rows 1: 24.8 -> 18.0 ms;
+16: 35.2 -> 27.6 ms; 64: 75.1 -> 57.7 ms; 512: 359 -> 358 ms (and built for AVX2 against oneDNN held to
+AVX2: 27.9 -> 19.9, 49.2 -> 34.3, 101 -> 86, 550 -> 612 ms: a prompt's products 0.90x there). They take
+the oneDNN weight's place, not a second copy.
 
 bfloat16 linears in a float32 model (`--weights bfloat16`, mixed precision): the weight is reordered in
 bfloat16, each input cast to bfloat16 and each output back to float32 (oneDNN accumulates in float32). On a
@@ -20,6 +28,8 @@ token for token against transformers.
 
 import torch
 from torch import nn
+
+from compute_service.attention import native
 
 # The batch size the reordered weight layout is chosen for (see the module docstring).
 PACK_ROWS = 32
@@ -52,9 +62,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class PackedLinear(nn.Module):
-    """y = x·Wᵀ + b on `linear`'s weight reordered for oneDNN in `dtype` (float32, or bfloat16 for mixed
-    precision: the input cast to it, the output back); equal to F.linear on the weight in `dtype` up to
-    rounding.
+    """y = x·Wᵀ + b on `linear`'s weight packed once: float32 panels for the native kernel where it builds
+    (`panels`), else reordered for oneDNN in `dtype` (float32, or bfloat16 for mixed precision: the input
+    cast to it, the output back); equal to F.linear on the weight in `dtype` up to rounding.
 
     The bias stays `linear`'s own float32 parameter; the plain weight is not kept (it lives on only where
     another module shares it, as a tied embedding does)."""
@@ -65,17 +75,25 @@ class PackedLinear(nn.Module):
         assert dtype in (torch.float32, torch.bfloat16), dtype
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = dtype
-        self.packed = packed_weight(linear.weight.to(dtype))
+        kernels = native.load() if dtype == torch.float32 else None
+        self.panels = kernels is not None
+        weight = linear.weight.detach().to(dtype).contiguous()
+        self.packed = kernels.pack_panels(weight) if kernels else packed_weight(weight)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels:
+            rows = x.reshape(-1, self.in_features).contiguous()
+            out = native.load().panel_linear(rows, self.packed, self.out_features, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.dtype == x.dtype:
             return packed_linear(x, self.packed, self.bias)
         out = packed_linear(x.to(self.dtype), self.packed, None).to(x.dtype)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn {self.dtype}"
+        kind = "native panels" if self.panels else "onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind} {self.dtype}"
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:

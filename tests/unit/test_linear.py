@@ -1,5 +1,8 @@
-"""The packed linear layer: the same product as nn.Linear through oneDNN on a weight reordered once, on
-float32 CPU layers only, in float32 or bfloat16 (mixed precision); the loader packs them last."""
+"""The packed linear layer: the same product as nn.Linear on a weight packed once (float32 panels for the
+native kernel where it builds, else oneDNN's layout), on float32 CPU layers only, in float32 or bfloat16
+(mixed precision, oneDNN); the loader packs them last."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -7,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from compute_service.attention import native
 from compute_service.batch import ForwardBatch
 from compute_service.linear import PACK_ROWS, PackedLinear, pack_linears
 from compute_service.model_loader import load
@@ -26,6 +30,74 @@ def test_equals_f_linear_at_any_batch_size(rows, bias):
     out = PackedLinear(linear)(x)
     assert out.shape == (1, rows, 96) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+
+
+needs_native = pytest.mark.skipif(native.load() is None, reason="the native kernels cannot be built here")
+
+
+@pytest.fixture
+def onednn_only(monkeypatch):
+    """PackedLinear as on a machine where the native kernels do not build: oneDNN's layout."""
+    monkeypatch.setattr("compute_service.linear.native", SimpleNamespace(load=lambda: None))
+
+
+@needs_native
+def test_float32_weights_pack_into_native_panels_where_the_kernels_build():
+    packed = PackedLinear(nn.Linear(64, 96))
+    assert packed.panels and not packed.packed.is_mkldnn and "native panels" in repr(packed)
+    assert packed.packed.shape == (-(-96 // native.load().panel_width()), 64, native.load().panel_width())
+
+
+@pytest.mark.parametrize("rows", [1, 7, PACK_ROWS + 1])
+def test_without_the_native_kernels_float32_weights_run_on_onednn(onednn_only, rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(64, 96)
+    packed = PackedLinear(linear)
+    assert not packed.panels and packed.packed.is_mkldnn and "onednn" in repr(packed)
+    x = torch.randn(rows, 64)
+    torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 11, 12, 13, 16, 25, 96, 97, 200])
+@pytest.mark.parametrize("shape", [(37, 70), (64, 32), (1536, 20)], ids=["ragged", "one panel", "wide in"])
+def test_panels_give_f_linear_for_every_tile_and_a_partial_last_panel(rows, bias, shape):
+    """Rows split into tiles of every size (up to 12 on AVX-512, 6 on AVX2) and row blocks of 96; outputs
+    that leave the last panel part empty; an input width that is no multiple of anything."""
+    torch.manual_seed(rows)
+    in_features, out_features = shape
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    x = torch.randn(rows, in_features)
+    kernels = native.load()
+    out = kernels.panel_linear(x, kernels.pack_panels(linear.weight.detach()), out_features, linear.bias)
+    assert out.shape == (rows, out_features) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_panels_of_no_rows_give_no_rows():
+    kernels = native.load()
+    out = kernels.panel_linear(torch.empty(0, 8), kernels.pack_panels(torch.randn(20, 8)), 20, None)
+    assert out.shape == (0, 20)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "x, out_features, bias, message",
+    [
+        (torch.randn(3, 9), 20, None, r"x must be contiguous float32 \[rows, in_features\]"),
+        (torch.randn(8, 3).t(), 20, None, r"x must be contiguous float32"),
+        (torch.randn(3, 8, dtype=torch.float64), 20, None, r"x must be contiguous float32"),
+        (torch.randn(3, 8), 64, None, "out_features does not match the panels"),
+        (torch.randn(3, 8), 20, torch.randn(19), r"bias must be float32 \[out_features\]"),
+    ],
+    ids=["in width", "strided", "float64", "out", "bias"],
+)
+def test_panels_refuse_inputs_that_do_not_fit(x, out_features, bias, message):
+    kernels = native.load()
+    with pytest.raises(RuntimeError, match=message):
+        kernels.panel_linear(x, kernels.pack_panels(torch.randn(20, 8)), out_features, bias)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -2,6 +2,8 @@
 stands in for: the same logits on all-decode steps, the same greedy tokens over many steps, only where it
 fits, and its input checks."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -97,6 +99,23 @@ def test_bfloat16_weights_run_natively_with_the_python_layers_logits(tiny):
     does."""
     model, _ = load(tiny, torch.float32, backend="cpu-native", weights="bfloat16")
     torch.manual_seed(5)
+    runner, limits = runner_for(model)
+    tables = [list(range(i * 8, (i + 1) * 8)) for i in range(3)]
+    request = forward_request([[5], [17], [40]], [4, 9, 13], tables, block_size=BLOCK_SIZE)
+    batch = ForwardBatch.from_request(request, limits)
+    got, expected = both(model, lambda: runner.logits(batch))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_float32_weights_on_onednn_run_natively_with_the_python_layers_logits(tiny, monkeypatch):
+    """Where the linears are packed for oneDNN, not in native panels, the stack calls oneDNN for them."""
+    with monkeypatch.context() as patch:
+        patch.setattr("compute_service.linear.native", SimpleNamespace(load=lambda: None))
+        model, _ = load(tiny, torch.float32, backend="cpu-native")
+    assert model.model.native_decode is not None
+    products = [weight for weight in model.model.native_decode.weights if weight.dim() > 1]
+    assert len(products) == 4 * model.config.num_hidden_layers and all(w.is_mkldnn for w in products)
+    torch.manual_seed(6)
     runner, limits = runner_for(model)
     tables = [list(range(i * 8, (i + 1) * 8)) for i in range(3)]
     request = forward_request([[5], [17], [40]], [4, 9, 13], tables, block_size=BLOCK_SIZE)

@@ -1,6 +1,7 @@
 """The native kernels, compiled from source once per machine: paged attention (paged_attention.cpp), the
-float32 Llama decoder stack of all-decode steps (decode_layers.cpp, compute_service.native_decode) and the
-plain-greedy choice of a step's tokens (greedy.cpp, compute_service.greedy).
+float32 Llama decoder stack of all-decode steps (decode_layers.cpp, compute_service.native_decode), the
+plain-greedy choice of a step's tokens (greedy.cpp, compute_service.greedy) and float32 linear layers on
+weights packed in panels (panel_linear.cpp, compute_service.linear).
 
 `load()` builds it with torch's C++ extension tooling (g++, ninja) into a cache directory keyed by the
 source, the torch version, the compiler flags and the CPU's flags, then imports it; a later process imports
@@ -24,7 +25,12 @@ import torch
 from common.precision import cpu_flags
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "paged_attention.cpp", HERE / "decode_layers.cpp", HERE / "greedy.cpp")
+SOURCES = (
+    HERE / "paged_attention.cpp",
+    HERE / "decode_layers.cpp",
+    HERE / "greedy.cpp",
+    HERE / "panel_linear.cpp",
+)
 HEADERS = (HERE / "paged_attention.h",)
 # NOTE: -march=native tunes the build to this machine's vector units; the cache key includes the CPU's flags,
 # so a build is never loaded on a CPU that lacks an instruction it uses.

@@ -24,9 +24,10 @@ namespace {
 // down (compute_service/native_decode.py builds the list).
 constexpr size_t kPerLayer = 6;
 
-// x [rows, in] float32 times a packed weight: float32, or bfloat16 (mixed precision: x cast to bfloat16, the
-// product, accumulated in float32 by oneDNN, cast back).
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
+// x [rows, in] float32 times a packed weight of `outputs` columns: float32 panels, or a oneDNN weight in bfloat16
+// (mixed precision: x cast to bfloat16, the product, accumulated in float32 by oneDNN, cast back) or float32.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t outputs) {
+  if (!packed.is_mkldnn()) return panel_linear(x, packed, outputs, std::nullopt);
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const bool mixed = packed.scalar_type() == at::kBFloat16;
@@ -161,7 +162,7 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
   for (size_t layer = 0; layer < k_caches.size(); ++layer) {
     const at::Tensor* w = weights.data() + kPerLayer * layer;
     rms_norm(residual.data_ptr<float>(), w[0].data_ptr<float>(), x.data_ptr<float>(), rows, hidden, feps);
-    at::Tensor qkv = onednn_linear(x, w[1]);
+    at::Tensor qkv = linear(x, w[1], qkv_width);
     TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == qkv_width, "qkv projection of an unexpected shape");
     float* q = qkv.data_ptr<float>();
     rotate(q, rows, qkv_width, num_heads + num_kv_heads, d, cos.data_ptr<float>(), signed_sin.data_ptr<float>(),
@@ -172,13 +173,14 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
     paged_attention(qkv.narrow(1, 0, q_width).view({rows, num_heads, d}), out, k_caches[layer], v_caches[layer],
                     block_tables, q_starts, q_lens, context_lens, scale, 1.0, 1.0);
     attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    residual.add_(onednn_linear(out.view({rows, q_width}), w[2]));
+    residual.add_(linear(out.view({rows, q_width}), w[2], hidden));
     rms_norm(residual.data_ptr<float>(), w[3].data_ptr<float>(), x.data_ptr<float>(), rows, hidden, feps);
-    at::Tensor gate_up = onednn_linear(x, w[4]);
-    const int64_t inter = gate_up.size(1) / 2;
+    // NOTE: the down projection's input width, in either packing (panels [P, in, width], oneDNN [out, in]).
+    const int64_t inter = w[5].size(1);
+    at::Tensor gate_up = linear(x, w[4], 2 * inter);
     if (!act.defined()) act = at::empty({rows, inter}, residual.options());
     silu_mul(gate_up.data_ptr<float>(), act.data_ptr<float>(), rows, inter);
-    residual.add_(onednn_linear(act, w[5]));
+    residual.add_(linear(act, w[5], hidden));
   }
   return attention_s;
 }

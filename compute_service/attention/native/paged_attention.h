@@ -1,4 +1,4 @@
-// The native module's entry points (paged_attention.cpp, decode_layers.cpp, greedy.cpp).
+// The native module's entry points (paged_attention.cpp, decode_layers.cpp, greedy.cpp, panel_linear.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -41,3 +41,9 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
                      const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
                      const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
                      double scale);
+
+// See panel_linear.cpp: float32 weights [out, in] packed into panels, and x [rows, in] times them (+ bias).
+int64_t panel_width();
+at::Tensor pack_panels(const at::Tensor& weight);
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out,
+                        const std::optional<at::Tensor>& bias);

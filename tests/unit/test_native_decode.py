@@ -93,18 +93,23 @@ def test_steps_of_many_rows_split_across_threads_give_the_python_layers_logits(m
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@needs_native_bfloat16
-def test_bfloat16_weights_run_natively_with_the_python_layers_logits(tiny):
-    """Mixed precision (--weights bfloat16): the native stack casts each product's input as PackedLinear
-    does."""
-    model, _ = load(tiny, torch.float32, backend="cpu-native", weights="bfloat16")
-    torch.manual_seed(5)
+def assert_three_decodes_match(model, seed: int) -> None:
+    """Three sequences decoding one token each: the native stack's logits equal the Python layers'."""
+    torch.manual_seed(seed)
     runner, limits = runner_for(model)
     tables = [list(range(i * 8, (i + 1) * 8)) for i in range(3)]
     request = forward_request([[5], [17], [40]], [4, 9, 13], tables, block_size=BLOCK_SIZE)
     batch = ForwardBatch.from_request(request, limits)
     got, expected = both(model, lambda: runner.logits(batch))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@needs_native_bfloat16
+def test_bfloat16_weights_run_natively_with_the_python_layers_logits(tiny):
+    """Mixed precision (--weights bfloat16): the native stack casts each product's input as PackedLinear
+    does."""
+    model, _ = load(tiny, torch.float32, backend="cpu-native", weights="bfloat16")
+    assert_three_decodes_match(model, seed=5)
 
 
 def test_float32_weights_on_onednn_run_natively_with_the_python_layers_logits(tiny, monkeypatch):
@@ -115,13 +120,7 @@ def test_float32_weights_on_onednn_run_natively_with_the_python_layers_logits(ti
     assert model.model.native_decode is not None
     products = [weight for weight in model.model.native_decode.weights if weight.dim() > 1]
     assert len(products) == 4 * model.config.num_hidden_layers and all(w.is_mkldnn for w in products)
-    torch.manual_seed(6)
-    runner, limits = runner_for(model)
-    tables = [list(range(i * 8, (i + 1) * 8)) for i in range(3)]
-    request = forward_request([[5], [17], [40]], [4, 9, 13], tables, block_size=BLOCK_SIZE)
-    batch = ForwardBatch.from_request(request, limits)
-    got, expected = both(model, lambda: runner.logits(batch))
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert_three_decodes_match(model, seed=6)
 
 
 def test_greedy_tokens_over_many_steps_equal_the_python_layers(model):

@@ -68,10 +68,9 @@ void tile(const float* x, int64_t K, const float* panel, const float* bias, floa
   }
   float row[kPanel];
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < kVectors; ++c) {
-      if (bias != nullptr) acc[r][c] += load(bias + c * kLanes);
-      store(row + c * kLanes, acc[r][c]);
-    }
+    for (int c = 0; c < kVectors; ++c) store(row + c * kLanes, acc[r][c]);
+    if (bias != nullptr)
+      for (int64_t j = 0; j < cols; ++j) row[j] += bias[j];
     std::copy(row, row + cols, y + r * out);
   }
 }
@@ -110,13 +109,12 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == panels.size(1),
               "x must be contiguous float32 [rows, in_features]");
   const float* b = nullptr;
-  at::Tensor padded_bias;
+  at::Tensor dense_bias;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out && bias->scalar_type() == at::kFloat,
                 "bias must be float32 [out_features]");
-    // NOTE: padded to whole panels, so a tile adds it a vector at a time.
-    padded_bias = at::constant_pad_nd(*bias, {0, panels.size(0) * kPanel - out}).contiguous();
-    b = padded_bias.data_ptr<float>();
+    dense_bias = bias->contiguous();
+    b = dense_bias.data_ptr<float>();
   }
   const int64_t rows = x.size(0), K = x.size(1), num_panels = panels.size(0);
   at::Tensor y = at::empty({rows, out}, x.options());

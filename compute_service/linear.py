@@ -11,10 +11,8 @@ on a weight prepared once).
 
 The native panels went further where a step streams the weights from memory (a decode step: every weight
 read once, none in cache): the kernel prefetches each panel ahead of its arithmetic, which oneDNN's small
-products did not overlap well. 30 layers, 2 threads, Xeon with AVX-512, best of 5: rows 1: 24.8 -> 18.0 ms;
-16: 35.2 -> 27.6 ms; 64: 75.1 -> 57.7 ms; 512: 359 -> 358 ms (and built for AVX2 against oneDNN held to
-AVX2: 27.9 -> 19.9, 49.2 -> 34.3, 101 -> 86, 550 -> 612 ms: a prompt's products 0.90x there). They take
-the oneDNN weight's place, not a second copy.
+products did not overlap well (measurements in panel_linear.cpp). They take the oneDNN weight's place, not
+a second copy.
 
 bfloat16 linears in a float32 model (`--weights bfloat16`, mixed precision): the weight is reordered in
 bfloat16, each input cast to bfloat16 and each output back to float32 (oneDNN accumulates in float32). On a

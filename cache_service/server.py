@@ -308,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.host,
         args.port,
         log,
+        serving=False,
         **transport.listen(args, "cache", CALLERS, log),
     )
+    server.handle_signals()
+    server.set_serving(SERVICE_NAME, True)
     server.wait(on_stop=servicer.close)

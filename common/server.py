@@ -109,7 +109,8 @@ class _ErrorInterceptor(grpc.ServerInterceptor):
 
 
 class Server:
-    """A started gRPC server with the health service; `wait()` blocks until SIGINT/SIGTERM."""
+    """A started gRPC server with the health service; after `handle_signals()`, SIGINT/SIGTERM stop it and
+    `wait()` returns then."""
 
     def __init__(
         self,
@@ -139,11 +140,10 @@ class Server:
                 os.unlink(self.socket)
         self._stopped.set()
 
-    def wait(
-        self, on_stop: Callable[[], None] | None = None, drain: Callable[[], None] | None = None
-    ) -> None:
-        """Returns once SIGINT/SIGTERM has stopped the server (after `drain` returned, if given) and
-        `on_stop` ran; a second signal while the first is handled changes nothing."""
+    def handle_signals(self, drain: Callable[[], None] | None = None) -> None:
+        """From now on SIGINT/SIGTERM stop the server, after `drain` returned (if given); a second signal
+        while the first is handled changes nothing. Call it before the server first reports SERVING: a
+        signal before it kills the process unannounced (a caller told it serves could lose its request)."""
         shutdown = threading.Event()
 
         def stop_after_drain() -> None:
@@ -158,6 +158,9 @@ class Server:
 
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
+
+    def wait(self, on_stop: Callable[[], None] | None = None) -> None:
+        """Returns once the server stopped (see `handle_signals`) and `on_stop` ran."""
         while not self._stopped.wait(0.5):
             pass
         if on_stop is not None:

@@ -288,10 +288,13 @@ def main(argv: list[str] | None = None) -> None:
         args.host,
         args.port,
         log,
+        serving=False,
         **transport.listen(args, "compute", CALLERS, log),
     )
     stop = threading.Event()
     threading.Thread(target=_watch_segment, args=(servicer, stop), name="segment-watch", daemon=True).start()
+    server.handle_signals()
+    server.set_serving(SERVICE_NAME, True)
     server.wait(on_stop=stop.set)
 
 

@@ -119,13 +119,12 @@ def main(argv: list[str] | None = None) -> None:
     watcher = DownstreamWatcher(
         server, SERVICE, targets, engine.attached_epoch, engine.peer_restarted, credentials=internal
     )
-    watcher.start()
     if http is not None:
         _serve_http(http, generation, server, args, internal, logger)
-    server.wait(
-        on_stop=lambda: (watcher.stop(), http and http.stop(), engine.stop()),
-        drain=lambda: _drain(server, watcher, admission, args.drain_timeout, logger),
-    )
+    # NOTE: the watcher reports SERVING: only once the HTTP API is up and a SIGTERM drains.
+    server.handle_signals(drain=lambda: _drain(server, watcher, admission, args.drain_timeout, logger))
+    watcher.start()
+    server.wait(on_stop=lambda: (watcher.stop(), http and http.stop(), engine.stop()))
 
 
 def _edge(args: argparse.Namespace, log) -> Edge:

@@ -33,12 +33,12 @@ def start(tiny_model, logs, *flags: str) -> Stack:
                        log_dir=logs, cwd=ROOT, timeout=300)  # fmt: skip
 
 
-def wait_until(predicate, timeout: float) -> bool:
+def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return True
-        time.sleep(0.1)
+        time.sleep(interval)
     return False
 
 
@@ -119,3 +119,26 @@ def test_sigterm_drains_the_running_requests_and_refuses_new_ones(tiny_model, lo
         for thread in threads:
             thread.join(10)
     assert wait_until(lambda: segments() <= before, 5), "no segment is left"
+
+
+def gateway_exits(stack: Stack) -> list[str]:
+    """up's lines on the gateway's exits, oldest first."""
+    return [line for line in stack.proc.log_path.read_text().splitlines() if "gateway exited" in line]
+
+
+def test_a_gateway_signalled_at_its_first_serving_drains_and_exits_cleanly(tiny_model, logs):
+    """A restarted gateway signalled the moment it first serves drains and exits 0: it reports SERVING only
+    once SIGTERM drains it. It used to serve while it still started its HTTP API, and a SIGTERM then killed
+    it unannounced (the drain test above lost that race in CI)."""
+    stack = start(tiny_model, logs)
+    try:
+        old = services_of(stack.proc.pid)["gateway"]
+        os.kill(old, signal.SIGKILL)
+        assert wait_until(lambda: services_of(stack.proc.pid).get("gateway", old) != old, 10)
+        new = services_of(stack.proc.pid)["gateway"]
+        assert wait_until(lambda: serving(stack.target, timeout=1), 60, interval=0.005)
+        os.kill(new, signal.SIGTERM)
+        assert wait_until(lambda: len(gateway_exits(stack)) == 2, 30), gateway_exits(stack)
+        assert gateway_exits(stack)[1].startswith("pagedserve: gateway exited (exit code 0)")
+    finally:
+        stack.stop()

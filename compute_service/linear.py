@@ -82,7 +82,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels:
             rows = x.reshape(-1, self.in_features).contiguous()
-            out = native.load().panel_linear(rows, self.packed, self.out_features, self.bias)
+            out = native.load().panel_linear(rows, self.packed, self.out_features, self.bias, None)
             return out.view(*x.shape[:-1], self.out_features)
         if self.dtype == x.dtype:
             return packed_linear(x, self.packed, self.bias)

@@ -32,6 +32,7 @@ def test_equals_f_linear_at_any_batch_size(rows, bias):
     torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
 
 
+INT8_ONES = torch.ones(20, 8, dtype=torch.int8)
 needs_native = pytest.mark.skipif(native.load() is None, reason="the native kernels cannot be built here")
 
 
@@ -70,15 +71,35 @@ def test_panels_give_f_linear_for_every_tile_and_a_partial_last_panel(rows, bias
     linear = nn.Linear(in_features, out_features, bias=bias)
     x = torch.randn(rows, in_features)
     kernels = native.load()
-    out = kernels.panel_linear(x, kernels.pack_panels(linear.weight.detach()), out_features, linear.bias)
+    panels = kernels.pack_panels(linear.weight.detach())
+    out = kernels.panel_linear(x, panels, out_features, linear.bias, None)
     assert out.shape == (rows, out_features) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
 
 
 @needs_native
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 4, 5, 12, 13, 97, 200])
+@pytest.mark.parametrize("shape", [(37, 70), (64, 32), (1536, 20)], ids=["ragged", "one panel", "wide in"])
+def test_int8_panels_give_f_linear_on_the_scaled_weights(rows, bias, shape):
+    """int8 weights widened in registers, each output column's sum times its scale, then the bias: the
+    product F.linear gives on the dequantised weights, at every tile size and a partial last panel."""
+    torch.manual_seed(rows)
+    out_features, in_features = shape
+    levels = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
+    scales = torch.rand(out_features) / 100
+    b = torch.randn(out_features) if bias else None
+    x = torch.randn(rows, in_features)
+    kernels = native.load()
+    out = kernels.panel_linear(x, kernels.pack_panels(levels), out_features, b, scales)
+    assert out.shape == (rows, out_features)
+    torch.testing.assert_close(out, F.linear(x, levels.float() * scales[:, None], b), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
 def test_panels_of_no_rows_give_no_rows():
     kernels = native.load()
-    out = kernels.panel_linear(torch.empty(0, 8), kernels.pack_panels(torch.randn(20, 8)), 20, None)
+    out = kernels.panel_linear(torch.empty(0, 8), kernels.pack_panels(torch.randn(20, 8)), 20, None, None)
     assert out.shape == (0, 20)
 
 
@@ -97,7 +118,30 @@ def test_panels_of_no_rows_give_no_rows():
 def test_panels_refuse_inputs_that_do_not_fit(x, out_features, bias, message):
     kernels = native.load()
     with pytest.raises(RuntimeError, match=message):
-        kernels.panel_linear(x, kernels.pack_panels(torch.randn(20, 8)), out_features, bias)
+        kernels.panel_linear(x, kernels.pack_panels(torch.randn(20, 8)), out_features, bias, None)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "weight, scales, message",
+    [
+        (INT8_ONES, None, "int8 panels take scales, float32 panels none"),
+        (torch.ones(20, 8), torch.ones(20), "int8 panels take scales, float32 panels none"),
+        (INT8_ONES, torch.ones(19), r"scales must be contiguous float32 \[out_features\]"),
+        (INT8_ONES, torch.ones(20).half(), r"scales must be contiguous float32"),
+    ],
+    ids=["int8 without", "float32 with", "short", "float16"],
+)  # fmt: skip
+def test_panels_take_scales_with_int8_weights_only(weight, scales, message):
+    kernels = native.load()
+    with pytest.raises(RuntimeError, match=message):
+        kernels.panel_linear(torch.randn(3, 8), kernels.pack_panels(weight), 20, None, scales)
+
+
+@needs_native
+def test_only_float32_and_int8_weights_pack_into_panels():
+    with pytest.raises(RuntimeError, match="pack_panels takes a float32 or int8 CPU weight"):
+        native.load().pack_panels(torch.ones(20, 8, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -187,7 +231,7 @@ def test_the_loader_packs_unless_plain_linear_is_asked(tmp_path, plain):
 
 
 def test_the_loader_packs_the_dense_path_of_quantised_linears(tmp_path):
-    model, _ = load(str(save_tiny_llama(tmp_path / "tiny")), torch.float32, weights="int8")
-    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert quantized and all(type(m.dense) is PackedLinear for m in quantized)
+    model, _ = load(str(save_tiny_llama(tmp_path / "tiny")), torch.float32, weights="int4")
+    dense = [m.dense for m in model.modules() if isinstance(m, QuantizedLinear) and not m.panels]
+    assert dense and all(type(m) is PackedLinear for m in dense)
     assert not any(type(m) is nn.Linear for m in model.modules())

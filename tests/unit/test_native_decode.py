@@ -58,8 +58,8 @@ def test_the_loader_enables_it_for_a_packed_fused_float32_model_on_cpu_native(mo
 
 @pytest.mark.parametrize(
     "options",
-    [{"backend": "cpu"}, {"plain_linear": True}, {"fused": False}, {"weights": "int8"}],
-    ids=["cpu backend", "plain linear", "unfused", "int8"],
+    [{"backend": "cpu"}, {"plain_linear": True}, {"fused": False}, {"weights": "int4"}],
+    ids=["cpu backend", "plain linear", "unfused", "int4"],
 )
 def test_the_loader_leaves_it_off_where_it_does_not_fit(tiny, options):
     model, _ = load(tiny, torch.float32, **{"backend": "cpu-native", **options})
@@ -123,6 +123,16 @@ def test_float32_weights_on_onednn_run_natively_with_the_python_layers_logits(ti
     assert_three_decodes_match(model, seed=6)
 
 
+def test_int8_panels_run_natively_with_the_python_layers_logits(tiny):
+    """--weights int8: the stack multiplies by the int8 panels and their scales, as QuantizedLinear does."""
+    model, _ = load(tiny, torch.float32, backend="cpu-native", weights="int8")
+    stack = model.model.native_decode
+    assert stack is not None and len(stack.scales) == 4 * model.config.num_hidden_layers
+    products = [weight for weight in stack.weights if weight.dim() > 1]
+    assert all(w.dtype == torch.int8 for w in products)
+    assert_three_decodes_match(model, seed=7)
+
+
 def test_greedy_tokens_over_many_steps_equal_the_python_layers(model):
     """A prompt per sequence (the Python layers), then 24 batched decodes (the native stack)."""
 
@@ -167,7 +177,7 @@ def test_bfloat16_pools_run_natively_with_the_python_layers_logits(tiny, monkeyp
     calls = []
     module = native.load()
     real = module.decode_layers
-    monkeypatch.setattr(module, "decode_layers", lambda *args: calls.append(args[4][0].dtype) or real(*args))
+    monkeypatch.setattr(module, "decode_layers", lambda *args: calls.append(args[5][0].dtype) or real(*args))
     runner, limits = runner_for(model, torch.bfloat16)
     tables = [list(range(i * 8, (i + 1) * 8)) for i in range(3)]
     request = forward_request([[9], [4], [77]], [6, 3, 20], tables, block_size=BLOCK_SIZE)
@@ -190,15 +200,20 @@ def test_fp8_pools_take_the_python_layers(tiny):
     assert torch.equal(got, expected)
 
 
-def test_refuses_slots_outside_the_pool(model):
+@pytest.mark.parametrize(
+    ("slot", "scales", "message"),
+    [(NUM_BLOCKS * BLOCK_SIZE, [], "slot_mapping must lie inside the pool"),
+     (0, [torch.ones(8)], "scales must be empty or hold 4 tensors per layer")],
+)  # fmt: skip
+def test_refuses_slots_outside_the_pool_and_stray_scales(model, slot, scales, message):
     config = model.config
     stack = model.model.native_decode
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     caches = [torch.zeros(NUM_BLOCKS, BLOCK_SIZE, kv_heads, dim) for _ in range(config.num_hidden_layers)]
     one = torch.ones(1, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="slot_mapping must lie inside the pool"):
+    with pytest.raises(RuntimeError, match=message):
         native.load().decode_layers(
             torch.zeros(1, config.hidden_size), torch.ones(1, dim), torch.zeros(1, dim), stack.weights,
-            caches, caches, torch.tensor([NUM_BLOCKS * BLOCK_SIZE]), torch.zeros(1, 1, dtype=torch.long),
+            scales, caches, caches, torch.tensor([slot]), torch.zeros(1, 1, dtype=torch.long),
             torch.zeros(1, dtype=torch.long), one, one, heads, kv_heads, 1e-5, dim**-0.5,
         )  # fmt: skip

@@ -1,5 +1,7 @@
-"""Weight-only quantised linears (compute_service/quantized.py): the product against F.linear per mode, the
-kernel chosen by rows, generic replacement, and the refusals."""
+"""Weight-only quantised linears (compute_service/quantized.py): the product against F.linear per mode, on
+int8 panels and on torch's kernels (the kernel chosen by rows), generic replacement, and the refusals."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -7,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from compute_service.attention import native
 from compute_service.model_loader import load
 from compute_service.quantized import (
     QUANTIZED_MAX_ROWS,
@@ -21,14 +24,23 @@ from tests.tiny_model import save_tiny_llama, tiny_llama_config
 TOLERANCE = {"int8": 0.02, "int4": 0.12}
 
 
+needs_native = pytest.mark.skipif(native.load() is None, reason="the native kernels cannot be built here")
+
+
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
     return ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+
+
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    """QuantizedLinear as on a machine where the native kernels do not build: torch's kernels for int8 too."""
+    monkeypatch.setattr("compute_service.quantized.native", SimpleNamespace(load=lambda: None))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 4, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1, 64, 200])
-def test_close_to_f_linear_on_both_paths(mode, rows, dtype):
+def test_close_to_f_linear_on_both_torch_paths(mode, rows, dtype, torch_kernels):
     torch.manual_seed(rows)
     linear = nn.Linear(128, 96, bias=True, dtype=dtype)
     quantized = QuantizedLinear(linear, mode)
@@ -42,7 +54,7 @@ def test_close_to_f_linear_on_both_paths(mode, rows, dtype):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_kernel_up_to_the_row_limit_dense_gemm_above(mode, monkeypatch):
+def test_kernel_up_to_the_row_limit_dense_gemm_above(mode, monkeypatch, torch_kernels):
     quantized = QuantizedLinear(nn.Linear(64, 32, bias=False), mode)
     kernel = "_weight_int8pack_mm" if mode == "int8" else "_weight_int4pack_mm_for_cpu"
     calls = []
@@ -54,11 +66,37 @@ def test_kernel_up_to_the_row_limit_dense_gemm_above(mode, monkeypatch):
     assert quantized.uses_kernel(QUANTIZED_MAX_ROWS) and not quantized.uses_kernel(QUANTIZED_MAX_ROWS + 1)
 
 
-def test_int8_holds_one_byte_per_weight_and_int4_half():
+def test_int8_holds_one_byte_per_weight_and_int4_half(torch_kernels):
     linear = nn.Linear(128, 64, bias=False)
     int8, int4 = QuantizedLinear(linear, "int8"), QuantizedLinear(linear, "int4")
     assert int8.qweight.dtype == torch.int8 and int8.qweight.numel() == 64 * 128
     assert int4.qweight.numel() * int4.qweight.element_size() == 64 * 128 // 2
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 4, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1, 64, 200])
+def test_int8_panels_multiply_the_torch_paths_values_at_every_batch_size(rows, monkeypatch):
+    """A float32 model's int8 layer on panels: float32 activations (no bfloat16 rounding), the same quantised
+    values as torch's paths (their dense weight is the dequantised one), and no dense copy."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(128, 96, bias=True)
+    panels = QuantizedLinear(linear, "int8")
+    with monkeypatch.context() as patch:
+        patch.setattr("compute_service.quantized.native", SimpleNamespace(load=lambda: None))
+        reference = QuantizedLinear(linear, "int8")
+    assert panels.panels and not reference.panels and "native panels" in repr(panels)
+    x = torch.randn(2, rows, 128)
+    expected = F.linear(x, reference.dense.weight, linear.bias)
+    torch.testing.assert_close(panels(x), expected, atol=1e-5, rtol=1e-5)
+    assert panels.uses_kernel(rows)
+    held = {name: t.dtype for name, t in [*panels.named_parameters(), *panels.named_buffers()]}
+    assert held == {"bias": torch.float32, "qweight": torch.int8, "scales": torch.float32}
+
+
+@needs_native
+def test_int4_and_bfloat16_models_keep_torchs_kernels():
+    assert not QuantizedLinear(nn.Linear(128, 64), "int4").panels
+    assert not QuantizedLinear(nn.Linear(128, 64, dtype=torch.bfloat16), "int8").panels
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -69,8 +107,8 @@ def test_replaces_every_linear_fused_ones_too(mode):
     layer.qkv_proj = nn.Linear(64, 128, bias=False)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert quantize_linears(model, mode) == linears
-    # the only nn.Linear left are the quantised layers' dense paths (for batches above the kernel's rows)
-    dense = {id(m.dense) for m in model.modules() if isinstance(m, QuantizedLinear)}
+    # the only nn.Linear left: the dense paths of the layers on torch's kernels (for batches above their rows)
+    dense = {id(m.dense) for m in model.modules() if isinstance(m, QuantizedLinear) and not m.panels}
     assert {id(m) for m in model.modules() if isinstance(m, nn.Linear)} == dense
     assert isinstance(layer.qkv_proj, QuantizedLinear) and layer.qkv_proj.mode == mode
     # the output head is int8 in either mode (int4 there cost 3.7 % perplexity)

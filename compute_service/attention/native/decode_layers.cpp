@@ -1,9 +1,9 @@
 // A float32 Llama decoder stack over one step in which every sequence decodes one token: the same function
 // as compute_service/llama_layer.py's FusedLlamaLayer, run from C++ so that the ~25 small ops of each layer
-// cost no Python dispatch. Its matrix products are oneDNN's inner product on the weights
-// compute_service/linear.py packed, float32 or bfloat16 (mkldnn::_linear_pointwise, called through the
-// dispatcher); attention is paged_attention() on the pool, after the step's keys and values are stored at
-// their slots.
+// cost no Python dispatch. Its matrix products run on the weights as compute_service/linear.py or
+// compute_service/quantized.py packed them: float32 or int8 panels (panel_linear), or oneDNN's inner product
+// in float32 or bfloat16 (mkldnn::_linear_pointwise, called through the dispatcher); attention is
+// paged_attention() on the pool, after the step's keys and values are stored at their slots.
 //
 // Per layer, on residual [T, hidden] in place:
 //   x = rms_norm(residual) -> qkv = x Wqkv^T -> rotary on q, k -> k, v stored at slot_mapping ->
@@ -23,11 +23,15 @@ namespace {
 // Tensors per layer in `weights`: input norm, packed qkv, packed o, post-attention norm, packed gate/up, packed
 // down (compute_service/native_decode.py builds the list).
 constexpr size_t kPerLayer = 6;
+// Scales per layer in `scales` when the products are int8 panels: qkv, o, gate/up, down.
+constexpr size_t kScalesPerLayer = 4;
 
-// x [rows, in] float32 times a packed weight of `outputs` columns: float32 panels, or a oneDNN weight in bfloat16
-// (mixed precision: x cast to bfloat16, the product, accumulated in float32 by oneDNN, cast back) or float32.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t outputs) {
-  if (!packed.is_mkldnn()) return panel_linear(x, packed, outputs, std::nullopt);
+// x [rows, in] float32 times a packed weight of `outputs` columns: float32 panels, int8 panels with their
+// `scales`, or a oneDNN weight in bfloat16 (mixed precision: x cast to bfloat16, the product, accumulated in
+// float32 by oneDNN, cast back) or float32.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& scales,
+                  int64_t outputs) {
+  if (!packed.is_mkldnn()) return panel_linear(x, packed, outputs, std::nullopt, scales);
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const bool mixed = packed.scalar_type() == at::kBFloat16;
@@ -111,8 +115,9 @@ void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) {
 }
 
 void check_step(const at::Tensor& residual, const at::Tensor& cos, const at::Tensor& signed_sin,
-                const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& k_caches,
-                const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping, const at::Tensor& q_lens) {
+                const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
+                const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                const at::Tensor& slot_mapping, const at::Tensor& q_lens) {
   const int64_t rows = residual.size(0);
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
               "residual must be contiguous float32 [T, hidden]");
@@ -121,6 +126,8 @@ void check_step(const at::Tensor& residual, const at::Tensor& cos, const at::Ten
               "cos and signed_sin must be contiguous float32 [T, head_dim]");
   TORCH_CHECK(weights.size() == kPerLayer * k_caches.size() && k_caches.size() == v_caches.size(),
               "weights must hold 6 tensors per layer, one K and one V cache per layer");
+  TORCH_CHECK(scales.empty() || scales.size() == kScalesPerLayer * k_caches.size(),
+              "scales must be empty or hold 4 tensors per layer");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == rows,
               "slot_mapping must be contiguous int64 [T]");
   TORCH_CHECK(q_lens.numel() == rows && q_lens.eq(1).all().item<bool>(), "every sequence must decode one token");
@@ -139,12 +146,12 @@ void check_step(const at::Tensor& residual, const at::Tensor& cos, const at::Ten
 // Runs every layer over residual [T, hidden] in place for one all-decode step; returns the seconds spent in
 // attention (storing K/V included), for the step's timings.
 double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tensor& signed_sin,
-                     const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& k_caches,
-                     const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
-                     const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
-                     const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                     double scale) {
-  check_step(residual, cos, signed_sin, weights, k_caches, v_caches, slot_mapping, q_lens);
+                     const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
+                     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& q_starts,
+                     const at::Tensor& q_lens, const at::Tensor& context_lens, int64_t num_heads,
+                     int64_t num_kv_heads, double eps, double scale) {
+  check_step(residual, cos, signed_sin, weights, scales, k_caches, v_caches, slot_mapping, q_lens);
   const int64_t rows = residual.size(0), hidden = residual.size(1), d = cos.size(1);
   const int64_t q_width = num_heads * d, kv_width = num_kv_heads * d, qkv_width = q_width + 2 * kv_width;
   const float feps = static_cast<float>(eps);
@@ -161,8 +168,13 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
   double attention_s = 0.0;
   for (size_t layer = 0; layer < k_caches.size(); ++layer) {
     const at::Tensor* w = weights.data() + kPerLayer * layer;
+    // The int8 panels' scales of this layer's four products, or none.
+    const auto scale_of = [&](size_t product) -> std::optional<at::Tensor> {
+      if (scales.empty()) return std::nullopt;
+      return scales[kScalesPerLayer * layer + product];
+    };
     rms_norm(residual.data_ptr<float>(), w[0].data_ptr<float>(), x.data_ptr<float>(), rows, hidden, feps);
-    at::Tensor qkv = linear(x, w[1], qkv_width);
+    at::Tensor qkv = linear(x, w[1], scale_of(0), qkv_width);
     TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == qkv_width, "qkv projection of an unexpected shape");
     float* q = qkv.data_ptr<float>();
     rotate(q, rows, qkv_width, num_heads + num_kv_heads, d, cos.data_ptr<float>(), signed_sin.data_ptr<float>(),
@@ -173,14 +185,14 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
     paged_attention(qkv.narrow(1, 0, q_width).view({rows, num_heads, d}), out, k_caches[layer], v_caches[layer],
                     block_tables, q_starts, q_lens, context_lens, scale, 1.0, 1.0);
     attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    residual.add_(linear(out.view({rows, q_width}), w[2], hidden));
+    residual.add_(linear(out.view({rows, q_width}), w[2], scale_of(1), hidden));
     rms_norm(residual.data_ptr<float>(), w[3].data_ptr<float>(), x.data_ptr<float>(), rows, hidden, feps);
     // NOTE: the down projection's input width, in either packing (panels [P, in, width], oneDNN [out, in]).
     const int64_t inter = w[5].size(1);
-    at::Tensor gate_up = linear(x, w[4], 2 * inter);
+    at::Tensor gate_up = linear(x, w[4], scale_of(2), 2 * inter);
     if (!act.defined()) act = at::empty({rows, inter}, residual.options());
     silu_mul(gate_up.data_ptr<float>(), act.data_ptr<float>(), rows, inter);
-    residual.add_(linear(act, w[5], hidden));
+    residual.add_(linear(act, w[5], scale_of(3), hidden));
   }
   return attention_s;
 }

@@ -121,13 +121,15 @@ def shared_tables(context_lens: list[int], prefixes: list[str | None], block_siz
 
 
 @pytest.mark.parametrize(
-    ("block_size", "kv_dtype"), [(4, torch.float32), (4, torch.bfloat16), (16, torch.float32)]
+    ("block_size", "kv_dtype"),
+    [(4, torch.float32), (4, torch.bfloat16), (16, torch.float32), (16, torch.bfloat16)],
 )
 def test_decodes_sharing_leading_blocks_get_what_reading_them_apart_gives(block_size, kv_dtype):
     """Decodes whose tables start with the same blocks are attended in groups (each shared block read once
     for the group): more sharers than a group holds, two prefixes, contexts ending inside, at and past the
     shared blocks, a prompt chunk beside them. Blocks of 4: exactly the output of the same keys in blocks of
-    their own; blocks of 16 (the group's keys scored transposed): that output up to float rounding."""
+    their own; blocks of 16 (float32 keys scored by scores64 on AVX-512, else, as bfloat16 ones are, through
+    the group's keys transposed): that output up to float rounding."""
     k_cache, v_cache = pool(block_size, 3, 64, kv_dtype)
     q_lens = [1] * len(STEP) + [5]
     context_lens = [c * block_size // 4 for c, _ in STEP] + [30 * block_size // 4]

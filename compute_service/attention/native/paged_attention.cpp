@@ -53,7 +53,8 @@ struct Scratch {
         active(max.size()) {}
 };
 
-// Rows at which scoring a block through its transposed keys pays for the transpose (a group's).
+// Rows at which scoring a block through its transposed keys pays for the transpose (a group's), where
+// scores64 does not serve.
 constexpr int64_t kTransposedRows = 8;
 constexpr int64_t kTransposedBlock = 16;
 
@@ -278,13 +279,16 @@ void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const 
   for (int64_t r = 0; r < rows; ++r) {
     if (visible[r] > 0) active[count++] = r;
   }
-  const bool transposed = g.block_size == kTransposedBlock && count >= kTransposedRows;
   // NOTE: float keys of head dim 64 in blocks of 16 go through scores64/values64: explicit vectors, up to four
   // rows per key or value load, a block's 16 scores summed together (measured, 16 decodes of 290 keys on 2
   // threads, in one process alternating the builds: 0.88-0.93x the step of row_scores/pair_values, 0.82x
   // with the keys in cache; one decode on 1 thread 0.94x).
   constexpr bool kVec64 = kAvx512 && D == 64 && std::is_same_v<kv_t, float>;
   const bool vec64 = kVec64 && g.block_size == 16;
+  // NOTE: not where scores64 serves, at any row count: against the transposed keys, the attention of 32 decodes
+  // over a 512-token shared prefix took 0.88x the time, a 48-token chunk over it 0.83x, a 512-token prompt 0.83x
+  // (one process, the builds alternating).
+  const bool transposed = !vec64 && g.block_size == kTransposedBlock && count >= kTransposedRows;
   // the scratch rows (r0 + active[i]) of runs of up to four active rows, and the most keys any of them sees
   const auto run = [&](int64_t first, int64_t n, int64_t* at) {
     int64_t keys = 0;

@@ -52,10 +52,11 @@ typedef float UnalignedVec __attribute__((vector_size(kLanes * sizeof(float)), a
 inline Vec load(const float* p) { return *reinterpret_cast<const UnalignedVec*>(p); }
 // kLanes int8 weights widened to float32 (NOTE: the compiler's generic vector conversion ran 2-5x slower).
 inline Vec load(const int8_t* p) {
+  const __m128i* bytes = reinterpret_cast<const __m128i*>(p);
 #ifdef __AVX512F__
-  return reinterpret_cast<Vec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+  return reinterpret_cast<Vec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes))));
 #else
-  return reinterpret_cast<Vec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+  return reinterpret_cast<Vec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(bytes))));
 #endif
 }
 inline void store(float* p, Vec v) { *reinterpret_cast<UnalignedVec*>(p) = v; }

@@ -71,9 +71,10 @@ def _packed_dtype(dtype: str, weights: str) -> torch.dtype:
 def perplexity(model_name: str, dtype: str, weights: str, head: bool) -> float:
     """exp(mean NLL) of the text's tokens, one forward of plain transformers with the same quantised linears.
 
-    NOTE: a whole-text forward takes the dense GEMM on the dequantised weights, the values the kernel
-    multiplies by; the kernel's bfloat16 activations add rounding the greedy columns see instead. One
-    forward instead of a decode step per token keeps the report within minutes on a loaded host.
+    NOTE: a whole-text forward takes the int8 panels (float32 activations, as every step does), or on torch's
+    kernels the dense GEMM on the dequantised weights, the values the kernel multiplies by; that kernel's
+    bfloat16 activations add rounding the greedy columns see instead. One forward instead of a decode step
+    per token keeps the report within minutes on a loaded host.
     """
     from transformers import AutoModelForCausalLM
 

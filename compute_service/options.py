@@ -41,7 +41,8 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="how linear layers hold weights: auto (= --dtype), bfloat16 (with --dtype float32: bfloat16 "
         "products, the rest float32; needs AVX512-BF16 or AMX), int8 (per output channel) or int4 (groups of "
-        f"{INT4_GROUP_SIZE}); quantised ones run torch's weight-only kernels on decode-sized batches",
+        f"{INT4_GROUP_SIZE}); int8 in a float32 model runs native int8 panels, the rest torch's weight-only "
+        "kernels on decode-sized batches",
     )
 
 

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup tools native up test test-unit test-e2e gpu-check lint protos
+.PHONY: setup tools native up test test-unit test-e2e test-avx2 gpu-check lint protos
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,14 @@ test-unit: setup
 
 test-e2e: setup
 	$(PY) -m pytest -ra tests/e2e
+
+# The suite as an AVX2-only (x86-64-v3) machine runs it, on any x86 machine with AVX2: the project's
+# capability checks, torch's and oneDNN's kernels and the native build all take their AVX2 path
+# (common/cpu.py, docs/testing.md). Run it before submitting a change to kernels or numerics.
+AVX2 := PAGEDSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+test-avx2: setup
+	$(AVX2) $(PY) -m compute_service.attention.native
+	$(AVX2) $(PY) -m pytest -ra $(TESTS)
 
 # On a GPU machine: the cuda-marked tests and a short step bench, results under $OUT (scripts/gpu_check.sh).
 gpu-check:

@@ -1,17 +1,8 @@
 """Which dtype the model runs in when the user says `auto`."""
 
-from pathlib import Path
-
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
 # The dtypes K/V can be stored in (common/shared_pool.py DTYPES); auto: the weights' dtype.
 KV_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
 
 
 def resolve_dtype(name: str, device_type: str = "cpu") -> str:

@@ -33,12 +33,6 @@ from compute_service.attention import native
 PACK_ROWS = 32
 
 
-def bfloat16_native() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): the `--weights bfloat16` mode's
-    condition in a float32 model."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
 def can_pack(linear: nn.Module) -> bool:
     """Whether `linear` is a plain float32 CPU nn.Linear and this torch has oneDNN."""
     return (

@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
 
+from common.cpu import bfloat16_native
 from common.model_files import local_copy
 from common.shared_pool import dtype_name
 from compute_service import native_decode
@@ -14,7 +15,7 @@ from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend, require_kv_dtype
 from compute_service.fused import fuse
 from compute_service.kv_calibration import calibrate
-from compute_service.linear import bfloat16_native, pack_linears
+from compute_service.linear import pack_linears
 from compute_service.quantized import MIXED_PRECISION, QUANTIZED_MODES, quantize_linears, resolve_weights
 
 

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
+from common import cpu
 from tests.redis_server import RedisServer
+
+
+def pytest_report_header() -> list[str]:
+    """The machine at the head of every run, so that a failure names it (docs/testing.md)."""
+    vector = sorted(flag for flag in cpu.cpu_flags() if flag.startswith(("sse", "avx", "amx", "fma", "f16c")))
+    return [f"cpu: {cpu.describe()}", f"cpu vector flags: {' '.join(vector)}"]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from compute_service.linear import bfloat16_native
+from common.cpu import bfloat16_native
 
 # For tests of --weights bfloat16 in a float32 model (refused where oneDNN would emulate bfloat16).
 needs_native_bfloat16 = pytest.mark.skipif(

@@ -144,6 +144,7 @@ def test_only_float32_and_int8_weights_pack_into_panels():
         native.load().pack_panels(torch.ones(20, 8, dtype=torch.float64))
 
 
+@needs_native_bfloat16
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, PACK_ROWS + 1, 300])
 def test_bfloat16_packing_multiplies_bfloat16_rounded_inputs_and_weights(rows, bias):

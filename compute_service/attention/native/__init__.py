@@ -22,7 +22,7 @@ from types import ModuleType
 import structlog
 import torch
 
-from common.precision import cpu_flags
+from common.cpu import cpu_flags, march
 
 HERE = Path(__file__).parent
 SOURCES = (
@@ -32,8 +32,9 @@ SOURCES = (
     HERE / "panel_linear.cpp",
 )
 HEADERS = (HERE / "paged_attention.h",)
-# NOTE: -march=native tunes the build to this machine's vector units; the cache key includes the CPU's flags,
-# so a build is never loaded on a CPU that lacks an instruction it uses.
+# NOTE: -march=native (common.cpu.march(); x86-64-v3 under PAGEDSERVE_CPU_ISA=avx2) tunes the build to this
+# machine's vector units; the cache key includes the compiler flags and the CPU's flags as common.cpu sees
+# them, so a build is never loaded on a CPU that lacks an instruction it uses.
 # NOTE: reassociation lets the compiler sum a dot product's lanes as a tree of vector adds instead of one lane
 # after another (measured: the lane-by-lane sum was the kernel's hottest code); infinities and NaN keep their
 # meaning (no -ffinite-math-only), so a row's running max may start at -inf.
@@ -43,7 +44,6 @@ HEADERS = (HERE / "paged_attention.h",)
 # the one OpenMP runtime torch loaded (torch/lib/libgomp.so.1) and torch.set_num_threads governs both.
 CFLAGS = (
     "-O3",
-    "-march=native",
     "-fopenmp",
     "-fno-math-errno",
     "-fassociative-math",
@@ -56,13 +56,18 @@ STALE_LOCK_S = 600.0
 log = structlog.get_logger()
 
 
+def cflags() -> list[str]:
+    """The compiler flags: CFLAGS and the -march of common.cpu's profile."""
+    return [*CFLAGS, f"-march={march()}"]
+
+
 def build_dir() -> Path:
     """Where this source, torch and CPU's build lives: $PAGEDSERVE_EXTENSIONS_DIR or ~/.cache/pagedserve."""
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedserve" / "extensions")
     key = hashlib.sha256(
         b"\0".join(
             [path.read_bytes() for path in (*SOURCES, *HEADERS)]
-            + [torch.__version__.encode(), " ".join(CFLAGS).encode()]
+            + [torch.__version__.encode(), " ".join(cflags()).encode()]
             + [" ".join(sorted(cpu_flags())).encode()]
         )
     ).hexdigest()[:16]
@@ -88,7 +93,7 @@ def load() -> ModuleType | None:
         return cpp_extension.load(
             name=name,
             sources=[str(path) for path in SOURCES],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=cflags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             verbose=False,

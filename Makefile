@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup tools native up test test-unit test-e2e test-avx2 gpu-check lint protos
+.PHONY: setup tools native up test test-unit test-e2e test-avx2 gpu-check lint docs protos
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,14 @@ gpu-check:
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# docs/performance.md and the plot beside the bench's JSON files, made from those files: each figure lives in
+# one place (a unit test fails when the page and the JSON disagree).
+BENCH_JSON := $(filter-out %/provenance.json,$(wildcard docs/bench/*.json))
+
+docs: setup
+	$(PY) -m cli.bench.page docs/bench --out docs/performance.md
+	$(PY) -m cli.bench.plot $(BENCH_JSON) --output docs/bench/performance.png
 
 protos: setup
 	$(PY) -m protos.generate

@@ -17,7 +17,7 @@ COUNTERS = {
     ),
     "evictions": ("pagedserve_kv_evictions", "Cached blocks evicted to make room for new ones."),
 }
-# TierStats fields (README: KV tiers), exported only when the service has a tier.
+# TierStats fields (docs/kv-tiers.md), exported only when the service has a tier.
 TIER_COUNTERS = {
     "hit_blocks": "Blocks loaded into the pool from the KV tier.",
     "miss_blocks": "Blocks looked up in the KV tier and not held.",

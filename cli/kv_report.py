@@ -1,6 +1,6 @@
-"""`python -m cli.kv_report`: what each KV dtype costs in quality and gives in capacity, the README's "KV
-dtypes" table. Runs compute's paged path in this process (no services) with float32 weights, each KV dtype
-against float32 KV on the same prompts:
+"""`python -m cli.kv_report`: what each KV dtype costs in quality and gives in capacity, the KV dtypes
+table of docs/configuration.md. Runs compute's paged path in this process (no services) with float32
+weights, each KV dtype against float32 KV on the same prompts:
 
 - blocks: how many blocks the cache makes of the same --kv-memory (cache_service.kv_pool's sizing);
 - greedy agreement over the e2e parity prompts (tests/e2e/prompts.py: 8 prompts, 32 new tokens):

@@ -1,6 +1,6 @@
 """`python -m cli.weights_report`: what each `--weights` mode costs in quality and gives in speed, the
-README's "Quantised weights" table. Runs compute's paged path in this process (no services), each mode against
-float32 weights and activations:
+tables of docs/configuration.md, Quantised weights. Runs compute's paged path in this process (no
+services), each mode against float32 weights and activations:
 
 - greedy agreement over the e2e parity prompts (tests/e2e/prompts.py: 8 prompts, 32 new tokens): tokens
   identical until each prompt's first divergence, and identical positions overall;

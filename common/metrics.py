@@ -1,6 +1,6 @@
 """One metrics helper for every service: the Prometheus HTTP endpoint and the bucket layouts they share.
 
-Each service defines its own metrics (named `pagedserve_*`, documented in the README) in the default
+Each service defines its own metrics (named `pagedserve_*`, documented in docs/operations.md) in the default
 registry and calls `serve_metrics(host, port)`; port 0 leaves the endpoint off.
 """
 

@@ -10,10 +10,9 @@ def resolve_dtype(name: str, device_type: str = "cpu") -> str:
 
     NOTE: float32 on every CPU, also one that multiplies bfloat16 natively (AVX-512 BF16, AMX): there only
     the linear layers gain from bfloat16 (`--weights bfloat16`, mixed precision), while a whole-bfloat16
-    model leaves the native decode stack and attention kernel (float32 only) for torch's generic ops. On
-    the AVX512-BF16 development machine the whole-bfloat16 default ran the throughput workload at 139
-    tokens/s against float32's 405-441 and one stream at 65 ms a token against 44. Without native bfloat16,
-    PyTorch emulates its matrix products ~30x slower than float32.
+    model leaves the native decode stack and attention kernel (float32 only) for torch's generic ops, and
+    runs slower (`pagedserve bench --workload throughput --dtype bfloat16` against `--dtype float32` shows
+    it). Without native bfloat16, PyTorch emulates its matrix products, far slower than float32.
     """
     if name != "auto":
         return name

@@ -1,6 +1,7 @@
 """Every sampling and stopping control, declared once: kind, default, allowed range, off value, where it
 applies and a one-line help. The gateway's and compute's validation and defaults, the CLI's flags and the
-README's table derive from `CONTROLS`; a unit test holds the SDK's keyword arguments and the protos to it.
+table in docs/configuration.md derive from `CONTROLS`; a unit test holds the SDK's keyword arguments and the
+protos to it.
 """
 
 import enum
@@ -70,7 +71,7 @@ class Control:
     where: Where
     # The value when unset (in the public SamplingParams and in RowSampling).
     default: object
-    # One line: the CLI flag's help and the README table's meaning.
+    # One line: the CLI flag's help and the docs table's meaning.
     help: str
     range: Range | None = None
     # The value that turns the control off (None: it has none).
@@ -87,7 +88,7 @@ class Control:
         return ("in " if text[0] in "([" else "") + text + (f" ({note})" if note else "")
 
     def range_text(self) -> str:
-        """The range as the README table gives it."""
+        """The range as the docs table gives it."""
         if self.kind is Kind.TOKEN_BIAS:
             return f"{{token id: {self.range.text()}}}"
         if self.kind is Kind.STRINGS:
@@ -106,7 +107,7 @@ MAX_LOGIT_BIAS = 100.0
 
 _PENALTY = Range(-MAX_PENALTY, MAX_PENALTY)
 _ROW, _GATEWAY = Where.ROW, Where.GATEWAY
-# In the README table's order.
+# In the docs table's order.
 CONTROLS = {
     c.name: c
     for c in (

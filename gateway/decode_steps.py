@@ -1,6 +1,6 @@
 """Multi-step decode: an all-decode step sent as one Compute.ForwardSteps call that runs up to k steps, with
 compute feeding each row's sampled token into the next step, so the round trip between gateway and compute
-(~1–2 ms, README: Performance) is paid once per call instead of once per token. Each step's tokens still
+(docs/internals/orchestration.md) is paid once per call instead of once per token. Each step's tokens still
 stream back as it finishes."""
 
 import threading

@@ -68,8 +68,9 @@ class Totals:
 
 
 class EngineView:
-    """NOTE: listing the sequences costs the engine ~0.8 ms a step at 64 running sequences of 100 blocks and
-    200 waiting, so it lists them only while a reader watches (a dashboard is open); else only counts."""
+    """NOTE: listing the sequences costs the engine time on every step, in proportion to the sequences and
+    their blocks, so it lists them only while a reader watches (a dashboard is open); else only counts
+    (docs/operations.md, Dashboard, has the measured cost)."""
 
     def __init__(self) -> None:
         self.snapshot = EngineSnapshot()

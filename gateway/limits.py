@@ -87,7 +87,7 @@ def add_limits(parser: argparse.ArgumentParser) -> None:
 
 
 def table() -> list[tuple[str, int, str, str]]:
-    """(limit, default, flag, status code) per limit, for the README."""
+    """(limit, default, flag, status code) per limit, for docs/security.md."""
     return [
         (
             f.metadata["help"],

@@ -102,7 +102,7 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
 
 
 def add_edge(parser: argparse.ArgumentParser) -> None:
-    """The public edge: TLS, API keys, prefix-cache namespaces (the README's Security section)."""
+    """The public edge: TLS, API keys, prefix-cache namespaces (docs/security.md)."""
     parser.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate (chain): serve TLS")
     parser.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     parser.add_argument(

@@ -199,7 +199,7 @@ def _add(result: Completion, chunk: Chunk) -> None:
 
 
 class Client:
-    """Unset sampling fields take the server's defaults (the README's sampling table).
+    """Unset sampling fields take the server's defaults (the sampling table of docs/configuration.md).
 
     The keyword arguments are `build_request`'s: the prompt (prompt, token_ids or messages) and the
     sampling controls of `pagedserve.v1.SamplingParams` (stop may be one string or several). `tls`,

@@ -17,7 +17,7 @@ GREEDY = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 class Stack:
     """Cache, compute and gateway started directly, cache and compute on unix sockets; the cache alone is
-    restarted (the gateway re-handshakes on its own, README: Operations)."""
+    restarted (the gateway re-handshakes on its own, docs/operations.md)."""
 
     def __init__(self, model: Path, sockets: Path, logs: Path) -> None:
         self.model, self.sockets, self.logs = model, sockets, logs

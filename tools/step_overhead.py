@@ -1,8 +1,8 @@
-"""Orchestration overhead per decode step (issue 14): how much of a step the gateway spends outside compute.
+"""Orchestration overhead per decode step: how much of a step the gateway spends outside compute.
 
 Starts cache, compute and gateway (unix sockets, as in tests/kv_stack.py), runs B concurrent greedy requests
-per batch size and reads the gateway's step histograms (README: Metrics) before and after, so that only the
-decode steps of that batch count. Prints, per batch size, the mean decode step and its split:
+per batch size and reads the gateway's step histograms (docs/operations.md, Metrics) before and after, so
+that only the decode steps of that batch count. Prints, per batch size, the mean decode step and its split:
 
 - compute: compute's own time (prepare + model, attention included, + sample, from its replies);
 - overhead: the rest of the step (scheduling, the Reserve RPC, packing, the Forward RPC's transport,

@@ -1,7 +1,7 @@
 """The shared remote tier: records in a Redis (or Redis-compatible) server that several stacks may share.
 
 The location is a URL, `redis://[:PASSWORD@]HOST:PORT/DB` (`rediss://` for TLS), whose query may set the
-tier's own settings (README: KV tiers): `timeout` (seconds per operation, default 0.2), `ttl` (seconds a
+tier's own settings (docs/kv-tiers.md): `timeout` (seconds per operation, default 0.2), `ttl` (seconds a
 record lives after its last store or load, default 86400), `max_entry` (largest record stored, default
 32MiB), `prefix` (of every key, default `pagedserve:`, so stacks of different deployments can share a
 server without sharing blocks). Redis itself evicts (its `maxmemory` and policy): the budget here bounds

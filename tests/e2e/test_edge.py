@@ -5,9 +5,9 @@ One cache and one compute serve two gateways: `edge` (TLS, three keys, small lim
 one waiting request, one stream per key) and `shared` (plaintext, the same keys, --shared-prefix-cache,
 default limits).
 
-Before: no TLS and no keys; `usage.cached_tokens` told any caller whether anyone had sent a prompt; a 50 MB
-prompt was tokenized for 103 s and left the gateway 3.4 GB larger; the queue had no bound; invalid UTF-8 gave
-INTERNAL "Exception deserializing request!".
+What it guards against: traffic read or sent without TLS or keys; `usage.cached_tokens` telling any caller
+whether anyone had sent a prompt; a 50 MB prompt tokenized for minutes, growing the gateway by gigabytes; an
+unbounded queue; invalid UTF-8 answered INTERNAL "Exception deserializing request!".
 """
 
 import json
@@ -44,7 +44,7 @@ LIMITS = {
     "--max-logit-bias": 5, "--max-cache-salt-bytes": 10, "--max-request-id-bytes": 12,
     "--max-streams-per-key": 1, "--max-waiting": 1,
 }  # fmt: skip
-# A refusal comes within this many seconds: far below the work it saves (tokenizing 50 MB took 103 s),
+# A refusal comes within this many seconds: far below the work it saves (tokenizing 50 MB takes minutes),
 # far above the 0.15 s it takes on an idle machine (most of it the client sending), so a loaded CI host
 # cannot fail it. A huge prompt's refusal (the median of three calls) grows the gateway's RSS by less than
 # HUGE_PROMPT_RSS.

@@ -54,7 +54,7 @@ def test_generate_with_a_json_body_streams_tokens(stack_fp32):
 
 
 def test_generate_with_stop_strings_logprobs_and_logit_bias_in_json(stack_fp32):
-    # the README's example: "," (token 28) banned, stop at the first ".", two alternatives per token
+    # docs/api.md's example: "," (token 28) banned, stop at the first ".", two alternatives per token
     sampling = {"max_tokens": 16, "temperature": 0, "stop": ["."], "logprobs": 2, "logit_bias": {"28": -100}}
     body = {"prompt": "The capital of France is", "sampling": sampling}
     out = grpcurl("-d", json.dumps(body), stack_fp32.target, "pagedserve.v1.Generation/Generate")

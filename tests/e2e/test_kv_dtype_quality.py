@@ -1,5 +1,5 @@
 """Greedy agreement of narrower KV dtypes with float32 KV on the real model (float32 weights), through the
-whole stack, over the parity prompts of test_generation.py (the figures: README "KV dtypes")."""
+whole stack, over the parity prompts of test_generation.py (the figures: docs/configuration.md, KV dtypes)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,8 +23,8 @@ FLOAT16_TIE = 1 / 16
 # wherever the top two are not far apart. Measured in process (python -m cli.kv_report): tokens identical
 # until the first divergence, summed over the 8 prompts of 32 tokens, 203/256 (e4m3) and 147/256 (e5m2).
 # The floors leave ~15 % for the stack's other batching and prompt chunking, which round differently.
-# fp8_e5m2 (the coarser one, measured in the README) is served end to end in test_kv_dtypes.py; here the
-# two stacks of the real model keep the module near a minute.
+# fp8_e5m2 (the coarser one, measured in docs/configuration.md) is served end to end in test_kv_dtypes.py;
+# here the two stacks of the real model keep the module near a minute.
 FP8_FLOORS = {"fp8_e4m3": 170}
 KV_DTYPES = ("float16", *FP8_FLOORS)
 

@@ -1,6 +1,6 @@
 """Greedy agreement of int8 weights and of bfloat16 linears (mixed precision) with float32 on the real model
 (float32 activations), through the whole stack, over the parity prompts of test_generation.py (the figures:
-README "Quantised weights")."""
+docs/configuration.md, Quantised weights)."""
 
 import pytest
 import torch

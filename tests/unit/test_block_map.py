@@ -71,7 +71,7 @@ def test_a_large_pool_maps_in_a_few_bytes_per_block_and_milliseconds():
     took = time.perf_counter() - began
     assert len(reply.SerializeToString()) < 2 * 100_000 + 64
     assert list(reply.states).count(USED) == blocks.stats().used_blocks
-    # NOTE: measured 13 ms on the 2-CPU dev host; the bound leaves room for a loaded one.
+    # NOTE: a loose bound, far above what an idle host takes, so that a loaded one passes too.
     assert took < 0.5, took
 
 

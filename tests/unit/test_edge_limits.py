@@ -1,5 +1,6 @@
 """The public edge's limits, each at its edge (accepted) and one past it (refused, naming the limit, the
-value and the flag); the flags and the README agree with the declaration; every float control is finite."""
+value and the flag); the flags and docs/security.md agree with the declaration; every float control is
+finite."""
 
 import argparse
 import math
@@ -118,8 +119,8 @@ def test_every_limit_is_a_flag_with_its_default():
     assert parser.parse_args(["--max-logit-bias", "0"]).max_logit_bias == 0
 
 
-def test_the_readme_lists_every_limit_with_its_default_flag_and_code():
-    section = (ROOT / "README.md").read_text().split("### Public edge", 1)[1].split("\n## ", 1)[0]
+def test_the_security_page_lists_every_limit_with_its_default_flag_and_code():
+    section = (ROOT / "docs" / "security.md").read_text().split("## Public edge", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ")]
     for _, default, flag, code in table():
         row = next((row for row in rows if f"| `{flag}` |" in row), None)

@@ -1,5 +1,5 @@
 """The sampling controls' one declaration holds everywhere: both protos, the resolved defaults, gateway and
-compute validation at every range's edges (NaN and infinities refused), the SDK, the CLI and the README."""
+compute validation at every range's edges (NaN and infinities refused), the SDK, the CLI and the docs."""
 
 import argparse
 import inspect
@@ -25,7 +25,7 @@ VOCAB = 100
 LIMITS = Limits(vocab_size=VOCAB, max_model_len=64, num_blocks=8, block_size=4)
 NUMBERS = [c for c in CONTROLS.values() if c.kind in (Kind.INT, Kind.FLOAT)]
 FLOATS = [c.name for c in CONTROLS.values() if c.kind is Kind.FLOAT] + ["logit_bias"]
-README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def edges(control: Control, numeric: bool = False) -> list[tuple[float, bool]]:
@@ -136,7 +136,7 @@ def test_compute_refuses_nan_and_infinities_naming_the_field(name, value):
         check_sent(step(name, value), LIMITS)
 
 
-# the SDK, the CLI and the README
+# the SDK, the CLI and the docs
 def test_the_sdk_takes_exactly_the_declared_controls():
     build_request = sys.modules[Client.__module__].build_request
     params = inspect.signature(build_request).parameters
@@ -168,7 +168,7 @@ def test_the_cli_has_one_flag_per_control_and_sends_only_those_given():
     assert (sampling.temperature, sampling.stop, sampling.stop_token_ids) == (0.0, (",",), frozenset({7}))
 
 
-def readme_table() -> str:
+def docs_table() -> str:
     def default(c: Control) -> str:
         if c.default is None or c.kind in (Kind.TOKEN_IDS, Kind.TOKEN_BIAS, Kind.STRINGS):
             return "none"
@@ -180,7 +180,7 @@ def readme_table() -> str:
     return "\n".join(["| control | default | range | meaning |", "|---|---|---|---|", *rows])
 
 
-def test_the_readme_table_is_the_declaration():
-    section = re.search(r"### Sampling and stopping\n\n(\|.*?)\n\n", README.read_text(), re.S)
-    assert section, "README has no '### Sampling and stopping' table"
-    assert section.group(1) == readme_table(), f"replace the README's table with:\n{readme_table()}"
+def test_the_docs_table_is_the_declaration():
+    section = re.search(r"## Sampling and stopping\n\n(\|.*?)\n\n", CONFIGURATION.read_text(), re.S)
+    assert section, "docs/configuration.md has no '## Sampling and stopping' table"
+    assert section.group(1) == docs_table(), f"replace docs/configuration.md's table with:\n{docs_table()}"

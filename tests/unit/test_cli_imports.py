@@ -1,5 +1,6 @@
-"""The client commands start like any CLI: `pagedserve --help` and each client command, parsed and run (against
-nothing listening), import no torch, transformers, bench or service code; each command's flags still parse."""
+"""The client commands start like any CLI: `pagedserve --help` and each client command, parsed and run
+(against nothing listening), import no torch, transformers, bench or service code; every command's flags
+still parse."""
 
 import json
 import subprocess
@@ -35,11 +36,12 @@ def loaded(argv: list[str]) -> list[str]:
 
 def client_commands(tmp_path) -> dict[str, list[str]]:
     closed = str(free_port())
+    target = f"127.0.0.1:{closed}"
     return {
         "help": ["--help"],
         "generate --help": ["generate", "--help"],
-        "generate": ["generate", "hi", "--max-tokens", "4", "--target", f"127.0.0.1:{closed}", "--timeout", "2"],
-        "stats": ["stats", "--cache-target", f"127.0.0.1:{closed}", "--timeout", "2"],
+        "generate": ["generate", "hi", "--max-tokens", "4", "--target", target, "--timeout", "2"],
+        "stats": ["stats", "--cache-target", target, "--timeout", "2"],
         "monitor": ["monitor", "--once", "--metrics-port", closed],
         "certs": ["certs", "--out", str(tmp_path / "certs")],
     }

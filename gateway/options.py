@@ -115,9 +115,10 @@ def add_edge(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--http-metrics",
-        action="store_true",
-        help="also serve the Prometheus /metrics on --http-port, open like /health (vLLM serves its metrics "
-        "on its API port, where the Gateway API Inference Extension's endpoint picker scrapes them)",
+        choices=("off", "on"),
+        default="off",
+        help="on: also serve the Prometheus /metrics on --http-port, open like /health (vLLM serves its "
+        "metrics on its API port, where the Gateway API Inference Extension's endpoint picker scrapes them)",
     )
 
 

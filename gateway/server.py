@@ -167,7 +167,7 @@ def _serve_http(http: HttpServer, generation: Generation, server: Server, args, 
     source = DashboardSource(generation.engine, cache, generation.edge.keys)
     source.start()
     installers = [openai_api(front), dashboard.installer(source)]
-    http.start(create_app([*installers, metrics_route.install] if args.http_metrics else installers))
+    http.start(create_app([*installers, metrics_route.install] if args.http_metrics == "on" else installers))
     scheme = "https" if http.tls else "http"
     log.info(
         "http_listening", url=f"{scheme}://{args.host}:{http.port}/v1", tls=http.tls, dashboard="/dashboard"

@@ -13,8 +13,11 @@ class EventsConfig:
     replay_endpoint: str | None = None
 
 
-def endpoint(text: str) -> str:
-    """A ZMQ endpoint flag: tcp://HOST:PORT, ipc://PATH or inproc://NAME."""
+def endpoint(text: str) -> str | None:
+    """A ZMQ endpoint flag: tcp://HOST:PORT, ipc://PATH or inproc://NAME; empty is off (so that compose can
+    pass an unset variable)."""
+    if not text:
+        return None
     scheme, separator, address = text.partition("://")
     if scheme not in SCHEMES or not separator or not address:
         raise argparse.ArgumentTypeError(f"{text!r} is no ZMQ endpoint: give tcp://HOST:PORT or ipc://PATH")
@@ -27,7 +30,7 @@ def add_kv_events(parser: argparse.ArgumentParser) -> None:
         type=endpoint,
         help="publish the prefix cache's block stored/removed/cleared events in vLLM's KVEventBatch format "
         "on a ZMQ PUB socket: tcp://*:5557 or ipc://PATH binds, tcp://HOST:PORT connects to a subscriber "
-        "that binds (vLLM's rule); off by default",
+        "that binds (vLLM's rule); off by default (or empty)",
     )
     parser.add_argument(
         "--kv-events-topic", default="", help="every message's first frame (llm-d reads kv@POD@MODEL)"

@@ -44,7 +44,7 @@ SAME_AS = {
 
 @pytest.fixture(scope="module")
 def stack(logs):
-    stack = start_stack(logs, "--dtype", "float32", "--kv-blocks", str(NUM_BLOCKS), "--http-metrics")
+    stack = start_stack(logs, "--dtype", "float32", "--kv-blocks", str(NUM_BLOCKS), "--http-metrics", "on")
     yield stack
     assert stack.stop() == 0
 

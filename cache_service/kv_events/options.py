@@ -4,6 +4,8 @@ import argparse
 from dataclasses import dataclass
 
 SCHEMES = ("tcp", "ipc", "inproc")
+# Batches kept for replay: vLLM's default (buffer_steps).
+REPLAY_BATCHES = 10_000
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,8 @@ def add_kv_events(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-events-replay-endpoint",
         type=endpoint,
-        help="a ZMQ ROUTER, bound here, that sends again the last 10,000 batches from a sequence number on",
+        help=f"a ZMQ ROUTER, bound here, that sends again the last {REPLAY_BATCHES:,} batches from a "
+        "sequence number on",
     )
 
 

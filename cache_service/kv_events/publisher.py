@@ -20,7 +20,7 @@ import structlog
 import zmq
 
 from cache_service.kv_events import wire
-from cache_service.kv_events.options import EventsConfig, events_config
+from cache_service.kv_events.options import REPLAY_BATCHES, EventsConfig, events_config
 from cache_service.kv_events.recorder import EventRecorder
 
 if TYPE_CHECKING:
@@ -28,9 +28,7 @@ if TYPE_CHECKING:
 
     from cache_service.block_manager import BlockManager
 
-# vLLM's defaults: batches kept for replay (--kv-events-replay-endpoint's help names it), and messages the
-# PUB socket queues per subscriber before it drops them.
-REPLAY_BATCHES = 10_000
+# vLLM's default: messages the PUB socket queues per subscriber before it drops them.
 HIGH_WATER_MARK = 100_000
 # How long a stopping service waits for its last batches to leave.
 LINGER_MS = 1000

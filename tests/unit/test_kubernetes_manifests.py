@@ -23,7 +23,7 @@ DEPLOY = ROOT / "deploy" / "kubernetes"
 VALIDATE = Path(sys.executable).with_name("kubernetes-validate")
 # Whole resources (the overlays' patches are partial by design, checked once rendered).
 CORE = [
-    *sorted((DEPLOY / "base").glob("*.yaml")),
+    *sorted(path for path in (DEPLOY / "base").glob("*.yaml") if path.name != "kustomization.yaml"),
     DEPLOY / "overlays" / "cuda" / "gpu-claim.yaml",
     DEPLOY / "inference-extension" / "endpoint-picker.yaml",
 ]

@@ -167,7 +167,8 @@ class BlockManager:
                 partials[request.seq_id] = part
             if seq.token_ids is not None:
                 self._counters.prefix_query_tokens += request.num_tokens
-                self.block_pool.prefix.listener.reused(hits)
+                for listener in self.block_pool.prefix.listeners:
+                    listener.reused(hits)
         # NOTE: sharing what an earlier prompt of the call computes this step only lowers the blocks to take.
         step = StepBlocks(self.block_size)
         for request in requests:
@@ -302,7 +303,7 @@ class BlockManager:
         bs = self.block_size
         for index, hash_ in chain(seq.last_hash, seq.token_ids, bs, len(seq.hashes), num_computed // bs):
             tokens = block_tokens(seq.token_ids, index, bs)
-            self.block_pool.register(seq.block_table[index], hash_, seq.last_hash, tokens)
+            self.block_pool.register(seq.block_table[index], hash_, seq.last_hash, tokens, first=index == 0)
             seq.hashes.append(hash_)
 
     def _copy_on_write(self, seq: SeqState, first_written: int) -> None:

@@ -71,10 +71,13 @@ class BlockPool:
             raise InvalidArgument(f"block {block_id} does not exist: the pool has {self.num_total} blocks")
         return self.refcounts[block_id]
 
-    def register(self, block_id: int, hash_: BlockHash, parent: BlockHash, token_ids: Sequence[int]) -> None:
-        """Publishes a used, full block whose K/V is written, under hash_ = hash(parent, token_ids)."""
+    def register(
+        self, block_id: int, hash_: BlockHash, parent: BlockHash, token_ids: Sequence[int], first: bool
+    ) -> None:
+        """Publishes a used, full block whose K/V is written, under hash_ = hash(parent, token_ids); `first`:
+        its sequence's first block."""
         assert self.refcounts[block_id] > 0, block_id
-        self.prefix.register(block_id, hash_, parent, token_ids)
+        self.prefix.register(block_id, hash_, parent, token_ids, first)
 
     def must_copy(self, block_id: int, already_copied: int = 0) -> bool:
         """A block about to be written is copied first if another table holds it or the index publishes it

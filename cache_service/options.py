@@ -3,6 +3,7 @@
 import argparse
 
 from cache_service.allocators import registry
+from cache_service.kv_events.options import add_kv_events
 from cache_service.tiers.options import add_tier_settings
 from cache_service.units import parse_size, positive_int
 from common.options import ServiceOptions, add_kv_device, add_logging, positive_seconds
@@ -44,6 +45,6 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
 OPTIONS = ServiceOptions(
     "cache_service",
     50052,
-    settings=(add_kv_device, add_settings, add_tier_settings, add_logging),
+    settings=(add_kv_device, add_settings, add_tier_settings, add_kv_events, add_logging),
     wiring=(add_listen,),
 )

@@ -27,12 +27,16 @@ def block_tokens(token_ids: Sequence[int], index: int, block_size: int) -> Seque
 
 
 class PrefixListener:
-    """What a tier learns of the prefix index (cache_service/tiers/manager.py); this one ignores it all.
+    """What a tier (cache_service/tiers/manager.py) or the KV event publisher (cache_service/kv_events.py)
+    learns of the prefix index; this one ignores it all.
     NOTE: called under the cache's lock, while the block's K/V is still the hash's: a listener that wants the
     bytes copies them before returning (an evicted block is handed out right after)."""
 
-    def cached(self, block_id: int, hash_: BlockHash) -> None:
-        """The block's K/V is written and indexed under hash_."""
+    def cached(
+        self, block_id: int, hash_: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]
+    ) -> None:
+        """The block's K/V is written and indexed under hash_ = hash(parent's hash, token_ids); parent is
+        None for a sequence's first block (its parent key is the root, no block's)."""
 
     def reused(self, hits: Sequence[tuple[int, BlockHash]]) -> None:
         """A new sequence (with token ids) looked the index up; it shares these (block, hash) hits."""
@@ -66,7 +70,7 @@ class PrefixCache:
         self._children: dict[BlockHash, set[int]] = {}  # parent hash -> indexed blocks that follow it
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0
-        self.listener = PrefixListener()
+        self.listeners: list[PrefixListener] = []
 
     @property
     def num_indexed(self) -> int:
@@ -85,14 +89,17 @@ class PrefixCache:
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._evictable
 
-    def register(self, block_id: int, hash_: BlockHash, parent: BlockHash, token_ids: Sequence[int]) -> None:
+    def register(
+        self, block_id: int, hash_: BlockHash, parent: BlockHash, token_ids: Sequence[int], first: bool
+    ) -> None:
         """Indexes a written, full, used block under hash_ = hash(parent, token_ids), unless that hash (or
-        the block) is indexed already."""
+        the block) is indexed already; `first`: it is its sequence's first block (parent is the root)."""
         if hash_ not in self._by_hash and block_id not in self._entry:
             self._by_hash[hash_] = block_id
             self._entry[block_id] = (hash_, parent, tuple(token_ids))
             self._children.setdefault(parent, set()).add(block_id)
-            self.listener.cached(block_id, hash_)
+            for listener in self.listeners:
+                listener.cached(block_id, hash_, None if first else parent, token_ids)
 
     def longest_partial(self, parent: BlockHash, token_ids: Sequence[int]) -> tuple[int, int] | None:
         """(block, n): the indexed block after `parent` whose tokens start with the most (n >= 1) of
@@ -122,7 +129,8 @@ class PrefixCache:
         for _ in range(n):
             block_id, _ = self._evictable.popitem(last=False)
             hash_, parent, _ = self._entry.pop(block_id)
-            self.listener.evicted(block_id, hash_)
+            for listener in self.listeners:
+                listener.evicted(block_id, hash_)
             del self._by_hash[hash_]
             siblings = self._children[parent]
             siblings.remove(block_id)

@@ -11,6 +11,8 @@ from cache_service import block_map, device_room, messages, metrics
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
 from cache_service.callers import CALLERS
+from cache_service.kv_events import publisher as kv_events
+from cache_service.kv_events.options import events_config
 from cache_service.kv_pool import KVPool, spec_from_request
 from cache_service.options import DEFAULT_KV_MEMORY, DEFAULT_SESSION_TTL_S, OPTIONS
 from cache_service.sequence import check_prompt
@@ -46,6 +48,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         debug_read_kv: bool = False,
         tier: tiers.TierManager | None = None,
         device: Device = CPU,
+        events: kv_events.EventPublisher | None = None,
     ) -> None:
         self._allocator = allocator
         self._device = device
@@ -58,6 +61,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self._lock = threading.Lock()
         self._pool: KVPool | None = None
         self._tier = tier or tiers.NoTier()
+        self._events = events
         # NOTE: `is None`, not `or`: Sessions has a length, and an empty one is falsy.
         self._sessions = (
             Sessions(DEFAULT_SESSION_TTL_S, DEFAULT_SESSION_TTL_S) if sessions is None else sessions
@@ -88,6 +92,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 path=self._pool.handle.shm.path,
             )
             self._tier.attach(self._pool)
+            if self._events is not None:
+                self._events.attach(self._pool.blocks)
             self._attention_backend = request.attention_backend
             return self._pool.handle
 
@@ -230,6 +236,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 self._log.info("pool_released", path=self._pool.handle.shm.path)
                 self._pool = None
             self._tier.close()
+            if self._events is not None:
+                self._events.close()
 
     def _require_pool(self) -> KVPool:
         if self._pool is None:
@@ -268,6 +276,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     transport.check_listen(parser, args)
     try:
         resolve_tier(args)
+        events_config(args)
     except ValueError as err:
         parser.error(str(err))
     if args.kv_blocks is None and args.kv_memory is None:
@@ -287,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tier = tiers.from_args(args, log)
     except TierError as err:
         raise SystemExit(f"cache_service: --kv-tier {args.kv_tier}: {err}") from err
+    events = kv_events.from_args(args, log)
     sessions = Sessions(min(DEFAULT_SESSION_TTL_S, args.max_session_ttl), args.max_session_ttl)
     servicer = CacheServicer(
         args.allocator,
@@ -298,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.debug_read_kv,
         tier,
         args.kv_device,
+        events,
     )
     sweeper = threading.Thread(target=_sweep_every, args=(servicer, SWEEP_INTERVAL_S), daemon=True)
     sweeper.start()

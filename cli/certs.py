@@ -32,7 +32,7 @@ KeyType = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
 
 
 def add_parser(commands) -> None:
-    p = commands.add_parser("certs", help="write a CA and the internal plane's mTLS certificates")
+    p = commands.add_parser("certs")
     p.add_argument("--out", required=True, help="directory for ca.pem and <identity>.pem/.key")
     p.add_argument("--key-type", choices=("ec", "rsa"), default="ec", help="ECDSA P-256 or RSA 2048")
     p.add_argument("--days", type=int, default=365, help="validity of each certificate (the CA: 10x)")

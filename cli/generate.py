@@ -54,7 +54,6 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
 def add_parser(commands) -> None:
     p = commands.add_parser(
         "generate",
-        help="stream a completion from a running stack",
         description="Streams the text to stdout; token logprobs (--logprobs) and a summary go to stderr.",
     )
     p.add_argument("prompt", help="the prompt text")

@@ -19,7 +19,8 @@ from pathlib import Path
 import grpc
 
 from cli import runtime_dir
-from cli.up import SERVICES, START_TIMEOUT_S
+from cli.metrics_ports import SERVICES, metrics_port
+from cli.up import START_TIMEOUT_S
 from common.healthcheck import serving
 from common.server import channel
 from protos import cache_pb2, cache_pb2_grpc, compute_pb2_grpc, generation_pb2
@@ -163,7 +164,7 @@ class Stack:
 
     def metrics_url(self, service: str = "gateway") -> str:
         """The /metrics URL of 'gateway', 'cache' or 'compute' (ports BASE, BASE+1, BASE+2)."""
-        return f"http://127.0.0.1:{self.metrics_base + SERVICES.index(service)}/metrics"
+        return f"http://127.0.0.1:{metrics_port(self.metrics_base, service)}/metrics"
 
     def client(self, timeout: float = 300.0) -> Client:
         return Client(self.target, timeout=timeout)

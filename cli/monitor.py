@@ -7,8 +7,8 @@ import urllib.error
 from collections import deque
 from collections.abc import Callable
 
+from cli.metrics_ports import metrics_port
 from cli.scrape import Samples, scrape
-from cli.up import SERVICES
 
 BARS = "▁▂▃▄▅▆▇█"
 HISTORY = 60
@@ -37,7 +37,7 @@ FIGURES: dict[str, tuple[str, Callable[[Samples], float], bool]] = {
 
 
 def add_parser(commands) -> None:
-    p = commands.add_parser("monitor", help="live view of a figure (cache usage, queues) until Ctrl-C")
+    p = commands.add_parser("monitor")
     p.add_argument("--metric", choices=list(FIGURES), default="cache_usage")
     p.add_argument("--host", default="127.0.0.1", help="where the services' /metrics endpoints listen")
     p.add_argument(
@@ -55,7 +55,7 @@ def read(args: argparse.Namespace, names: list[str]) -> dict[str, float]:
     for name in names:
         service, value, _ = FIGURES[name]
         if service not in scraped:
-            port = args.metrics_port + SERVICES.index(service)
+            port = metrics_port(args.metrics_port, service)
             scraped[service] = scrape(f"http://{args.host}:{port}/metrics")
         values[name] = value(scraped[service])
     return values

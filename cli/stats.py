@@ -16,7 +16,7 @@ COMPUTE_FIELDS = ("model", "dtype", "weights", "kv_dtype", "attention_backend")
 
 
 def add_parser(commands) -> None:
-    p = commands.add_parser("stats", help="print the cache service's block statistics")
+    p = commands.add_parser("stats")
     p.add_argument(
         "--cache-target",
         default="127.0.0.1:50052",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from cache_service.options import OPTIONS as CACHE
 from cli import runtime_dir
+from cli.metrics_ports import SERVICES, metrics_port
 from cli.supervisor import RestartPolicy, Supervisor
 from common import shared_pool
 from common.healthcheck import serving
@@ -27,14 +28,12 @@ START_TIMEOUT_S = 900.0
 DRAIN_MARGIN_S = 10.0
 # Where cache and compute bind /metrics (when asked): this machine only.
 INTERNAL_HOST = "127.0.0.1"
-# The order of their metrics ports: BASE, BASE+1, BASE+2.
-SERVICES = ("gateway", "cache", "compute")
 # Their command lines, in start order.
 OPTIONS = {"cache": CACHE, "compute": COMPUTE, "gateway": GATEWAY}
 
 
 def add_parser(commands) -> None:
-    p = commands.add_parser("up", help="start cache, compute and gateway services and wait for Ctrl-C")
+    p = commands.add_parser("up")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     p.add_argument("--port", type=int, default=GATEWAY.port)
     p.add_argument(
@@ -84,7 +83,7 @@ def internal_targets(args: argparse.Namespace) -> dict[str, str]:
 def _placement(args: argparse.Namespace) -> dict[str, list[str]]:
     """Where each service listens, and whom the gateway calls: the flags `up` decides itself."""
     metrics = {
-        name: str(args.metrics_port + SERVICES.index(name) if args.metrics_port else 0) for name in SERVICES
+        name: str(metrics_port(args.metrics_port, name) if args.metrics_port else 0) for name in SERVICES
     }
     targets = internal_targets(args)
     placement = {

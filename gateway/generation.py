@@ -73,7 +73,7 @@ class Generation:
         self.admission.enter(seq)
         on_end(lambda: self.admission.leave(seq.seq_id))
         completion_tokens = [0] * seq.sampling.n
-        timer = metrics.RequestTimer()
+        timer = metrics.RequestTimer(info.model)
         log.info("request", prompt_tokens=len(seq.prompt_ids), n=seq.sampling.n, seq_id=seq.seq_id)
         self.engine.submit(seq)
         on_end(lambda: self.engine.abort(seq.seq_id))

@@ -2,13 +2,18 @@
 
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
 from common.metrics import LATENCY_BUCKETS
+from gateway import model_server_metrics
 from gateway.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from gateway.engine import Engine
 
 TTFT = Histogram(
     "pagedserve_time_to_first_token_seconds",
@@ -30,22 +35,27 @@ GENERATION_TOKENS = Counter("pagedserve_generation_tokens", "Tokens generated fo
 
 
 class RequestTimer:
-    """Observes one request's TTFT, inter-token latencies and end-to-end latency as its tokens are sent."""
+    """Observes one request's TTFT, inter-token latencies and end-to-end latency as its tokens are sent, in
+    pagedserve's series and in vLLM's (under the served model's name)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str) -> None:
         self.start = self.last = time.monotonic()
         self.tokens = 0
+        self._vllm = model_server_metrics.RequestSeries(model)
 
     def token(self) -> float:
         """Observes a token sent now; returns now."""
         now = time.monotonic()
         (ITL if self.tokens else TTFT).observe(now - self.last)
+        self._vllm.token(now - self.last, first=not self.tokens)
         self.last, self.tokens = now, self.tokens + 1
         return now
 
     def finish(self, reason: str, prompt_tokens: int, queue_s: float) -> None:
-        E2E.observe(time.monotonic() - self.start)
+        e2e = time.monotonic() - self.start
+        E2E.observe(e2e)
         QUEUE.observe(queue_s)
+        self._vllm.finish(reason, e2e, queue_s)
         FINISHED.labels(reason).inc()
         PROMPT_TOKENS.inc(prompt_tokens)
         GENERATION_TOKENS.inc(self.tokens)
@@ -69,5 +79,7 @@ class SchedulerCollector(Collector):
         )
 
 
-def register(get_scheduler: Callable[[], Scheduler | None]) -> None:
-    REGISTRY.register(SchedulerCollector(get_scheduler))
+def register(engine: "Engine") -> None:
+    """The engine's series, pagedserve's and vLLM's, read at scrape time."""
+    REGISTRY.register(SchedulerCollector(lambda: engine.scheduler))
+    REGISTRY.register(model_server_metrics.EngineCollector(engine))

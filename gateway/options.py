@@ -113,6 +113,13 @@ def add_edge(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let requests of different API keys share prefix-cache blocks (default: one namespace per key)",
     )
+    parser.add_argument(
+        "--http-metrics",
+        choices=("off", "on"),
+        default="off",
+        help="on: also serve the Prometheus /metrics on --http-port, open like /health (vLLM serves its "
+        "metrics on its API port, where the Gateway API Inference Extension's endpoint picker scrapes them)",
+    )
 
 
 OPTIONS = ServiceOptions(

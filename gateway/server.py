@@ -20,7 +20,7 @@ from gateway.edge import Edge, EdgeConfigError
 from gateway.engine import Engine
 from gateway.generation import Generation
 from gateway.health import DownstreamWatcher
-from gateway.http import dashboard
+from gateway.http import dashboard, metrics_route
 from gateway.http.app import create_app
 from gateway.http.bridge import Bridge
 from gateway.http.dashboard_state import DashboardSource
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     slots = StreamSlots(args.max_streams)
     generation = Generation(engine, tokenizer, admission, slots, edge)
     servicer = GenerationServicer(generation)
-    metrics.register(lambda: engine.scheduler)
+    metrics.register(engine)
     psmetrics.serve_metrics(args.host, args.metrics_port, logger)
     server = serve(
         [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE)],
@@ -166,7 +166,8 @@ def _serve_http(http: HttpServer, generation: Generation, server: Server, args, 
     cache = cache_pb2_grpc.CacheStub(channel(args.cache_target, internal))
     source = DashboardSource(generation.engine, cache, generation.edge.keys)
     source.start()
-    http.start(create_app([openai_api(front), dashboard.installer(source)]))
+    installers = [openai_api(front), dashboard.installer(source)]
+    http.start(create_app([*installers, metrics_route.install] if args.http_metrics == "on" else installers))
     scheme = "https" if http.tls else "http"
     log.info(
         "http_listening", url=f"{scheme}://{args.host}:{http.port}/v1", tls=http.tls, dashboard="/dashboard"

@@ -68,11 +68,13 @@ class TierManager(PrefixListener):
         self._fingerprint = record.fingerprint(pool.spec)
         self._block_shape = pool.tensor[:, :, 0].view(torch.uint8).shape
         self._block_bytes = self._block_shape.numel()
-        pool.blocks.block_pool.prefix.listener = self
+        pool.blocks.block_pool.prefix.listeners.append(self)
 
     # writing (PrefixListener: under the cache's lock, inside Reserve or Free)
 
-    def cached(self, block_id: int, hash_: BlockHash) -> None:
+    def cached(
+        self, block_id: int, hash_: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]
+    ) -> None:
         self._cached[block_id] = entry = _Cached(hash_, self._lookups)
         if self.hot_threshold == 0.0:
             self._write(block_id, entry)
@@ -124,13 +126,14 @@ class TierManager(PrefixListener):
                 if loaded == budget or block_pool.allocator.num_free == 0:
                     self.counters.skipped_blocks += stop - index
                     break
-                if not self._load_block(hash_, parent, block_tokens(request.token_ids, index, block_size)):
+                tokens = block_tokens(request.token_ids, index, block_size)
+                if not self._load_block(hash_, parent, tokens, first=index == 0):
                     break
                 loaded += 1
             parent = hash_
         return loaded
 
-    def _load_block(self, hash_: BlockHash, parent: BlockHash, tokens: Sequence[int]) -> bool:
+    def _load_block(self, hash_: BlockHash, parent: BlockHash, tokens: Sequence[int], first: bool) -> bool:
         """Copies the block's record into a free block and indexes it (unreferenced, evictable); False when
         the tier lacks it, fails, or holds a corrupt record (then deleted)."""
         key, start = record.key(self._fingerprint, hash_), time.perf_counter()
@@ -153,7 +156,7 @@ class TierManager(PrefixListener):
         block_pool = self._pool.blocks.block_pool
         (block_id,) = block_pool.take(1, [])
         self._bytes_of(block_id)[...] = np.frombuffer(payload, np.uint8).reshape(self._block_shape)
-        block_pool.register(block_id, hash_, parent, tokens)
+        block_pool.register(block_id, hash_, parent, tokens, first)
         self._cached[block_id].written = True
         block_pool.release(block_id)
         self.counters.hit_blocks += 1

@@ -26,9 +26,7 @@ TIER = ServiceOptions("cache_service", 0, settings=(add_tier_settings,))
 
 
 def add_parser(commands) -> None:
-    p = commands.add_parser(
-        "bench", help="measure a workload against transformers' generate_batch and generate"
-    )
+    p = commands.add_parser("bench")
     p.add_argument("--workload", choices=list(WORKLOADS), required=True)
     p.add_argument("--target", help="gateway HOST:PORT of a running stack (default: start one)")
     p.add_argument(

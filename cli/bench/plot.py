@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parser(commands) -> None:
-    p = commands.add_parser("bench-plot", help="plot tokens/s and inter-token latency from bench JSON files")
+    p = commands.add_parser("bench-plot")
     add_arguments(p)
     p.set_defaults(run=run)
 

@@ -1,9 +1,11 @@
 """docker-compose.yml's commands are real: each service's command, environment and health check run here as
 local processes (ports and hosts substituted through the file's own variables, volumes by local directories),
-then a generation passes. The file is closed by default: only the gateway's port is published, and cache and
-compute take only mutual-TLS callers with certificates from the `certs` service."""
+then a generation passes, with the KV events and the HTTP /metrics its variables turn on. The file is closed
+by default: only the gateway's port is published, and cache and compute take only mutual-TLS callers with
+certificates from the `certs` service."""
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -22,10 +24,14 @@ from compute_service.server import parse_args as compute_args
 from gateway.server import parse_args as gateway_args
 from sdk.client import Client
 from tests import helpers
+from tests.e2e.prompts import long_text
+from tests.kv_event_stream import Subscriber
 
 pytestmark = pytest.mark.e2e
 COMPOSE = helpers.ROOT / "docker-compose.yml"
 METRICS = helpers.ROOT / "docker-compose.metrics.yml"
+EVENTS = helpers.ROOT / "docker-compose.events.yml"
+TOPIC = "kv@compose@smollm2"
 PARSERS = {"cache_service": cache_args, "compute_service": compute_args, "gateway": gateway_args}
 VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
 
@@ -59,6 +65,10 @@ def certs_command(argv: list[str]) -> argparse.Namespace:
     return commands.choices["certs"].parse_args(argv[4:])
 
 
+def stored_blocks(subscriber: Subscriber) -> list[dict]:
+    return [event for m in subscriber.messages() for event in m.batch[1] if event["type"] == "BlockStored"]
+
+
 def wait_healthy(name: str, proc: subprocess.Popen, check: list[str], timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while subprocess.run(check, capture_output=True, timeout=30).returncode != 0:
@@ -68,10 +78,15 @@ def wait_healthy(name: str, proc: subprocess.Popen, check: list[str], timeout: f
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose missing: run `make setup`")
-@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, METRICS]], ids=["closed", "with-metrics"])
+@pytest.mark.parametrize(
+    "files",
+    [[COMPOSE], [COMPOSE, METRICS], [COMPOSE, EVENTS], [COMPOSE, METRICS, EVENTS]],
+    ids=["closed", "with-metrics", "with-events", "with-both"],
+)
 def test_compose_file_is_valid(files):
     argv = ["docker-compose", *(arg for path in files for arg in ("-f", str(path))), "config", "-q"]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    env = {**os.environ, "KV_EVENTS_ENDPOINT": "tcp://*:5557", "HTTP_METRICS": "on"}
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
 
 
@@ -96,12 +111,25 @@ def test_compose_publishes_only_the_gateway_and_runs_the_plane_on_mtls():
     assert {name: len(service["ports"]) for name, service in metrics.items()} == dict.fromkeys(
         ("cache", "compute", "gateway"), 1
     )
+    cache, gateway = (
+        PARSERS[services[n]["command"][2]](services[n]["command"][3:]) for n in ("cache", "gateway")
+    )
+    assert cache.kv_events_endpoint is None and gateway.http_metrics == "off", "no events, no HTTP /metrics"
+    events = interpolate(yaml.safe_load(EVENTS.read_text())["services"], {})
+    assert events == {"cache": {"ports": ["5557:5557", "5558:5558"]}}
 
 
-def test_compose_services_run_as_written(tmp_path):
+@pytest.fixture
+def events_endpoint():
+    with helpers.socket_dir() as sockets:
+        yield f"ipc://{sockets}/events"
+
+
+def test_compose_services_run_as_written(tmp_path, events_endpoint):
     volumes = {"certs": str(tmp_path / "certs"), "models": str(cache_root())}
     env = {"BIND_HOST": "127.0.0.1", "CACHE_HOST": "127.0.0.1", "COMPUTE_HOST": "127.0.0.1"}
     env |= {"DTYPE": "float32", "KV_MEMORY": "64MiB", "LOG_FORMAT": "console"}
+    env |= {"KV_EVENTS_ENDPOINT": events_endpoint, "KV_EVENTS_TOPIC": TOPIC, "HTTP_METRICS": "on"}
     for name in ("GATEWAY", "CACHE", "COMPUTE"):
         env[f"{name}_PORT"], env[f"{name}_METRICS_PORT"] = str(helpers.free_port()), str(helpers.free_port())
     env["HTTP_PORT"] = str(helpers.free_port())
@@ -112,6 +140,7 @@ def test_compose_services_run_as_written(tmp_path):
     for _ in range(2):
         assert subprocess.run(one_shot, cwd=helpers.ROOT, timeout=60, capture_output=True).returncode == 0
     procs: dict[str, subprocess.Popen] = {}
+    subscriber = None
     try:
         for name in ("cache", "compute", "gateway"):
             service = services[name]
@@ -123,11 +152,19 @@ def test_compose_services_run_as_written(tmp_path):
                 argv[2], *argv[3:], log_path=tmp_path / f"{name}.log", env=service_env
             )
             wait_healthy(name, procs[name], local(service["healthcheck"]["test"][1:], mounts))
+            subscriber = subscriber or Subscriber(events_endpoint, TOPIC.encode())
         with Client(f"127.0.0.1:{env['GATEWAY_PORT']}", timeout=120) as client:
             result = client.generate(prompt="The capital of France is", max_tokens=4, temperature=0)
+            client.generate(prompt=long_text(3), max_tokens=1)  # a prompt of whole blocks: events
         assert "Paris" in result.text
         health = urllib.request.urlopen(f"http://127.0.0.1:{env['HTTP_PORT']}/health", timeout=30)
         assert health.status == 200, "the OpenAI-compatible API is served on HTTP_PORT"
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{env['HTTP_PORT']}/metrics", timeout=30).read()
+        assert b"vllm:num_requests_running{" in metrics, "HTTP_METRICS=on: /metrics on HTTP_PORT"
+        deadline = time.monotonic() + 30
+        while not stored_blocks(subscriber):
+            assert time.monotonic() < deadline, "KV_EVENTS_ENDPOINT: the cache publishes its blocks"
+            time.sleep(0.1)
         plaintext = subprocess.run(
             [sys.executable, "-m", "common.healthcheck", f"127.0.0.1:{env['CACHE_PORT']}"],
             cwd=helpers.ROOT, capture_output=True, timeout=30,
@@ -136,3 +173,5 @@ def test_compose_services_run_as_written(tmp_path):
     finally:
         for proc in reversed(procs.values()):
             helpers.stop(proc)
+        if subscriber is not None:
+            subscriber.close()

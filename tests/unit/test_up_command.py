@@ -25,6 +25,7 @@ UP_PLACES = {
 # A value each flag accepts other than its default (switches and choices are derived).
 VALUES = {"--kv-memory": "512MiB", "--allocator": "bitmap", "--model": "/models/other.gguf"}
 VALUES |= {"--kv-device": "cuda:1"}
+VALUES |= {"--kv-events-endpoint": "tcp://*:5557", "--kv-events-replay-endpoint": "ipc:///run/replay"}
 VALUES |= {
     "--config": str(ROOT / "examples" / "pagedserve.yaml"),
     "--kv-tier": "rocksdb",

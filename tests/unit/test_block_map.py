@@ -1,7 +1,6 @@
 """The block map (Cache.GetBlockMap's reply): one byte of state and one of refcount per block, equal to what
 the block manager holds, and small."""
 
-import time
 
 import pytest
 import structlog
@@ -63,16 +62,12 @@ def test_refcounts_above_a_byte_read_as_255():
     assert reply.states[table[0]] == USED
 
 
-def test_a_large_pool_maps_in_a_few_bytes_per_block_and_milliseconds():
+def test_a_large_pool_maps_in_a_few_bytes_per_block():
     blocks = manager(100_000)
     allocate(blocks, [SeqRequest(f"s{i}", 64 * BLOCK_SIZE, list(range(64 * BLOCK_SIZE))) for i in range(100)])
-    began = time.perf_counter()
     reply = block_map.encode(blocks, "e")
-    took = time.perf_counter() - began
     assert len(reply.SerializeToString()) < 2 * 100_000 + 64
     assert list(reply.states).count(USED) == blocks.stats().used_blocks
-    # NOTE: a loose bound, far above what an idle host takes, so that a loaded one passes too.
-    assert took < 0.5, took
 
 
 def test_before_a_pool_exists_the_map_is_refused_with_what_to_do():

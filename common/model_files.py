@@ -5,6 +5,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,22 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def built_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """target, made by build(staging directory) unless it holds a config.json already; one process builds,
+    the others wait for it (a lock beside it), and a build that fails leaves nothing at target."""
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").exists():
+            staging = target.parent / f".{target.name}.tmp"
+            shutil.rmtree(staging, ignore_errors=True)
+            build(staging)
+            staging.rename(target)
+    return target
+
+
 def local_copy(model: str) -> ModelFiles:
     """A directory that transformers loads quickly; a GGUF is dequantised once and cached as safetensors."""
     source = resolve(model)
@@ -65,15 +82,4 @@ def local_copy(model: str) -> ModelFiles:
     stat = source.stat()
     key = hashlib.sha256(f"{source}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_root() / "models" / f"{source.stem}-{key}"
-    name = source.stem.split(".")[0]
-    if (target / "config.json").exists():
-        return ModelFiles(name, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").exists():
-            staging = target.parent / f".{target.name}.tmp"
-            shutil.rmtree(staging, ignore_errors=True)
-            _convert_gguf(source, staging)
-            staging.rename(target)
-    return ModelFiles(name, target)
+    return ModelFiles(source.stem.split(".")[0], built_once(target, lambda out: _convert_gguf(source, out)))

@@ -6,17 +6,19 @@ import shutil
 import sys
 import tempfile
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 from tqdm import tqdm
 
 from cache_service.tiers import registry as tiers
 from cache_service.tiers.options import add_tier_settings
-from cli.bench import driver, peers, profile, report, vllm_peer
+from cli.bench import driver, engines, peers, profile, report, shapes
 from cli.bench.workloads import WORKLOADS, Workload, build
 from cli.launch import Stack
 from cli.scrape import scrape
-from common.model_files import local_copy
+from common.cpu import describe
+from common.model_files import DEFAULT_MODEL
 from common.options import ServiceOptions, add_dtype, add_kv_dtype, add_model
 from compute_service.quantized import WEIGHTS_CHOICES
 from sdk.client import Client
@@ -35,12 +37,17 @@ def add_parser(commands) -> None:
         help="its cache service (HOST:PORT or unix:PATH), with --target",
     )
     add_model(p)
+    p.add_argument(
+        "--model-shape", choices=list(shapes.SHAPES),
+        help="instead of --model, random weights in this published model's shape (built once in the cache), "
+        f"for every engine alike; without it, --model (by default the shipped {shapes.DEFAULT_SHAPE})",
+    )  # fmt: skip
     add_dtype(p)
     add_kv_dtype(p)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=1, help="passes; figures are medians")
     p.add_argument("--no-peers", action="store_true", help="skip generate_batch and generate")
-    vllm_peer.add_flags(p)
+    engines.add_flags(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--profile", action="store_true", help="split the steps' time into gateway and compute phases"
@@ -95,21 +102,6 @@ def _peers(args, workload, dtype: str) -> dict:
     return {name: driver.median_of(values) for name, values in runs.items()}
 
 
-def _vllm(args, workload: Workload, dtype: str) -> tuple[dict, str]:
-    """vLLM's figures on the workload (after pagedserve's stack has stopped), and how it ran."""
-    print(f"{workload.name}: vLLM peer (it compiles for ~2 minutes at each start)", file=sys.stderr)
-    try:
-        figures = vllm_peer.measure(
-            args.vllm_python, workload, local_copy(args.model).path, dtype, args.repeat,
-            kv_memory=args.vllm_kv_memory,
-        )  # fmt: skip
-    except (RuntimeError, ValueError) as error:
-        # NOTE: pagedserve's and the other peers' figures are still worth printing; the column stays empty.
-        print(f"pagedserve bench: {error}", file=sys.stderr)
-        return {}, f"{vllm_peer.NAME} failed: {str(error).splitlines()[0]}"
-    return figures, vllm_peer.setup(figures, args, dtype)
-
-
 def _start(args, *flags: str) -> Stack:
     """A stack of the bench's model, dtype, KV dtype, block size and linear path, with these extra `up`
     flags."""
@@ -137,6 +129,10 @@ def _cold_passes(args, workload: Workload, stack: Stack) -> dict:
     return driver.median_of(runs)
 
 
+def _shape_label(args) -> str:
+    return f" (model shape {args.model_shape}, random weights)" if args.model_shape else ""
+
+
 def _tiered(args) -> bool:
     return args.kv_tier not in (None, tiers.NONE)
 
@@ -149,7 +145,9 @@ def _tier_label(args) -> str:
 
 def _check(args) -> None:
     """SystemExit for flags that do not go together."""
-    vllm_peer.check_flags(args)
+    engines.check_flags(args)
+    if args.model_shape and args.model != DEFAULT_MODEL:
+        raise SystemExit("pagedserve bench: --model-shape makes the model; drop --model")
     if args.profile and args.target and not args.metrics_url:
         raise SystemExit("pagedserve bench: --profile with --target needs the gateway's --metrics-url")
     for flag, given in (
@@ -157,6 +155,7 @@ def _check(args) -> None:
         ("--weights", args.weights != "auto"),
         ("--cold-restart", args.cold_restart),
         ("--kv-tier/--config", TIER.command_line(args)),
+        ("--model-shape", args.model_shape),
     ):
         if given and args.target:
             raise SystemExit(f"pagedserve bench: {flag} applies to a stack the bench starts, not --target")
@@ -172,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("pagedserve bench: --kv-tier redis needs --kv-tier-path redis://HOST:PORT/DB")
     if temporary:
         args.kv_tier_path = tempfile.mkdtemp(prefix="pagedserve-bench-tier-")
+    if args.model_shape:
+        print(f"model shape {args.model_shape}: random weights (built once)", file=sys.stderr)
+        args.model = str(shapes.model_dir(args.model_shape))
     try:
         return _run(args)
     finally:
@@ -197,7 +199,11 @@ def _run(args: argparse.Namespace) -> int:
         result = {
             "workload": workload.name,
             "description": workload.description,
-            "setup": f"{info.model}, {info.dtype}, weights {info.weights or info.dtype}, KV {info.kv_dtype}"
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": describe(),
+            "model_shape": args.model_shape,
+            "setup": f"{info.model}{_shape_label(args)}, {info.dtype}, weights {info.weights or info.dtype}, "
+            f"KV {info.kv_dtype}"
             f"{', plain nn.Linear' if args.plain_linear else ''}, "
             f"block size {info.block_size}, {_tier_label(args)}"
             f"{', cold restarts' if args.cold_restart else ''}, median of {args.repeat}",
@@ -217,8 +223,15 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         if stack is not None:
             stack.stop()
+    runs = {}
     if "vllm" in args.peer:
-        others[vllm_peer.NAME], result["vllm_setup"] = _vllm(args, workload, args.vllm_dtype or info.dtype)
+        runs["vllm"] = engines.vllm(args, workload, args.vllm_dtype or info.dtype)
+    if "llamacpp" in args.peer:
+        runs["llamacpp"] = engines.llamacpp(args, workload)
+    for key, peer in runs.items():
+        others[engines.PEERS[key]] = peer.figures
+        result[f"{key}_setup"] = peer.setup
+        result.setdefault("peer_settings", {})[engines.PEERS[key]] = peer.settings
     if not args.no_peers:
         others = {**_peers(args, workload, info.dtype), **others}
     if others:

@@ -12,6 +12,16 @@ from common.server import channel
 from protos import cache_pb2, cache_pb2_grpc
 from sdk.client import Client
 
+# Figures that only pagedserve's cache service reports (None for the peers).
+CACHE_ONLY = (
+    "peak_sequences",
+    "peak_used_blocks",
+    "kv_utilisation_mean",
+    "kv_utilisation_at_peak",
+    "tier_hit_blocks",
+    "tier_load_ms_per_block",
+)
+
 
 @dataclass(slots=True)
 class Trace:
@@ -111,6 +121,20 @@ def summarize(traces: list[Trace], samples: list[CacheSample]) -> dict:
         "peak_used_blocks": max((s.used_blocks for s in samples), default=0),
         **kv_utilisation(samples),
     }
+
+
+def check_complete(engine: str, workload: Workload, traces: list[Trace]) -> list[Trace]:
+    """The traces of one pass; ValueError unless there is one per request, each with exactly its max_tokens
+    (ignore_eos), every token timed."""
+    if len(traces) != len(workload.requests):
+        raise ValueError(f"{engine} answered {len(traces)} of {len(workload.requests)} requests")
+    for i, (request, trace) in enumerate(zip(workload.requests, traces, strict=True)):
+        if trace.completion_tokens != request.max_tokens or len(trace.token_times) != request.max_tokens:
+            raise ValueError(
+                f"{engine} request {i}: {trace.completion_tokens} tokens, {len(trace.token_times)} times, "
+                f"max_tokens {request.max_tokens}"
+            )
+    return traces
 
 
 def timings(traces: list[Trace]) -> dict:

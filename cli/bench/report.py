@@ -19,6 +19,9 @@ ROWS = [
 ]
 PEERS = ("generate_batch", "generate")
 FIRST = "vLLM"  # the engine a user would pick instead: its column comes first
+LLAMACPP = "llama.cpp"  # the one for quantised weights: second
+# The result's lines on how each peer engine ran, printed under the table's title.
+SETUPS = ("vllm_setup", "llamacpp_setup")
 PREFIX_CACHE_OFF = "prefix cache off"  # pagedserve itself, on a stack started with --no-prefix-cache
 
 
@@ -49,8 +52,8 @@ def ratios(result: dict) -> dict:
 
 
 def peer_names(peers: dict) -> list[str]:
-    """The columns: vLLM first, then transformers' generate_batch and generate, then the others."""
-    known = [name for name in (FIRST, *PEERS) if name in peers or name in PEERS]
+    """The columns: vLLM first, then llama.cpp, transformers' generate_batch and generate, then the others."""
+    known = [name for name in (FIRST, LLAMACPP, *PEERS) if name in peers or name in PEERS]
     return [*known, *(p for p in peers if p not in known)]
 
 
@@ -64,8 +67,11 @@ def table(result: dict) -> str:
         row += [_cell(peers.get(p, {}).get(key), fmt) for p in names]
         row += [_ratio_cell(ours.get(key), peers.get(p, {}).get(key), key) for p in names]
         lines.append(row)
-    setups = [f"({result['setup']})", *([f"({result['vllm_setup']})"] if "vllm_setup" in result else [])]
-    return "\n".join([f"{result['workload']}: {result['description']}", *setups, *aligned(lines)])
+    setups = [f"({result[key]})" for key in ("setup", *SETUPS) if key in result]
+    title = f"{result['workload']}: {result['description']}"
+    if "date" in result:
+        title += f"\n(measured {result['date']} on {result['machine']})"
+    return "\n".join([title, *setups, *aligned(lines)])
 
 
 def aligned(rows: list[list[str]]) -> list[str]:

@@ -5,7 +5,8 @@ imports nothing from pagedserve and nothing but the standard library at module l
 processes import this file again). Protocol version 1:
 
 - input (stdin): {"protocol": 1, "model": DIR, "dtype": "float32", "max_model_len": N, "kv_memory_bytes": N,
-  "kv_tokens": null or N, "repeat": R, "enforce_eager": false (optional),
+  "kv_tokens": null or N, "repeat": R, "enforce_eager": false (optional), "load_format": "auto" (optional;
+  "dummy": the model directory's config with random weights),
   "requests": [{"prompt_ids": [...], "max_tokens": N, "arrival_s": S}, ...]}
 - output (the file): {"protocol": 1, "vllm_version": V, "passes": [[{"sent": S, "token_times": [...],
   "token_ids": [...], "prompt_tokens": N, "cached_tokens": N, "completion_tokens": N}, ...], ...]}
@@ -133,6 +134,7 @@ def engine_args(workload: dict) -> dict:
         # NOTE: eager skips vLLM's compile (~90 s at every start here: its AOT cache does not load on the CPU
         # in 0.32), for tests that check the protocol, not the speed.
         "enforce_eager": bool(workload.get("enforce_eager", False)),
+        "load_format": workload.get("load_format", "auto"),
     }
     if workload.get("kv_tokens"):
         tokens_bytes = workload["kv_tokens"] * kv_bytes_per_token(workload["model"], workload["dtype"])

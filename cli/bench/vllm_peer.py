@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cache_service.options import DEFAULT_KV_MEMORY
 from cache_service.units import parse_size
-from cli.bench import driver
+from cli.bench import binding, driver
 from cli.bench.workloads import Workload
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
@@ -23,22 +23,27 @@ PYTHON_ENV = "PAGEDSERVE_VLLM_PYTHON"
 # vLLM's start-up compiles for ~3 minutes the first time (cached afterwards); a run that takes longer than
 # this is stuck.
 TIMEOUT_S = 3600
-# Figures that only pagedserve's cache service reports.
-CACHE_ONLY = (
-    "peak_sequences",
-    "peak_used_blocks",
-    "kv_utilisation_mean",
-    "kv_utilisation_at_peak",
-    "tier_hit_blocks",
-    "tier_load_ms_per_block",
-)
 MIN_MODEL_LEN = 2048
+# vLLM's log lines that tell how its worker bound its threads (kept in the bench's JSON).
+BINDING_LOG = (
+    "OpenMP thread binding",
+    "VLLM_CPU_OMP_THREADS_BIND=",
+    "reserve_cpu_num=",
+    "core ids=",
+    "reserved_cpus=",
+)
 
 
 def request_json(
-    workload: Workload, model_dir: Path, dtype: str, repeat: int, kv_memory: int = DEFAULT_KV_MEMORY
+    workload: Workload,
+    model_dir: Path,
+    dtype: str,
+    repeat: int,
+    kv_memory: int = DEFAULT_KV_MEMORY,
+    dummy_weights: bool = False,
 ) -> dict:
-    """The driver's input (protocol 1) for `repeat` passes of the workload on the model in model_dir."""
+    """The driver's input (protocol 1) for `repeat` passes of the workload on the model in model_dir (its
+    config only, random weights of vLLM's own, if dummy_weights)."""
     longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
     model_len = max(MIN_MODEL_LEN, longest)
     if workload.kv_tokens:
@@ -52,6 +57,7 @@ def request_json(
         "kv_memory_bytes": kv_memory,
         "kv_tokens": workload.kv_tokens,
         "repeat": repeat,
+        "load_format": "dummy" if dummy_weights else "auto",
         "requests": [
             {"prompt_ids": r.prompt_ids, "max_tokens": r.max_tokens, "arrival_s": r.arrival_s}
             for r in workload.requests
@@ -61,28 +67,9 @@ def request_json(
 
 def traces(workload: Workload, one_pass: list[dict]) -> list[driver.Trace]:
     """One pass's traces; ValueError unless each request got exactly its max_tokens (ignore_eos)."""
-    if len(one_pass) != len(workload.requests):
-        raise ValueError(f"vLLM answered {len(one_pass)} of {len(workload.requests)} requests")
-    result = []
-    for i, (request, trace) in enumerate(zip(workload.requests, one_pass, strict=True)):
-        if (
-            trace["completion_tokens"] != request.max_tokens
-            or len(trace["token_times"]) != request.max_tokens
-        ):
-            raise ValueError(
-                f"vLLM request {i}: {trace['completion_tokens']} tokens, {len(trace['token_times'])} times, "
-                f"max_tokens {request.max_tokens}"
-            )
-        result.append(
-            driver.Trace(
-                sent=trace["sent"],
-                token_times=trace["token_times"],
-                prompt_tokens=trace["prompt_tokens"],
-                cached_tokens=trace["cached_tokens"],
-                completion_tokens=trace["completion_tokens"],
-            )
-        )
-    return result
+    fields = ("sent", "token_times", "prompt_tokens", "cached_tokens", "completion_tokens")
+    result = [driver.Trace(**{key: trace[key] for key in fields}) for trace in one_pass]
+    return driver.check_complete(NAME, workload, result)
 
 
 def figures(workload: Workload, answer: dict) -> dict:
@@ -91,20 +78,17 @@ def figures(workload: Workload, answer: dict) -> dict:
         raise ValueError(f"the vLLM driver answered protocol {answer.get('protocol')!r}, not {PROTOCOL}")
     if not answer.get("passes"):
         raise ValueError("the vLLM driver answered no passes")
-    runs = [{**driver.timings(traces(workload, p)), **dict.fromkeys(CACHE_ONLY)} for p in answer["passes"]]
+    cache_only = dict.fromkeys(driver.CACHE_ONLY)
+    runs = [{**driver.timings(traces(workload, p)), **cache_only} for p in answer["passes"]]
     return driver.median_of(runs)
 
 
-def threads() -> str:
-    """OMP_NUM_THREADS for vLLM: the caller's, else every CPU (BENCHMARKS.md's recipe: 2 on 2 vCPUs)."""
-    return os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
-
-
-def run_driver(python: str, request: dict, workdir: Path) -> dict:
-    """Runs the driver under `python` (stdout and stderr to workdir/vllm.log) and returns its answer;
+def run_driver(python: str, request: dict, workdir: Path, bind: str = binding.ALL) -> dict:
+    """Runs the driver under `python` (stdout and stderr to workdir/vllm.log), its threads bound as
+    --vllm-bind says, and returns its answer with vLLM's log lines on the binding ("binding_log");
     RuntimeError with the log's tail if it fails. The driver's processes are killed on any way out."""
     log_path, output = workdir / "vllm.log", workdir / "answer.json"
-    env = {**os.environ, "OMP_NUM_THREADS": threads()}
+    env = binding.environment(binding.vllm_env(bind))
     with open(log_path, "w") as log:
         # NOTE: -P keeps the driver's folder off sys.path: cli/bench/profile.py would shadow the stdlib's.
         process = subprocess.Popen(
@@ -121,7 +105,9 @@ def run_driver(python: str, request: dict, workdir: Path) -> dict:
                 process.wait()
     if process.returncode != 0 or not output.exists():
         raise RuntimeError(f"the vLLM driver ({python}) exited with {process.returncode}:\n{_tail(log_path)}")
-    return json.loads(output.read_text())
+    lines = log_path.read_text(errors="replace").splitlines()
+    bound = [line for line in lines if any(words in line for words in BINDING_LOG)]
+    return {**json.loads(output.read_text()), "binding_log": bound}
 
 
 def _tail(log_path: Path, lines: int = 20) -> str:
@@ -133,10 +119,6 @@ def _tail(log_path: Path, lines: int = 20) -> str:
 
 def add_flags(parser) -> None:
     parser.add_argument(
-        "--peer", action="append", choices=["vllm"], default=[],
-        help="also run the workload on this engine (vllm: vLLM's CPU engine, from --vllm-python)",
-    )  # fmt: skip
-    parser.add_argument(
         "--vllm-python",
         help=f"the interpreter of a venv with vLLM installed (default: ${PYTHON_ENV})",
     )  # fmt: skip
@@ -144,6 +126,11 @@ def add_flags(parser) -> None:
         "--vllm-dtype", choices=["float32", "bfloat16"],
         help="the dtype vLLM runs in (default: the stack's --dtype); bfloat16 is vLLM's own default on a cpu "
         "with bfloat16 products, the peer of --weights bfloat16",
+    )  # fmt: skip
+    parser.add_argument(
+        "--vllm-bind", type=binding.vllm_bind, default=binding.ALL, metavar="all|auto|CPUS",
+        help="vLLM's OpenMP threads: all = bound to every CPU the bench may use, none reserved (default; a "
+        "user's tuning); auto = vLLM's default binding (on 2 vCPUs: one core, one reserved); or a CPU list",
     )  # fmt: skip
     parser.add_argument(
         "--vllm-kv-memory", type=parse_size, default=DEFAULT_KV_MEMORY,
@@ -165,11 +152,27 @@ def check_flags(args) -> None:
 
 def setup(figures: dict, args, dtype: str) -> str:
     """One line on how the vLLM peer ran."""
+    weights = ", random weights (load_format=dummy)" if args.model_shape else ""
     return (
-        f"{NAME} {figures.get('version')}: AsyncLLM, each token timed as it streams out, {dtype}, "
-        f"OMP_NUM_THREADS={threads()}, KV {args.vllm_kv_memory / 2**20:.0f}MiB, prefix caching on, "
+        f"{NAME} {figures.get('version')}: AsyncLLM, each token timed as it streams out, {dtype}{weights}, "
+        f"{binding.vllm_label(args.vllm_bind)}, KV {args.vllm_kv_memory / 2**20:.0f}MiB, prefix caching on, "
         f"median of {args.repeat}"
     )
+
+
+def settings(figures: dict, args, dtype: str) -> dict:
+    """How the vLLM peer ran, for the bench's JSON."""
+    return {
+        "version": figures.get("version"),
+        "api": "AsyncLLM",
+        "dtype": dtype,
+        "load_format": "dummy" if args.model_shape else "auto",
+        "bind": args.vllm_bind,
+        "environment": binding.vllm_env(args.vllm_bind),
+        "binding_log": figures.get("binding_log", []),
+        "kv_cache_memory_bytes": args.vllm_kv_memory,
+        "enable_prefix_caching": True,
+    }
 
 
 def measure(
@@ -179,9 +182,12 @@ def measure(
     dtype: str,
     repeat: int,
     kv_memory: int = DEFAULT_KV_MEMORY,
+    bind: str = binding.ALL,
+    dummy_weights: bool = False,
 ) -> dict:
-    """The workload's median figures on vLLM, and its version."""
-    request = request_json(workload, model_dir, dtype, repeat, kv_memory)
+    """The workload's median figures on vLLM, its version and its log lines on the binding."""
+    request = request_json(workload, model_dir, dtype, repeat, kv_memory, dummy_weights)
     with tempfile.TemporaryDirectory(prefix="pagedserve-bench-vllm-") as workdir:
-        answer = run_driver(python, request, Path(workdir))
-    return {**figures(workload, answer), "version": answer.get("vllm_version")}
+        answer = run_driver(python, request, Path(workdir), bind)
+    version = answer.get("vllm_version")
+    return {**figures(workload, answer), "version": version, "binding_log": answer["binding_log"]}

@@ -3,10 +3,13 @@
 import json
 import os
 import subprocess
+from datetime import UTC, datetime
 
 import pytest
 
-from cli.bench.workloads import LONG_PREFIX_TOKENS
+from cli.bench.workloads import LONG_PREFIX_TOKENS, build
+from common.cpu import describe
+from tests import llamacpp_protocol_server
 from tests.helpers import PAGEDSERVE
 from tests.tiny_model import save_tiny_llama
 
@@ -102,3 +105,52 @@ def test_long_shared_prefix_after_a_cold_restart_comes_from_the_tier(tmp_path, t
     assert ours["tier_load_ms_per_block"] > 0
     assert ours["cached_prompt_tokens"] >= LONG_PREFIX_TOKENS
     assert not list(scratch.glob("pagedserve-bench-tier-*"))
+
+
+@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2"])
+def test_bench_at_a_model_shape_builds_it_and_dates_the_result(shape, tmp_path):
+    """The bench builds the shape's random-weight model in the cache and serves it; the JSON names the
+    shape, the date and the machine (common.cpu.describe())."""
+    out = subprocess.run(
+        [*PAGEDSERVE, "bench", "--workload", "latency", "--model-shape", shape, "--dtype", "float32",
+         "--no-peers", "--json", str(tmp_path / "bench.json")],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["model_shape"] == shape and f"(model shape {shape}, random weights)" in result["setup"]
+    assert result["setup"].startswith(f"{shape}-random-") and list((tmp_path / "models").glob(f"{shape}-*"))
+    assert result["machine"] == describe() and result["date"].startswith(str(datetime.now(UTC).date()))
+    assert f"measured {result['date']} on {result['machine']}" in out.stdout
+    assert result["pagedserve"]["generated_tokens"] == 128 and result["pagedserve"]["prompt_tokens"] == 256
+
+
+def test_bench_peer_llamacpp_sends_the_same_token_ids(stack_fp32, tmp_path):
+    """The llama.cpp peer on the default model's GGUF, against a server that speaks llama-server's protocol
+    (tests/llamacpp_protocol_server.py): it gets the workload's token ids, and its figures, settings and
+    setup go into the table and the JSON beside pagedserve's."""
+    record = tmp_path / "requests.jsonl"
+    out = subprocess.run(
+        [*PAGEDSERVE, "bench", "--workload", "latency", "--no-peers", "--target", stack_fp32.target,
+         "--cache-target", stack_fp32.cache_target, "--peer", "llamacpp", "--llamacpp-threads", "2",
+         "--llamacpp-server", str(llamacpp_protocol_server.install(tmp_path)),
+         "--json", str(tmp_path / "bench.json")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "LLAMACPP_TEST_RECORD": str(record)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    ours, theirs = result["pagedserve"], result["peers"]["llama.cpp"]
+    assert theirs["generated_tokens"] == ours["generated_tokens"] == 128
+    assert theirs["prompt_tokens"] == ours["prompt_tokens"] == 256 and theirs["itl_p50_ms"] > 0
+    settings = result["peer_settings"]["llama.cpp"]
+    assert settings["gguf"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and settings["threads"] == 2
+    assert settings["parallel"] == 1 and settings["version"] == "version: 1 (protocol test server)"
+    assert (
+        result["llamacpp_setup"].startswith("llama.cpp version: 1")
+        and "2 threads" in result["llamacpp_setup"]
+    )
+    assert "(llama.cpp version: 1" in out.stdout and "vs llama.cpp" in out.stdout
+    prompt = build("latency", 49152).requests[0].prompt_ids
+    sent = [json.loads(line)["body"] for line in record.read_text().splitlines()]
+    assert sent[-1]["prompt"] == prompt and sent[-1]["max_tokens"] == 128, "the bench's own token ids"

@@ -82,6 +82,8 @@ def test_the_bench_forwards_only_the_tier_flags_given_to_the_stacks_it_starts():
         (["--target", "127.0.0.1:1", "--kv-tier", "rocksdb"], "--kv-tier/--config applies to a stack"),
         (["--cold-restart", "--profile"], "--profile reads one stack's metrics"),
         (["--kv-tier", "redis"], "--kv-tier redis needs --kv-tier-path redis://"),
+        (["--target", "127.0.0.1:1", "--model-shape", "tiny-llama"], "--model-shape applies to a stack the"),
+        (["--model-shape", "tiny-llama", "--model", "/m"], "--model-shape makes the model; drop --model"),
     ],
 )
 def test_the_bench_refuses_flags_that_do_not_go_together(argv, message):

@@ -5,7 +5,6 @@ import argparse
 import ast
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cli.bench import command, report, vllm_driver, vllm_peer
+from cli.bench import binding, command, driver, engines, report, vllm_driver, vllm_peer
 from cli.bench.workloads import BenchRequest, Workload, build
 
 
@@ -49,6 +48,13 @@ def test_the_engine_gets_the_same_weights_dtype_and_kv_budget(tmp_path):
     assert args["model"] == "/m" and args["dtype"] == "float32" and args["enable_prefix_caching"]
     assert args["kv_cache_memory_bytes"] == 2**28 and "block_size" not in args, "vLLM's own block size"
     assert not args["enforce_eager"], "the bench measures vLLM compiled, as it serves"
+    assert args["load_format"] == "auto", "the model directory's weights"
+    dummy = vllm_peer.request_json(
+        _workload(BenchRequest([5] * 8, 2)), Path("/m"), "float32", 1, dummy_weights=True
+    )
+    assert vllm_driver.engine_args(dummy)["load_format"] == "dummy", (
+        "--model-shape: the config, random weights"
+    )
     # SmolLM2-135M: 30 layers, 9 query heads of 64 (hidden 576), 3 KV heads: 46,080 bytes a token in float32
     config = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -138,7 +144,7 @@ def test_vllm_figures_come_from_the_same_code_as_pagedserves():
     assert figures["ttft_p50_ms"] == pytest.approx(1000.0)
     assert figures["itl_p50_ms"] == pytest.approx(200.0) and figures["itl_p99_ms"] == pytest.approx(500.0)
     assert figures["cached_prompt_tokens"] == 4 and figures["generated_tokens"] == 5
-    assert all(figures[key] is None for key in vllm_peer.CACHE_ONLY), "pagedserve's cache only"
+    assert all(figures[key] is None for key in driver.CACHE_ONLY), "pagedserve's cache only"
 
 
 @pytest.mark.parametrize(
@@ -200,7 +206,7 @@ def test_ratios_say_who_is_ahead_and_vllm_comes_first():
 
 def _flags(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    vllm_peer.add_flags(parser)
+    engines.add_flags(parser)
     return parser.parse_args(argv)
 
 
@@ -219,11 +225,47 @@ def test_peer_vllm_needs_an_interpreter(monkeypatch, tmp_path):
         _flags("--vllm-dtype", "float16")
 
 
-def test_vllm_gets_every_cpu_unless_told(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert vllm_peer.threads() == "3"
-    monkeypatch.delenv("OMP_NUM_THREADS")
-    assert vllm_peer.threads() == str(os.cpu_count())
+def test_vllm_is_bound_to_every_cpu_the_bench_may_use_unless_told(monkeypatch):
+    monkeypatch.setattr(binding.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert _flags().vllm_bind == binding.ALL
+    assert binding.vllm_env(binding.ALL) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "2"
+    }  # fmt: skip
+    assert binding.vllm_env("0,2-3")["OMP_NUM_THREADS"] == "3"
+    assert "bound to CPUs 0-1, none reserved" in binding.vllm_label(binding.ALL)
+    assert binding.vllm_env(binding.AUTO) == dict.fromkeys(binding.vllm_env(binding.ALL)), "vLLM's default"
+    assert "vLLM's default binding" in binding.vllm_label(binding.AUTO)
+    with pytest.raises(SystemExit):
+        _flags("--vllm-bind", "0-")
+
+
+def test_cpu_lists_read_and_written_as_ranges():
+    assert binding.cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and binding.cpu_list([3]) == "3"
+    assert binding.parse_cpu_list("0-2,5,7-8") == [0, 1, 2, 5, 7, 8]
+    for bad in ("", "a", "1-", "2,1", "0-2,1"):
+        with pytest.raises(ValueError):
+            binding.parse_cpu_list(bad)
+
+
+def test_the_binding_goes_into_vllms_environment_and_its_log_lines_come_back(tmp_path, monkeypatch):
+    """A stand-in interpreter that writes what vLLM's worker would see, and logs as vLLM does."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "7")
+    monkeypatch.setenv("OMP_NUM_THREADS", "9")
+    python = tmp_path / "python"
+    python.write_text(
+        "#!/bin/sh\necho 'INFO OpenMP thread binding info: '\necho \"\tlocal_rank=0, core ids=[0, 1]\"\n"
+        "echo 'loading'\n"
+        'printf \'{"protocol": 1, "bind": "%s", "reserved": "%s", "threads": "%s"}\' '
+        '"$VLLM_CPU_OMP_THREADS_BIND" "${VLLM_CPU_NUM_OF_RESERVED_CPU-unset}" '
+        '"${OMP_NUM_THREADS-unset}" > $4\n'
+    )
+    python.chmod(0o755)
+    request = _request_json(_workload(BenchRequest([1] * 8, 2)))
+    answer = vllm_peer.run_driver(str(python), request, tmp_path, "0-1")
+    assert (answer["bind"], answer["reserved"], answer["threads"]) == ("0-1", "0", "2")
+    assert answer["binding_log"] == ["INFO OpenMP thread binding info: ", "\tlocal_rank=0, core ids=[0, 1]"]
+    answer = vllm_peer.run_driver(str(python), request, tmp_path, binding.AUTO)
+    assert (answer["bind"], answer["reserved"], answer["threads"]) == ("", "unset", "unset"), "vLLM's own"
 
 
 def test_the_bench_refuses_peer_vllm_without_an_interpreter_before_starting_anything(monkeypatch):

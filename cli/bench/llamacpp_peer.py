@@ -1,7 +1,7 @@
 """`bench --peer llamacpp`: the same workload on llama.cpp's server, on the GGUF file of --model (the default
 model's is Q4_1), its figures from the same code as pagedserve's.
 
-`llama-server` is built from source by scripts/build_llamacpp.sh (docs/benchmarks.md); the bench is pointed
+`llama-server` is built from source by scripts/build_llamacpp.sh (docs/benchmarking.md); the bench is pointed
 at it by --llamacpp-server or $PAGEDSERVE_LLAMACPP_SERVER. Each pass runs on a server of its own, started on
 a free port, warmed up with a short request and stopped after the pass, so that no pass finds the previous
 one's prompts in llama.cpp's prompt cache (it has no cache salt); requests of one pass may share prefixes.
@@ -48,7 +48,7 @@ def add_flags(parser) -> None:
     parser.add_argument(
         "--llamacpp-repack", action="store_true",
         help="let llama-server repack the weights (its AMX kernels on an AMX CPU); off by default, see "
-        "docs/benchmarks.md",
+        "docs/benchmarking.md",
     )  # fmt: skip
 
 

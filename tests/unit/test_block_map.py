@@ -1,7 +1,6 @@
 """The block map (Cache.GetBlockMap's reply): one byte of state and one of refcount per block, equal to what
 the block manager holds, and small."""
 
-
 import pytest
 import structlog
 

@@ -225,9 +225,14 @@ def request_metadata(request_ids: Iterable[str]) -> tuple[tuple[str, str], ...]:
     """gRPC metadata naming the requests a downstream call serves, for the callee's logs. Printable ASCII
     (other characters escaped as \\xNN, \\uNNNN) and at most MAX_REQUEST_IDS_CHARS long: a client's request
     id must not make the call fail for every request it serves."""
-    ids = ",".join(request_ids).encode("ascii", "backslashreplace").decode("ascii")
-    ids = "".join(c if " " <= c <= "~" else f"\\x{ord(c):02x}" for c in ids)
-    return ((REQUEST_ID_KEY, ids[:MAX_REQUEST_IDS_CHARS]),)
+    return ((REQUEST_ID_KEY, printable_ascii(",".join(request_ids))[:MAX_REQUEST_IDS_CHARS]),)
+
+
+def printable_ascii(text: str) -> str:
+    """text with every character but printable ASCII escaped (\\xNN, \\uNNNN): what a request id may carry
+    into metadata, headers and logs."""
+    text = text.encode("ascii", "backslashreplace").decode("ascii")
+    return "".join(c if " " <= c <= "~" else f"\\x{ord(c):02x}" for c in text)
 
 
 def channel(

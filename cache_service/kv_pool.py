@@ -135,6 +135,17 @@ class KVPool:
             "restart the cache service to change the layout"
         )
 
+    def require_size(self, spec: PoolSpec) -> None:
+        """FailedPrecondition, naming both sizes, unless `spec` (a CreatePool's explicit budget) has this
+        pool's number of blocks: a live pool is never resized, and a caller must not believe it was."""
+        if spec.num_blocks == self.spec.num_blocks:
+            return
+        raise FailedPrecondition(
+            f"the cache service holds a pool of {_size(self.spec)}, asked for {_size(spec)}: a pool keeps "
+            "its size while the cache service runs; send no num_blocks or memory_bytes to use the live "
+            "pool, or restart the cache service to resize it"
+        )
+
     def read_block(self, layer: int, block_id: int) -> torch.Tensor:
         """K then V of one block in one layer, [2, block_size, num_kv_heads, head_dim], a view of the pool."""
         if not 0 <= layer < self.spec.num_layers:
@@ -160,6 +171,10 @@ def kv_identity(model: str, dtype: torch.dtype, kv_scales_id: str) -> str:
     """What a prefix hash's root covers beyond the request's salt: the model and the exact encoding of its
     K/V (dtype, fp8 scales), so that blocks are shared (or kept by a tier) only between equal encodings."""
     return f"{model}\0{shared_pool.dtype_name(dtype)}\0{kv_scales_id}"
+
+
+def _size(spec: PoolSpec) -> str:
+    return f"{spec.num_blocks} blocks ({spec.nbytes / 2**20:.1f} MiB)"
 
 
 def _layout(spec: PoolSpec, model: str, kv_scales_id: str) -> str:

@@ -68,6 +68,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             spec = spec_from_request(request, self._default_blocks, self._default_memory)
             if self._pool is not None:
                 self._pool.require_layout(spec, request.model, request.kv_scales_id)
+                if request.num_blocks or request.memory_bytes:
+                    self._pool.require_size(spec)
                 self._attention_backend = request.attention_backend
                 return self._pool.handle
             self._pool = KVPool.create(

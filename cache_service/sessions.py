@@ -73,13 +73,19 @@ class Sessions:
 
     def close(self, session_id: str, blocks: BlockManager | None) -> tuple[int, int]:
         """Frees every sequence of the session and ends it; returns (sequences, blocks that left use).
-        Closing a lapsed or unknown session does nothing."""
+        Closing a lapsed session frees nothing (its lapse did); NotFound for a session never opened, closed
+        already, or opened before the cache service restarted."""
         if session_id == UNLEASED:
             raise InvalidArgument("session_id must not be empty")
         session = self._open.pop(session_id, None)
-        if session is None:
+        if session is not None:
+            return len(session.seqs), _free_all(session, blocks)
+        if session_id in self._lapsed:
             return 0, 0
-        return len(session.seqs), _free_all(session, blocks)
+        raise NotFound(
+            f"no session {session_id!r} to close: it was never opened, is closed already, or the cache "
+            "service restarted since (which freed every sequence)"
+        )
 
     def sweep(self, blocks: BlockManager | None) -> list[str]:
         """Lapses every session past its deadline, freeing its sequences; returns their ids."""

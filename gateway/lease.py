@@ -76,11 +76,13 @@ class Lease:
             self._close_session(self.session_id)
 
     def _close_session(self, session_id: str) -> None:
-        """Best effort: a session not closed lapses within its TTL all the same."""
+        """Best effort: a session not closed lapses within its TTL all the same; one the cache service does
+        not know (it restarted) holds nothing."""
         try:
             self._stub.CloseSession(cache_pb2.CloseSessionRequest(session_id=session_id), timeout=5.0)
         except grpc.RpcError as err:
-            log.warning("session_close_failed", session_id=session_id, error=err.details())
+            if err.code() != grpc.StatusCode.NOT_FOUND:
+                log.warning("session_close_failed", session_id=session_id, error=err.details())
 
     def _renew_forever(self) -> None:
         delay = self.ttl_s / 3

@@ -225,13 +225,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             return block_map.encode(pool.blocks, pool.handle.epoch)
 
     def close(self) -> None:
-        """Unlinks the pool's segment; called once the server has stopped."""
+        """Once the server has stopped: the tier stores what it is to keep (a planned stop, see
+        tiers.manager.StopFlush), then the pool's segment is unlinked."""
         with self._lock:
+            self._tier.close()
             if self._pool is not None:
                 self._pool.release()
                 self._log.info("pool_released", path=self._pool.handle.shm.path)
                 self._pool = None
-            self._tier.close()
 
     def _require_pool(self) -> KVPool:
         if self._pool is None:

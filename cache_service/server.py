@@ -228,11 +228,13 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         """Once the server has stopped: the tier stores what it is to keep (a planned stop, see
         tiers.manager.StopFlush), then the pool's segment is unlinked."""
         with self._lock:
-            self._tier.close()
-            if self._pool is not None:
-                self._pool.release()
-                self._log.info("pool_released", path=self._pool.handle.shm.path)
-                self._pool = None
+            try:
+                self._tier.close()
+            finally:
+                if self._pool is not None:
+                    self._pool.release()
+                    self._log.info("pool_released", path=self._pool.handle.shm.path)
+                    self._pool = None
 
     def _require_pool(self) -> KVPool:
         if self._pool is None:

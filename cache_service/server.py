@@ -90,6 +90,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 path=self._pool.handle.shm.path,
             )
             self._tier.attach(self._pool)
+            self._sessions.attach(self._pool.fence)
             self._attention_backend = request.attention_backend
             return self._pool.handle
 
@@ -142,15 +143,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def OpenSession(self, request: cache_pb2.OpenSessionRequest, context) -> cache_pb2.Session:
         with self._lock:
             self._sweep()
-            ttl, held = self._sessions.open(request.session_id, request.ttl_s)
-            self._log.info("session_opened", session_id=request.session_id, ttl_s=ttl)
-            return cache_pb2.Session(session_id=request.session_id, ttl_s=ttl, num_sequences=held)
+            session = self._sessions.open(request.session_id, request.ttl_s)
+            self._log.info("session_opened", session_id=request.session_id, ttl_s=session.ttl_s)
+            return messages.session(request.session_id, session)
 
     def RenewSession(self, request: cache_pb2.RenewSessionRequest, context) -> cache_pb2.Session:
         with self._lock:
             self._sweep()
-            ttl, held = self._sessions.renew(request.session_id)
-            return cache_pb2.Session(session_id=request.session_id, ttl_s=ttl, num_sequences=held)
+            return messages.session(request.session_id, self._sessions.renew(request.session_id))
 
     def CloseSession(self, request: cache_pb2.CloseSessionRequest, context) -> cache_pb2.CloseSessionResponse:
         with self._lock:

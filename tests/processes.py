@@ -34,7 +34,8 @@ def services_of(up_pid: int) -> dict[str, int]:
 
 
 def segments() -> set[Path]:
-    return set(SHM.glob("pagedserve-kv-*"))
+    """The pools' segments and their session fences in /dev/shm."""
+    return set(SHM.glob("pagedserve-kv-*")) | set(SHM.glob("pagedserve-fence-*"))
 
 
 def segments_of(pid: int) -> set[Path]:

@@ -42,7 +42,7 @@ def cache(clock):
         yield servicer
     finally:
         servicer.close()
-        assert not glob.glob(f"/dev/shm/pagedserve-kv-{os.getpid()}-*")
+        assert not glob.glob(f"/dev/shm/pagedserve-*-{os.getpid()}-*"), "segment and fence removed"
 
 
 def open_session(cache, session_id: str, ttl_s: float = 0.0) -> cache_pb2.Session:

@@ -4,7 +4,6 @@ the same outputs; a gateway stalled past its TTL recomputes its requests in a ne
 one cache serve side by side; a gateway stopped cleanly closes its session at once; the late Forward of a
 gateway stalled past its TTL is refused by compute (the session fence) and writes nothing."""
 
-import glob
 import os
 import signal
 import time
@@ -18,6 +17,7 @@ from protos import cache_pb2, compute_pb2, compute_pb2_grpc
 from sdk import Client
 from tests.e2e.cache_process import Service
 from tests.helpers import free_port, start, stop, wait_healthy
+from tests.processes import left_by
 from tests.processes import stopped as process_stopped
 
 TTL_S, MARGIN_S = 2.0, 3.0
@@ -35,7 +35,7 @@ class Gateway:
                 "--compute-target", compute_target, "--session-ttl", str(TTL_S), *flags]  # fmt: skip
         self.proc = start("gateway", *argv, log_path=tmp / f"{name}.log")
         try:
-            wait_healthy(self.target, self.proc, timeout=120, service=GATEWAY_SERVICE)
+            wait_healthy(self.target, self.proc, timeout=300, service=GATEWAY_SERVICE)
         except BaseException:
             stop(self.proc)
             raise
@@ -61,7 +61,7 @@ def services(tmp_path_factory):
     finally:
         stop(compute)
         cache.stop()
-        assert not glob.glob(f"/dev/shm/pagedserve-kv-{cache.proc.pid}-*")  # its segment is removed
+        assert not left_by([cache.proc.pid]), "its segment and fence are removed"
 
 
 def greedy(gateway: Gateway, prompt: str, max_tokens: int = 24) -> list[int]:

@@ -6,16 +6,15 @@ the cache, as on SIGTERM."""
 import os
 import random
 import signal
-import threading
 import time
 
 import pytest
 
 from cli.launch import Stack
 from common.healthcheck import serving
-from sdk.client import GenerationError
+from tests.e2e.streaming import start_streams
 from tests.helpers import ROOT, log_events
-from tests.processes import gone, segments, services_of, stopped
+from tests.processes import gone, left_by, services_of, stopped
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -69,20 +68,6 @@ def test_sigterm_writes_the_cached_blocks_and_the_restarted_stack_serves_them(mo
     print(f"tiny model, {len(PROMPT)}-token prompt: TTFT cold {ttft[0]:.3f} s, restarted {ttft[1]:.3f} s")
 
 
-def stream(stack: Stack, seed: int, started: threading.Semaphore, results: list) -> None:
-    chunks = []
-    try:
-        with stack.client() as client:
-            for chunk in client.stream(token_ids=[3 + seed, 40, 50, 60], max_tokens=NEW_TOKENS,
-                                       temperature=0.0, ignore_eos=True):  # fmt: skip
-                if not chunks:
-                    started.release()
-                chunks.append(chunk)
-        results.append((chunks[-1].finish_reason, chunks[-1].usage.completion_tokens))
-    except GenerationError as err:
-        results.append((err.code.name, len(chunks)))
-
-
 def exit_times(pids: dict[str, int], timeout: float) -> dict[str, float]:
     """When each process was first seen gone, polled every 5 ms."""
     seen, deadline = {}, time.monotonic() + timeout
@@ -96,15 +81,11 @@ def exit_times(pids: dict[str, int], timeout: float) -> dict[str, float]:
 def test_a_killed_launcher_drains_the_gateway_while_compute_and_cache_serve_it(model, logs):
     """Compute is stopped (SIGSTOP) from before the kill until the gateway drains, so the streams are still
     running when the services learn that the launcher is gone."""
-    before = segments()
     stack = start(model, logs, "--drain-timeout", "120", "--step-timeout", "120")
     pids = services_of(stack.proc.pid)
-    results, started = [], threading.Semaphore(0)
-    threads = [threading.Thread(target=stream, args=(stack, i, started, results)) for i in range(STREAMS)]
+    results, threads = [], []
     try:
-        for thread in threads:
-            thread.start()
-        assert all(started.acquire(timeout=60) for _ in threads), "every stream runs"
+        threads = start_streams(stack, STREAMS, NEW_TOKENS, results)
         with stopped(pids["compute"]):
             stack.proc.kill()
             stack.proc.wait()
@@ -126,7 +107,7 @@ def test_a_killed_launcher_drains_the_gateway_while_compute_and_cache_serve_it(m
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
         stack.stop()
-    assert wait_until(lambda: segments() <= before, 5), "the cache unlinked its segment"
+    assert wait_until(lambda: not left_by([pids["cache"]]), 5), "the cache unlinked its segment and fence"
     assert len(events(stack, "lifeline_ended")) == 3, "each service stopped on its lifeline"
 
 

@@ -3,7 +3,6 @@ services along, SIGTERM drains the gateway; no segment is left in /dev/shm. The 
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -13,8 +12,9 @@ import pytest
 from cli.launch import Stack
 from common.healthcheck import serving
 from sdk.client import GenerationError
+from tests.e2e.streaming import start_streams
 from tests.helpers import ROOT
-from tests.processes import gone, segments, segments_of, services_of, stopped
+from tests.processes import gone, left_by, segments_of, services_of, stopped
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -43,12 +43,12 @@ def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
 
 
 def test_a_killed_cache_is_restarted_and_its_segment_removed(tiny_model, logs):
-    before = segments()
     stack = start(tiny_model, logs)
-    pids = {}
+    pids, caches = {}, set()
     try:
         pids = services_of(stack.proc.pid)
         assert set(pids) == {"cache", "compute", "gateway"}
+        caches.add(pids["cache"])
         (old,) = segments_of(pids["cache"])
         os.kill(pids["cache"], signal.SIGKILL)
         restarted = lambda: services_of(stack.proc.pid).get("cache", pids["cache"]) != pids["cache"]  # noqa: E731
@@ -63,6 +63,7 @@ def test_a_killed_cache_is_restarted_and_its_segment_removed(tiny_model, logs):
         assert f"removed {old}" in log
         pids = services_of(stack.proc.pid)
         assert pids.keys() == {"cache", "compute", "gateway"}
+        caches.add(pids["cache"])
         stack.proc.kill()
         stack.proc.wait()
         assert wait_until(lambda: all(map(gone, pids.values())), 15), "the services died with up"
@@ -71,37 +72,18 @@ def test_a_killed_cache_is_restarted_and_its_segment_removed(tiny_model, logs):
         for pid in pids.values():
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
-    assert wait_until(lambda: segments() <= before, 5), "no segment is left"
-
-
-def stream(stack: Stack, seed: int, started: threading.Semaphore, results: list) -> None:
-    """Streams one request; started is released at its first token; its result is appended."""
-    chunks = []
-    try:
-        with stack.client() as client:
-            for chunk in client.stream(token_ids=[3 + seed, 40, 50, 60], max_tokens=NEW_TOKENS,
-                                       temperature=0.0, ignore_eos=True):  # fmt: skip
-                if not chunks:
-                    started.release()
-                chunks.append(chunk)
-        results.append((chunks[-1].finish_reason, chunks[-1].usage.completion_tokens))
-    except GenerationError as err:
-        results.append((err.code.name, len(chunks)))
+    assert wait_until(lambda: not left_by(caches), 5), "no segment or fence is left"
 
 
 def test_sigterm_drains_the_running_requests_and_refuses_new_ones(tiny_model, logs):
     """Compute is stopped (SIGSTOP) while the gateway drains, so no stream can end before the probe is
     answered: a race the streams used to win on a fast step, when the drained gateway had exited and the
     OS refused the probe. The step timeout keeps the pause from counting as a lost compute."""
-    before = segments()
     stack = start(tiny_model, logs, "--drain-timeout", "120", "--step-timeout", "120")
-    results, started = [], threading.Semaphore(0)
-    threads = [threading.Thread(target=stream, args=(stack, i, started, results)) for i in range(STREAMS)]
-    compute = services_of(stack.proc.pid)["compute"]
+    results, threads = [], []
+    compute, cache = (services_of(stack.proc.pid)[name] for name in ("compute", "cache"))
     try:
-        for thread in threads:
-            thread.start()
-        assert all(started.acquire(timeout=60) for _ in threads), "every stream runs"
+        threads = start_streams(stack, STREAMS, NEW_TOKENS, results)
         with stopped(compute):
             stack.proc.send_signal(signal.SIGTERM)
             assert wait_until(lambda: not serving(stack.target, timeout=1), 10), "NOT_SERVING at once"
@@ -118,7 +100,7 @@ def test_sigterm_drains_the_running_requests_and_refuses_new_ones(tiny_model, lo
         stack.stop()
         for thread in threads:
             thread.join(10)
-    assert wait_until(lambda: segments() <= before, 5), "no segment is left"
+    assert wait_until(lambda: not left_by([cache]), 5), "no segment or fence is left"
 
 
 def gateway_exits(stack: Stack) -> list[str]:

@@ -71,7 +71,7 @@ def config(tmp_path_factory) -> Path:
 
 def test_a_hot_system_prompt_survives_a_cache_restart(stack, reference, config):
     """The hot policy alone: the stop writes only the queued writes (--kv-tier-flush 0; the flush of every
-    cached block is test_planned_stops.py's)."""
+    cached block is test_supervisor.py's)."""
     stack.stop_cache()
     stack.start_cache("--config", str(config), "--kv-tier-flush", "0")
     cold = stack.generate(SYSTEM + QUESTIONS[0])

@@ -170,9 +170,7 @@ def test_a_stalled_gateways_late_forward_is_refused_and_writes_nothing(services)
     goes on it refuses that Forward (the fence), so no byte of the pool changes. The other gateway's cached
     prompts serve it as before, and the stalled one, continued, recomputes its request in a new session."""
     tmp, cache, compute_target, compute = services
-    stalled = Gateway(tmp, "gateway-late", cache, compute_target, "--step-timeout", "300")
-    other = Gateway(tmp, "gateway-other", cache, compute_target)
-    late, late_tokens = PROMPTS[1] + " It was signed", []
+    late, late_tokens, gateways = PROMPTS[1] + " It was signed", [], []
     logged = len(compute.log_path.read_text())
 
     def compute_log() -> str:
@@ -180,6 +178,10 @@ def test_a_stalled_gateways_late_forward_is_refused_and_writes_nothing(services)
         return compute.log_path.read_text()[logged:]
 
     try:
+        gateways.append(
+            stalled := Gateway(tmp, "gateway-late", cache, compute_target, "--step-timeout", "300")
+        )
+        gateways.append(other := Gateway(tmp, "gateway-other", cache, compute_target))
         references = [greedy(other, prompt) for prompt in (PROMPTS[0], PROMPTS[2])]
         layers = (0, compute_info(compute_target).num_layers - 1)
         with stalled.client() as client, ThreadPoolExecutor(1) as pool:
@@ -206,8 +208,8 @@ def test_a_stalled_gateways_late_forward_is_refused_and_writes_nothing(services)
         assert late_tokens == expected, "recomputed in a new session, the same greedy output"
         wait_released(cache, sessions=2)
     finally:
-        stop(stalled.proc)
-        stop(other.proc)
+        for gateway in gateways:
+            stop(gateway.proc)
     wait_released(cache, sessions=0)
 
 

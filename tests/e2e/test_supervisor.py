@@ -1,7 +1,10 @@
 """`pagedserve up` as an operator meets it: a killed service comes back, a killed launcher takes its
-services along, SIGTERM drains the gateway; no segment is left in /dev/shm. The tiny model starts fast."""
+services along (the gateway drains first while compute and cache still serve it, as on SIGTERM), SIGTERM
+drains the gateway and writes the prefix cache to the KV tier, so a restarted stack serves a 2,500-token
+prompt from it; no segment is left in /dev/shm. The tiny model starts fast."""
 
 import os
+import random
 import signal
 import time
 from pathlib import Path
@@ -13,17 +16,23 @@ from cli.launch import Stack
 from common.healthcheck import serving
 from sdk.client import GenerationError
 from tests.e2e.streaming import start_streams
-from tests.helpers import ROOT
+from tests.helpers import ROOT, log_events
 from tests.processes import gone, left_by, segments_of, services_of, stopped
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 STREAMS, NEW_TOKENS = 8, 500
+BLOCK_SIZE = 16
+PROMPT = [random.Random(35).randrange(3, 256) for _ in range(2500)]
+# Every full block but the one holding the last token (whose logits are needed).
+REUSABLE = (len(PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, tokenizer):
-    model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
+    model = save_tiny_llama(
+        tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3, max_position_embeddings=4096
+    )
     tokenizer.save_pretrained(model)
     return model
 
@@ -124,3 +133,74 @@ def test_a_gateway_signalled_at_its_first_serving_drains_and_exits_cleanly(tiny_
         assert gateway_exits(stack)[1].startswith("pagedserve: gateway exited (exit code 0)")
     finally:
         stack.stop()
+
+
+def events(stack: Stack, name: str) -> list[dict]:
+    return [event for event in log_events(stack.proc.log_path) if event["event"] == name]
+
+
+def test_sigterm_writes_the_cached_blocks_and_the_restarted_stack_serves_them(tiny_model, logs, tmp_path):
+    """As the issue's scenario: one prompt, SIGTERM, the same storage, the same prompt. Its blocks were used
+    once, never hot (--kv-tier-hot 0.8): only the stop's flush writes them."""
+    tier = ("--log-format", "json", "--kv-tier", "rocksdb", "--kv-tier-path", str(tmp_path / "tier"))
+    served, flushes, greedy = [], [], dict(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for _ in range(2):
+        stack = start(tiny_model, logs, *tier)
+        try:
+            with stack.client() as client:
+                served.append(client.generate(token_ids=PROMPT, **greedy))
+        finally:
+            assert stack.stop() == 0
+        flushes.append(events(stack, "kv_tier_flushed"))
+    cold, warm = served
+    assert cold.usage.cached_tokens == 0
+    (flushed,) = flushes[0]
+    assert flushed["blocks"] >= REUSABLE // BLOCK_SIZE and flushed["stopped_by"] == "done", flushed
+    assert warm.usage.cached_tokens >= 2400
+    assert warm.usage.cached_tokens == REUSABLE
+    assert warm.token_ids == cold.token_ids, "the tier's blocks are the computed ones"
+    ttft = cold.timings.time_to_first_token_s, warm.timings.time_to_first_token_s
+    print(f"tiny model, {len(PROMPT)}-token prompt: TTFT cold {ttft[0]:.3f} s, restarted {ttft[1]:.3f} s")
+
+
+def exit_times(pids: dict[str, int], timeout: float) -> dict[str, float]:
+    """When each process was first seen gone, polled every 5 ms."""
+    seen, deadline = {}, time.monotonic() + timeout
+    while len(seen) < len(pids) and time.monotonic() < deadline:
+        now = time.monotonic()
+        seen.update({name: now for name, pid in pids.items() if name not in seen and gone(pid)})
+        time.sleep(0.005)
+    return seen
+
+
+def test_a_killed_launcher_drains_the_gateway_while_compute_and_cache_serve_it(tiny_model, logs):
+    """Compute is stopped (SIGSTOP) from before the kill until the gateway drains, so the streams are still
+    running when the services learn that the launcher is gone."""
+    stack = start(tiny_model, logs, "--log-format", "json", "--drain-timeout", "120", "--step-timeout", "120")
+    pids = services_of(stack.proc.pid)
+    results, threads = [], []
+    try:
+        threads = start_streams(stack, STREAMS, NEW_TOKENS, results)
+        with stopped(pids["compute"]):
+            stack.proc.kill()
+            stack.proc.wait()
+            assert wait_until(lambda: not serving(stack.target, timeout=1), 10), "the gateway drains"
+            time.sleep(1.0)
+            assert not any(gone(pid) for pid in pids.values()), "every service still runs"
+            assert serving(stack.cache_target, timeout=5), "the cache still serves"
+            assert results == [], "no stream can end while compute is stopped"
+        for thread in threads:
+            thread.join(60)
+        exited = exit_times(pids, 60)
+        assert results == [("length", NEW_TOKENS)] * STREAMS
+        assert exited.keys() == pids.keys(), exited
+        assert exited["gateway"] <= exited["compute"] <= exited["cache"], exited
+    finally:
+        for thread in threads:
+            thread.join(10)
+        for pid in pids.values():
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        stack.stop()
+    assert wait_until(lambda: not left_by([pids["cache"]]), 5), "the cache unlinked its segment and fence"
+    assert len(events(stack, "lifeline_ended")) == 3, "each service stopped on its lifeline"

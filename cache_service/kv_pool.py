@@ -11,6 +11,7 @@ from cache_service.block_manager import BlockManager
 from common import shared_pool
 from common.devices import CPU, Device
 from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from common.session_fence import SessionFence
 from common.shared_pool import PoolSpec
 from protos import cache_pb2, common_pb2
 
@@ -84,13 +85,15 @@ def _check_scales(dtype: torch.dtype, kv_scales_id: str) -> None:
 
 @dataclass(frozen=True)
 class KVPool:
-    """A created pool: the owner's mapping of the segment, the handle others map it by, and its blocks."""
+    """A created pool: the owner's mapping of the segment, the handle others map it by, its blocks and its
+    session fence (common/session_fence.py)."""
 
     spec: PoolSpec
     model: str
     tensor: torch.Tensor
     handle: common_pb2.PoolHandle
     blocks: BlockManager
+    fence: SessionFence
     kv_scales_id: str = ""
 
     @classmethod
@@ -110,13 +113,18 @@ class KVPool:
         allocator_ = registry.create(allocator, spec.num_blocks)
         tensor, handle = device_room.create(spec, device)
         handle.kv_scales_id = kv_scales_id
+        try:
+            fence = SessionFence.create(handle)
+        except BaseException:
+            shared_pool.release(handle)
+            raise
 
         def copy_block(src: int, dst: int) -> None:
             tensor[:, :, dst].copy_(tensor[:, :, src])
 
         identity = kv_identity(model, spec.dtype, kv_scales_id)
         blocks = BlockManager(allocator_, spec.block_size, copy_block, prefix_caching, identity)
-        return cls(spec, model, tensor, handle, blocks, kv_scales_id)
+        return cls(spec, model, tensor, handle, blocks, fence, kv_scales_id)
 
     @property
     def identity(self) -> str:
@@ -135,6 +143,17 @@ class KVPool:
             "restart the cache service to change the layout"
         )
 
+    def require_size(self, spec: PoolSpec) -> None:
+        """FailedPrecondition, naming both sizes, unless `spec` (a CreatePool's explicit budget) has this
+        pool's number of blocks: a live pool is never resized, and a caller must not believe it was."""
+        if spec.num_blocks == self.spec.num_blocks:
+            return
+        raise FailedPrecondition(
+            f"the cache service holds a pool of {_size(self.spec)}, asked for {_size(spec)}: a pool keeps "
+            "its size while the cache service runs; send no num_blocks or memory_bytes to use the live "
+            "pool, or restart the cache service to resize it"
+        )
+
     def read_block(self, layer: int, block_id: int) -> torch.Tensor:
         """K then V of one block in one layer, [2, block_size, num_kv_heads, head_dim], a view of the pool."""
         if not 0 <= layer < self.spec.num_layers:
@@ -146,9 +165,10 @@ class KVPool:
         return self.tensor[layer, :, block_id]
 
     def release(self) -> None:
-        """Unlinks the segment (an accelerator pool is freed with this object); mappings others hold stay
-        valid until they drop them."""
+        """Unlinks the segment and the fence (an accelerator pool is freed with this object); mappings and
+        descriptors others hold stay valid until they drop them."""
         shared_pool.release(self.handle)
+        self.fence.close()
 
 
 def _host_share(spec: PoolSpec, device: Device) -> tuple[int, int]:
@@ -160,6 +180,10 @@ def kv_identity(model: str, dtype: torch.dtype, kv_scales_id: str) -> str:
     """What a prefix hash's root covers beyond the request's salt: the model and the exact encoding of its
     K/V (dtype, fp8 scales), so that blocks are shared (or kept by a tier) only between equal encodings."""
     return f"{model}\0{shared_pool.dtype_name(dtype)}\0{kv_scales_id}"
+
+
+def _size(spec: PoolSpec) -> str:
+    return f"{spec.num_blocks} blocks ({spec.nbytes / 2**20:.1f} MiB)"
 
 
 def _layout(spec: PoolSpec, model: str, kv_scales_id: str) -> str:

@@ -4,6 +4,7 @@ from collections.abc import Sequence
 
 from cache_service.block_manager import BlockManager
 from cache_service.sequence import SeqRequest, TableTail
+from cache_service.sessions import Session
 from protos import cache_pb2
 
 
@@ -42,4 +43,10 @@ def lookup_response(prefixes: Sequence[list[int]], blocks: BlockManager) -> cach
         cached_tokens=[len(block_ids) * blocks.block_size for block_ids in prefixes],
         prefix_blocks=[cache_pb2.PrefixBlocks(block_ids=block_ids) for block_ids in prefixes],
         available_blocks=blocks.num_available,
+    )
+
+
+def session(session_id: str, state: Session) -> cache_pb2.Session:
+    return cache_pb2.Session(
+        session_id=session_id, ttl_s=state.ttl_s, num_sequences=len(state.seqs), epoch=state.epoch
     )

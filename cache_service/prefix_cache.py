@@ -140,6 +140,12 @@ class PrefixCache:
         self.num_evictions += n
         return evicted
 
+    def by_recency(self) -> list[tuple[int, BlockHash]]:
+        """(block, hash) of every indexed block, most recently used first: those in use now, then the
+        evictable ones from the last released on."""
+        used = [block_id for block_id in self._entry if block_id not in self._evictable]
+        return [(block_id, self._entry[block_id][0]) for block_id in (*used, *reversed(self._evictable))]
+
     def tokens(self, block_id: int) -> tuple[int, ...]:
         return self._entry[block_id][2]
 

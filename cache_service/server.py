@@ -72,6 +72,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             spec = spec_from_request(request, self._default_blocks, self._default_memory)
             if self._pool is not None:
                 self._pool.require_layout(spec, request.model, request.kv_scales_id)
+                if request.num_blocks or request.memory_bytes:
+                    self._pool.require_size(spec)
                 self._attention_backend = request.attention_backend
                 return self._pool.handle
             self._pool = KVPool.create(
@@ -94,6 +96,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             self._tier.attach(self._pool)
             if self._events is not None:
                 self._events.attach(self._pool.blocks)
+            self._sessions.attach(self._pool.fence)
             self._attention_backend = request.attention_backend
             return self._pool.handle
 
@@ -146,15 +149,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def OpenSession(self, request: cache_pb2.OpenSessionRequest, context) -> cache_pb2.Session:
         with self._lock:
             self._sweep()
-            ttl, held = self._sessions.open(request.session_id, request.ttl_s)
-            self._log.info("session_opened", session_id=request.session_id, ttl_s=ttl)
-            return cache_pb2.Session(session_id=request.session_id, ttl_s=ttl, num_sequences=held)
+            session = self._sessions.open(request.session_id, request.ttl_s)
+            self._log.info("session_opened", session_id=request.session_id, ttl_s=session.ttl_s)
+            return messages.session(request.session_id, session)
 
     def RenewSession(self, request: cache_pb2.RenewSessionRequest, context) -> cache_pb2.Session:
         with self._lock:
             self._sweep()
-            ttl, held = self._sessions.renew(request.session_id)
-            return cache_pb2.Session(session_id=request.session_id, ttl_s=ttl, num_sequences=held)
+            return messages.session(request.session_id, self._sessions.renew(request.session_id))
 
     def CloseSession(self, request: cache_pb2.CloseSessionRequest, context) -> cache_pb2.CloseSessionResponse:
         with self._lock:
@@ -229,15 +231,18 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             return block_map.encode(pool.blocks, pool.handle.epoch)
 
     def close(self) -> None:
-        """Unlinks the pool's segment; called once the server has stopped."""
+        """Once the server has stopped: the tier stores what it is to keep (a planned stop, see
+        tiers.manager.StopFlush), then the pool's segment is unlinked."""
         with self._lock:
-            if self._pool is not None:
-                self._pool.release()
-                self._log.info("pool_released", path=self._pool.handle.shm.path)
-                self._pool = None
-            self._tier.close()
-            if self._events is not None:
-                self._events.close()
+            try:
+                self._tier.close()
+            finally:
+                if self._pool is not None:
+                    self._pool.release()
+                    self._log.info("pool_released", path=self._pool.handle.shm.path)
+                    self._pool = None
+                if self._events is not None:
+                    self._events.close()
 
     def _require_pool(self) -> KVPool:
         if self._pool is None:

@@ -20,6 +20,11 @@ def parse_size(text: str) -> int:
     return size
 
 
+def size_or_zero(text: str) -> int:
+    """A size as parse_size reads it, or 0."""
+    return 0 if text.strip() == "0" else parse_size(text)
+
+
 def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")

@@ -1,8 +1,6 @@
-"""The services of `pagedserve up` as child processes: each dies with the launcher, one that exits
-unexpectedly is restarted with backoff, and the stack stops in a given order."""
+"""The services of `pagedserve up` as child processes: each stops in order when the launcher dies, one that
+exits unexpectedly is restarted with backoff, and the stack stops in a given order."""
 
-import ctypes
-import functools
 import os
 import signal
 import subprocess
@@ -12,28 +10,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-PR_SET_PDEATHSIG = 1
+from cli.lifelines import Lifelines
+from common import lifeline
+
 STOP_TIMEOUT_S = 30.0
 
 
-def _die_with(parent: int) -> None:
-    """preexec_fn: the child gets SIGTERM when the launcher dies, also by kill -9 (Linux)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    # NOTE: a launcher that died before prctl sends no signal any more; the child is an orphan already.
-    if os.getppid() != parent:
-        os._exit(1)
-
-
-def spawn(argv: list[str]) -> subprocess.Popen:
-    """Starts argv in a session of its own (Ctrl-C reaches only the launcher), to die with this process.
-
-    NOTE: the parent-death signal follows the thread that forked: call this from the launcher's main thread.
-    """
-    return subprocess.Popen(
-        argv, start_new_session=True, preexec_fn=functools.partial(_die_with, os.getpid())
-    )
+def spawn(argv: list[str], fds: tuple[int, ...], line: str) -> subprocess.Popen:
+    """Starts argv in a session of its own (Ctrl-C reaches only the launcher), inheriting `fds` and told
+    its lifeline (common/lifeline.py) by the environment."""
+    env = {**os.environ, lifeline.ENV: line}
+    return subprocess.Popen(argv, start_new_session=True, pass_fds=fds, env=env)
 
 
 @dataclass(frozen=True)
@@ -101,10 +88,14 @@ class Supervisor:
         }
         self.on_exit = on_exit
         self.clock = clock
+        self._lifelines = Lifelines(list(commands))
 
     def start(self) -> None:
         for service in self.services.values():
-            service.proc = spawn(service.argv)
+            service.proc = self._spawn(service)
+
+    def _spawn(self, service: Service) -> subprocess.Popen:
+        return spawn(service.argv, *self._lifelines.of(service.name))
 
     def pids(self) -> dict[str, int]:
         """The pid of each running service."""
@@ -119,7 +110,7 @@ class Supervisor:
                 return service.name
             if service.restart_at is not None and self.clock() >= service.restart_at:
                 service.restart_at = None
-                service.proc = spawn(service.argv)
+                service.proc = self._spawn(service)
                 print(f"pagedserve: {service.name} restarted (pid {service.proc.pid})", file=sys.stderr)
         return None
 
@@ -139,7 +130,8 @@ class Supervisor:
 
     def stop(self, timeouts: dict[str, float]) -> None:
         """SIGTERM each running service in reverse start order and waits for it (its timeout, else
-        STOP_TIMEOUT_S) before the next; SIGKILL when it does not exit in time."""
+        STOP_TIMEOUT_S) before the next; SIGKILL when it does not exit in time. (The order the lifelines
+        keep when the launcher dies instead.)"""
         for service in reversed(self.services.values()):
             proc = service.proc
             if proc is None or (service.restart_at is not None):
@@ -152,3 +144,4 @@ class Supervisor:
                     proc.kill()
                     proc.wait()
             self.on_exit(service.name, proc.pid)
+        self._lifelines.close()

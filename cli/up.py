@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from cache_service.options import OPTIONS as CACHE
+from cache_service.tiers.options import setting as tier_setting
 from cli import runtime_dir
 from cli.metrics_ports import SERVICES, metrics_port
 from cli.supervisor import RestartPolicy, Supervisor
@@ -24,7 +25,7 @@ from gateway.options import UP_HTTP_PORT
 from gateway.tls import TlsError, probe_credentials
 
 START_TIMEOUT_S = 900.0
-# How long past --drain-timeout the gateway gets to stop before it is killed.
+# How long past --drain-timeout (the cache: past --kv-tier-flush-timeout) a service may take to stop.
 DRAIN_MARGIN_S = 10.0
 # Where cache and compute bind /metrics (when asked): this machine only.
 INTERNAL_HOST = "127.0.0.1"
@@ -107,6 +108,15 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     }
 
 
+def stop_timeouts(args: argparse.Namespace) -> dict[str, float]:
+    """How long each service may take to stop before it is killed: the gateway its drain, the cache its
+    tier's flush (see cache_service.tiers.manager.StopFlush), each plus a margin."""
+    return {
+        "gateway": args.drain_timeout + DRAIN_MARGIN_S,
+        "cache": tier_setting(args, "kv_tier_flush_timeout") + DRAIN_MARGIN_S,
+    }
+
+
 def _remove_segments(name: str, pid: int) -> None:
     """A cache that exited without unlinking its pool segment (kill -9) leaves it: remove it."""
     if name == "cache":
@@ -169,5 +179,5 @@ def _supervise(args: argparse.Namespace) -> int:
             code = 1
             break
         stop.wait(0.5)
-    supervisor.stop({"gateway": args.drain_timeout + DRAIN_MARGIN_S})
+    supervisor.stop(stop_timeouts(args))
     return code

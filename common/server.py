@@ -13,6 +13,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common import lifeline
 from common.decoding import DecodingInterceptor
 from common.errors import PagedServeError
 
@@ -141,9 +142,10 @@ class Server:
         self._stopped.set()
 
     def handle_signals(self, drain: Callable[[], None] | None = None) -> None:
-        """From now on SIGINT/SIGTERM stop the server, after `drain` returned (if given); a second signal
-        while the first is handled changes nothing. Call it before the server first reports SERVING: a
-        signal before it kills the process unannounced (a caller told it serves could lose its request)."""
+        """From now on SIGINT/SIGTERM, and the end of the process's lifeline (common/lifeline.py: under
+        `pagedserve up`), stop the server, after `drain` returned (if given); a second signal while the first
+        is handled changes nothing. Call it before the server first reports SERVING: a signal before it
+        kills the process unannounced (a caller told it serves could lose its request)."""
         shutdown = threading.Event()
 
         def stop_after_drain() -> None:
@@ -158,6 +160,7 @@ class Server:
 
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
+        lifeline.watch(lambda: handle(signal.SIGTERM, None))
 
     def wait(self, on_stop: Callable[[], None] | None = None) -> None:
         """Returns once the server stopped (see `handle_signals`) and `on_stop` ran."""
@@ -225,9 +228,14 @@ def request_metadata(request_ids: Iterable[str]) -> tuple[tuple[str, str], ...]:
     """gRPC metadata naming the requests a downstream call serves, for the callee's logs. Printable ASCII
     (other characters escaped as \\xNN, \\uNNNN) and at most MAX_REQUEST_IDS_CHARS long: a client's request
     id must not make the call fail for every request it serves."""
-    ids = ",".join(request_ids).encode("ascii", "backslashreplace").decode("ascii")
-    ids = "".join(c if " " <= c <= "~" else f"\\x{ord(c):02x}" for c in ids)
-    return ((REQUEST_ID_KEY, ids[:MAX_REQUEST_IDS_CHARS]),)
+    return ((REQUEST_ID_KEY, printable_ascii(",".join(request_ids))[:MAX_REQUEST_IDS_CHARS]),)
+
+
+def printable_ascii(text: str) -> str:
+    """text with every character but printable ASCII escaped (\\xNN, \\uNNNN): what a request id may carry
+    into metadata, headers and logs."""
+    text = text.encode("ascii", "backslashreplace").decode("ascii")
+    return "".join(c if " " <= c <= "~" else f"\\x{ord(c):02x}" for c in text)
 
 
 def channel(

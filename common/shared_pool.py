@@ -22,6 +22,9 @@ from protos import common_pb2
 
 SHM_DIR = Path(os.environ.get("PAGEDSERVE_SHM_DIR", "/dev/shm"))
 SEGMENT_PREFIX = "pagedserve-kv-"
+# The pool's session fence (common/session_fence.py), a file of its own whatever the pool's device.
+FENCE_PREFIX = "pagedserve-fence-"
+PREFIXES = (SEGMENT_PREFIX, FENCE_PREFIX)
 # The pool's dtypes by the name they travel by (PoolHandle.dtype, --kv-dtype); fp8 ones hold scaled K/V.
 DTYPES = {
     "float32": torch.float32,
@@ -83,20 +86,22 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep_stale(shm_dir: Path = SHM_DIR) -> list[Path]:
-    """Removes segments left by owners that died without unlinking them."""
+    """Removes segments (and session fences) left by owners that died without unlinking them."""
     removed = []
-    for path in shm_dir.glob(f"{SEGMENT_PREFIX}*"):
-        owner = path.name.removeprefix(SEGMENT_PREFIX).split("-", 1)[0]
-        if owner.isdigit() and not _pid_alive(int(owner)):
-            path.unlink(missing_ok=True)
-            removed.append(path)
+    for prefix in PREFIXES:
+        for path in shm_dir.glob(f"{prefix}*"):
+            owner = path.name.removeprefix(prefix).split("-", 1)[0]
+            if owner.isdigit() and not _pid_alive(int(owner)):
+                path.unlink(missing_ok=True)
+                removed.append(path)
     return removed
 
 
 def remove_segments_of(pid: int, shm_dir: Path = SHM_DIR) -> list[Path]:
-    """Removes the segments that process pid created; for whoever sees that owner exit."""
+    """Removes the segments (and session fences) that process pid created; for whoever sees that owner
+    exit."""
     assert pid != os.getpid(), "an owner releases its own segments"
-    removed = sorted(shm_dir.glob(f"{SEGMENT_PREFIX}{pid}-*"))
+    removed = sorted(path for prefix in PREFIXES for path in shm_dir.glob(f"{prefix}{pid}-*"))
     for path in removed:
         path.unlink(missing_ok=True)
     return removed
@@ -111,7 +116,7 @@ def create(spec: PoolSpec, shm_dir: Path = SHM_DIR) -> tuple[torch.Tensor, commo
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, 0o600)  # NOTE: exactly 0600 whatever the umask: compute refuses any other mode.
-        _reserve(fd, spec.nbytes + HEADER_BYTES, shm_dir)
+        reserve(fd, spec.nbytes + HEADER_BYTES, shm_dir)
         segment_header.write(fd, spec.nbytes, header)
         pool = _map(fd, spec)
     except BaseException:
@@ -130,8 +135,9 @@ def create(spec: PoolSpec, shm_dir: Path = SHM_DIR) -> tuple[torch.Tensor, commo
     return pool, handle
 
 
-def _reserve(fd: int, nbytes: int, shm_dir: Path) -> None:
-    # NOTE: a sparse tmpfs file raises SIGBUS when an unbacked page is touched; reserve every page now.
+def reserve(fd: int, nbytes: int, shm_dir: Path) -> None:
+    """Backs every page of the file now (ResourceExhausted if shm_dir cannot hold it).
+    NOTE: a sparse tmpfs file raises SIGBUS when an unbacked page is touched."""
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
@@ -157,8 +163,11 @@ def _map(fd: int, spec: PoolSpec) -> torch.Tensor:
 
 
 def release(handle: common_pb2.PoolHandle) -> None:
+    """Unlinks the handle's segment (a cpu pool's) and its session fence."""
     if handle.WhichOneof("payload") == "shm":
         Path(handle.shm.path).unlink(missing_ok=True)
+    if handle.HasField("fence"):
+        Path(handle.fence.path).unlink(missing_ok=True)
 
 
 def open_pool(handle: common_pb2.PoolHandle, shm_dir: Path = SHM_DIR) -> torch.Tensor:
@@ -169,12 +178,9 @@ def open_pool(handle: common_pb2.PoolHandle, shm_dir: Path = SHM_DIR) -> torch.T
     the segment is gone; a refusal maps nothing."""
     spec = _spec_of(handle)
     path = Path(handle.shm.path)
-    if path.parent != shm_dir or not path.name.startswith(SEGMENT_PREFIX) or "\0" in path.name:
-        raise InvalidArgument(f"{path} is not a pagedserve pool segment ({shm_dir}/{SEGMENT_PREFIX}*)")
-    fd = _open_segment(path)
+    fd = open_file(path, SEGMENT_PREFIX, spec.nbytes + HEADER_BYTES, shm_dir)
     try:
-        _check_file(os.fstat(fd), path, spec.nbytes)
-        _check_header(segment_header.read(fd, spec.nbytes), handle, path)
+        check_header(segment_header.read(fd, spec.nbytes), handle, handle.shm.token, path)
         pool = _map(fd, spec)
     finally:
         os.close(fd)
@@ -206,6 +212,21 @@ def spec_of(handle: common_pb2.PoolHandle, nbytes: int) -> PoolSpec:
     return spec
 
 
+def open_file(path: Path, prefix: str, size: int, shm_dir: Path = SHM_DIR) -> int:
+    """An open fd of path, only if it is a file the cache created: named prefix* in shm_dir, a regular file
+    (not a symlink) owned by this process's euid, mode 0600, one link, of `size` bytes. InvalidArgument, or
+    FailedPrecondition if it is gone."""
+    if path.parent != shm_dir or not path.name.startswith(prefix) or "\0" in path.name:
+        raise InvalidArgument(f"{path} is not a pagedserve pool segment ({shm_dir}/{prefix}*)")
+    fd = _open_segment(path)
+    try:
+        _check_file(os.fstat(fd), path, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _open_segment(path: Path) -> int:
     # NOTE: O_NOFOLLOW refuses a symlink; O_NONBLOCK keeps a FIFO planted under the name from blocking.
     try:
@@ -219,7 +240,7 @@ def _open_segment(path: Path) -> int:
         raise _refused(path, "it is a symbolic link" if exc.errno == errno.ELOOP else reason) from exc
 
 
-def _check_file(info: os.stat_result, path: Path, nbytes: int) -> None:
+def _check_file(info: os.stat_result, path: Path, size: int) -> None:
     if not stat.S_ISREG(info.st_mode):
         raise _refused(path, "it is not a regular file")
     if info.st_uid != os.geteuid():
@@ -228,16 +249,18 @@ def _check_file(info: os.stat_result, path: Path, nbytes: int) -> None:
         raise _refused(path, f"its mode is {stat.S_IMODE(info.st_mode):04o}, not 0600")
     if info.st_nlink != 1:
         raise _refused(path, f"it has {info.st_nlink} links, not 1")
-    if info.st_size != nbytes + HEADER_BYTES:
-        raise _refused(
-            path, f"it holds {info.st_size} bytes, not the handle's {nbytes} and a {HEADER_BYTES}-byte header"
-        )
+    if info.st_size != size:
+        raise _refused(path, f"it holds {info.st_size} bytes, not the {size} its handle implies")
 
 
-def _check_header(header: SegmentHeader | None, handle: common_pb2.PoolHandle, path: Path) -> None:
+def check_header(
+    header: SegmentHeader | None, handle: common_pb2.PoolHandle, token: bytes, path: Path
+) -> None:
+    """InvalidArgument unless the file at path has a header matching the handle's epoch, dtype and shape
+    and the token given (the segment's, or the fence's)."""
     if header is None:
         raise _refused(path, "it has no pagedserve segment header (magic missing)")
-    differ = header.mismatches(handle.epoch, handle.dtype, tuple(handle.shape), handle.shm.token)
+    differ = header.mismatches(handle.epoch, handle.dtype, tuple(handle.shape), token)
     if differ:
         raise _refused(path, f"its header does not match the handle's {', '.join(differ)}")
 

@@ -1,12 +1,8 @@
 """The Compute gRPC service: model info, attaching the cache service's pool, and packed forward steps."""
 
 import argparse
-import contextlib
-import contextvars
-import queue
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -19,17 +15,19 @@ from common.logging import configure
 from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, serve_metrics
 from common.precision import resolve_dtype, resolve_kv_dtype
 from common.server import serve
+from common.session_fence import SessionFence
 from common.shared_pool import dtype_from_name
 from compute_service import attach_pool
 from compute_service.attention import native
 from compute_service.attention.registry import backend_for, require_block_size
 from compute_service.batch import ForwardBatch
 from compute_service.callers import CALLERS
+from compute_service.fencing import StepFence
+from compute_service.forward_steps import ForwardSteps
 from compute_service.llama_layer import FusedLlamaModel
 from compute_service.model_loader import ModelSpec, load
 from compute_service.options import OPTIONS
 from compute_service.runner import Runner, StepTimes
-from compute_service.steps import StepsPlan
 from compute_service.threads import ThreadPolicy
 from compute_service.validation import Limits
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
@@ -48,7 +46,7 @@ SEGMENT_REMOVED = "the pool's segment was removed (cache restarted?): attach the
 SEGMENT_CHECK_S = 1.0
 
 
-class ComputeServicer(compute_pb2_grpc.ComputeServicer):
+class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
     """Holds no scheduling state: one attached pool and the model; steps run one at a time."""
 
     def __init__(
@@ -63,6 +61,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         self._epoch: str | None = None
         self._limits: Limits | None = None
         self._segment: Path | None = None
+        self._fence = StepFence(None)
         self._no_pool = NO_POOL
 
     def GetModelInfo(self, request, context) -> compute_pb2.ModelInfo:
@@ -95,8 +94,11 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             require_block_size(self.spec.attention_backend, block_size)
         except ValueError as err:
             raise InvalidArgument(str(err)) from err
+        fence = SessionFence.open(handle) if handle.HasField("fence") else None
         with self._lock:
             self.runner.attach(pool)
+            self._fence.close()
+            self._fence = StepFence(fence)
             self._epoch = handle.epoch
             self._limits = Limits(self.spec.vocab_size, self.spec.max_model_len, num_blocks, block_size)
             # NOTE: an accelerator pool has no file to watch; its cache's restart shows as a new epoch.
@@ -107,58 +109,9 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     def Forward(self, request: compute_pb2.ForwardRequest, context) -> compute_pb2.ForwardResponse:
         with self._lock:
             start = time.perf_counter()
-            return self._run(self._checked(request), start)[0]
-
-    def ForwardSteps(self, request_iterator, context) -> Iterator[compute_pb2.ForwardResponse]:
-        """Runs the steps in a worker thread, which holds the lock throughout (no other step runs between
-        them), while this thread sends each reply: compute starts a step as soon as the last one sampled."""
-        first = next(request_iterator, None)
-        if first is None:
-            raise InvalidArgument("ForwardSteps needs a first message: the first step and its limits")
-        stop, replies = threading.Event(), queue.SimpleQueue()
-        threading.Thread(target=_stop_on_next, args=(request_iterator, stop), daemon=True).start()
-        worker = contextvars.copy_context().run
-        threading.Thread(target=worker, args=(self._run_steps, first, stop, replies), daemon=True).start()
-        try:
-            while (reply := replies.get()) is not None:
-                if isinstance(reply, Exception):
-                    raise reply
-                yield reply
-        finally:
-            stop.set()
-
-    def _run_steps(self, first: compute_pb2.StepsRequest, stop: threading.Event, replies) -> None:
-        """Puts each step's reply (or the exception that ended the steps), then None.
-
-        NOTE: only the first step is checked. A following one is derived from the batch before it
-        (ForwardBatch.following), in tensors, and needs no checks of its own: StepsPlan.check verified up
-        front that every row's slots for all its steps lie in its table, the pool and the model's length; its
-        sampling rows are the first step's, its new tokens were sampled here, and the pool stays attached
-        while this holds the lock. Measured through the stack (latency workload), where a step's Python runs
-        on caches its forward just flushed: checking each step took ~1 ms of a ~25 ms single-stream step,
-        building its batch again from a request ~0.9 ms, deriving it from the batch before 0.15-0.2 ms."""
-        try:
-            with self._lock:
-                start = time.perf_counter()
-                batch = self._checked(first.first)
-                plan = StepsPlan.check(first, self._limits)
-                while True:
-                    reply, tokens = self._run(batch, start)
-                    reply.rows.extend(plan.rows)
-                    keep = plan.advance(tokens.tolist())
-                    going_on = bool(keep) and not stop.is_set()
-                    if going_on:
-                        # NOTE: derived before this reply is put, so the thread that sends it does not take
-                        # the GIL from the derivation (its Python runs during the next forward instead)
-                        start = time.perf_counter()
-                        batch = batch.following(tokens, keep, self._limits.block_size)
-                    replies.put(reply)
-                    if not going_on:
-                        break
-        except Exception as exc:  # noqa: BLE001 - the handler raises it as the call's status
-            replies.put(exc)
-        finally:
-            replies.put(None)
+            batch = self._checked(request)
+            with self._fence.holding(request.session_epoch):
+                return self._run(batch, start)[0]
 
     def _checked(self, request: compute_pb2.ForwardRequest) -> ForwardBatch:
         """The request's batch, on the attached pool; raises FailedPrecondition or InvalidArgument."""
@@ -209,6 +162,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             return False
         self.log.warning("pool_segment_removed", path=str(self._segment), epoch=self._epoch)
         self.runner.detach()
+        self._fence.close()
+        self._fence = StepFence(None)
         self._epoch, self._limits, self._segment, self._no_pool = None, None, None, SEGMENT_REMOVED
         return True
 
@@ -296,14 +251,6 @@ def main(argv: list[str] | None = None) -> None:
     server.handle_signals()
     server.set_serving(SERVICE_NAME, True)
     server.wait(on_stop=stop.set)
-
-
-def _stop_on_next(request_iterator: Iterator[compute_pb2.StepsRequest], stop: threading.Event) -> None:
-    """A ForwardSteps caller's second message, half-close or cancellation: stop after the running step."""
-    # NOTE: a cancelled call ends the iterator with an error: stop all the same.
-    with contextlib.suppress(Exception):
-        next(request_iterator, None)
-    stop.set()
 
 
 def _watch_segment(servicer: ComputeServicer, stop: threading.Event) -> None:

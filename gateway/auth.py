@@ -98,9 +98,11 @@ class ApiKeys:
         """The tenant whose key the call's `authorization: Bearer <key>` metadata carries; Unauthenticated
         when it is missing or unknown. Every stored digest is compared, in constant time each."""
         token = next((value for key, value in metadata or () if key == AUTHORIZATION), None)
-        if token is None or not token.startswith(BEARER):
+        # NOTE: the scheme is case-insensitive (RFC 6750, RFC 9110): "bearer KEY" is as good as "Bearer KEY".
+        scheme, _, credentials = (token or "").strip().partition(" ")
+        if scheme.lower() != BEARER.strip().lower():
             raise Unauthenticated(f"this gateway requires an API key: {HOW}")
-        presented, found = digest(token[len(BEARER) :].strip()), None
+        presented, found = digest(credentials.strip()), None
         for stored, tenant in self._tenants:
             if hmac.compare_digest(stored, presented):
                 found = tenant

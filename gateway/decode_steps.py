@@ -47,10 +47,11 @@ def steps_request(
     epoch: str,
     eos_ids: frozenset[int],
     limits: list[RowLimit],
+    session_epoch: int = 0,
 ) -> compute_pb2.StepsRequest:
     """The call's first message: the step as a Forward would send it, and each row's limit."""
     request = compute_pb2.StepsRequest(
-        first=forward_request(seqs, tables, epoch, eos_ids),
+        first=forward_request(seqs, tables, epoch, eos_ids, session_epoch),
         max_steps=[limit.max_steps for limit in limits],
         cu_stop_token_ids=[0],
     )

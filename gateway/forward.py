@@ -20,16 +20,21 @@ from protos import compute_pb2, compute_pb2_grpc
 
 
 def forward_request(
-    seqs: list[Sequence], tables: list[list[int]], epoch: str, eos_ids: frozenset[int]
+    seqs: list[Sequence],
+    tables: list[list[int]],
+    epoch: str,
+    eos_ids: frozenset[int],
+    session_epoch: int = 0,
 ) -> compute_pb2.ForwardRequest:
     """The step's chunks [num_computed, chunk_end) of `seqs`, whose block tables are `tables`, packed, on the
-    pool of `epoch`."""
+    pool of `epoch`, for the session opened with `session_epoch` (0: none)."""
     width = max(map(len, tables))
     rows = np.full((len(seqs), width), -1, dtype=np.int64)
     for row, table in zip(rows, tables, strict=True):
         row[: len(table)] = table
     return compute_pb2.ForwardRequest(
         pool_epoch=epoch,
+        session_epoch=session_epoch,
         token_ids=[t for seq in seqs for t in seq.token_ids[seq.num_computed : seq.chunk_end]],
         cu_seqlens_q=list(accumulate((seq.chunk_end - seq.num_computed for seq in seqs), initial=0)),
         num_computed=[seq.num_computed for seq in seqs],
@@ -78,9 +83,10 @@ class ComputeSteps:
         tables: list[list[int]],
         epoch: str,
         eos_ids: frozenset[int],
+        session_epoch: int = 0,
     ) -> compute_pb2.ForwardResponse:
         """One Forward of the chunks of `seqs` to `compute` (PeerFault naming compute if it fails)."""
-        request = self.marked(seqs, forward_request(seqs, tables, epoch, eos_ids))
+        request = self.marked(seqs, forward_request(seqs, tables, epoch, eos_ids, session_epoch))
         tokens, metadata = len(request.token_ids), request_metadata(seq.request_id for seq in seqs)
         with calling("compute"):
             start = time.monotonic()

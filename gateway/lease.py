@@ -25,9 +25,10 @@ def is_lost(err: grpc.RpcError) -> bool:
 
 
 class Lease:
-    """One session at a time; `session_id` is empty until `open`. `on_lost` is called (from the renewal
-    thread, once per session) when a renewal finds the session gone; the engine then drops its tables and
-    calls `open` again."""
+    """One session at a time; `session_id` is empty (and `epoch` 0) until `open`; `epoch` is the one the
+    cache gave this opening, which every Forward names (compute refuses steps of a session that ended).
+    `on_lost` is called (from the renewal thread, once per session) when a renewal finds the session gone;
+    the engine then drops its tables and calls `open` again."""
 
     def __init__(
         self,
@@ -38,6 +39,7 @@ class Lease:
     ) -> None:
         assert ttl_s > 0, ttl_s
         self.session_id = ""
+        self.epoch = 0
         self.ttl_s = ttl_s
         self._requested_ttl_s = ttl_s
         self._stub = stub
@@ -58,7 +60,8 @@ class Lease:
         session_id, sent = uuid.uuid4().hex, time.monotonic()
         request = cache_pb2.OpenSessionRequest(session_id=session_id, ttl_s=self._requested_ttl_s)
         reply = self._stub.OpenSession(request, timeout=self._timeout, wait_for_ready=True)
-        self.session_id, self.ttl_s, self._held_until = session_id, reply.ttl_s, sent + reply.ttl_s
+        self.session_id, self.epoch, self.ttl_s = session_id, reply.epoch, reply.ttl_s
+        self._held_until = sent + reply.ttl_s
         log.info("session_opened", session_id=session_id, ttl_s=reply.ttl_s)
         if self._thread is None:
             self._thread = threading.Thread(target=self._renew_forever, name="lease", daemon=True)
@@ -76,11 +79,13 @@ class Lease:
             self._close_session(self.session_id)
 
     def _close_session(self, session_id: str) -> None:
-        """Best effort: a session not closed lapses within its TTL all the same."""
+        """Best effort: a session not closed lapses within its TTL all the same; one the cache service does
+        not know (it restarted) holds nothing."""
         try:
             self._stub.CloseSession(cache_pb2.CloseSessionRequest(session_id=session_id), timeout=5.0)
         except grpc.RpcError as err:
-            log.warning("session_close_failed", session_id=session_id, error=err.details())
+            if err.code() != grpc.StatusCode.NOT_FOUND:
+                log.warning("session_close_failed", session_id=session_id, error=err.details())
 
     def _renew_forever(self) -> None:
         delay = self.ttl_s / 3

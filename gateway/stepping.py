@@ -131,7 +131,7 @@ class Stepping:
         eos = frozenset(self.model_info.eos_token_ids)
         limits = [row_limit(seq, steps, eos) for seq in seqs]
         tables = [self.kv.block_table(seq) for seq in seqs]
-        request = steps_request(seqs, tables, self.handle.epoch, eos, limits)
+        request = steps_request(seqs, tables, self.handle.epoch, eos, limits, self.lease.epoch)
         self._steps.marked(seqs, request.first)
         stop = self._steps_stop = threading.Event()
         taken, held, ran, step_s = [0] * len(seqs), [], 0, self._steps.step_timeout(len(seqs))
@@ -207,7 +207,7 @@ class Stepping:
     def _forward(self, seqs: list[Sequence]) -> compute_pb2.ForwardResponse:
         tables = [self.kv.block_table(seq) for seq in seqs]
         eos = frozenset(self.model_info.eos_token_ids)
-        return self._steps.send(self._compute, seqs, tables, self.handle.epoch, eos)
+        return self._steps.send(self._compute, seqs, tables, self.handle.epoch, eos, self.lease.epoch)
 
     def _refuse(self, seqs: list[Sequence], error: PagedServeError) -> set[str]:
         """Compute refused these rows alone: their requests (every sample) fail; returns the seq ids ended."""

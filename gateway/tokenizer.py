@@ -5,6 +5,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from common.errors import InvalidArgument
 from protos import generation_pb2
 
+# The chat roles of OpenAI's API; any other is refused, never rendered as the template sees fit.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
 
 def load(path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
@@ -44,8 +47,9 @@ def _render_chat(tokenizer: PreTrainedTokenizerBase, messages) -> list[int]:
     if tokenizer.chat_template is None:
         raise InvalidArgument("this model has no chat template: send prompt or token_ids instead of messages")
     for i, message in enumerate(messages):
-        if not message.role:
-            raise InvalidArgument(f"messages[{i}] has no role (use system, user or assistant)")
+        if message.role not in CHAT_ROLES:
+            given = f"role {message.role!r}" if message.role else "no role"
+            raise InvalidArgument(f"messages[{i}] has {given}: use one of {', '.join(CHAT_ROLES)}")
     conversation = [{"role": m.role, "content": m.content} for m in messages]
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)

@@ -292,14 +292,16 @@ class RenewSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "ttl_s", "num_sequences")
+    __slots__ = ("session_id", "ttl_s", "num_sequences", "epoch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     ttl_s: float
     num_sequences: int
-    def __init__(self, session_id: _Optional[str] = ..., ttl_s: _Optional[float] = ..., num_sequences: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., ttl_s: _Optional[float] = ..., num_sequences: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -105,9 +105,10 @@ class CacheServicer:
 
     def CreatePool(self, request, context):
         """Creates the pool and returns its handle; once a pool exists, returns its handle to a request of the
-        same layout (geometry, block_size, dtype, model, kv_scales_id; the budget may differ) and refuses any other layout
-        with FAILED_PRECONDITION (restart the cache service to change it). A pool the host cannot back (shm
-        free space, available memory) is refused with RESOURCE_EXHAUSTED before anything is allocated.
+        same layout (geometry, block_size, dtype, model, kv_scales_id) that names no budget or one of the live
+        pool's size, and refuses any other layout or size with FAILED_PRECONDITION naming both (restart the
+        cache service to change them). A pool the host cannot back (shm free space, available memory) is
+        refused with RESOURCE_EXHAUSTED before anything is allocated.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,7 +159,9 @@ class CacheServicer:
         """Sessions (leases): a caller opens one, renews it within its TTL and names it in Reserve, Fork and Free;
         it owns the sequences it creates. A session that lapses (or is closed) has all its sequences freed,
         their written full blocks kept cached; a lapsed session's calls then fail with FAILED_PRECONDITION.
-        Opening an open session renews it (idempotent); reopening a lapsed one starts it afresh, empty.
+        Opening an open session renews it (idempotent); reopening a lapsed one starts it afresh, empty, with
+        a new epoch. At most 4096 sessions are open at once (RESOURCE_EXHAUSTED beyond). The sequences of a
+        session that ended while compute ran a step for it are freed once that step is over.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -171,7 +174,8 @@ class CacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CloseSession(self, request, context):
-        """Frees every sequence the session holds, and ends it.
+        """Frees every sequence the session holds, and ends it. A lapsed session closes freeing nothing; one never
+        opened, closed already or opened before the cache service restarted is NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

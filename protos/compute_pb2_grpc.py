@@ -76,7 +76,8 @@ class ComputeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Forward(self, request, context):
-        """One packed step: writes K/V at the slots, runs paged attention, samples.
+        """One packed step: writes K/V at the slots, runs paged attention, samples. A step of a session that is
+        no longer open (session_epoch) is refused with FAILED_PRECONDITION before anything is written.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,6 +88,8 @@ class ComputeServicer:
         how far each row may go; compute then feeds each row's sampled token into the next step itself, and
         replies once per step, until every row has stopped or the caller sends a second message or half-closes
         (then it stops after the step it is running). Rows stop at their max_steps or on one of their stop ids.
+        Each step runs only while the first message's session_epoch is open: once it is not, the call ends with
+        FAILED_PRECONDITION before the next step writes anything.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

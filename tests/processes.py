@@ -4,7 +4,7 @@ stopped for a while."""
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 SHM = Path("/dev/shm")
@@ -39,6 +39,13 @@ def segments() -> set[Path]:
 
 def segments_of(pid: int) -> set[Path]:
     return set(SHM.glob(f"pagedserve-kv-{pid}-*"))
+
+
+def left_by(pids: Iterable[int]) -> set[Path]:
+    """What these cache processes created in /dev/shm and is still there: pool segments, session fences."""
+    return {
+        path for pid in pids for kind in ("kv", "fence") for path in SHM.glob(f"pagedserve-{kind}-{pid}-*")
+    }
 
 
 @contextlib.contextmanager

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from cache_service.units import fraction, parse_size, positive_int
+from cache_service.units import fraction, parse_size, positive_int, size_or_zero
+from common.options import positive_seconds
 
 SECTION = "persistence"
 # persistence key -> (the flag's dest, its conversion)
@@ -20,6 +21,8 @@ KEYS: dict[str, tuple[str, Callable[[str], object]]] = {
     "budget": ("kv_tier_budget", parse_size),
     "max_load_blocks": ("kv_tier_max_load", positive_int),
     "write_queue": ("kv_tier_queue", parse_size),
+    "flush_on_stop": ("kv_tier_flush", size_or_zero),
+    "flush_timeout": ("kv_tier_flush_timeout", positive_seconds),
 }
 ENABLED = "enabled"
 

@@ -17,8 +17,14 @@ from cache_service.tiers.base import KVTier, TierError
 from cache_service.tiers.writer import TierWriter
 from protos import cache_pb2
 
-# Seconds a stopping cache service waits for queued writes.
-CLOSE_TIMEOUT_S = 5.0
+
+@dataclass(frozen=True, slots=True)
+class StopFlush:
+    """What a stopping cache service (SIGTERM) writes to the tier: the queued writes, then the indexed blocks
+    the tier lacks, most recently used first, up to max_bytes of them, all within timeout_s."""
+
+    max_bytes: int = 2 * 2**30
+    timeout_s: float = 20.0
 
 
 @dataclass(slots=True)
@@ -47,11 +53,20 @@ class TierManager(PrefixListener):
     `hot_threshold` x the prefix lookups since it was cached (0: as soon as it is cached). Loads at most
     `max_load_blocks` blocks per Reserve, into free blocks only (never evicting a cached block)."""
 
-    def __init__(self, tier: KVTier, hot_threshold: float, max_load_blocks: int, queue_bytes: int, log):
+    def __init__(
+        self,
+        tier: KVTier,
+        hot_threshold: float,
+        max_load_blocks: int,
+        queue_bytes: int,
+        log,
+        stop_flush: StopFlush = StopFlush(),
+    ):
         assert 0.0 <= hot_threshold <= 1.0 and max_load_blocks >= 0, (hot_threshold, max_load_blocks)
         self.tier = tier
         self.hot_threshold = hot_threshold
         self.max_load_blocks = max_load_blocks
+        self.stop_flush = stop_flush
         self.counters = LoadCounters()
         self._log = log
         self._writer = TierWriter(
@@ -200,9 +215,39 @@ class TierManager(PrefixListener):
         )
 
     def close(self) -> None:
-        """Stores the queued writes (at most CLOSE_TIMEOUT_S), then closes the tier."""
-        self._writer.close(CLOSE_TIMEOUT_S)
+        """A planned stop: stores the queued writes, then flushes the indexed blocks (see StopFlush), then
+        closes the tier."""
+        deadline = time.monotonic() + self.stop_flush.timeout_s
+        if self._writer.close(self.stop_flush.timeout_s) and self._pool is not None:
+            self._flush(deadline)
         self.tier.close()
+
+    def _flush(self, deadline: float) -> None:
+        """Stores each indexed block the tier lacks, most recently used first, until stop_flush.max_bytes
+        are tried or the deadline; logs what it stored and why it stopped."""
+        start, tried, stored, stopped_by = time.monotonic(), 0, 0, "done"
+        blocks = self._pool.blocks.block_pool.prefix.by_recency()
+        keys = [(block_id, record.key(self._fingerprint, hash_)) for block_id, hash_ in blocks]
+        missing = [(block_id, key) for block_id, key in keys if not self.tier.contains(key)]
+        for block_id, key in missing:
+            if (tried + 1) * self._block_bytes > self.stop_flush.max_bytes:
+                stopped_by = "max_bytes"
+                break
+            if time.monotonic() >= deadline:
+                stopped_by = "timeout"
+                break
+            tried += 1
+            stored += self._writer.store(key, np.array(self._bytes_of(block_id), order="C"))
+        self._log.info(
+            "kv_tier_flushed",
+            blocks=stored,
+            bytes=stored * self._block_bytes,
+            seconds=round(time.monotonic() - start, 3),
+            cached_blocks=len(blocks),
+            left_blocks=len(missing) - tried,
+            failed_blocks=tried - stored,
+            stopped_by=stopped_by,
+        )
 
 
 class NoTier:
@@ -228,4 +273,5 @@ def from_args(args, log) -> TierManager | NoTier:
     log.info(
         "kv_tier_opened", tier=tier.name, location=tier.location, blocks=usage.records, bytes=usage.bytes
     )
-    return TierManager(tier, args.kv_tier_hot, args.kv_tier_max_load, args.kv_tier_queue, log)
+    flush = StopFlush(args.kv_tier_flush, args.kv_tier_flush_timeout)
+    return TierManager(tier, args.kv_tier_hot, args.kv_tier_max_load, args.kv_tier_queue, log, flush)

@@ -7,8 +7,9 @@ flag's if given, else the config file's, else DEFAULTS' (`resolve`), and `up` fo
 import argparse
 
 from cache_service.tiers import config_file, registry
-from cache_service.units import fraction, parse_size, positive_int
+from cache_service.units import fraction, parse_size, positive_int, size_or_zero
 from common.errors import InvalidArgument
+from common.options import positive_seconds
 
 DEFAULTS = {
     "kv_tier": registry.NONE,
@@ -17,6 +18,8 @@ DEFAULTS = {
     "kv_tier_hot": 0.8,
     "kv_tier_max_load": 256,
     "kv_tier_queue": 256 * 2**20,
+    "kv_tier_flush": 2 * 2**30,
+    "kv_tier_flush_timeout": 20.0,
 }
 
 
@@ -25,7 +28,7 @@ def add_tier_settings(parser: argparse.ArgumentParser) -> None:
         "--config",
         type=config_file.load,
         help="YAML file with a `persistence:` section (enabled, storage_path, hot_blocks_threshold, tier, "
-        "budget, max_load_blocks, write_queue); flags win over it",
+        "budget, max_load_blocks, write_queue, flush_on_stop, flush_timeout); flags win over it",
     )
     parser.add_argument(
         "--kv-tier",
@@ -54,15 +57,32 @@ def add_tier_settings(parser: argparse.ArgumentParser) -> None:
         type=parse_size,
         help="bytes of blocks waiting to be written, at most; more are dropped (default: 256MiB)",
     )
+    parser.add_argument(
+        "--kv-tier-flush",
+        type=size_or_zero,
+        help="on SIGTERM, write the prefix cache's blocks the tier lacks, most recently used first, up to "
+        "this many bytes (0: only the queued writes) (default: 2GiB)",
+    )
+    parser.add_argument(
+        "--kv-tier-flush-timeout",
+        type=positive_seconds,
+        help="seconds a stopping cache spends on the queued writes and that flush, at most (default: 20)",
+    )
+
+
+def setting(args: argparse.Namespace, dest: str) -> object:
+    """One tier setting: the flag's value if given, else the config file's, else its default."""
+    given = getattr(args, dest)
+    if given is not None:
+        return given
+    return (args.config.settings if args.config else {}).get(dest, DEFAULTS[dest])
 
 
 def resolve(args: argparse.Namespace) -> None:
     """Sets each tier setting left unset by the flags from the config file, else its default; ValueError
     (for parser.error) when the tier is unknown or has no path."""
-    from_file = args.config.settings if args.config else {}
-    for dest, default in DEFAULTS.items():
-        if getattr(args, dest) is None:
-            setattr(args, dest, from_file.get(dest, default))
+    for dest in DEFAULTS:
+        setattr(args, dest, setting(args, dest))
     try:
         registry.resolve(args.kv_tier)
     except InvalidArgument as err:

@@ -95,8 +95,13 @@ class RocksDBTier(KVTier):
             return TierUsage(len(self._lru), self._bytes, self.budget_bytes, self._evictions)
 
     def close(self) -> None:
+        """Syncs the write-ahead log to disk, so every record stored survives a power loss from now on,
+        then closes the database."""
         with self._lock:
-            self._db.close()
+            try:
+                self._db.flush_wal(True)
+            finally:
+                self._db.close()
 
     def _shrink(self, limit: int) -> None:
         """Drops least recently used records until at most `limit` bytes are held (lock held)."""

@@ -64,28 +64,41 @@ class TierWriter:
             self._queued_bytes += data.nbytes
         self._queue.put((key, data))
 
-    def close(self, timeout: float) -> None:
-        """Stores what is queued (waiting at most `timeout` seconds), then stops the thread."""
+    def close(self, timeout: float) -> bool:
+        """Stores what is queued (waiting at most `timeout` seconds), then stops the thread; returns whether
+        it stopped (every queued block stored or failed)."""
         self._queue.put((None, None))
         self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def store(self, key: bytes, data: np.ndarray) -> bool:
+        """Encodes and stores one block copy now, on the calling thread, counted as the thread's writes are;
+        returns whether it was stored. Only once `close` returned True (no two stores at once)."""
+        assert not self._thread.is_alive(), "the writer thread still stores"
+        return self._store(key, data)
 
     def _run(self) -> None:
         while True:
             key, data = self._queue.get()
             if key is None:
                 return
-            payload = memoryview(data.reshape(-1))
             try:
-                self._tier.store(key, record.encode(payload))
-            except TierError as err:
-                with self._lock:
-                    self.counters.errors += 1
-                self._on_error(str(err))
-            else:
-                with self._lock:
-                    self.counters.written_blocks += 1
-                    self.counters.written_bytes += len(payload)
+                self._store(key, data)
             finally:
                 with self._lock:
                     self._pending.discard(key)
                     self._queued_bytes -= data.nbytes
+
+    def _store(self, key: bytes, data: np.ndarray) -> bool:
+        payload = memoryview(data.reshape(-1))
+        try:
+            self._tier.store(key, record.encode(payload))
+        except TierError as err:
+            with self._lock:
+                self.counters.errors += 1
+            self._on_error(str(err))
+            return False
+        with self._lock:
+            self.counters.written_blocks += 1
+            self.counters.written_bytes += len(payload)
+        return True

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import PagedServeError
+from common.server import printable_ascii
 from gateway.http.app import Installer
 from gateway.http.bridge import Bridge, ClientGone, unless_disconnected
 from gateway.http.errors import HttpError, from_gateway, internal, invalid
@@ -134,7 +135,8 @@ async def _answer(front: Front, request: Request, chat: bool) -> Response:
     """One completion or chat completion, whole or streamed; any refusal in OpenAI's error JSON."""
     structlog.contextvars.clear_contextvars()
     # NOTE: a caller's id takes --max-request-id-bytes; without one the gateway makes one (in the replies).
-    request_id = request.headers.get(REQUEST_ID_HEADER, "")
+    # Control and non-ASCII characters are escaped first, so the id the replies' header and body carry is one.
+    request_id = printable_ascii(request.headers.get(REQUEST_ID_HEADER, ""))
     if request_id:
         structlog.contextvars.bind_contextvars(request_id=request_id)
     renames = CHAT_RENAMES if chat else {}

@@ -58,8 +58,16 @@ def test_create_pool_returns_a_private_fully_sized_segment_with_its_header(servi
 def test_create_pool_again_returns_the_same_pool(service, handle):
     again = service.stub.CreatePool(pool_request())
     assert again == handle
-    resized = service.stub.CreatePool(pool_request(num_blocks=8))
-    assert resized.epoch == handle.epoch, "the same layout re-attaches whatever the budget"
+    assert service.stub.CreatePool(pool_request(num_blocks=NUM_BLOCKS)) == handle, "the live pool's size"
+    details = refused(
+        service.stub.CreatePool, pool_request(num_blocks=8), grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert f"holds a pool of {NUM_BLOCKS} blocks" in details and "asked for 8 blocks" in details
+    assert "send no num_blocks or memory_bytes to use the live pool" in details
+    memory = pool_request(memory_bytes=(NUM_BLOCKS + 1) * BLOCK_BYTES)
+    assert f"asked for {NUM_BLOCKS + 1} blocks" in refused(
+        service.stub.CreatePool, memory, grpc.StatusCode.FAILED_PRECONDITION
+    )
     assert service.stats().total_blocks == NUM_BLOCKS
 
 
@@ -212,6 +220,8 @@ def test_sessions_over_grpc_refuse_each_others_sequences_and_a_lapsed_one_is_tol
     )
     assert "session 'a' expired: its sequences were freed; re-register" in details
     assert stub.CloseSession(cache_pb2.CloseSessionRequest(session_id="b")).num_sequences == 0
+    unknown = cache_pb2.CloseSessionRequest(session_id="b")
+    assert "no session 'b' to close" in refused(stub.CloseSession, unknown, grpc.StatusCode.NOT_FOUND)
     assert "session_lapsed" in service.log()
 
 

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.e2e
         (dict(prompt="hi", token_ids=[1, 2]), "exactly one of prompt, token_ids or messages"),
         (dict(token_ids=[42] * 8192), "the model takes at most 8191"),
         (dict(messages=[{"role": "", "content": "hi"}]), "messages[0] has no role"),
+        (dict(messages=[{"role": "hacker", "content": "hi"}]), "has role 'hacker': use one of system"),
         (dict(prompt="hi", min_p=1.5), "min_p must be in [0, 1]"),
         (dict(prompt="hi", repetition_penalty=0.0), "repetition_penalty must be > 0"),
         (dict(prompt="hi", presence_penalty=2.5), "presence_penalty must be in [-2.0, 2.0]"),

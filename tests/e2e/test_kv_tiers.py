@@ -70,15 +70,17 @@ def config(tmp_path_factory) -> Path:
 
 
 def test_a_hot_system_prompt_survives_a_cache_restart(stack, reference, config):
+    """The hot policy alone: the stop writes only the queued writes (--kv-tier-flush 0; the flush of every
+    cached block is test_supervisor.py's)."""
     stack.stop_cache()
-    stack.start_cache("--config", str(config))
+    stack.start_cache("--config", str(config), "--kv-tier-flush", "0")
     cold = stack.generate(SYSTEM + QUESTIONS[0])
     assert cold.usage.cached_tokens == 0 and stack.tier().written_blocks == 0, "computed once, not hot yet"
     hit = stack.generate(SYSTEM + QUESTIONS[1])
     assert hit.usage.cached_tokens == SYSTEM_TOKENS, "reused from the pool: now hot (1 hit in 1 lookup)"
     assert hit.token_ids == reference[tuple(SYSTEM + QUESTIONS[1])].token_ids
     stack.stop_cache()  # SIGTERM: queued writes are stored before it exits
-    stack.start_cache("--config", str(config))
+    stack.start_cache("--config", str(config), "--kv-tier-flush", "0")
     warm = stack.generate(SYSTEM + QUESTIONS[0])
     stats = stack.tier()
     assert warm.usage.cached_tokens == SYSTEM_TOKENS, "the restarted cache served the prefix from the tier"

@@ -1,9 +1,9 @@
 """Leases with real processes: cache, compute and gateways started apart. A gateway killed (SIGKILL)
 mid-stream leaves no block used once its session lapses; a new gateway on the same cache and compute serves
 the same outputs; a gateway stalled past its TTL recomputes its requests in a new session; two gateways on
-one cache serve side by side; a gateway stopped cleanly closes its session at once."""
+one cache serve side by side; a gateway stopped cleanly closes its session at once; the late Forward of a
+gateway stalled past its TTL is refused by compute (the session fence) and writes nothing."""
 
-import glob
 import os
 import signal
 import time
@@ -12,10 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from cli.launch import GATEWAY_SERVICE
-from protos import cache_pb2
+from common.server import channel
+from protos import cache_pb2, compute_pb2, compute_pb2_grpc
 from sdk import Client
 from tests.e2e.cache_process import Service
 from tests.helpers import free_port, start, stop, wait_healthy
+from tests.processes import left_by
+from tests.processes import stopped as process_stopped
 
 TTL_S, MARGIN_S = 2.0, 3.0
 PROMPTS = [
@@ -26,13 +29,13 @@ PROMPTS = [
 
 
 class Gateway:
-    def __init__(self, tmp, name: str, cache: Service, compute_target: str) -> None:
+    def __init__(self, tmp, name: str, cache: Service, compute_target: str, *flags: str) -> None:
         self.target = f"127.0.0.1:{free_port()}"
         argv = ["--port", self.target.rsplit(":", 1)[1], "--cache-target", cache.target,
-                "--compute-target", compute_target, "--session-ttl", str(TTL_S)]  # fmt: skip
+                "--compute-target", compute_target, "--session-ttl", str(TTL_S), *flags]  # fmt: skip
         self.proc = start("gateway", *argv, log_path=tmp / f"{name}.log")
         try:
-            wait_healthy(self.target, self.proc, timeout=120, service=GATEWAY_SERVICE)
+            wait_healthy(self.target, self.proc, timeout=300, service=GATEWAY_SERVICE)
         except BaseException:
             stop(self.proc)
             raise
@@ -45,7 +48,8 @@ class Gateway:
 def services(tmp_path_factory):
     """A cache and a compute service, apart: the gateways come and go."""
     tmp = tmp_path_factory.mktemp("leases")
-    cache = Service(tmp, "--kv-blocks", "256")
+    # --debug-read-kv: the fencing test compares the pool's bytes before and after a refused Forward.
+    cache = Service(tmp, "--kv-blocks", "256", "--debug-read-kv")
     compute_target = f"127.0.0.1:{free_port()}"
     compute = start(
         "compute_service", "--port", compute_target.rsplit(":", 1)[1], "--dtype", "float32", "--insecure",
@@ -53,11 +57,11 @@ def services(tmp_path_factory):
     )  # fmt: skip
     try:
         wait_healthy(compute_target, compute, timeout=120)
-        yield tmp, cache, compute_target
+        yield tmp, cache, compute_target, compute
     finally:
         stop(compute)
         cache.stop()
-        assert not glob.glob(f"/dev/shm/pagedserve-kv-{cache.proc.pid}-*")  # its segment is removed
+        assert not left_by([cache.proc.pid]), "its segment and fence are removed"
 
 
 def greedy(gateway: Gateway, prompt: str, max_tokens: int = 24) -> list[int]:
@@ -79,7 +83,7 @@ def wait_released(cache: Service, sessions: int) -> cache_pb2.CacheStats:
 
 
 def test_a_killed_gateways_blocks_are_freed_within_its_ttl_and_a_new_gateway_serves_alike(services):
-    tmp, cache, compute_target = services
+    tmp, cache, compute_target, _ = services
     first = Gateway(tmp, "gateway-1", cache, compute_target)
     try:
         reference = greedy(first, PROMPTS[1])
@@ -107,7 +111,7 @@ def test_a_killed_gateways_blocks_are_freed_within_its_ttl_and_a_new_gateway_ser
 
 
 def test_two_gateways_on_one_cache_serve_side_by_side(services):
-    tmp, cache, compute_target = services
+    tmp, cache, compute_target, _ = services
     gateways = [Gateway(tmp, f"gateway-side-{index}", cache, compute_target) for index in range(2)]
     try:
         references = [greedy(gateways[0], prompt) for prompt in PROMPTS]
@@ -123,7 +127,7 @@ def test_two_gateways_on_one_cache_serve_side_by_side(services):
 
 
 def test_a_gateway_stalled_past_its_ttl_recomputes_its_requests_in_a_new_session(services):
-    tmp, cache, compute_target = services
+    tmp, cache, compute_target, _ = services
     gateway = Gateway(tmp, "gateway-stalled", cache, compute_target)
     try:
         reference = greedy(gateway, PROMPTS[2], max_tokens=48)
@@ -143,3 +147,72 @@ def test_a_gateway_stalled_past_its_ttl_recomputes_its_requests_in_a_new_session
     finally:
         stop(gateway.proc)
     wait_released(cache, sessions=0)
+
+
+def pool_bytes(cache: Service, layers: tuple[int, ...]) -> list[bytes]:
+    """The K/V of every block in these layers, as the cache reads them."""
+    blocks = cache.stats().total_blocks
+    read = cache.stub.ReadBlock
+    return [read(cache_pb2.ReadBlockRequest(block_id=block, layer=layer, include_data=True)).data
+            for layer in layers for block in range(blocks)]  # fmt: skip
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_a_stalled_gateways_late_forward_is_refused_and_writes_nothing(services):
+    """Compute is stopped while idle; the stalled gateway reserves and sends its prefill's Forward, which
+    waits in compute's socket, and is stopped past its TTL: the cache frees its blocks, and once compute
+    goes on it refuses that Forward (the fence), so no byte of the pool changes. The other gateway's cached
+    prompts serve it as before, and the stalled one, continued, recomputes its request in a new session."""
+    tmp, cache, compute_target, compute = services
+    late, late_tokens, gateways = PROMPTS[1] + " It was signed", [], []
+    logged = len(compute.log_path.read_text())
+
+    def compute_log() -> str:
+        """Compute's log from this test on (the stalled gateway's test above has a refusal too)."""
+        return compute.log_path.read_text()[logged:]
+
+    try:
+        gateways.append(
+            stalled := Gateway(tmp, "gateway-late", cache, compute_target, "--step-timeout", "300")
+        )
+        gateways.append(other := Gateway(tmp, "gateway-other", cache, compute_target))
+        references = [greedy(other, prompt) for prompt in (PROMPTS[0], PROMPTS[2])]
+        layers = (0, compute_info(compute_target).num_layers - 1)
+        with stalled.client() as client, ThreadPoolExecutor(1) as pool:
+            os.kill(compute.pid, signal.SIGSTOP)
+            try:
+                stream = pool.submit(lambda: [t for c in client.stream(prompt=late, max_tokens=24,
+                                     temperature=0.0, ignore_eos=True) for t in c.token_ids])  # fmt: skip
+                wait_for(lambda: cache.stats().num_sequences == 1, 30, "the stalled gateway reserved")
+                time.sleep(1.0)  # its Forward is sent: it waits for compute
+                with process_stopped(stalled.proc.pid):
+                    wait_released(cache, sessions=1)  # its session lapsed: the cache freed its blocks
+                    before = pool_bytes(cache, layers)
+                    os.kill(compute.pid, signal.SIGCONT)
+                    refusal = "is not open at the cache service"
+                    wait_for(lambda: refusal in compute_log(), 60, "compute refused it")
+                    assert pool_bytes(cache, layers) == before, "the late Forward wrote nothing"
+                    assert [greedy(other, p) for p in (PROMPTS[0], PROMPTS[2])] == references
+                    expected = greedy(other, late)
+            finally:
+                os.kill(compute.pid, signal.SIGCONT)
+            late_tokens = stream.result(timeout=120)
+        (line,) = [ln for ln in compute_log().splitlines() if refusal in ln]
+        assert "rpc_refused" in line and "Forward" in line and "FAILED_PRECONDITION" in line, line
+        assert late_tokens == expected, "recomputed in a new session, the same greedy output"
+        wait_released(cache, sessions=2)
+    finally:
+        for gateway in gateways:
+            stop(gateway.proc)
+    wait_released(cache, sessions=0)
+
+
+def compute_info(target: str):
+    with channel(target) as ch:
+        return compute_pb2_grpc.ComputeStub(ch).GetModelInfo(compute_pb2.GetModelInfoRequest(), timeout=30)

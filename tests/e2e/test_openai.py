@@ -10,6 +10,7 @@ test_edge.py.
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -150,6 +151,26 @@ def test_bad_parameters_are_400_naming_the_parameter(api, model):
     assert err.param == "tools" and "unsupported parameter" in err.message
     err = bad_request(lambda: api.completions.create(model=model, prompt=PROMPT, echo=True))
     assert err.param == "echo"
+    hacker = [{"role": "hacker", "content": "Name three colours."}]
+    err = bad_request(lambda: api.chat.completions.create(model=model, messages=hacker))
+    assert "messages[0] has role 'hacker': use one of system, developer, user, assistant, tool" in err.message
+
+
+def test_a_request_id_with_control_characters_is_one_cleaned_id_in_header_and_body(stack_fp32):
+    """HTTP clients refuse to send such a header: it goes out on a raw socket."""
+    host, port = stack_fp32.http_url.removeprefix("http://").removesuffix("/v1").split(":")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n").encode()  # fmt: skip
+    with socket.create_connection((host, int(port)), timeout=120) as conn:
+        conn.sendall(head + b"X-Request-Id: ab\x01c\x7fd\tz\xc3\xa9\r\n\r\n" + body)
+        reply = b"".join(iter(lambda: conn.recv(65536), b""))
+    headers, _, payload = reply.partition(b"\r\n\r\n")
+    assert headers.startswith(b"HTTP/1.1 200"), reply
+    (echoed,) = [line.split(b":", 1)[1].strip() for line in headers.split(b"\r\n")[1:]
+                 if line.lower().startswith(b"x-request-id:")]  # fmt: skip
+    assert echoed == rb"ab\x01c\x7fd\x09z\xc3\xa9"
+    assert json.loads(payload)["id"] == "cmpl-" + echoed.decode()
 
 
 def test_an_unknown_model_is_404(api):

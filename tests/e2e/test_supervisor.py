@@ -1,9 +1,11 @@
 """`pagedserve up` as an operator meets it: a killed service comes back, a killed launcher takes its
-services along, SIGTERM drains the gateway; no segment is left in /dev/shm. The tiny model starts fast."""
+services along (the gateway drains first while compute and cache still serve it, as on SIGTERM), SIGTERM
+drains the gateway and writes the prefix cache to the KV tier, so a restarted stack serves a 2,500-token
+prompt from it; no segment is left in /dev/shm. The tiny model starts fast."""
 
 import os
+import random
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -13,17 +15,24 @@ import pytest
 from cli.launch import Stack
 from common.healthcheck import serving
 from sdk.client import GenerationError
-from tests.helpers import ROOT
-from tests.processes import gone, segments, segments_of, services_of, stopped
+from tests.e2e.streaming import start_streams
+from tests.helpers import ROOT, log_events
+from tests.processes import gone, left_by, segments_of, services_of, stopped
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 STREAMS, NEW_TOKENS = 8, 500
+BLOCK_SIZE = 16
+PROMPT = [random.Random(35).randrange(3, 256) for _ in range(2500)]
+# Every full block but the one holding the last token (whose logits are needed).
+REUSABLE = (len(PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, tokenizer):
-    model = save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3)
+    model = save_tiny_llama(
+        tmp_path_factory.mktemp("models") / "tiny-llama", initializer_range=0.3, max_position_embeddings=4096
+    )
     tokenizer.save_pretrained(model)
     return model
 
@@ -43,12 +52,12 @@ def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
 
 
 def test_a_killed_cache_is_restarted_and_its_segment_removed(tiny_model, logs):
-    before = segments()
     stack = start(tiny_model, logs)
-    pids = {}
+    pids, caches = {}, set()
     try:
         pids = services_of(stack.proc.pid)
         assert set(pids) == {"cache", "compute", "gateway"}
+        caches.add(pids["cache"])
         (old,) = segments_of(pids["cache"])
         os.kill(pids["cache"], signal.SIGKILL)
         restarted = lambda: services_of(stack.proc.pid).get("cache", pids["cache"]) != pids["cache"]  # noqa: E731
@@ -63,6 +72,7 @@ def test_a_killed_cache_is_restarted_and_its_segment_removed(tiny_model, logs):
         assert f"removed {old}" in log
         pids = services_of(stack.proc.pid)
         assert pids.keys() == {"cache", "compute", "gateway"}
+        caches.add(pids["cache"])
         stack.proc.kill()
         stack.proc.wait()
         assert wait_until(lambda: all(map(gone, pids.values())), 15), "the services died with up"
@@ -71,37 +81,18 @@ def test_a_killed_cache_is_restarted_and_its_segment_removed(tiny_model, logs):
         for pid in pids.values():
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
-    assert wait_until(lambda: segments() <= before, 5), "no segment is left"
-
-
-def stream(stack: Stack, seed: int, started: threading.Semaphore, results: list) -> None:
-    """Streams one request; started is released at its first token; its result is appended."""
-    chunks = []
-    try:
-        with stack.client() as client:
-            for chunk in client.stream(token_ids=[3 + seed, 40, 50, 60], max_tokens=NEW_TOKENS,
-                                       temperature=0.0, ignore_eos=True):  # fmt: skip
-                if not chunks:
-                    started.release()
-                chunks.append(chunk)
-        results.append((chunks[-1].finish_reason, chunks[-1].usage.completion_tokens))
-    except GenerationError as err:
-        results.append((err.code.name, len(chunks)))
+    assert wait_until(lambda: not left_by(caches), 5), "no segment or fence is left"
 
 
 def test_sigterm_drains_the_running_requests_and_refuses_new_ones(tiny_model, logs):
     """Compute is stopped (SIGSTOP) while the gateway drains, so no stream can end before the probe is
     answered: a race the streams used to win on a fast step, when the drained gateway had exited and the
     OS refused the probe. The step timeout keeps the pause from counting as a lost compute."""
-    before = segments()
     stack = start(tiny_model, logs, "--drain-timeout", "120", "--step-timeout", "120")
-    results, started = [], threading.Semaphore(0)
-    threads = [threading.Thread(target=stream, args=(stack, i, started, results)) for i in range(STREAMS)]
-    compute = services_of(stack.proc.pid)["compute"]
+    results, threads = [], []
+    compute, cache = (services_of(stack.proc.pid)[name] for name in ("compute", "cache"))
     try:
-        for thread in threads:
-            thread.start()
-        assert all(started.acquire(timeout=60) for _ in threads), "every stream runs"
+        threads = start_streams(stack, STREAMS, NEW_TOKENS, results)
         with stopped(compute):
             stack.proc.send_signal(signal.SIGTERM)
             assert wait_until(lambda: not serving(stack.target, timeout=1), 10), "NOT_SERVING at once"
@@ -118,7 +109,7 @@ def test_sigterm_drains_the_running_requests_and_refuses_new_ones(tiny_model, lo
         stack.stop()
         for thread in threads:
             thread.join(10)
-    assert wait_until(lambda: segments() <= before, 5), "no segment is left"
+    assert wait_until(lambda: not left_by([cache]), 5), "no segment or fence is left"
 
 
 def gateway_exits(stack: Stack) -> list[str]:
@@ -142,3 +133,74 @@ def test_a_gateway_signalled_at_its_first_serving_drains_and_exits_cleanly(tiny_
         assert gateway_exits(stack)[1].startswith("pagedserve: gateway exited (exit code 0)")
     finally:
         stack.stop()
+
+
+def events(stack: Stack, name: str) -> list[dict]:
+    return [event for event in log_events(stack.proc.log_path) if event["event"] == name]
+
+
+def test_sigterm_writes_the_cached_blocks_and_the_restarted_stack_serves_them(tiny_model, logs, tmp_path):
+    """As the issue's scenario: one prompt, SIGTERM, the same storage, the same prompt. Its blocks were used
+    once, never hot (--kv-tier-hot 0.8): only the stop's flush writes them."""
+    tier = ("--log-format", "json", "--kv-tier", "rocksdb", "--kv-tier-path", str(tmp_path / "tier"))
+    served, flushes, greedy = [], [], dict(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for _ in range(2):
+        stack = start(tiny_model, logs, *tier)
+        try:
+            with stack.client() as client:
+                served.append(client.generate(token_ids=PROMPT, **greedy))
+        finally:
+            assert stack.stop() == 0
+        flushes.append(events(stack, "kv_tier_flushed"))
+    cold, warm = served
+    assert cold.usage.cached_tokens == 0
+    (flushed,) = flushes[0]
+    assert flushed["blocks"] >= REUSABLE // BLOCK_SIZE and flushed["stopped_by"] == "done", flushed
+    assert warm.usage.cached_tokens >= 2400
+    assert warm.usage.cached_tokens == REUSABLE
+    assert warm.token_ids == cold.token_ids, "the tier's blocks are the computed ones"
+    ttft = cold.timings.time_to_first_token_s, warm.timings.time_to_first_token_s
+    print(f"tiny model, {len(PROMPT)}-token prompt: TTFT cold {ttft[0]:.3f} s, restarted {ttft[1]:.3f} s")
+
+
+def exit_times(pids: dict[str, int], timeout: float) -> dict[str, float]:
+    """When each process was first seen gone, polled every 5 ms."""
+    seen, deadline = {}, time.monotonic() + timeout
+    while len(seen) < len(pids) and time.monotonic() < deadline:
+        now = time.monotonic()
+        seen.update({name: now for name, pid in pids.items() if name not in seen and gone(pid)})
+        time.sleep(0.005)
+    return seen
+
+
+def test_a_killed_launcher_drains_the_gateway_while_compute_and_cache_serve_it(tiny_model, logs):
+    """Compute is stopped (SIGSTOP) from before the kill until the gateway drains, so the streams are still
+    running when the services learn that the launcher is gone."""
+    stack = start(tiny_model, logs, "--log-format", "json", "--drain-timeout", "120", "--step-timeout", "120")
+    pids = services_of(stack.proc.pid)
+    results, threads = [], []
+    try:
+        threads = start_streams(stack, STREAMS, NEW_TOKENS, results)
+        with stopped(pids["compute"]):
+            stack.proc.kill()
+            stack.proc.wait()
+            assert wait_until(lambda: not serving(stack.target, timeout=1), 10), "the gateway drains"
+            time.sleep(1.0)
+            assert not any(gone(pid) for pid in pids.values()), "every service still runs"
+            assert serving(stack.cache_target, timeout=5), "the cache still serves"
+            assert results == [], "no stream can end while compute is stopped"
+        for thread in threads:
+            thread.join(60)
+        exited = exit_times(pids, 60)
+        assert results == [("length", NEW_TOKENS)] * STREAMS
+        assert exited.keys() == pids.keys(), exited
+        assert exited["gateway"] <= exited["compute"] <= exited["cache"], exited
+    finally:
+        for thread in threads:
+            thread.join(10)
+        for pid in pids.values():
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        stack.stop()
+    assert wait_until(lambda: not left_by([pids["cache"]]), 5), "the cache unlinked its segment and fence"
+    assert len(events(stack, "lifeline_ended")) == 3, "each service stopped on its lifeline"

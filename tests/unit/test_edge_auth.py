@@ -102,6 +102,14 @@ def test_only_a_configured_bearer_key_authenticates(tmp_path):
         assert ALICE not in str(err.value)
 
 
+def test_the_bearer_scheme_is_case_insensitive(tmp_path):
+    keys, _ = auth.load(key_file(tmp_path, f"alice:{ALICE}\n"))
+    for scheme in ("bearer", "BEARER", "bEaReR"):
+        assert keys.authenticate((("authorization", f"{scheme} {ALICE}"),)).name == "alice", scheme
+    with pytest.raises(Unauthenticated, match="authorization: Bearer <key>"):
+        keys.authenticate((("authorization", f"bearers {ALICE}"),))
+
+
 def test_each_key_has_its_own_stable_one_way_namespace(tmp_path):
     keys, _ = auth.load(key_file(tmp_path, f"alice:{ALICE}\nbob:{BOB}\n"))
     alice, bob = keys.authenticate(bearer(ALICE)), keys.authenticate(bearer(BOB))

@@ -14,7 +14,7 @@ from cache_service.prefix_cache import block_hash, chain, root_hash
 from cache_service.sequence import SeqRequest
 from cache_service.tiers import record, registry
 from cache_service.tiers.base import KVTier, TierError
-from cache_service.tiers.manager import TierManager
+from cache_service.tiers.manager import StopFlush, TierManager
 from cache_service.tiers.rocksdb import DATA, RocksDBTier
 from common.errors import InvalidArgument
 from common.logging import configure
@@ -26,6 +26,8 @@ SPEC = PoolSpec(
     num_layers=2, num_blocks=8, block_size=BLOCK_SIZE, num_kv_heads=2, head_dim=4, dtype=torch.float32
 )
 PROMPT = list(range(10, 30))  # 20 tokens: 5 full blocks, of which 4 can be hits (never the last token's)
+# A stop that stores the queued writes only.
+QUEUED_ONLY = StopFlush(0, 5.0)
 
 
 def rec(n: int, size: int = 100) -> bytes:
@@ -159,8 +161,16 @@ def pools():
         pool.release()
 
 
-def manager(path: Path, hot: float = 0.0, budget: int = 2**20, queue: int = 2**20, max_load: int = 256):
-    return TierManager(RocksDBTier(str(path), budget), hot, max_load, queue, LOG)
+def manager(
+    path: Path,
+    hot: float = 0.0,
+    budget: int = 2**20,
+    queue: int = 2**20,
+    max_load: int = 256,
+    flush: StopFlush = QUEUED_ONLY,
+) -> TierManager:
+    """A tier manager on RocksDB at path; by default a stop stores only the queued writes."""
+    return TierManager(RocksDBTier(str(path), budget), hot, max_load, queue, LOG, flush)
 
 
 def run(tier: TierManager, pool: KVPool, seq_id: str, prompt=PROMPT, salt: str = "") -> int:
@@ -286,3 +296,65 @@ def test_an_invalid_reserve_loads_nothing(tmp_path: Path, pools):
         tier.load_prefixes(restarted.blocks, [bad])
     assert restarted.blocks.stats().free_blocks == 8 and tier.stats().hit_blocks == 0
     drained(tier)
+
+
+# a planned stop
+
+
+OTHER = list(range(40, 53))  # 13 tokens: 3 full blocks
+
+
+def stored(path: Path, pool: KVPool, prompt) -> list[bool]:
+    """Which full blocks of `prompt` the (closed) tier at path holds."""
+    tier = RocksDBTier(str(path), 2**20)
+    try:
+        hashes = chain(root_hash(pool.identity, ""), prompt, BLOCK_SIZE, 0, len(prompt) // BLOCK_SIZE)
+        return [tier.contains(record.key(record.fingerprint(pool.spec), h)) for _, h in hashes]
+    finally:
+        tier.close()
+
+
+def test_a_stop_writes_the_cached_blocks_never_hot_and_a_new_pool_loads_them(tmp_path: Path, pools):
+    first, tier = pools(16), manager(tmp_path / "db", hot=1.0, flush=StopFlush(2**20, 5.0))
+    tier.attach(first)
+    run(tier, first, "a")
+    run(tier, first, "b", OTHER)  # not one hit: nothing is hot
+    assert tier.stats().written_blocks + tier.stats().queued_blocks == 0
+    tier.close()
+    assert tier.stats().written_blocks == 8 and stored(tmp_path / "db", first, PROMPT) == [True] * 5
+    restarted, tier = pools(), manager(tmp_path / "db")
+    tier.attach(restarted)
+    assert run(tier, restarted, "c") == 4 * BLOCK_SIZE
+    assert block_values(restarted) == block_values(first), "the flushed K/V is the computed K/V"
+    drained(tier)
+
+
+def test_a_stop_writes_the_most_recently_used_blocks_first_within_its_bytes(tmp_path: Path, pools):
+    pool = pools(16)
+    tier = manager(tmp_path / "db", hot=1.0, flush=StopFlush(3 * pool.spec.block_bytes, 5.0))
+    tier.attach(pool)
+    run(tier, pool, "a")
+    run(tier, pool, "b", OTHER)  # the last released: most recently used
+    tier.close()
+    assert tier.stats().written_blocks == 3
+    assert stored(tmp_path / "db", pool, OTHER) == [True] * 3
+    assert stored(tmp_path / "db", pool, PROMPT) == [False] * 5
+
+
+def test_a_stop_writes_blocks_in_use_before_released_ones_and_keeps_to_its_time(tmp_path: Path, pools):
+    pool = pools(16)
+    tier = manager(tmp_path / "db", hot=1.0, flush=StopFlush(2**20, 0.5))
+    tier.attach(pool)
+    run(tier, pool, "a")
+    held = SeqRequest("held", len(OTHER), OTHER)
+    pool.blocks.reserve([held], [])
+    pool.blocks.index_written({"held": len(OTHER)})  # in use, written, indexed
+    store = tier.tier.store
+    tier.tier.store = lambda key, data: (time.sleep(0.2), store(key, data))  # a slow disk
+    started = time.monotonic()
+    tier.close()
+    assert time.monotonic() - started < 1.0, "the flush keeps to its timeout"
+    written = tier.stats().written_blocks
+    assert 1 <= written <= 3 and stored(tmp_path / "db", pool, OTHER)[:written] == [True] * written
+    assert stored(tmp_path / "db", pool, PROMPT) == [False] * 5
+    pool.blocks.free(["held"])

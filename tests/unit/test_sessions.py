@@ -42,7 +42,7 @@ def cache(clock):
         yield servicer
     finally:
         servicer.close()
-        assert not glob.glob(f"/dev/shm/pagedserve-kv-{os.getpid()}-*")
+        assert not glob.glob(f"/dev/shm/pagedserve-*-{os.getpid()}-*"), "segment and fence removed"
 
 
 def open_session(cache, session_id: str, ttl_s: float = 0.0) -> cache_pb2.Session:
@@ -104,6 +104,8 @@ def test_renewal_keeps_a_session_and_late_calls_of_a_lapsed_one_are_told_it_expi
     with pytest.raises(FailedPrecondition, match="expired"):
         progress(cache, "a", "a1", [4], 4, 3)
     assert stats(cache).used_blocks == 0
+    closed = cache.CloseSession(cache_pb2.CloseSessionRequest(session_id="a"), None)
+    assert (closed.num_sequences, closed.freed_blocks) == (0, 0), "a lapsed session closes, freeing nothing"
     # re-registering starts the session afresh, holding nothing
     assert open_session(cache, "a").num_sequences == 0
     admit(cache, "a", "a1", [1, 2, 3])
@@ -142,7 +144,8 @@ def test_forked_children_belong_to_the_parents_session_and_close_frees_them_all(
     assert (stats(cache).used_blocks, stats(cache).num_sessions) == (0, 0)
     with pytest.raises(FailedPrecondition, match="unknown session 'a': OpenSession first"):
         admit(cache, "a", "q", [1])
-    assert cache.CloseSession(cache_pb2.CloseSessionRequest(session_id="a"), None).num_sequences == 0
+    with pytest.raises(NotFound, match="no session 'a' to close: it was never opened, is closed already"):
+        cache.CloseSession(cache_pb2.CloseSessionRequest(session_id="a"), None)
     check(cache)
 
 

@@ -8,8 +8,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
 from cli.supervisor import RestartPolicy, Restarts, Supervisor, describe_exit
 from tests.processes import gone
 
@@ -119,11 +117,26 @@ def test_stop_runs_in_reverse_order_and_reports_each_exit():
     assert all(gone(pid) for pid in pids.values())
 
 
+# A service as the lifeline sees it: on its end it waits `delay` seconds (a drain), notes when it exits.
+SERVICE = textwrap.dedent(
+    """
+    import sys, threading, time
+    from common import lifeline
+    ended = threading.Event()
+    assert lifeline.watch(ended.set)
+    ended.wait()
+    time.sleep(float(sys.argv[2]))
+    with open(sys.argv[1], "a") as out:
+        print(sys.argv[3], time.monotonic(), file=out)
+    """
+)
 LAUNCHER = textwrap.dedent(
-    f"""
+    """
     import sys, time
     from cli.supervisor import RestartPolicy, Supervisor
-    supervisor = Supervisor({{"a": {SLEEPER!r}, "b": {SLEEPER!r}}}, RestartPolicy())
+    service = lambda name, delay: [sys.executable, "-c", sys.argv[1], sys.argv[2], str(delay), name]
+    commands = {name: service(name, delay) for name, delay in (("cache", 0), ("compute", 0), ("gateway", 1))}
+    supervisor = Supervisor(commands, RestartPolicy())
     supervisor.start()
     print(*supervisor.pids().values(), flush=True)
     time.sleep(60)
@@ -131,19 +144,25 @@ LAUNCHER = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
-def test_the_services_die_with_a_killed_launcher():
+def test_a_killed_launchers_services_stop_in_order_the_last_started_first(tmp_path):
+    """The gateway drains for a second after the launcher's kill -9; compute and cache wait for it."""
+    exits = tmp_path / "exits"
     launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ}
+        [sys.executable, "-c", LAUNCHER, SERVICE, str(exits)], stdout=subprocess.PIPE, text=True, cwd=ROOT
     )
     pids = []
     try:
         pids = [int(pid) for pid in launcher.stdout.readline().split()]
-        assert len(pids) == 2
-        assert not any(gone(pid) for pid in pids)
+        assert len(pids) == 3 and not any(gone(pid) for pid in pids)
+        time.sleep(0.5)
+        assert not exits.exists(), "no service stops while the launcher lives"
         launcher.kill()
         launcher.wait()
-        assert wait_until(lambda: all(gone(pid) for pid in pids), timeout=5)
+        killed = time.monotonic()
+        assert wait_until(lambda: all(gone(pid) for pid in pids), timeout=10)
+        order = [line.split() for line in exits.read_text().splitlines()]
+        assert [name for name, _ in order] == ["gateway", "compute", "cache"]
+        assert float(order[0][1]) - killed >= 0.9, "compute and cache outlived the gateway's drain"
     finally:
         launcher.kill()
         for pid in pids:

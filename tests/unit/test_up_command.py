@@ -218,3 +218,12 @@ def test_cache_and_compute_refuse_plaintext_tcp_unless_told(parse, capsys):
     with pytest.raises(SystemExit):
         parse(["--socket", "/" + "s" * 120])
     assert "the kernel's limit" in capsys.readouterr().err
+
+
+def test_up_waits_for_the_gateways_drain_and_the_caches_flush(tmp_path):
+    assert up.stop_timeouts(up_args()) == {"gateway": 30 + up.DRAIN_MARGIN_S, "cache": 20 + up.DRAIN_MARGIN_S}
+    given = up_args("--drain-timeout", "5", "--kv-tier-flush-timeout", "7")
+    assert up.stop_timeouts(given) == {"gateway": 5 + up.DRAIN_MARGIN_S, "cache": 7 + up.DRAIN_MARGIN_S}
+    config = tmp_path / "pagedserve.yaml"
+    config.write_text("persistence:\n  flush_timeout: 45\n")
+    assert up.stop_timeouts(up_args("--config", str(config)))["cache"] == 45 + up.DRAIN_MARGIN_S

@@ -1,11 +1,17 @@
 """The Python SDK: `Client(target).generate(...)` or `.stream(...)`; one client may serve many threads.
 
+Constrained decoding: `json_schema=` (a dict or JSON text), `json_object=True`, `regex=`, `choice=[...]` or
+`grammar=` (docs/structured-outputs.md). Tools: `tools=[{"name", "description", "parameters"}]` with chat
+`messages`, `tool_choice="auto" | "none" | "required" | "<function name>"`; calls come back as
+`Completion.tool_calls` with finish_reason "tool_calls" (docs/tool-calling.md).
+
 `AsyncClient` has the same surface for asyncio (`await generate(...)`, `async for chunk in stream(...)`).
 
 A gateway with TLS: `Client(target, tls=True)` (the system's trusted roots) or `ca_file="ca.pem"`. A gateway
 with API keys: `api_key="..."`, or the PAGEDSERVE_API_KEY environment variable.
 """
 
+import json
 import os
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +25,7 @@ from protos import generation_pb2, generation_pb2_grpc
 _FINISH_REASONS = {
     generation_pb2.FINISH_REASON_LENGTH: "length",
     generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 
@@ -49,6 +56,14 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    # JSON text
+    arguments: str
+
+
+@dataclass(frozen=True)
 class Timings:
     """Seconds from the request's arrival at the gateway: until its first step, its first token, its end."""
 
@@ -71,6 +86,8 @@ class Chunk:
     # One per token when the request set logprobs.
     logprobs: list[TokenLogprob] | None = None
     timings: Timings | None = None
+    # With tools: the calls this chunk completed.
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
@@ -82,6 +99,7 @@ class Completion:
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
     timings: Timings | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 def build_request(
@@ -107,8 +125,18 @@ def build_request(
     min_tokens: int = 0,
     stop: str | Sequence[str] = (),
     priority: int = 0,
+    json_schema: Mapping | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
+    tools: Sequence[Mapping] = (),
+    tool_choice: str | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> generation_pb2.GenerateRequest:
-    """priority: lower values are served first (and preempted last); equal priorities go by arrival."""
+    """priority: lower values are served first (and preempted last); equal priorities go by arrival. At most
+    one constraint (json_schema, json_object, regex, choice, grammar). A chat message may carry `tool_calls`
+    (ToolCall or dicts of id, name, arguments) or, with role "tool", `tool_call_id`."""
     sampling = generation_pb2.SamplingParams(
         top_k=top_k,
         ignore_eos=ignore_eos,
@@ -131,14 +159,61 @@ def build_request(
     ):
         if value is not None:
             setattr(sampling, name, value)
-    return generation_pb2.GenerateRequest(
+    request = generation_pb2.GenerateRequest(
         request_id=request_id,
         prompt=prompt or "",
         token_ids=token_ids or (),
-        messages=[generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
+        messages=[_message(m) for m in messages or ()],
         sampling=sampling,
         cache_salt=cache_salt,
         priority=priority,
+        tools=[
+            generation_pb2.Tool(
+                name=t["name"],
+                description=t.get("description", ""),
+                parameters=_json(t.get("parameters", "")),
+            )
+            for t in tools
+        ],
+    )
+    _constrain(request.constraint, json_schema, json_object, regex, choice, grammar)
+    if tool_choice in ("auto", "none", "required"):
+        request.tool_choice.mode = tool_choice
+    elif tool_choice is not None:
+        request.tool_choice.function = tool_choice
+    if parallel_tool_calls is not None:
+        request.parallel_tool_calls = parallel_tool_calls
+    return request
+
+
+def _json(value: Mapping | str) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _constrain(
+    constraint: generation_pb2.Constraint, json_schema, json_object, regex, choice, grammar
+) -> None:
+    if json_schema is not None:
+        constraint.json_schema = _json(json_schema)
+    if json_object:
+        constraint.json_object = True
+    if regex is not None:
+        constraint.regex = regex
+    if choice is not None:
+        constraint.choice.choices.extend(choice)
+    if grammar is not None:
+        constraint.grammar = grammar
+
+
+def _message(m: Mapping) -> generation_pb2.ChatMessage:
+    calls = [c if isinstance(c, Mapping) else vars(c) for c in m.get("tool_calls", ())]
+    return generation_pb2.ChatMessage(
+        role=m["role"],
+        content=m.get("content") or "",
+        tool_calls=[
+            generation_pb2.ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"]) for c in calls
+        ],
+        tool_call_id=m.get("tool_call_id", ""),
     )
 
 
@@ -164,6 +239,7 @@ def to_chunk(response: generation_pb2.GenerateResponse) -> Chunk:
         ]
         or None,
         timings=timings,
+        tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in response.tool_calls],
     )
 
 
@@ -192,6 +268,7 @@ def _add(result: Completion, chunk: Chunk) -> None:
     result.request_id = chunk.request_id
     result.token_ids.extend(chunk.token_ids)
     result.text += chunk.text
+    result.tool_calls.extend(chunk.tool_calls)
     result.finish_reason, result.usage, result.timings = chunk.finish_reason, chunk.usage, chunk.timings
     if chunk.logprobs is not None:
         result.logprobs = result.logprobs or []

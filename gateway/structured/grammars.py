@@ -2,6 +2,7 @@
 constraint compiled into a matcher at its initial state under a time limit, and compiled matchers cached by
 content (a new sample starts from a copy of one)."""
 
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +33,8 @@ CACHE_ENTRIES = 256
 # (PARSER_LIMITS) end it.
 COMPILE_THREADS = 2
 # llguidance's resource limits: the work of one compile and of one token's mask is bounded by them.
+# A line of the engine's error messages that quotes the grammar: `  12 | start: ...`.
+SOURCE_LINE = re.compile(r"^\d+ \|")
 PARSER_LIMITS = {"max_grammar_size": 200_000, "max_lexer_states": 50_000, "initial_lexer_fuel": 1_000_000}
 
 
@@ -93,12 +96,12 @@ class Grammars:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)
         COMPILE_SECONDS.observe(time.perf_counter() - start)
         if matcher.is_error():
-            raise InvalidArgument(
-                f"constraint.{spec.kind} is not supported: {_first_line(matcher.get_error())}"
-            )
+            raise InvalidArgument(f"constraint.{spec.kind} is not supported: {_message(matcher.get_error())}")
         return matcher
 
 
-def _first_line(error: str) -> str:
-    """The engine's message up to its source excerpt (which repeats the constraint)."""
-    return error.strip().splitlines()[0][:500] if error.strip() else "the grammar engine refused it"
+def _message(error: str) -> str:
+    """The engine's message on one line, without its source excerpts (`1 | ...` and carets)."""
+    lines = [line.strip() for line in error.splitlines()]
+    kept = [line for line in lines if line and not SOURCE_LINE.match(line) and set(line) != {"^"}]
+    return " ".join(kept)[:500] or "the grammar engine refused it"

@@ -14,8 +14,8 @@ def words_per_row(vocab_size: int) -> int:
 
 
 def unpack(rows, bitmask: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [M] int64, allowed [M, 32 * words] bool) of a request's masks, unchecked but for a layout that
-    splits into whole rows of whole words."""
+    """(rows [M] int64, blocked [M, 32 * words] bool: the tokens a row may not sample) of a request's masks,
+    unchecked but for a layout that splits into whole rows of whole words."""
     rows = torch.tensor(list(rows), dtype=torch.int64)
     if not len(rows):
         if bitmask:
@@ -26,12 +26,13 @@ def unpack(rows, bitmask: bytes) -> tuple[torch.Tensor, torch.Tensor]:
             f"constraint_bitmask has {len(bitmask)} bytes: it needs whole int32 words for each of the "
             f"{len(rows)} constraint_rows"
         )
-    packed = np.frombuffer(bitmask, dtype=np.uint8).reshape(len(rows), -1)
-    allowed = np.unpackbits(packed, axis=1, bitorder="little").view(np.bool_)
-    return rows, torch.from_numpy(allowed)
+    # NOTE: inverted while packed (a byte per 8 tokens), so that no pass over [M, V] inverts it.
+    packed = ~np.frombuffer(bitmask, dtype=np.uint8).reshape(len(rows), -1)
+    blocked = np.unpackbits(packed, axis=1, bitorder="little").view(np.bool_)
+    return rows, torch.from_numpy(blocked)
 
 
-def check(rows: torch.Tensor, allowed: torch.Tensor, num_rows: int, vocab_size: int, sequences) -> None:
+def check(rows: torch.Tensor, blocked: torch.Tensor, num_rows: int, vocab_size: int, sequences) -> None:
     """InvalidArgument unless the rows are distinct sampling rows in ascending order and each mask is one
     ceil(vocab / 32)-word row allowing at least one token of the vocabulary (RowsRefused names those)."""
     if not len(rows):
@@ -41,13 +42,13 @@ def check(rows: torch.Tensor, allowed: torch.Tensor, num_rows: int, vocab_size: 
             f"constraint_rows must be ascending, distinct indices of the {num_rows} sampling rows; "
             f"got {rows.tolist()[:20]}"
         )
-    words = allowed.shape[1] // 32
+    words = blocked.shape[1] // 32
     if words != words_per_row(vocab_size):
         raise InvalidArgument(
             f"constraint_bitmask rows have {words} words; a vocabulary of {vocab_size} tokens needs "
             f"{words_per_row(vocab_size)}"
         )
-    empty = ~allowed[:, :vocab_size].any(dim=1)
+    empty = blocked[:, :vocab_size].all(dim=1)
     if empty.any():
         raise RowsRefused(
             f"the constraint mask of sampling row {int(rows[empty][0])} allows no token of the vocabulary",
@@ -55,7 +56,10 @@ def check(rows: torch.Tensor, allowed: torch.Tensor, num_rows: int, vocab_size: 
         )
 
 
-def apply_(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
+def apply_(logits: torch.Tensor, rows: torch.Tensor, blocked: torch.Tensor) -> None:
     """In place: the logits of tokens a row's mask leaves out become -inf."""
-    vocab = logits.shape[1]
-    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
+    blocked = blocked[:, : logits.shape[1]]
+    if len(rows) == len(logits):  # every row constrained: no gather and scatter
+        logits.masked_fill_(blocked, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill_(blocked, float("-inf"))

@@ -20,7 +20,7 @@ def check_sampling(params: SamplingBatch, vocab_size: int, sequences: torch.Tens
     _check_ranges(params, sequences)
     _check_token_lists(params, vocab_size, sequences)
     _check_history(params, vocab_size, sequences)
-    constraints.check(params.constraint_rows, params.allowed, len(params.seeds), vocab_size, sequences)
+    constraints.check(params.constraint_rows, params.blocked, len(params.seeds), vocab_size, sequences)
 
 
 def _first(bad: torch.Tensor) -> int | None:

@@ -53,7 +53,7 @@ class Grammars:
         self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
 
     def prepare(self, vocab_size: int, eos_ids: list[int]) -> llguidance.LLTokenizer:
-        """The engine's tokenizer for a model of this vocabulary (built once, ~0.5 s: call it at start-up)."""
+        """The engine's tokenizer for a model of this vocabulary (built once, slowly: call it at start-up)."""
         with self._lock:
             if self._tokenizer is None or self._tokenizer.vocab_size != vocab_size:
                 start = time.perf_counter()

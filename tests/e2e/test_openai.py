@@ -32,17 +32,6 @@ LONG_PROMPT = "In a small village by the sea, an old fisherman told the children
 
 
 @pytest.fixture(scope="module")
-def api(stack_fp32):
-    with openai.OpenAI(base_url=stack_fp32.http_url, api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(api):
-    return api.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def grpc(stack_fp32):
     with stack_fp32.client(timeout=120) as client:
         yield client

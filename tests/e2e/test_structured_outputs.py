@@ -36,17 +36,6 @@ class Scientist(BaseModel):
     alive: bool
 
 
-@pytest.fixture(scope="module")
-def api(stack_fp32):
-    with openai.OpenAI(base_url=stack_fp32.http_url, api_key="unused", max_retries=0, timeout=300) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(api):
-    return api.models.list().data[0].id
-
-
 def salt() -> dict:
     return {"cache_salt": uuid.uuid4().hex}
 

@@ -32,17 +32,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.fixture(scope="module")
-def api(stack_fp32):
-    with openai.OpenAI(base_url=stack_fp32.http_url, api_key="unused", max_retries=0, timeout=300) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(api):
-    return api.models.list().data[0].id
-
-
 def weather_calls(calls) -> list[dict]:
     assert calls, "the model was made to call"
     for call in calls:

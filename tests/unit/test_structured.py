@@ -175,11 +175,11 @@ def test_packed_masks_unpack_in_compute_to_the_same_tokens(grammars, tokenizer):
         matcher(grammars, tokenizer, "regex", r"[0-9]+"),
         matcher(grammars, tokenizer, "choice", generation_pb2.Choices(choices=["no"])),
     ]
-    got_rows, got = constraints.unpack([0, 2], matchers.packed(rows))
+    got_rows, blocked = constraints.unpack([0, 2], matchers.packed(rows))
     vocab = len(tokenizer)
-    constraints.check(got_rows, got, 3, vocab, got_rows)
-    for m, unpacked in zip(rows, got, strict=True):
-        assert (unpacked[:vocab].numpy() == allowed(m)[:vocab]).all()
+    constraints.check(got_rows, blocked, 3, vocab, got_rows)
+    for m, unpacked in zip(rows, blocked, strict=True):
+        assert (~unpacked[:vocab].numpy() == allowed(m)[:vocab]).all()
 
 
 # the property: masks allow every valid instance of the tested subset, and it validates

@@ -15,10 +15,9 @@ import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from cli.scrape import scrape
 from sdk.client import GenerationError
-from tests.e2e.greedy import assert_greedy_equal
-from tests.e2e.test_scheduling import PREEMPTIONS, TIE
+from tests.e2e.greedy import TIE, assert_greedy_equal
+from tests.e2e.stack import preemptions
 from tests.helpers import PAGEDSERVE
 from tests.structured_schemas import SCHEMAS
 
@@ -123,7 +122,7 @@ def test_a_constrained_request_beside_unconstrained_ones_leaves_their_tokens_unc
 
 
 def test_matchers_survive_preemption_and_recompute(small_stack):
-    before = scrape(small_stack.metrics_url("gateway"))[PREEMPTIONS, ()]
+    before = preemptions(small_stack)
     long_list = {
         **LIST,
         "properties": {"items": {**LIST["properties"]["items"], "minItems": 6, "maxItems": 8}},
@@ -132,9 +131,7 @@ def test_matchers_survive_preemption_and_recompute(small_stack):
         ask = dict(messages=CHAT, json_schema=long_list, max_tokens=250, temperature=1.0)
         futures = [pool.submit(client.generate, **ask, seed=s, cache_salt=uuid.uuid4().hex) for s in range(8)]
         results = [f.result() for f in futures]
-    assert scrape(small_stack.metrics_url("gateway"))[PREEMPTIONS, ()] > before, (
-        "24 blocks are meant to run out"
-    )
+    assert preemptions(small_stack) > before, "24 blocks are meant to run out"
     for result in results:
         assert result.finish_reason == "stop", result.text
         jsonschema.validate(json.loads(result.text), long_list)

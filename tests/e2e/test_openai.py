@@ -135,8 +135,9 @@ def test_bad_parameters_are_400_naming_the_parameter(api, model):
         lambda: api.chat.completions.create(model=model, messages=CHAT, logprobs=True, top_logprobs=21)
     )
     assert err.param == "top_logprobs"
-    err = bad_request(lambda: api.chat.completions.create(model=model, messages=CHAT, tools=[]))
-    assert err.param == "tools" and "unsupported parameter" in err.message
+    functions = [{"name": "f", "parameters": {}}]
+    err = bad_request(lambda: api.chat.completions.create(model=model, messages=CHAT, functions=functions))
+    assert err.param == "functions" and "unsupported parameter" in err.message
     err = bad_request(lambda: api.completions.create(model=model, prompt=PROMPT, echo=True))
     assert err.param == "echo"
 

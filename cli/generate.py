@@ -1,7 +1,9 @@
 """`pagedserve generate TEXT`: stream a completion to stdout."""
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from common.sampling_controls import CONTROLS, Kind
 from sdk.client import API_KEY_ENV, Client, GenerationError, TokenLogprob
@@ -58,6 +60,7 @@ def add_parser(commands) -> None:
     )
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    _add_constraint_flags(p)
     _add_sampling_flags(p)
     p.add_argument(
         "--priority", type=int, default=0, help="lower is served first, equal ones by arrival (default 0)"
@@ -66,6 +69,31 @@ def add_parser(commands) -> None:
     p.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
     add_connection_flags(p)
     p.set_defaults(run=run)
+
+
+def _add_constraint_flags(p: argparse.ArgumentParser) -> None:
+    """Constrained decoding (docs/structured-outputs.md): one of these."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--json-schema", type=Path, metavar="FILE", help="the output is JSON this schema accepts"
+    )
+    group.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    group.add_argument("--regex", help="the output matches this regular expression")
+    group.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    group.add_argument(
+        "--grammar", type=Path, metavar="FILE", help="the output follows this Lark or GBNF grammar"
+    )
+
+
+def constraint_kwargs(args: argparse.Namespace) -> dict:
+    """The SDK keyword arguments of the constraint flag given (OSError or ValueError: a file that cannot be
+    read, a schema that is not JSON)."""
+    if args.json_schema is not None:
+        return {"json_schema": json.loads(args.json_schema.read_text())}
+    if args.grammar is not None:
+        return {"grammar": args.grammar.read_text()}
+    given = {"json_object": args.json_object or None, "regex": args.regex, "choice": args.choice}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def add_connection_flags(p: argparse.ArgumentParser) -> None:
@@ -86,6 +114,11 @@ def run(args: argparse.Namespace) -> int:
     )
     logprobs: list[TokenLogprob] = []
     try:
+        constraint = constraint_kwargs(args)
+    except (OSError, ValueError) as err:
+        print(f"error: cannot read {args.json_schema or args.grammar}: {err}", file=sys.stderr)
+        return 2
+    try:
         client = Client(args.target, timeout=args.timeout, **connection_kwargs(args))
     except OSError as err:
         print(f"error: cannot read --tls-ca {args.tls_ca}: {err.strerror}", file=sys.stderr)
@@ -95,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             for chunk in client.stream(
                 **text_input,
                 **sampling_kwargs(args),
+                **constraint,
                 priority=args.priority,
             ):
                 sys.stdout.write(chunk.text)

@@ -11,7 +11,7 @@ from compute_service.sampling import Sampled, SamplingBatch
 
 def is_plain_greedy(batch: SamplingBatch) -> bool:
     """True when `sample` would return the argmax of the raw logits and nothing else."""
-    adjusted = len(batch.cu_history) or len(batch.bias_ids) or len(batch.suppress_ids)
+    adjusted = len(batch.cu_history) or len(batch.bias_ids) or len(batch.suppress_ids) or batch.constrained
     return not adjusted and not bool((batch.temperature > 0).any() or batch.wants_logprobs.any())
 
 

@@ -7,6 +7,7 @@ import torch
 
 from common.errors import InvalidArgument, RowsRefused
 from common.sampling_controls import CONTROLS, Range
+from compute_service import constraints
 from compute_service.sampling import NUMBER_CONTROLS, SamplingBatch
 
 
@@ -19,6 +20,7 @@ def check_sampling(params: SamplingBatch, vocab_size: int, sequences: torch.Tens
     _check_ranges(params, sequences)
     _check_token_lists(params, vocab_size, sequences)
     _check_history(params, vocab_size, sequences)
+    constraints.check(params.constraint_rows, params.blocked, len(params.seeds), vocab_size, sequences)
 
 
 def _first(bad: torch.Tensor) -> int | None:

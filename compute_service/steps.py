@@ -33,6 +33,11 @@ class StepsPlan:
                 "ForwardSteps runs decodes only: every row of its first step has one new token and samples "
                 "(send prompt chunks with Forward)"
             )
+        if first.constraint_rows:
+            raise InvalidArgument(
+                "ForwardSteps runs no constrained rows: their masks follow each sampled token (send them "
+                "with Forward)"
+            )
         max_steps = list(request.max_steps)
         if len(max_steps) != n or not all(1 <= m <= MAX_STEPS for m in max_steps):
             raise InvalidArgument(

@@ -26,9 +26,14 @@ class RowLimit:
 
 
 def eligible(seqs: list[Sequence]) -> bool:
-    """Whether the step can run as several: every row decodes one token and samples it, none forks."""
+    """Whether the step can run as several: every row decodes one token and samples it, none forks, none is
+    constrained (its next mask follows the token it samples: gateway.structured)."""
     return all(
-        seq.chunk_end - seq.num_computed == 1 and seq.samples_now and not seq.forks_now for seq in seqs
+        seq.chunk_end - seq.num_computed == 1
+        and seq.samples_now
+        and not seq.forks_now
+        and seq.constraint is None
+        for seq in seqs
     )
 
 

@@ -20,10 +20,17 @@ from gateway.outputs import Output
 from gateway.sampling import resolve_sampling
 from gateway.sequence import Sequence
 from gateway.streams import StreamSlots
+from gateway.structured import spec as constraint_spec
+from gateway.structured.grammars import Grammars
+from gateway.structured.matcher import Matcher
+from gateway.tools import request as tool_request
+from gateway.tools.stream import CallStreams
 from protos import generation_pb2
 
 log = structlog.get_logger()
 FINISH_REASONS = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP}
+# With --tool-call-parser auto: every chat template served so far writes (or is given) Hermes's format.
+DEFAULT_TOOL_PARSER = "hermes"
 # Registers a callback to run when the call ends, whatever the reason (gRPC: context.add_callback).
 OnEnd = Callable[[Callable[[], None]], object]
 
@@ -32,13 +39,22 @@ class Generation:
     """What a front needs: the attached model, and `stream` to serve one request."""
 
     def __init__(
-        self, engine: Engine, tokenizer, admission: Admission, slots: StreamSlots, edge: Edge
+        self,
+        engine: Engine,
+        tokenizer,
+        admission: Admission,
+        slots: StreamSlots,
+        edge: Edge,
+        grammars: Grammars,
+        tool_parser: str = "auto",
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.admission = admission
         self.slots = slots
         self.edge = edge
+        self.grammars = grammars
+        self.tool_parser = DEFAULT_TOOL_PARSER if tool_parser == "auto" else tool_parser
 
     def attached_model(self):
         """The model info of the attached compute; Unavailable while the gateway is still attaching."""
@@ -69,7 +85,8 @@ class Generation:
         check_request_id(request_id or "", self.edge.limits)
         request_id = request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
-        seq = self._new_sequence(request, request_id, tenant, info)
+        seq, tools = self._new_sequence(request, request_id, tenant, info)
+        calls = CallStreams(tools, self.tool_parser) if tools is not None else None
         self.admission.enter(seq)
         on_end(lambda: self.admission.leave(seq.seq_id))
         completion_tokens = [0] * seq.sampling.n
@@ -86,6 +103,8 @@ class Generation:
             first_token_at = first_token_at or now
             completion_tokens[item.index] += len(item.token_ids)
             reply = _response(item, request_id)
+            if calls is not None:
+                calls.apply(reply)
             if item.finish_reason:
                 reply.usage.CopyFrom(
                     generation_pb2.Usage(
@@ -102,11 +121,25 @@ class Generation:
 
     def _new_sequence(
         self, request: generation_pb2.GenerateRequest, request_id: str, tenant: Tenant, info
-    ) -> Sequence:
-        """The request's sequence; refused before tokenizing if the queue is full or a control is bad."""
+    ) -> tuple[Sequence, tool_request.ToolUse | None]:
+        """The request's sequence and tools; refused before tokenizing if the queue is full or a control is
+        bad, before compiling its constraint if the prompt is."""
+        limits = self.grammars.limits
         check_queue(self.engine.queued(), self.edge.limits)
         sampling = resolve_sampling(request.sampling, info.vocab_size)
-        prompt_ids = tok.encode(self.tokenizer, request, info.vocab_size)
+        tools = tool_request.from_request(
+            request, limits.max_tools, limits.max_constraint_bytes, limits.max_constraint_depth
+        )
+        spec = tools.constraint() if tools else None
+        if spec is None and not tools:
+            spec = constraint_spec.from_request(
+                request.constraint, limits.max_constraint_bytes, limits.max_constraint_depth
+            )
+        if spec is not None and sampling.ignore_eos:
+            raise InvalidArgument(
+                "ignore_eos cannot be combined with a constraint: the constraint ends the text"
+            )
+        prompt_ids = tok.encode(self.tokenizer, request, info.vocab_size, tools)
         max_len = self.engine.max_len
         if len(prompt_ids) >= info.max_model_len:
             raise InvalidArgument(
@@ -123,7 +156,7 @@ class Generation:
                 f"prompt has {len(prompt_ids)} tokens; the KV cache holds at most {max_len} tokens"
                 " per sequence: give the cache service more memory (--kv-memory/--kv-blocks)"
             )
-        return Sequence(
+        seq = Sequence(
             seq_id=uuid.uuid4().hex,
             prompt_ids=prompt_ids,
             sampling=sampling,
@@ -132,7 +165,17 @@ class Generation:
             cache_salt=salted(tenant, request.cache_salt),
             tenant=tenant.name,
             priority=request.priority,
+            constraint=self._matcher(spec, info),
         )
+        return seq, tools
+
+    def _matcher(self, spec: constraint_spec.Spec | None, info) -> Matcher | None:
+        """The constraint's matcher, its first mask filled here (in the request's thread, not the engine)."""
+        if spec is None:
+            return None
+        matcher = self.grammars.matcher(spec, info.vocab_size, list(info.eos_token_ids))
+        matcher.mask()
+        return matcher
 
 
 class CallEnd:

@@ -18,7 +18,7 @@ from protos import generation_pb2
 PROMPT_BYTES_PER_TOKEN = 32
 
 
-def _limit(default: int, help: str, capacity: bool = False):
+def limit(default: int, help: str, capacity: bool = False):
     """A limit's field: its default, its flag's help, and whether exceeding it is a lack of capacity
     (RESOURCE_EXHAUSTED, retry later; such a limit is >= 1) rather than a malformed request
     (INVALID_ARGUMENT; >= 0)."""
@@ -27,23 +27,23 @@ def _limit(default: int, help: str, capacity: bool = False):
 
 @dataclass(frozen=True)
 class Limits:
-    max_request_bytes: int = _limit(
+    max_request_bytes: int = limit(
         8 * 2**20, "bytes of one request message; gRPC refuses a larger one before reading it", capacity=True
     )
-    max_prompt_bytes: int = _limit(
+    max_prompt_bytes: int = limit(
         0,
         f"bytes of prompt (or all messages' roles and contents); 0: {PROMPT_BYTES_PER_TOKEN} x max_model_len",
     )
-    max_messages: int = _limit(256, "chat messages of one request")
-    max_stop_bytes: int = _limit(256, "bytes of each stop string")
-    max_stop_token_ids: int = _limit(64, "entries of sampling.stop_token_ids")
-    max_logit_bias: int = _limit(300, "entries of sampling.logit_bias")
-    max_cache_salt_bytes: int = _limit(256, "bytes of cache_salt")
-    max_request_id_bytes: int = _limit(128, "bytes of request_id")
-    max_streams_per_key: int = _limit(64, "concurrent Generate streams of one API key", capacity=True)
+    max_messages: int = limit(256, "chat messages of one request")
+    max_stop_bytes: int = limit(256, "bytes of each stop string")
+    max_stop_token_ids: int = limit(64, "entries of sampling.stop_token_ids")
+    max_logit_bias: int = limit(300, "entries of sampling.logit_bias")
+    max_cache_salt_bytes: int = limit(256, "bytes of cache_salt")
+    max_request_id_bytes: int = limit(128, "bytes of request_id")
+    max_streams_per_key: int = limit(64, "concurrent Generate streams of one API key", capacity=True)
     # NOTE: as many as --max-streams' default: no request a default gateway admits today is refused, and
     # the queue stays bounded when --max-streams is raised.
-    max_waiting: int = _limit(
+    max_waiting: int = limit(
         256, "requests waiting for their first step; more are refused at once", capacity=True
     )
 

@@ -7,6 +7,8 @@ from common.options import ServiceOptions, add_logging, add_model, positive_seco
 from common.paging import MAX_DECODE_STEPS
 from common.transport import add_client_certs
 from gateway.limits import add_limits
+from gateway.structured.limits import add_constraint_limits
+from gateway.tools.stream import PARSERS as TOOL_PARSERS
 
 
 def add_targets(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +72,13 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-seqs", type=int, default=64, help="sequences running at once")
     parser.add_argument(
+        "--tool-call-parser",
+        choices=("auto", *TOOL_PARSERS),
+        default="auto",
+        help="how tool calls are read from the model's text; auto: from the chat template (hermes: "
+        "<tool_call> JSON, also the format of the tool prompt for templates that render no tools)",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -125,6 +134,6 @@ def add_edge(parser: argparse.ArgumentParser) -> None:
 OPTIONS = ServiceOptions(
     "gateway",
     50051,
-    settings=(add_model, add_settings, add_edge, add_limits, add_logging),
+    settings=(add_model, add_settings, add_edge, add_limits, add_constraint_limits, add_logging),
     wiring=(add_targets, add_http),
 )

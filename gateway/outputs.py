@@ -8,6 +8,7 @@ from transformers import PreTrainedTokenizerBase
 from common.errors import PagedServeError
 from gateway.sampling import token_logprobs
 from gateway.sequence import Sequence
+from gateway.structured.matcher import prefetch
 from gateway.text_stream import TextStream
 from gateway.tokenizer import Detokenizer
 from protos import compute_pb2, generation_pb2
@@ -39,12 +40,15 @@ def advance(
         text = _append(seq, token, eos, tokenizer)
         per_token = None if token_logprob is None else [token_logprob]
         outputs.append((seq, Output([token], seq.finish_reason, seq.index, text, per_token)))
+    prefetch([seq.constraint for seq in sampled if seq.constraint is not None and not seq.finish_reason])
     return outputs
 
 
 def _append(seq: Sequence, token: int, eos: frozenset[int], tokenizer: PreTrainedTokenizerBase) -> str:
     """Adds the token, sets finish_reason (stop strings first) and returns the text it releases."""
     seq.output_ids.append(token)
+    if seq.constraint is not None:
+        seq.constraint.accept(token)
     if seq.text is None:  # made at the first token, so forked samples get their own
         seq.text = TextStream(Detokenizer(tokenizer), seq.sampling.stop)
     text = seq.text.append([token], match=seq.reached_min_tokens)

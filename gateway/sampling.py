@@ -5,6 +5,7 @@ from itertools import accumulate
 from common.errors import InvalidArgument
 from common.sampling_controls import CONTROLS, ROW_CONTROLS, Control, Kind, read
 from gateway.sequence import Sampling, Sequence
+from gateway.structured.matcher import packed
 from protos import compute_pb2, generation_pb2
 
 
@@ -46,8 +47,8 @@ def _check_token_ids(name: str, ids, vocab_size: int) -> None:
 
 # the compute step
 def forward_sampling(seqs: list[Sequence], eos_ids: frozenset[int]) -> dict:
-    """ForwardRequest fields for sampling rows `seqs`: their parameters, and the token history and
-    generated counts only rows with penalties or a pending min_tokens need."""
+    """ForwardRequest fields for sampling rows `seqs`: their parameters, the token history and generated
+    counts only rows with penalties or a pending min_tokens need, and the constrained rows' masks."""
     fields = {"sampling": [row_sampling(seq, eos_ids) for seq in seqs]}
     if any(seq.sampling.penalized for seq in seqs):
         histories = [_history(seq) for seq in seqs]
@@ -56,6 +57,10 @@ def forward_sampling(seqs: list[Sequence], eos_ids: frozenset[int]) -> dict:
         fields["history_prompt_lens"] = [prompt_len for _, prompt_len in histories]
     if not all(seq.reached_min_tokens for seq in seqs):
         fields["output_lens"] = [len(seq.output_ids) for seq in seqs]
+    constrained = [row for row, seq in enumerate(seqs) if seq.constraint is not None]
+    if constrained:
+        fields["constraint_rows"] = constrained
+        fields["constraint_bitmask"] = packed([seqs[row].constraint for row in constrained])
     return fields
 
 

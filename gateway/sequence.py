@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from common.sampling_controls import CONTROLS
+from gateway.structured.matcher import Matcher
 from gateway.text_stream import TextStream
 
 
@@ -84,6 +85,8 @@ class Sequence:
     outbox: queue.Queue = field(default_factory=queue.Queue)
     # The sample's detokenized text and stop strings; the engine creates it at the first token.
     text: TextStream | None = None
+    # Constrained decoding: the sample's grammar matcher (None: unconstrained).
+    constraint: Matcher | None = None
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.seq_id
@@ -125,6 +128,7 @@ class Sequence:
                 chunk_end=0,
                 num_preemptions=0,
                 output_ids=[],
+                constraint=self.constraint and self.constraint.fresh(),
             )
             for index in range(1, self.sampling.n)
         ]
@@ -153,6 +157,8 @@ class Sequence:
         is_stop = last in sampling.stop_token_ids or (not sampling.ignore_eos and last in eos_ids)
         if is_stop and self.reached_min_tokens:
             return "stop"
+        if self.constraint is not None and self.constraint.stopped:
+            return "stop"  # the constraint is complete: nothing else may follow
         if len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= self.max_len:
             return "length"
         return None

@@ -29,6 +29,8 @@ from gateway.http.serve import HttpServer
 from gateway.options import OPTIONS
 from gateway.recovery import PeerFault
 from gateway.streams import StreamSlots
+from gateway.structured.grammars import Grammars
+from gateway.structured.limits import ConstraintLimits
 from protos import cache_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 log = structlog.get_logger()
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     admission = Admission()
     slots = StreamSlots(args.max_streams)
-    generation = Generation(engine, tokenizer, admission, slots, edge)
+    grammars = Grammars(tokenizer, ConstraintLimits.from_args(args))
+    generation = Generation(engine, tokenizer, admission, slots, edge, grammars, args.tool_call_parser)
     servicer = GenerationServicer(generation)
     metrics.register(engine)
     psmetrics.serve_metrics(args.host, args.metrics_port, logger)
@@ -115,6 +118,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from fault
     loop = threading.Thread(target=engine.run, name="engine", daemon=True)
     loop.start()
+    info = engine.model_info
+    threading.Thread(
+        target=grammars.prepare, args=(info.vocab_size, list(info.eos_token_ids)), name="grammar", daemon=True
+    ).start()
     targets = {"cache": args.cache_target, "compute": args.compute_target}
     watcher = DownstreamWatcher(
         server, SERVICE, targets, engine.attached_epoch, engine.peer_restarted, credentials=internal

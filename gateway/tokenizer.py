@@ -1,8 +1,12 @@
-"""Prompt encoding (text, token ids or chat messages) and incremental detokenization."""
+"""Prompt encoding (text, token ids or chat messages, with tools) and incremental detokenization."""
+
+import functools
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from common.errors import InvalidArgument
+from gateway.tools import prompt
+from gateway.tools.request import ToolUse
 from protos import generation_pb2
 
 # The chat roles of OpenAI's API; any other is refused, never rendered as the template sees fit.
@@ -14,9 +18,13 @@ def load(path: str) -> PreTrainedTokenizerBase:
 
 
 def encode(
-    tokenizer: PreTrainedTokenizerBase, request: generation_pb2.GenerateRequest, vocab_size: int
+    tokenizer: PreTrainedTokenizerBase,
+    request: generation_pb2.GenerateRequest,
+    vocab_size: int,
+    tools: ToolUse | None = None,
 ) -> list[int]:
-    """The prompt's token ids; InvalidArgument unless exactly one of prompt, token_ids, messages is given."""
+    """The prompt's token ids (chat messages rendered with `tools`); InvalidArgument unless exactly one of
+    prompt, token_ids, messages is given."""
     given = [
         name
         for name, present in (
@@ -33,7 +41,7 @@ def encode(
     if request.token_ids:
         ids = list(request.token_ids)
     elif request.messages:
-        ids = _render_chat(tokenizer, request.messages)
+        ids = _render_chat(tokenizer, request.messages, tools)
     else:
         ids = tokenizer.encode(request.prompt, add_special_tokens=True)
     # NOTE: checked for text too: a tokenizer may know more tokens than the model (compute refuses those).
@@ -43,19 +51,27 @@ def encode(
     return ids
 
 
-def _render_chat(tokenizer: PreTrainedTokenizerBase, messages) -> list[int]:
+def _render_chat(tokenizer: PreTrainedTokenizerBase, messages, tools: ToolUse | None) -> list[int]:
     if tokenizer.chat_template is None:
         raise InvalidArgument("this model has no chat template: send prompt or token_ids instead of messages")
     for i, message in enumerate(messages):
         if message.role not in CHAT_ROLES:
             given = f"role {message.role!r}" if message.role else "no role"
             raise InvalidArgument(f"messages[{i}] has {given}: use one of {', '.join(CHAT_ROLES)}")
-    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    conversation, listed = prompt.conversation(messages, tools, renders_tools(tokenizer))
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            conversation, tools=listed, tokenize=False, add_generation_prompt=True
+        )
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's to fix
         raise InvalidArgument(f"cannot render messages with the chat template: {exc}") from exc
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=4)
+def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's chat template renders tools (asked once per tokenizer)."""
+    return prompt.renders_tools(tokenizer)
 
 
 class Detokenizer:

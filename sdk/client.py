@@ -1,5 +1,10 @@
 """The Python SDK: `Client(target).generate(...)` or `.stream(...)`; one client may serve many threads.
 
+Constrained decoding: `json_schema=` (a dict or JSON text), `json_object=True`, `regex=`, `choice=[...]` or
+`grammar=` (docs/structured-outputs.md). Tools: `tools=[{"name", "description", "parameters"}]` with chat
+`messages`, `tool_choice="auto" | "none" | "required" | "<function name>"`; calls come back as
+`Completion.tool_calls` with finish_reason "tool_calls" (docs/tool-calling.md).
+
 `AsyncClient` has the same surface for asyncio (`await generate(...)`, `async for chunk in stream(...)`).
 
 A gateway with TLS: `Client(target, tls=True)` (the system's trusted roots) or `ca_file="ca.pem"`. A gateway
@@ -7,7 +12,7 @@ with API keys: `api_key="..."`, or the PAGEDSERVE_API_KEY environment variable.
 """
 
 import os
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,10 +20,12 @@ import grpc
 
 from common.server import CHANNEL_OPTIONS, channel
 from protos import generation_pb2, generation_pb2_grpc
+from sdk.request import build_request
 
 _FINISH_REASONS = {
     generation_pb2.FINISH_REASON_LENGTH: "length",
     generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 
@@ -49,6 +56,14 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    # JSON text
+    arguments: str
+
+
+@dataclass(frozen=True)
 class Timings:
     """Seconds from the request's arrival at the gateway: until its first step, its first token, its end."""
 
@@ -71,6 +86,8 @@ class Chunk:
     # One per token when the request set logprobs.
     logprobs: list[TokenLogprob] | None = None
     timings: Timings | None = None
+    # With tools: the calls this chunk completed.
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
@@ -82,64 +99,7 @@ class Completion:
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
     timings: Timings | None = None
-
-
-def build_request(
-    prompt: str | None = None,
-    token_ids: Sequence[int] | None = None,
-    messages: Sequence[dict] | None = None,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int = 0,
-    seed: int | None = None,
-    ignore_eos: bool = False,
-    stop_token_ids: Sequence[int] = (),
-    request_id: str = "",
-    n: int | None = None,
-    cache_salt: str = "",
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    logit_bias: Mapping[int, float] | None = None,
-    logprobs: int | None = None,
-    min_tokens: int = 0,
-    stop: str | Sequence[str] = (),
-    priority: int = 0,
-) -> generation_pb2.GenerateRequest:
-    """priority: lower values are served first (and preempted last); equal priorities go by arrival."""
-    sampling = generation_pb2.SamplingParams(
-        top_k=top_k,
-        ignore_eos=ignore_eos,
-        stop_token_ids=stop_token_ids,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        logit_bias=logit_bias or {},
-        min_tokens=min_tokens,
-        stop=[stop] if isinstance(stop, str) else stop,
-    )
-    for name, value in (
-        ("max_tokens", max_tokens),
-        ("temperature", temperature),
-        ("top_p", top_p),
-        ("seed", seed),
-        ("n", n),
-        ("min_p", min_p),
-        ("repetition_penalty", repetition_penalty),
-        ("logprobs", logprobs),
-    ):
-        if value is not None:
-            setattr(sampling, name, value)
-    return generation_pb2.GenerateRequest(
-        request_id=request_id,
-        prompt=prompt or "",
-        token_ids=token_ids or (),
-        messages=[generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
-        sampling=sampling,
-        cache_salt=cache_salt,
-        priority=priority,
-    )
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 def to_chunk(response: generation_pb2.GenerateResponse) -> Chunk:
@@ -164,6 +124,7 @@ def to_chunk(response: generation_pb2.GenerateResponse) -> Chunk:
         ]
         or None,
         timings=timings,
+        tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in response.tool_calls],
     )
 
 
@@ -192,6 +153,7 @@ def _add(result: Completion, chunk: Chunk) -> None:
     result.request_id = chunk.request_id
     result.token_ids.extend(chunk.token_ids)
     result.text += chunk.text
+    result.tool_calls.extend(chunk.tool_calls)
     result.finish_reason, result.usage, result.timings = chunk.finish_reason, chunk.usage, chunk.timings
     if chunk.logprobs is not None:
         result.logprobs = result.logprobs or []

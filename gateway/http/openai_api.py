@@ -36,7 +36,13 @@ from protos import generation_pb2
 log = structlog.get_logger()
 REQUEST_ID_HEADER = "x-request-id"
 # Gateway fields under their chat names (a chat asks for top alternatives with top_logprobs).
-CHAT_RENAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens", "prompt": "messages"}
+CHAT_RENAMES = {
+    "logprobs": "top_logprobs",
+    "max_tokens": "max_completion_tokens",
+    "prompt": "messages",
+    "constraint": "response_format",
+}
+COMPLETION_RENAMES = {"constraint": "response_format"}
 # A response nobody reads: the client is gone (nginx's "client closed request").
 CLIENT_GONE = 499
 
@@ -139,7 +145,7 @@ async def _answer(front: Front, request: Request, chat: bool) -> Response:
     request_id = printable_ascii(request.headers.get(REQUEST_ID_HEADER, ""))
     if request_id:
         structlog.contextvars.bind_contextvars(request_id=request_id)
-    renames = CHAT_RENAMES if chat else {}
+    renames = CHAT_RENAMES if chat else COMPLETION_RENAMES
     try:
         return await _generate(front, request, request_id, chat, renames)
     except HttpError as err:

@@ -12,6 +12,14 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.http.errors import HttpError, invalid
+from gateway.http.openai_structured import (
+    Constrained,
+    MessageToolCall,
+    NamedToolChoice,
+    ToolDef,
+    set_constraint,
+    set_tools,
+)
 from protos import generation_pb2
 
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
@@ -32,7 +40,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Request(_Body):
+class _Request(Constrained):
     model: str | None = None
     max_tokens: Int32 | None = None
     temperature: float | None = None
@@ -75,7 +83,11 @@ class TextPart(_Body):
 
 class Message(_Body):
     role: str
-    content: str | list[TextPart]
+    # None (or absent) in an assistant message that only called tools
+    content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatRequest(_Request):
@@ -83,6 +95,9 @@ class ChatRequest(_Request):
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def parse(kind: type["Body"], body: object) -> "Body":
@@ -149,9 +164,14 @@ def chat_request(body: ChatRequest, request_id: str, max_model_len: int) -> gene
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     request = _request(body, request_id, max_tokens, logprobs)
     for message in body.messages:
-        content = message.content
+        content = message.content or ""
         text = content if isinstance(content, str) else "".join(part.text for part in content)
-        request.messages.add(role=message.role, content=text)
+        added = request.messages.add(
+            role=message.role, content=text, tool_call_id=message.tool_call_id or "", name=message.name or ""
+        )
+        for call in message.tool_calls or ():
+            added.tool_calls.add(id=call.id, name=call.function.name, arguments=call.function.arguments)
+    set_tools(body.tools, body.tool_choice, body.parallel_tool_calls, request)
     return request
 
 
@@ -173,12 +193,14 @@ def _request(
         sampling.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     for token, bias in (body.logit_bias or {}).items():
         sampling.logit_bias[_token_id(token)] = bias
-    return generation_pb2.GenerateRequest(
+    request = generation_pb2.GenerateRequest(
         request_id=request_id,
         sampling=sampling,
         cache_salt=body.cache_salt or "",
         priority=body.priority or 0,
     )
+    set_constraint(body, request)
+    return request
 
 
 def _token_id(key: str) -> int:

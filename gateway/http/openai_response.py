@@ -7,7 +7,11 @@ from collections import defaultdict
 
 from protos import generation_pb2
 
-FINISH = {generation_pb2.FINISH_REASON_LENGTH: "length", generation_pb2.FINISH_REASON_STOP: "stop"}
+FINISH = {
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
+}
 DONE = "data: [DONE]\n\n"
 
 
@@ -29,6 +33,8 @@ class Rendering:
         self._tokenizer = tokenizer
         self._text_offsets: dict[int, int] = defaultdict(int)
         self._started: set[int] = set()
+        # Tool calls streamed so far, per sample (a streamed call's index).
+        self._calls: dict[int, int] = defaultdict(int)
         self._prompt_tokens = self._cached_tokens = self._completion_tokens = 0
 
     @property
@@ -69,13 +75,21 @@ class Rendering:
         self.count(reply)
         first = reply.index not in self._started
         self._started.add(reply.index)
-        if not (reply.text or reply.logprobs or reply.finish_reason or (self.chat and first)):
+        if not (
+            reply.text or reply.logprobs or reply.finish_reason or reply.tool_calls or (self.chat and first)
+        ):
             return None
         choice = {"index": reply.index}
         if self.chat:
             choice["delta"] = (
                 {"role": "assistant", "content": reply.text} if first else {"content": reply.text}
             )
+            if reply.tool_calls:
+                start = self._calls[reply.index]
+                self._calls[reply.index] += len(reply.tool_calls)
+                choice["delta"]["tool_calls"] = [
+                    {"index": start + i, **_call(call)} for i, call in enumerate(reply.tool_calls)
+                ]
         else:
             choice["text"] = reply.text
         choice["logprobs"] = self._logprobs(reply) if reply.logprobs else None
@@ -107,7 +121,10 @@ class Rendering:
         text = "".join(reply.text for reply in replies)
         choice = {"index": index}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            calls = [_call(call) for reply in replies for call in reply.tool_calls]
+            choice["message"] = {"role": "assistant", "content": None if calls and not text.strip() else text}
+            if calls:
+                choice["message"]["tool_calls"] = calls
         else:
             choice["text"] = text
         choice["logprobs"] = None
@@ -153,3 +170,7 @@ class Rendering:
     def _chat_token(self, token_id: int, logprob: float) -> dict:
         token = self._token(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def _call(call: generation_pb2.ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}

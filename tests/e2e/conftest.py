@@ -1,3 +1,4 @@
+import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -72,3 +73,16 @@ def hf_models(model_dir):
         return loaded[dtype]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def api(stack_fp32):
+    """The `openai` client on the float32 stack."""
+    with openai.OpenAI(base_url=stack_fp32.http_url, api_key="unused", max_retries=0, timeout=300) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def model(api):
+    """The name of the model the float32 stack serves."""
+    return api.models.list().data[0].id

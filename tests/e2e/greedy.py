@@ -5,6 +5,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from transformers import GenerationConfig
 
+TIE = 1e-3  # float32 logprobs this close are a tie for greedy comparisons
+
 
 def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
     return hf_greedy_gaps(model, ids, new_tokens)[0]

@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from cli.launch import Stack
+from cli.scrape import scrape
 from tests.helpers import ROOT
 
 # The small stack (a session fixture shared by the modules that need blocks to run out): the real model in
@@ -16,6 +17,14 @@ SMALL_FLAGS = (
     *("--dtype", "float32", "--kv-blocks", str(SMALL_KV_BLOCKS), "--max-batched-tokens", str(SMALL_BUDGET)),
     *("--max-seqs", "12", "--log-format", "json", "--log-level", "debug"),
 )
+
+
+PREEMPTIONS = "pagedserve_preemptions_total"
+
+
+def preemptions(stack: Stack) -> float:
+    """Sequences the stack's gateway has preempted so far."""
+    return scrape(stack.metrics_url("gateway"))[PREEMPTIONS, ()]
 
 
 def start_stack(log_dir: Path, *args: str) -> Stack:

@@ -33,17 +33,6 @@ LONG_PROMPT = "In a small village by the sea, an old fisherman told the children
 
 
 @pytest.fixture(scope="module")
-def api(stack_fp32):
-    with openai.OpenAI(base_url=stack_fp32.http_url, api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(api):
-    return api.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def grpc(stack_fp32):
     with stack_fp32.client(timeout=120) as client:
         yield client
@@ -147,8 +136,9 @@ def test_bad_parameters_are_400_naming_the_parameter(api, model):
         lambda: api.chat.completions.create(model=model, messages=CHAT, logprobs=True, top_logprobs=21)
     )
     assert err.param == "top_logprobs"
-    err = bad_request(lambda: api.chat.completions.create(model=model, messages=CHAT, tools=[]))
-    assert err.param == "tools" and "unsupported parameter" in err.message
+    functions = [{"name": "f", "parameters": {}}]
+    err = bad_request(lambda: api.chat.completions.create(model=model, messages=CHAT, functions=functions))
+    assert err.param == "functions" and "unsupported parameter" in err.message
     err = bad_request(lambda: api.completions.create(model=model, prompt=PROMPT, echo=True))
     assert err.param == "echo"
     hacker = [{"role": "hacker", "content": "Name three colours."}]

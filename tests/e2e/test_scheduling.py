@@ -11,17 +11,14 @@ import grpc
 import pytest
 import torch
 
-from cli.scrape import scrape
 from common.server import channel
 from protos.generation_pb2_grpc import GenerationStub
 from sdk.client import GenerationError, build_request
-from tests.e2e.greedy import hf_greedy
-from tests.e2e.stack import SMALL_BUDGET, start_stack
+from tests.e2e.greedy import TIE, hf_greedy
+from tests.e2e.stack import SMALL_BUDGET, preemptions, start_stack
 from tests.helpers import log_events
 
 pytestmark = pytest.mark.e2e
-PREEMPTIONS = "pagedserve_preemptions_total"
-TIE = 1e-3  # float32 logprobs this close are a tie for greedy comparisons
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +61,6 @@ def greedy(client, prompt: list[int], max_tokens: int, **kwargs):
 def run_concurrently(stack, requests) -> list:
     with stack.client() as client, ThreadPoolExecutor(len(requests)) as pool:
         return list(pool.map(lambda r: greedy(client, *r), requests))
-
-
-def preemptions(stack) -> float:
-    return scrape(stack.metrics_url("gateway"))[PREEMPTIONS, ()]
 
 
 def streams_match_their_runs_alone(

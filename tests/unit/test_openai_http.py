@@ -145,8 +145,8 @@ def test_completions_refuse_what_they_cannot_serve_naming_the_parameter(body, pa
     [
         ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
         ({"max_tokens": 2, "max_completion_tokens": 3}, "max_tokens", "not both"),
-        ({"tool_choice": "auto"}, "tool_choice", "unsupported parameter"),
-        ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages", "'messages[0].name'"),
+        ({"functions": []}, "functions", "unsupported parameter"),
+        ({"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages", "'messages[0].audio'"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages",

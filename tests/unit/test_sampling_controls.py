@@ -141,6 +141,9 @@ def test_the_sdk_takes_exactly_the_declared_controls():
     build_request = sys.modules[Client.__module__].build_request
     params = inspect.signature(build_request).parameters
     other = {"prompt", "token_ids", "messages", "request_id", "cache_salt", "priority"}
+    # constrained decoding and tools (docs/structured-outputs.md, docs/tool-calling.md)
+    other |= {"json_schema", "json_object", "regex", "choice", "grammar", "tools", "tool_choice"}
+    other |= {"parallel_tool_calls"}
     assert sorted(set(params) - other) == sorted(CONTROLS)
     for name, control in CONTROLS.items():
         default = params[name].default

@@ -1,0 +1,121 @@
+"""The GenerateRequest the SDK's keyword arguments describe (sdk.client's `build_request`)."""
+
+import json
+from collections.abc import Mapping, Sequence
+
+from protos import generation_pb2
+
+
+def build_request(
+    prompt: str | None = None,
+    token_ids: Sequence[int] | None = None,
+    messages: Sequence[dict] | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int = 0,
+    seed: int | None = None,
+    ignore_eos: bool = False,
+    stop_token_ids: Sequence[int] = (),
+    request_id: str = "",
+    n: int | None = None,
+    cache_salt: str = "",
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    logprobs: int | None = None,
+    min_tokens: int = 0,
+    stop: str | Sequence[str] = (),
+    priority: int = 0,
+    json_schema: Mapping | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
+    tools: Sequence[Mapping] = (),
+    tool_choice: str | None = None,
+    parallel_tool_calls: bool | None = None,
+) -> generation_pb2.GenerateRequest:
+    """priority: lower values are served first (and preempted last); equal priorities go by arrival. At most
+    one constraint (json_schema, json_object, regex, choice, grammar). A chat message may carry `tool_calls`
+    (ToolCall or dicts of id, name, arguments) or, with role "tool", `tool_call_id`."""
+    sampling = generation_pb2.SamplingParams(
+        top_k=top_k,
+        ignore_eos=ignore_eos,
+        stop_token_ids=stop_token_ids,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        logit_bias=logit_bias or {},
+        min_tokens=min_tokens,
+        stop=[stop] if isinstance(stop, str) else stop,
+    )
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("seed", seed),
+        ("n", n),
+        ("min_p", min_p),
+        ("repetition_penalty", repetition_penalty),
+        ("logprobs", logprobs),
+    ):
+        if value is not None:
+            setattr(sampling, name, value)
+    request = generation_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt=prompt or "",
+        token_ids=token_ids or (),
+        messages=[_message(m) for m in messages or ()],
+        sampling=sampling,
+        cache_salt=cache_salt,
+        priority=priority,
+        tools=[
+            generation_pb2.Tool(
+                name=t["name"],
+                description=t.get("description", ""),
+                parameters=_json(t.get("parameters", "")),
+            )
+            for t in tools
+        ],
+    )
+    _constrain(request.constraint, json_schema, json_object, regex, choice, grammar)
+    if tool_choice in ("auto", "none", "required"):
+        request.tool_choice.mode = tool_choice
+    elif tool_choice is not None:
+        request.tool_choice.function = tool_choice
+    if parallel_tool_calls is not None:
+        request.parallel_tool_calls = parallel_tool_calls
+    return request
+
+
+def _json(value: Mapping | str) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _constrain(
+    constraint: generation_pb2.Constraint, json_schema, json_object, regex, choice, grammar
+) -> None:
+    if json_schema is not None:
+        constraint.json_schema = _json(json_schema)
+    if json_object:
+        constraint.json_object = True
+    if regex is not None:
+        constraint.regex = regex
+    if choice is not None:
+        constraint.choice.choices.extend(choice)
+    if grammar is not None:
+        constraint.grammar = grammar
+
+
+def _message(m: Mapping) -> generation_pb2.ChatMessage:
+    calls = [c if isinstance(c, Mapping) else vars(c) for c in m.get("tool_calls", ())]
+    return generation_pb2.ChatMessage(
+        role=m["role"],
+        content=m.get("content") or "",
+        tool_calls=[
+            generation_pb2.ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"]) for c in calls
+        ],
+        tool_call_id=m.get("tool_call_id", ""),
+    )

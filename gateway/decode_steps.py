@@ -27,9 +27,7 @@ class RowLimit:
 
 def eligible(seqs: list[Sequence]) -> bool:
     """Whether the step can run as several: every row decodes one token and samples it, none forks."""
-    return all(
-        seq.chunk_end - seq.num_computed == 1 and seq.samples_now and not seq.forks_now for seq in seqs
-    )
+    return all(seq.is_decode and seq.samples_now and not seq.forks_now for seq in seqs)
 
 
 def row_limit(seq: Sequence, steps: int, eos_ids: frozenset[int]) -> RowLimit:

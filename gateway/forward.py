@@ -31,7 +31,7 @@ def forward_request(
     return compute_pb2.ForwardRequest(
         pool_epoch=epoch,
         token_ids=[t for seq in seqs for t in seq.token_ids[seq.num_computed : seq.chunk_end]],
-        cu_seqlens_q=list(accumulate((seq.chunk_end - seq.num_computed for seq in seqs), initial=0)),
+        cu_seqlens_q=list(accumulate((seq.chunk_len for seq in seqs), initial=0)),
         num_computed=[seq.num_computed for seq in seqs],
         block_tables=rows.ravel().tolist(),
         block_table_width=width,

@@ -19,7 +19,7 @@ class ScheduledStep:
     @property
     def is_decode(self) -> bool:
         """Every sequence adds one token: no prompt chunk slows the step down."""
-        return all(seq.chunk_end - seq.num_computed == 1 for seq in self.seqs)
+        return all(seq.is_decode for seq in self.seqs)
 
 
 class Scheduler:
@@ -73,8 +73,8 @@ class Scheduler:
         budget, free, step = self.max_batched_tokens, self.kv.available_blocks, ScheduledStep()
         # running: decodes first, then the next chunks of partly computed prompts
         running = sorted(self.running, key=lambda s: s.rank)
-        for seq in sorted(running, key=lambda s: s.num_tokens - s.num_computed > 1):
-            budget = self._prompt_budget(step, budget) if seq.num_tokens - seq.num_computed > 1 else budget
+        for seq in sorted(running, key=_prefills):
+            budget = self._prompt_budget(step, budget) if _prefills(seq) else budget
             if budget == 0:
                 break
             n = self._chunk(seq, budget, free)
@@ -93,10 +93,10 @@ class Scheduler:
     def _prompt_budget(self, step: ScheduledStep, budget: int) -> int:
         """What is left of `budget` for prompt tokens: with decodes in the step, at most
         prefill_tokens_with_decodes of prompt tokens in all."""
-        decodes = [seq for seq in step.seqs if seq.chunk_end - seq.num_computed == 1]
+        decodes = [seq for seq in step.seqs if seq.is_decode]
         if not decodes:
             return budget
-        prompt_tokens = sum(seq.chunk_end - seq.num_computed for seq in step.seqs) - len(decodes)
+        prompt_tokens = sum(seq.chunk_len for seq in step.seqs) - len(decodes)
         return max(0, min(budget, self.prefill_tokens_with_decodes - prompt_tokens))
 
     def _admit(self, step: ScheduledStep, budget: int, free: int) -> None:
@@ -166,3 +166,8 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
+
+
+def _prefills(seq: Sequence) -> bool:
+    """More than one token to compute: the sequence's next chunk is (part of) its prompt."""
+    return seq.num_tokens - seq.num_computed > 1

@@ -99,6 +99,16 @@ class Sequence:
         return self.sampling.n if self.index == 0 and not self.output_ids else 1
 
     @property
+    def chunk_len(self) -> int:
+        """Tokens of the scheduled chunk [num_computed, chunk_end)."""
+        return self.chunk_end - self.num_computed
+
+    @property
+    def is_decode(self) -> bool:
+        """Whether the scheduled chunk is one token after all the computed ones: a decode."""
+        return self.chunk_len == 1
+
+    @property
     def samples_now(self) -> bool:
         """Whether the scheduled chunk reaches the last token, so that the step samples the next one."""
         return self.chunk_end == self.num_tokens

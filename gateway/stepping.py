@@ -63,7 +63,7 @@ class Stepping:
             steps = self._reserve(step, self._decode_steps(step) - 1) + 1
         if not step.seqs:
             return
-        chunks = [[s.request_id, s.index, s.chunk_end - s.num_computed] for s in step.seqs]
+        chunks = [[s.request_id, s.index, s.chunk_len] for s in step.seqs]
         log.debug("step", chunks=chunks)
         if self._fail_step in {seq.request_id for seq in step.seqs}:
             raise RuntimeError(f"injected step fault ({FAIL_STEP_ENV})")

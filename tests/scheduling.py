@@ -43,7 +43,7 @@ def run(scheduler: Scheduler, step: ScheduledStep) -> dict[str, int]:
         scheduler.add_running(children)
     chunks = {}
     for s in step.seqs:
-        chunks[s.seq_id] = s.chunk_end - s.num_computed
+        chunks[s.seq_id] = s.chunk_len
         sampled = s.samples_now
         s.num_computed = s.chunk_end
         if sampled:

@@ -64,9 +64,9 @@ class Scheduler:
         self.running.extend(seqs)
 
     def _chunk(self, seq: Sequence, budget: int, free: int) -> int:
-        """How many of the sequence's tokens to compute (after its computed or cached ones, `kv.start`)
+        """How many of the sequence's tokens to compute (after its computed or cached ones, its chunk_start)
         fit in `budget` tokens and `free` blocks: cached prefix tokens cost no budget."""
-        return max(0, min(seq.num_tokens - self.kv.start(seq), budget, self.kv.room(seq, free)))
+        return max(0, min(seq.num_tokens - seq.chunk_start, budget, self.kv.room(seq, free)))
 
     def schedule(self) -> ScheduledStep | None:
         """The next step, or None when there is nothing to run."""
@@ -103,9 +103,9 @@ class Scheduler:
         """First chunks of waiting sequences, in rank order; nobody overtakes a request that does not fit.
         A prefix hit takes a block only if neither a table nor an earlier admission holds it."""
         slots = sum(seq.num_slots for seq in self.running)
-        held = self.kv.held_blocks() if any(seq.prefix_blocks for seq in self.waiting) else set()
+        held = self.kv.held_blocks() if any(_hit_blocks(seq) for seq in self.waiting) else set()
         for seq in sorted(self.waiting, key=lambda s: s.rank):
-            revived = len(set(seq.prefix_blocks) - held)
+            revived = len(set(_hit_blocks(seq)) - held)
             room = free - revived - (self.watermark if self.running else 0)
             n = self._chunk(seq, budget, room)
             # NOTE: a preempted sequence comes back only once its whole context fits, or it would take the
@@ -115,7 +115,7 @@ class Scheduler:
                 break
             budget, slots = budget - n, slots + seq.num_slots
             free -= self._take(seq, n) + revived
-            held.update(seq.prefix_blocks)
+            held.update(_hit_blocks(seq))
             self.waiting.remove(seq)
             self.running.append(seq)
             seq.status = Status.RUNNING
@@ -123,7 +123,7 @@ class Scheduler:
 
     def _take(self, seq: Sequence, n: int) -> int:
         """Schedules n tokens of the sequence; returns the blocks that takes (at most)."""
-        seq.chunk_end = self.kv.start(seq) + n
+        seq.chunk_end = seq.chunk_start + n
         return self.kv.blocks_needed(seq, seq.chunk_end)
 
     def _preempt(self, seq: Sequence) -> Sequence:
@@ -150,7 +150,7 @@ class Scheduler:
         """Waiting sequences the scheduler may admit next (the first max_seqs in rank order) whose cached
         prefix is not looked up yet."""
         ranked = sorted(self.waiting, key=lambda s: s.rank)[: self.max_seqs]
-        return [seq for seq in ranked if seq.prefix_hint is None]
+        return [seq for seq in ranked if seq.prefix_hit is None]
 
     def requeue_running(self) -> None:
         """Every running sequence back to waiting, tokens kept, to be computed again (a peer was lost)."""
@@ -171,3 +171,8 @@ class Scheduler:
 def _prefills(seq: Sequence) -> bool:
     """More than one token to compute: the sequence's next chunk is (part of) its prompt."""
     return seq.num_tokens - seq.num_computed > 1
+
+
+def _hit_blocks(seq: Sequence) -> tuple[int, ...]:
+    """The blocks of a waiting sequence's prefix hit (none if not looked up)."""
+    return seq.prefix_hit.blocks if seq.prefix_hit is not None else ()

@@ -41,7 +41,7 @@ class KVView:
     new block. One that no table holds is cached (evictable) and counted in `available_blocks`: taking it
     costs one of them, which the scheduler counts (`held_blocks`).
     NOTE: a hint may be stale; the Reserve's max_compute_tokens keeps the new blocks of a table as planned,
-    and a Reserve refused all the same undoes the admissions (gateway.stepping).
+    and a Reserve refused all the same undoes the admissions (gateway.reservation).
     """
 
     def __init__(

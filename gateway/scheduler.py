@@ -1,25 +1,9 @@
 """Continuous batching with chunked prefill: which sequences run in the next step, and how many of their
 tokens; who is preempted when blocks run out."""
 
-from dataclasses import dataclass, field
-
 from gateway.kv_view import KVView
 from gateway.sequence import Sequence, Status
-
-
-@dataclass(slots=True)
-class ScheduledStep:
-    # Each with its chunk [num_computed, chunk_end) set: decodes first, then prompt chunks.
-    seqs: list[Sequence] = field(default_factory=list)
-    # Sequences whose blocks must be freed (with their progress, for the prefix cache) before anything runs;
-    # they wait to be recomputed. A step that preempts schedules nothing else: the available blocks are
-    # only known again once the cache service has answered the Free.
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence adds one token: no prompt chunk slows the step down."""
-        return all(seq.is_decode for seq in self.seqs)
+from gateway.step import ScheduledStep
 
 
 class Scheduler:
@@ -84,7 +68,8 @@ class Scheduler:
             step.seqs.append(seq)
         budget = self._prompt_budget(step, budget)
         self._admit(step, budget, free)
-        if not step.is_decode:
+        step.kind = "decode" if step.is_decode else "prefill"
+        if step.kind == "prefill":
             # NOTE: this step's prompt chunks write blocks the waiting prompts may share: look them up again.
             for seq in self.waiting:
                 seq.forget_prefix()

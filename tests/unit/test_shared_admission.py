@@ -5,9 +5,9 @@ refuses (RESOURCE_EXHAUSTED) whatever does not fit."""
 
 import pytest
 
+from gateway.reservation import reserve
 from gateway.scheduler import Scheduler
 from gateway.sequence import Status
-from gateway.stepping import Stepping
 from tests.fake_cache import RpcError
 from tests.scheduling import make, run, seq
 
@@ -97,13 +97,6 @@ def test_waiting_prompts_look_their_prefix_up_again_after_a_step_with_prompt_chu
     assert third.prefix_hit.tokens == 0, "a step of decodes alone keeps the hints"
 
 
-class Steps(Stepping):
-    """The Stepping half alone, over a scheduler and its KV view."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler, self.kv = scheduler, scheduler.kv
-
-
 def test_a_reserve_refused_for_blocks_undoes_the_new_admissions_and_runs_the_rest():
     scheduler = shared_pool(num_blocks=20, prefix_blocks=12)
     first, late = seq("first", 12 * BS + 8), seq("late", 12 * BS + 40)
@@ -116,7 +109,7 @@ def test_a_reserve_refused_for_blocks_undoes_the_new_admissions_and_runs_the_res
     stolen = [cache.free.pop() for _ in range(5)]  # taken behind the view's back: its counts are stale
     step = scheduler.schedule()
     assert step.seqs == [first, late]
-    Steps(scheduler)._reserve(step)
+    reserve(step, scheduler)
     assert step.seqs == [first], "the step runs what fits"
     assert late.status is Status.WAITING and scheduler.waiting == [late] and late.prefix_hit is None
     assert not scheduler.kv.holds(late) and "late" not in cache.tables, "the refused Reserve took nothing"
@@ -135,7 +128,7 @@ def test_a_refused_reserve_of_running_sequences_alone_still_fails_the_step():
     scheduler.kv._stub.free.clear()
     step = scheduler.schedule()
     with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as raised:
-        Steps(scheduler)._reserve(step)
+        reserve(step, scheduler)
     assert isinstance(raised.value.err, RpcError) and scheduler.running == [first]
 
 

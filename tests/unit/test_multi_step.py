@@ -1,4 +1,4 @@
-"""Multi-step decode in the gateway (gateway/decode_steps.py, Stepping._run_steps) over the fake peers: the
+"""Multi-step decode in the gateway (gateway/multi_step.py, gateway/executor.py) over the fake peers: the
 same tokens as one Forward per step, fewer calls, a call ended early by news, a stop string's blocks held
 until the call is over; and the compute side's plan (compute_service/steps.py)."""
 
@@ -13,7 +13,7 @@ from common.errors import InvalidArgument, RowsRefused
 from compute_service.batch import ForwardBatch
 from compute_service.steps import StepsPlan
 from compute_service.validation import Limits
-from gateway.decode_steps import ReplyDeadline, RowLimit, row_limit, select_rows
+from gateway.multi_step import ReplyDeadline, RowLimit, row_limit, select_rows
 from gateway.sequence import Sampling, Sequence
 from protos import compute_pb2
 from tests.fake_engine import BLOCKS, GREEDY, PROMPTS, collect, run_all, start, submit, tokenizer
@@ -79,7 +79,7 @@ def test_a_stop_string_ends_the_call_and_its_blocks_are_freed_only_after_it(star
 def _wait_idle(engine, timeout: float = 10.0) -> None:
     """Until the engine has no call running and nothing to schedule."""
     deadline = time.monotonic() + timeout
-    while engine._steps_stop is not None or engine.scheduler.has_work():
+    while engine.executor.in_call or engine.scheduler.has_work():
         assert time.monotonic() < deadline, "the engine did not go idle"
         time.sleep(0.01)
 

@@ -27,9 +27,9 @@ from compute_service.batch import ForwardBatch
 from compute_service.callers import CALLERS
 from compute_service.llama_layer import FusedLlamaModel
 from compute_service.model_loader import ModelSpec, load
+from compute_service.multi_step import MultiStepPlan
 from compute_service.options import OPTIONS
 from compute_service.runner import Runner, StepTimes
-from compute_service.steps import StepsPlan
 from compute_service.threads import ThreadPolicy
 from compute_service.validation import Limits
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
@@ -118,7 +118,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         stop, replies = threading.Event(), queue.SimpleQueue()
         threading.Thread(target=_stop_on_next, args=(request_iterator, stop), daemon=True).start()
         worker = contextvars.copy_context().run
-        threading.Thread(target=worker, args=(self._run_steps, first, stop, replies), daemon=True).start()
+        threading.Thread(target=worker, args=(self._multi_step, first, stop, replies), daemon=True).start()
         try:
             while (reply := replies.get()) is not None:
                 if isinstance(reply, Exception):
@@ -127,11 +127,11 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         finally:
             stop.set()
 
-    def _run_steps(self, first: compute_pb2.StepsRequest, stop: threading.Event, replies) -> None:
+    def _multi_step(self, first: compute_pb2.StepsRequest, stop: threading.Event, replies) -> None:
         """Puts each step's reply (or the exception that ended the steps), then None.
 
         NOTE: only the first step is checked. A following one is derived from the batch before it
-        (ForwardBatch.following), in tensors, and needs no checks of its own: StepsPlan.check verified up
+        (ForwardBatch.following), in tensors, and needs no checks of its own: MultiStepPlan.check verified up
         front that every row's slots for all its steps lie in its table, the pool and the model's length; its
         sampling rows are the first step's, its new tokens were sampled here, and the pool stays attached
         while this holds the lock. Measured through the stack (latency workload), where a step's Python runs
@@ -141,7 +141,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             with self._lock:
                 start = time.perf_counter()
                 batch = self._checked(first.first)
-                plan = StepsPlan.check(first, self._limits)
+                plan = MultiStepPlan.check(first, self._limits)
                 while True:
                     reply, tokens = self._run(batch, start)
                     reply.rows.extend(plan.rows)

@@ -10,7 +10,6 @@ objects of gateway/step.py:
 """
 
 import os
-import threading
 import time
 from contextlib import closing
 
@@ -23,6 +22,7 @@ from gateway.config import FAIL_STEP_ENV, HANDSHAKE_TIMEOUT_S, RETRY_TIMEOUT_S, 
 from gateway.engine_view import EngineView
 from gateway.executor import StepExecutor
 from gateway.handshake import handshake
+from gateway.inbox import Inbox
 from gateway.kv_view import KVView
 from gateway.lease import Lease
 from gateway.live_seqs import LiveSeqs
@@ -46,10 +46,7 @@ class Engine:
         self._compute = compute_pb2_grpc.ComputeStub(
             channel(config.compute_target, config.internal_credentials)
         )
-        self._cond = threading.Condition()
-        self._intake: list[Sequence] = []
-        self._aborts: set[str] = set()
-        self._stopped = False
+        self.inbox = Inbox()
         self.model_info: compute_pb2.ModelInfo | None = None
         self.handle: common_pb2.PoolHandle | None = None
         self.kv: KVView | None = None
@@ -59,7 +56,6 @@ class Engine:
         self.view = EngineView()  # for the dashboard
         targets = {"cache": config.cache_target, "compute": config.compute_target}
         self.recovery = PeerRecovery(config.peer_restart_grace_s, targets)
-        self._lost: set[str] = set()
         self._attached_at = 0.0
         # Set when the loop died: every request is refused with it.
         self.dead: Unavailable | None = None
@@ -94,6 +90,7 @@ class Engine:
                 self.kv, config.max_batched_tokens, config.max_seqs, config.prefill_tokens_with_decodes
             )
             self.executor = StepExecutor(self._compute, self.kv, config.step_timeout_s, config.rpc_timeout_s)
+            self.inbox.interrupt = self.executor.end_call
             self.live = LiveSeqs(self.scheduler, self.kv)
             return
         self.kv.reattach([seq for seq in self.live.all() if self.kv.holds(seq)], num_blocks, same_pool)
@@ -112,39 +109,30 @@ class Engine:
     # requests
     def submit(self, seq: Sequence) -> None:
         """Queues the sequence; Unavailable while the loop is dead or a peer is lost past the grace."""
-        with self._cond:
+        with self.inbox.lock:
             if self.dead is not None:
                 raise Unavailable(str(self.dead))
             if self.recovery.expired:
                 raise self.recovery.error()
-            self._intake.append(seq)
-            self._cond.notify()
-            self._end_steps()
-
-    def _end_steps(self) -> None:
-        """News for the loop: a running multi-step call ends after its current step, so the loop sees it."""
-        if self.executor is not None:
-            self.executor.end_call()
+            self.inbox.intake.append(seq)
+            self.inbox.posted()
 
     def queued(self) -> int:
         """Requests waiting for a step: submitted, or in the scheduler's queue (read without a lock)."""
-        return len(self._intake) + (len(self.scheduler.waiting) if self.scheduler else 0)
+        return len(self.inbox.intake) + (len(self.scheduler.waiting) if self.scheduler else 0)
 
     def abort(self, seq_id: str) -> None:
-        with self._cond:
-            self._aborts.add(seq_id)
-            self._cond.notify()
-            self._end_steps()
+        with self.inbox.lock:
+            self.inbox.aborts.add(seq_id)
+            self.inbox.posted()
 
     def peer_restarted(self, service: str, seen_at: float) -> None:
         """From the health watcher: `service` restarted (or serves another pool) after `seen_at`
         (time.monotonic()); the engine attaches again unless it did since."""
-        with self._cond:
-            if self._attached_at >= seen_at:
-                return
-            self._lost.add(service)
-            self._cond.notify()
-            self._end_steps()
+        with self.inbox.lock:
+            if self._attached_at < seen_at:
+                self.inbox.lost.add(service)
+                self.inbox.posted()
 
     def session_lost(self) -> None:
         """From the lease: recovered like a lost cache."""
@@ -153,10 +141,9 @@ class Engine:
     def stop(self) -> None:
         """Ends the loop after its step; pending requests get UNAVAILABLE now (no RPC thread outlives it);
         the session is closed (the cache service frees what it still holds)."""
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-            self._end_steps()
+        with self.inbox.lock:
+            self.inbox.stopped = True
+            self.inbox.posted()
             pending = self._pending()
         tell(pending, Unavailable("the gateway is shutting down; retry on another replica or later"))
         self.lease.close()
@@ -168,7 +155,7 @@ class Engine:
             self._loop()
         except Exception as exc:  # noqa: BLE001 - a dead loop must fail its requests, not hang them
             log.exception("engine_loop_failed")
-            with self._cond:
+            with self.inbox.lock:
                 self.dead = Unavailable(
                     f"the gateway's engine stopped ({type(exc).__name__}: {exc}): restart it"
                 )
@@ -176,24 +163,18 @@ class Engine:
             tell(pending, self.dead)
 
     def _pending(self) -> list[Sequence]:
-        return [*self._intake, *(self.live.all() if self.live else [])]
+        return [*self.inbox.intake, *(self.live.all() if self.live else [])]
 
     def _loop(self) -> None:
         blocked = False
         while True:
             self.view.publish(self.scheduler, self.kv)
-            with self._cond:
-                # NOTE: work that cannot be scheduled (none should exist) waits for news instead of spinning.
-                runnable = self.scheduler.has_work() and not blocked and not self.recovery.active
-                timeout = self.recovery.retry_in() if self.recovery.active else None
-                while not (self._stopped or self._intake or self._aborts or runnable or self._lost):
-                    if not self._cond.wait(timeout) and timeout is not None:
-                        break
-                if self._stopped:
-                    return
-                intake, self._intake = self._intake, []
-                aborts, self._aborts = self._aborts, set()
-                lost, self._lost = self._lost, set()
+            # NOTE: work that cannot be scheduled (none should exist) waits for news instead of spinning.
+            runnable = self.scheduler.has_work() and not blocked and not self.recovery.active
+            news = self.inbox.take(runnable, self.recovery.retry_in() if self.recovery.active else None)
+            if news is None:
+                return
+            intake, aborts, lost = news
             for service in lost:
                 self._lose(service)
             timer = StepTimer()
@@ -227,7 +208,7 @@ class Engine:
         seqs = step.seqs or step.preempted
         try:
             with timer.phase("cache_rpc"):
-                reserve_step(step, self.scheduler, self.config.decode_steps, news=bool(self._intake))
+                reserve_step(step, self.scheduler, self.config.decode_steps, news=bool(self.inbox.intake))
             if not step.seqs:
                 return
             log.debug("step", chunks=[[s.request_id, s.index, s.chunk_len] for s in step.seqs])
@@ -298,10 +279,10 @@ class Engine:
                 self.recovery.failed(fault.service)
             else:
                 log.info("peer_recovered", peer=self.recovery.service, waiting=len(self.scheduler.waiting))
-                with self._cond:
+                with self.inbox.lock:
                     self.recovery.recovered()
                 return
-        with self._cond:
+        with self.inbox.lock:
             error = self.recovery.expire()
         if error is not None:
             log.error("peer_unavailable", peer=self.recovery.service, error=str(error))

@@ -13,7 +13,14 @@ from common.server import request_metadata
 from gateway.config import BAD_ROW_ENV
 from gateway.forward import Refuse, forward_request, forward_rows
 from gateway.kv_view import KVView
-from gateway.multi_step import ReplyDeadline, StepExpired, multi_step_request, row_limit, select_rows
+from gateway.multi_step import (
+    ReplyDeadline,
+    RowLimit,
+    StepExpired,
+    multi_step_request,
+    row_limit,
+    select_rows,
+)
 from gateway.recovery import PeerFault, calling
 from gateway.sequence import Sequence
 from gateway.step import ScheduledStep, StepResult
@@ -104,23 +111,9 @@ class StepExecutor:
                         return True
                     deadline.replied(step_s)
                     self._deadline.observe(time.perf_counter() - timer.start, len(reply.rows))
-                    # NOTE: rows the gateway ended while compute runs them on skip their tokens.
-                    live = [seqs[row] for row in reply.rows]
-                    keep = [seq.finish_reason is None for seq in live]
-                    for row in reply.rows:
-                        taken[row] += 1
-                    rows = [row for row, kept in zip(reply.rows, keep, strict=True) if kept]
-                    for row in rows:  # each step's chunk of a row: the token after its computed ones
-                        seqs[row].chunk_end = seqs[row].num_computed + 1
-                    part = select_rows(reply, live, keep)
-                    running_on = frozenset(
-                        seqs[row].seq_id
-                        for row, token in zip(rows, part.token_ids, strict=True)
-                        if not limits[row].stops(taken[row], token)
-                    )
                     ran += 1
                     timer.compute = reply
-                    yield StepResult([seqs[row] for row in rows], part, timer, "decode", running_on)
+                    yield _step_result(seqs, reply, limits, taken, timer)
                     timer = StepTimer()
         except PeerFault as fault:
             if deadline is not None and deadline.expired:
@@ -139,6 +132,32 @@ class StepExecutor:
         for row, seq in enumerate(seqs):
             if self._bad_row is not None and seq.request_id == self._bad_row:
                 request.token_ids[request.cu_seqlens_q[row]] = -1
+
+
+def _step_result(
+    seqs: list[Sequence],
+    reply: compute_pb2.ForwardResponse,
+    limits: list[RowLimit],
+    taken: list[int],
+    timer: StepTimer,
+) -> StepResult:
+    """One reply of a multi-step call (rows: indices into the call's `seqs`), counted in `taken`. Rows the
+    gateway ended while compute runs them on (a stop string) skip their tokens; the others' chunk is the
+    token after their computed ones."""
+    live = [seqs[row] for row in reply.rows]
+    keep = [seq.finish_reason is None for seq in live]
+    for row in reply.rows:
+        taken[row] += 1
+    rows = [row for row, kept in zip(reply.rows, keep, strict=True) if kept]
+    for row in rows:
+        seqs[row].chunk_end = seqs[row].num_computed + 1
+    part = select_rows(reply, live, keep)
+    running_on = frozenset(
+        seqs[row].seq_id
+        for row, token in zip(rows, part.token_ids, strict=True)
+        if not limits[row].stops(taken[row], token)
+    )
+    return StepResult([seqs[row] for row in rows], part, timer, "decode", running_on)
 
 
 def _messages(first: compute_pb2.StepsRequest, stop: threading.Event) -> Iterator[compute_pb2.StepsRequest]:

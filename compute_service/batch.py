@@ -69,7 +69,8 @@ class ForwardBatch:
     def following(self, tokens: torch.Tensor, keep: list[int], block_size: int) -> "ForwardBatch":
         """The decode step after this one, an all-decode step of sampling rows, for its rows `keep` (indices,
         ascending): each feeds the token it sampled (`tokens` [N]), one position on, into the slot its table
-        holds there. Unchecked: its caller verified every row's reach up front (compute_service.steps)."""
+        holds there. Unchecked: its caller verified every row's reach up front
+        (compute_service.multi_step)."""
         rows = None if len(keep) == len(tokens) else torch.tensor(keep)
 
         def pick(values: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from common.errors import InvalidArgument
 from compute_service.batch import ForwardBatch
-from compute_service.steps import StepsPlan
+from compute_service.multi_step import MultiStepPlan
 from protos import compute_pb2
 
 
@@ -40,7 +40,7 @@ class ForwardSteps:
 
         NOTE: only the first step is checked (but for the session fence, read before every step, as a
         Forward's). A following one is derived from the batch before it
-        (ForwardBatch.following), in tensors, and needs no checks of its own: StepsPlan.check verified up
+        (ForwardBatch.following), in tensors, and needs no checks of its own: MultiStepPlan.check verified up
         front that every row's slots for all its steps lie in its table, the pool and the model's length; its
         sampling rows are the first step's, its new tokens were sampled here, and the pool stays attached
         while this holds the lock. Measured through the stack (latency workload), where a step's Python runs
@@ -50,7 +50,7 @@ class ForwardSteps:
             with self._lock:
                 start = time.perf_counter()
                 batch = self._checked(first.first)
-                plan = StepsPlan.check(first, self._limits)
+                plan = MultiStepPlan.check(first, self._limits)
                 with self._fence.holding(first.first.session_epoch) as still_open:
                     self._steps(batch, plan, start, stop, replies, still_open)
         except Exception as exc:  # noqa: BLE001 - the handler raises it as the call's status
@@ -58,7 +58,9 @@ class ForwardSteps:
         finally:
             replies.put(None)
 
-    def _steps(self, batch: ForwardBatch, plan: StepsPlan, start: float, stop, replies, still_open) -> None:
+    def _steps(
+        self, batch: ForwardBatch, plan: MultiStepPlan, start: float, stop, replies, still_open
+    ) -> None:
         """The steps of a ForwardSteps call, each begun once `still_open()` (the session fence) passed."""
         while True:
             still_open()

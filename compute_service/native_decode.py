@@ -88,7 +88,7 @@ class NativeDecode:
         """Every layer over residual [T, hidden] in place (see decode_layers.cpp); attention's time is added
         to the step's."""
         cos, signed_sin = (table[:, 0].contiguous() for table in rope)
-        plan = cpu_native.step_plan(ctx)
+        inputs = cpu_native.kernel_inputs(ctx)
         ctx.attention_s += native.load().decode_layers(
             residual,
             cos,
@@ -98,10 +98,10 @@ class NativeDecode:
             ctx.k_caches,
             ctx.v_caches,
             ctx.slot_mapping.contiguous(),
-            plan.block_tables,
-            plan.q_starts,
-            plan.q_lens,
-            plan.context_lens,
+            inputs.block_tables,
+            inputs.q_starts,
+            inputs.q_lens,
+            inputs.context_lens,
             self.num_heads,
             self.num_kv_heads,
             self.eps,

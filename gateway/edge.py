@@ -10,7 +10,7 @@ import grpc
 import structlog
 
 from gateway import auth
-from gateway.limits import Limits
+from gateway.limits import EdgeLimits
 from gateway.streams import KeySlots
 from gateway.tls import TlsError, server_credentials
 
@@ -21,7 +21,7 @@ class EdgeConfigError(ValueError):
 
 @dataclass
 class Edge:
-    limits: Limits
+    limits: EdgeLimits
     keys: auth.ApiKeys | None = None
     credentials: grpc.ServerCredentials | None = None
 
@@ -40,7 +40,7 @@ class Edge:
                 warnings += [warning] if warning else []
         except (TlsError, auth.KeyFileError) as err:
             raise EdgeConfigError(str(err)) from err
-        return cls(Limits.from_args(args), keys, credentials), warnings
+        return cls(EdgeLimits.from_args(args), keys, credentials), warnings
 
     def authenticate(self, metadata: Iterable[tuple[str, str]] | None) -> auth.Tenant:
         """The tenant of the call whose metadata (gRPC metadata, or HTTP headers with lower-case names) this

@@ -1,32 +1,44 @@
-"""The serving loop: start-up handshake, then one step = one Cache.Reserve + one Compute.Forward."""
+"""The serving loop: the start-up handshake, then steps, each in three stages meeting through the two
+objects of gateway/step.py:
+
+    schedule  Scheduler.schedule → ScheduledStep; reserve_step: Cache.Reserve its blocks (or Cache.Free
+              the preempted), and how many steps compute may run at once
+    run       StepExecutor.run → a StepResult per step compute ran (Compute.Forward, or one per step of a
+              multi-step Compute.ForwardSteps call)
+    update    Engine._update: tokens appended, finished sequences released, outputs to their requests —
+              one path whether compute ran one step or several
+"""
 
 import os
-import threading
 import time
+from contextlib import closing
 
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from common.errors import Cancelled, PagedServeError, Unavailable
+from common.errors import Unavailable, from_rpc_error
 from common.server import channel
 from gateway.config import FAIL_STEP_ENV, HANDSHAKE_TIMEOUT_S, RETRY_TIMEOUT_S, EngineConfig
 from gateway.engine_view import EngineView
-from gateway.forward import ComputeSteps
+from gateway.executor import StepExecutor
 from gateway.handshake import handshake
+from gateway.inbox import Inbox
 from gateway.kv_view import KVView
 from gateway.lease import Lease
-from gateway.outputs import by_request, tell
+from gateway.live_seqs import LiveSeqs
+from gateway.outputs import Output, advance, tell
 from gateway.recovery import PeerFault, PeerRecovery, calling
-from gateway.scheduler import ScheduledStep, Scheduler
+from gateway.reservation import look_up_prefixes, reserve_step
+from gateway.scheduler import Scheduler
 from gateway.sequence import Sequence
+from gateway.step import ScheduledStep, StepResult
 from gateway.step_timer import StepTimer
-from gateway.stepping import Stepping
 from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 
 log = structlog.get_logger()
 
 
-class Engine(Stepping):
+class Engine:
     def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -34,23 +46,17 @@ class Engine(Stepping):
         self._compute = compute_pb2_grpc.ComputeStub(
             channel(config.compute_target, config.internal_credentials)
         )
-        self._cond = threading.Condition()
-        self._intake: list[Sequence] = []
-        self._aborts: set[str] = set()
-        self._stopped = False
-        self._by_id: dict[str, Sequence] = {}
-        # Set while a ForwardSteps call runs: setting it ends the call after compute's current step.
-        self._steps_stop: threading.Event | None = None
+        self.inbox = Inbox()
         self.model_info: compute_pb2.ModelInfo | None = None
         self.handle: common_pb2.PoolHandle | None = None
         self.kv: KVView | None = None
         self.scheduler: Scheduler | None = None
+        self.executor: StepExecutor | None = None
+        self.live: LiveSeqs | None = None
         self.view = EngineView()  # for the dashboard
         targets = {"cache": config.cache_target, "compute": config.compute_target}
         self.recovery = PeerRecovery(config.peer_restart_grace_s, targets)
-        self._lost: set[str] = set()
         self._attached_at = 0.0
-        self._steps = ComputeSteps(config.step_timeout_s, config.rpc_timeout_s)
         # Set when the loop died: every request is refused with it.
         self.dead: Unavailable | None = None
         self._fail_step = os.environ.get(FAIL_STEP_ENV) or None
@@ -66,6 +72,7 @@ class Engine(Stepping):
         same_pool = self.handle is not None and self.handle.epoch == handle.epoch
         self.model_info, self.handle = info, handle
         self._attach(handle.shape[2], same_pool)
+        self.executor.attach(handle.epoch, frozenset(info.eos_token_ids))
         with calling("cache"):
             self.lease.open()
         self._attached_at = time.monotonic()
@@ -82,8 +89,13 @@ class Engine(Stepping):
             self.scheduler = Scheduler(
                 self.kv, config.max_batched_tokens, config.max_seqs, config.prefill_tokens_with_decodes
             )
+            self.executor = StepExecutor(
+                self._compute, self.kv, self.lease, config.step_timeout_s, config.rpc_timeout_s
+            )
+            self.inbox.interrupt = self.executor.end_call
+            self.live = LiveSeqs(self.scheduler, self.kv)
             return
-        self.kv.reattach([seq for seq in self._by_id.values() if self.kv.holds(seq)], num_blocks, same_pool)
+        self.kv.reattach([seq for seq in self.live.all() if self.kv.holds(seq)], num_blocks, same_pool)
 
     def attached_epoch(self) -> str | None:
         """The epoch of the pool the engine steps on; None while a peer is lost or the loop is dead."""
@@ -99,40 +111,30 @@ class Engine(Stepping):
     # requests
     def submit(self, seq: Sequence) -> None:
         """Queues the sequence; Unavailable while the loop is dead or a peer is lost past the grace."""
-        with self._cond:
+        with self.inbox.lock:
             if self.dead is not None:
                 raise Unavailable(str(self.dead))
             if self.recovery.expired:
                 raise self.recovery.error()
-            self._intake.append(seq)
-            self._cond.notify()
-            self._end_steps()
-
-    def _end_steps(self) -> None:
-        """News for the loop: a running ForwardSteps call ends after its current step, so the loop sees it."""
-        steps_stop = self._steps_stop
-        if steps_stop is not None:
-            steps_stop.set()
+            self.inbox.intake.append(seq)
+            self.inbox.posted()
 
     def queued(self) -> int:
         """Requests waiting for a step: submitted, or in the scheduler's queue (read without a lock)."""
-        return len(self._intake) + (len(self.scheduler.waiting) if self.scheduler else 0)
+        return len(self.inbox.intake) + (len(self.scheduler.waiting) if self.scheduler else 0)
 
     def abort(self, seq_id: str) -> None:
-        with self._cond:
-            self._aborts.add(seq_id)
-            self._cond.notify()
-            self._end_steps()
+        with self.inbox.lock:
+            self.inbox.aborts.add(seq_id)
+            self.inbox.posted()
 
     def peer_restarted(self, service: str, seen_at: float) -> None:
         """From the health watcher: `service` restarted (or serves another pool) after `seen_at`
         (time.monotonic()); the engine attaches again unless it did since."""
-        with self._cond:
-            if self._attached_at >= seen_at:
-                return
-            self._lost.add(service)
-            self._cond.notify()
-            self._end_steps()
+        with self.inbox.lock:
+            if self._attached_at < seen_at:
+                self.inbox.lost.add(service)
+                self.inbox.posted()
 
     def session_lost(self) -> None:
         """From the lease: recovered like a lost cache."""
@@ -141,11 +143,10 @@ class Engine(Stepping):
     def stop(self) -> None:
         """Ends the loop after its step; pending requests get UNAVAILABLE now (no RPC thread outlives it);
         the session is closed (the cache service frees what it still holds)."""
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-            self._end_steps()
-            pending = [*self._intake, *list(self._by_id.values())]
+        with self.inbox.lock:
+            self.inbox.stopped = True
+            self.inbox.posted()
+            pending = self._pending()
         tell(pending, Unavailable("the gateway is shutting down; retry on another replica or later"))
         self.lease.close()
 
@@ -156,64 +157,112 @@ class Engine(Stepping):
             self._loop()
         except Exception as exc:  # noqa: BLE001 - a dead loop must fail its requests, not hang them
             log.exception("engine_loop_failed")
-            with self._cond:
+            with self.inbox.lock:
                 self.dead = Unavailable(
                     f"the gateway's engine stopped ({type(exc).__name__}: {exc}): restart it"
                 )
-                pending = [*self._intake, *list(self._by_id.values())]
+                pending = self._pending()
             tell(pending, self.dead)
+
+    def _pending(self) -> list[Sequence]:
+        return [*self.inbox.intake, *(self.live.all() if self.live else [])]
 
     def _loop(self) -> None:
         blocked = False
         while True:
             self.view.publish(self.scheduler, self.kv)
-            with self._cond:
-                # NOTE: work that cannot be scheduled (none should exist) waits for news instead of spinning.
-                runnable = self.scheduler.has_work() and not blocked and not self.recovery.active
-                timeout = self.recovery.retry_in() if self.recovery.active else None
-                while not (self._stopped or self._intake or self._aborts or runnable or self._lost):
-                    if not self._cond.wait(timeout) and timeout is not None:
-                        break
-                if self._stopped:
-                    return
-                intake, self._intake = self._intake, []
-                aborts, self._aborts = self._aborts, set()
-                lost, self._lost = self._lost, set()
+            # NOTE: work that cannot be scheduled (none should exist) waits for news instead of spinning.
+            runnable = self.scheduler.has_work() and not blocked and not self.recovery.active
+            news = self.inbox.take(runnable, self.recovery.retry_in() if self.recovery.active else None)
+            if news is None:
+                return
+            intake, aborts, lost = news
             for service in lost:
                 self._lose(service)
             timer = StepTimer()
             with timer.phase("schedule"):
+                self.live.add(intake)
                 for seq in intake:
-                    self._by_id[seq.seq_id] = seq
                     self.scheduler.add(seq)
-                self._abort_now(aborts)
+                self.live.abort(aborts)
                 if self.recovery.active:
                     self._recover()
                     continue
                 step = self._schedule()
             blocked = step is None
             if step is not None:
-                self._run_step(step, timer)
+                self._step(step, timer)
 
     def _schedule(self) -> ScheduledStep | None:
         """The next step; if scheduling raises, the requests it chose from fail (INTERNAL) instead."""
-        self._look_up_prefixes()
+        look_up_prefixes(self.scheduler)
         try:
             return self.scheduler.schedule()
         except Exception as exc:  # noqa: BLE001
-            self._fail_internal([*self.scheduler.running, *self.scheduler.waiting], exc)
+            self.live.fail_internal([*self.scheduler.running, *self.scheduler.waiting], exc)
             return None
 
-    def _look_up_prefixes(self) -> None:
-        """The waiting sequences next in line learn the prefix the cache holds of them (once each), so their
-        first step computes only the rest; a failed Lookup leaves them to start from 0."""
-        seqs = self.scheduler.unlooked()
-        if seqs:
-            try:
-                with calling("cache"):
-                    self.kv.lookup(seqs, self.scheduler.running)
-            except PeerFault as fault:
-                log.warning("lookup_failed", error=fault.err.details())
+    # one step
+    def _step(self, step: ScheduledStep, timer: StepTimer) -> None:
+        """A scheduled step's blocks reserved (or the preempted freed), then run and updated. A lost peer
+        stops the loop's stepping until it is back (see _recover); another failed call ends the step's
+        sequences with the error, and any other exception with INTERNAL."""
+        seqs = step.seqs or step.preempted
+        try:
+            with timer.phase("cache_rpc"):
+                reserve_step(step, self.scheduler, self.config.decode_steps, news=bool(self.inbox.intake))
+            if not step.seqs:
+                return
+            log.debug("step", chunks=[[s.request_id, s.index, s.chunk_len] for s in step.seqs])
+            if self._fail_step in {seq.request_id for seq in step.seqs}:
+                raise RuntimeError(f"injected step fault ({FAIL_STEP_ENV})")
+            if not self.lease.held():  # the blocks may be another gateway's by now: compute must not write
+                self._lose("cache")
+                return
+            self._run(step, timer)
+        except PeerFault as fault:
+            if fault.lost:
+                self._lose(fault.service)
+            else:
+                self.live.fail(seqs, from_rpc_error(fault.err))
+        except Exception as exc:  # noqa: BLE001 - one step's fault must not end the loop
+            self.live.fail_internal(seqs, exc)
+
+    def _run(self, step: ScheduledStep, timer: StepTimer) -> None:
+        """The run stage's results, each updated as it comes; the outputs held while compute ran their rows on
+        are handed over once the call is over."""
+        held: list[tuple[Sequence, Output]] = []
+        try:
+            with closing(self.executor.run(step, timer, self.live.refuse)) as results:
+                for result in results:
+                    held += self._update(result)
+        finally:
+            self.live.release([seq for seq, _ in held])
+            for seq, output in held:
+                seq.outbox.put(output)
+
+    def _update(self, result: StepResult) -> list[tuple[Sequence, Output]]:
+        """One step's result into its sequences: samples fork at their prompt's end, the sampled tokens are
+        appended, finished sequences released, the outputs handed to their requests. A sequence that ended
+        while compute runs its row on (a multi-step's stop string) ends the call and is returned, to be
+        released once the call is over. (No request waits for the room it frees: a multi-step call starts
+        only when none waits, and a new one ends it.)"""
+        with result.timer.phase("cache_rpc"), calling("cache"):
+            for seq in [seq for seq in result.seqs if seq.forks_now]:
+                self.live.fork(seq)
+        outputs = advance(result.seqs, result.reply, frozenset(self.model_info.eos_token_ids), self.tokenizer)
+        self.view.account(outputs)
+        ended = [(seq, output) for seq, output in outputs if output.finish_reason]
+        held = [(seq, output) for seq, output in ended if seq.seq_id in result.running_on]
+        if held:
+            self.executor.end_call()
+        # NOTE: blocks are back in the pool before the client hears that its request ended.
+        self.live.release([seq for seq, output in ended if seq.seq_id not in result.running_on])
+        for seq, output in outputs:
+            if seq.seq_id not in result.running_on or not output.finish_reason:
+                seq.outbox.put(output)
+        result.timer.finish(result.kind)
+        return held
 
     # recovery
     def _lose(self, service: str) -> None:
@@ -232,47 +281,14 @@ class Engine(Stepping):
                 self.recovery.failed(fault.service)
             else:
                 log.info("peer_recovered", peer=self.recovery.service, waiting=len(self.scheduler.waiting))
-                with self._cond:
+                with self.inbox.lock:
                     self.recovery.recovered()
                 return
-        with self._cond:
+        with self.inbox.lock:
             error = self.recovery.expire()
         if error is not None:
             log.error("peer_unavailable", peer=self.recovery.service, error=str(error))
-            seqs = list(self._by_id.values())
+            seqs = self.live.all()
             # NOTE: a lost cache holds nothing to free; a lost compute leaves the tables in a live cache.
-            self._release(seqs, free=self.recovery.service != "cache")
+            self.live.release(seqs, free=self.recovery.service != "cache")
             tell(seqs, error)
-
-    def _abort_now(self, group_ids: set[str]) -> None:
-        seqs = [seq for seq in self._by_id.values() if seq.group_id in group_ids] if group_ids else []
-        if seqs:
-            self._release(seqs)
-            log.info("aborted", seq_ids=[s.seq_id for s in seqs])
-        # NOTE: wakes the RPC thread still waiting for the request's outputs, so that it ends too.
-        tell(seqs, Cancelled("the request was cancelled or its deadline passed"))
-
-    def _release(self, seqs: list[Sequence], free: bool = True) -> None:
-        """Takes ended sequences out; `free`: their blocks are freed in the cache, else only forgotten."""
-        for seq in seqs:
-            self.scheduler.remove(seq)
-            del self._by_id[seq.seq_id]
-        if free:
-            self.kv.release(seqs)
-        else:
-            self.kv.forget([seq for seq in seqs if self.kv.holds(seq)])
-
-    def _fail(self, seqs: list[Sequence], error: PagedServeError) -> None:
-        seqs = [seq for seq in seqs if seq.seq_id in self._by_id]
-        log.error("step_failed", seq_ids=[s.seq_id for s in seqs], code=error.code.name, error=str(error))
-        self._release(seqs)
-        tell(seqs, error)
-
-    def _fail_internal(self, seqs: list[Sequence], exc: Exception) -> None:
-        """A fault of the gateway's own code in one step: its requests fail with INTERNAL, naming them."""
-        log.exception("step_fault", seq_ids=[s.seq_id for s in seqs])
-        seqs = [seq for seq in seqs if seq.seq_id in self._by_id]
-        for request_id, group in by_request(seqs).items():
-            error = PagedServeError(f"{type(exc).__name__}: {exc} (request {request_id})")
-            self._release(group)
-            tell(group, error)

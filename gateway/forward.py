@@ -2,21 +2,16 @@
 sequence already has in the KV cache, the block tables, sampling); compute derives positions and slots. And
 the step sent until compute runs it: rows compute refuses by name are dropped, the rest sent again."""
 
-import os
-import time
 from collections.abc import Callable
 from itertools import accumulate
 
 import numpy as np
 
 from common.errors import InvalidArgument, refused_rows
-from common.server import request_metadata
-from gateway.config import BAD_ROW_ENV
-from gateway.recovery import PeerFault, calling
+from gateway.recovery import PeerFault
 from gateway.sampling import forward_sampling
 from gateway.sequence import Sequence
-from gateway.step_deadline import StepDeadline
-from protos import compute_pb2, compute_pb2_grpc
+from protos import compute_pb2
 
 
 def forward_request(
@@ -36,7 +31,7 @@ def forward_request(
         pool_epoch=epoch,
         session_epoch=session_epoch,
         token_ids=[t for seq in seqs for t in seq.token_ids[seq.num_computed : seq.chunk_end]],
-        cu_seqlens_q=list(accumulate((seq.chunk_end - seq.num_computed for seq in seqs), initial=0)),
+        cu_seqlens_q=list(accumulate((seq.chunk_len for seq in seqs), initial=0)),
         num_computed=[seq.num_computed for seq in seqs],
         block_tables=rows.ravel().tolist(),
         block_table_width=width,
@@ -45,10 +40,12 @@ def forward_request(
     )
 
 
+# refuse(rows' sequences, compute's error): ends their requests; returns the seq ids it ended.
+Refuse = Callable[[list[Sequence], InvalidArgument], set[str]]
+
+
 def forward_rows(
-    seqs: list[Sequence],
-    send: Callable[[list[Sequence]], compute_pb2.ForwardResponse],
-    refuse: Callable[[list[Sequence], InvalidArgument], set[str]],
+    seqs: list[Sequence], send: Callable[[list[Sequence]], compute_pb2.ForwardResponse], refuse: Refuse
 ) -> tuple[list[Sequence], compute_pb2.ForwardResponse | None]:
     """Sends the step of `seqs` (`send` raises PeerFault as compute's refusal); while compute refuses it
     naming rows (common.errors.RowsRefused: it wrote no K/V then), `refuse(rows' sequences, compute's
@@ -66,45 +63,3 @@ def forward_rows(
             assert all(seqs[row].seq_id in ended for row in rows), "a refused row is still running"
             seqs = [seq for seq in seqs if seq.seq_id not in ended]
     return [], None
-
-
-class ComputeSteps:
-    """Sends steps to compute, each under the step deadline (see StepDeadline)."""
-
-    def __init__(self, step_timeout_s: float, rpc_timeout_s: float) -> None:
-        self._deadline = StepDeadline(step_timeout_s, rpc_timeout_s)
-        # TEST HOOK (BAD_ROW_ENV): the rows of this request id carry a token id compute refuses.
-        self._bad_row = os.environ.get(BAD_ROW_ENV) or None
-
-    def send(
-        self,
-        compute: compute_pb2_grpc.ComputeStub,
-        seqs: list[Sequence],
-        tables: list[list[int]],
-        epoch: str,
-        eos_ids: frozenset[int],
-        session_epoch: int = 0,
-    ) -> compute_pb2.ForwardResponse:
-        """One Forward of the chunks of `seqs` to `compute` (PeerFault naming compute if it fails)."""
-        request = self.marked(seqs, forward_request(seqs, tables, epoch, eos_ids, session_epoch))
-        tokens, metadata = len(request.token_ids), request_metadata(seq.request_id for seq in seqs)
-        with calling("compute"):
-            start = time.monotonic()
-            reply = compute.Forward(request, timeout=self._deadline.timeout(tokens), metadata=metadata)
-        self._deadline.observe(time.monotonic() - start, tokens)
-        return reply
-
-    def marked(self, seqs: list[Sequence], request: compute_pb2.ForwardRequest) -> compute_pb2.ForwardRequest:
-        """The request, with the test hook's bad token in the rows of its request id (when set)."""
-        for row, seq in enumerate(seqs):
-            if self._bad_row is not None and seq.request_id == self._bad_row:
-                request.token_ids[request.cu_seqlens_q[row]] = -1
-        return request
-
-    def step_timeout(self, tokens: int) -> float:
-        """The deadline of one step of `tokens` new tokens (each reply of a ForwardSteps call)."""
-        return self._deadline.timeout(tokens)
-
-    def observe(self, seconds: float, tokens: int) -> None:
-        """One step of a ForwardSteps call took `seconds`, for the step deadline."""
-        self._deadline.observe(seconds, tokens)

@@ -12,7 +12,7 @@ import structlog
 from common.paging import blocks_for
 from common.server import request_metadata
 from gateway.lease import Lease
-from gateway.sequence import Sequence
+from gateway.sequence import PrefixHit, Sequence
 from protos import cache_pb2, cache_pb2_grpc
 
 log = structlog.get_logger()
@@ -33,15 +33,15 @@ class KVView:
     """Mirrors the cache service from its replies only: `available_blocks` (free plus evictable) is set
     from every reply, tables grow from Reserve's table tails.
 
-    A sequence without a table starts at the prefix a Lookup found cached (`start`): its first chunk is
-    sized by the tokens left to compute, and its Reserve caps the tokens computed after the hits
-    (max_compute_tokens), so a stale answer costs neither budget nor blocks.
+    A sequence without a table starts at the prefix a Lookup found cached (`Sequence.chunk_start`): its
+    first chunk is sized by the tokens left to compute, and its Reserve caps the tokens computed after the
+    hits (max_compute_tokens), so a stale answer costs neither budget nor blocks.
 
-    A new sequence's prefix hits (the Lookup's `prefix_blocks`) count as blocks of its table: they take no
+    A new sequence's prefix hits (the Lookup's `prefix_hit.blocks`) count as blocks of its table: they take no
     new block. One that no table holds is cached (evictable) and counted in `available_blocks`: taking it
     costs one of them, which the scheduler counts (`held_blocks`).
     NOTE: a hint may be stale; the Reserve's max_compute_tokens keeps the new blocks of a table as planned,
-    and a Reserve refused all the same undoes the admissions (gateway.stepping).
+    and a Reserve refused all the same undoes the admissions (gateway.reservation).
     """
 
     def __init__(
@@ -71,10 +71,6 @@ class KVView:
         kv = self._seqs.get(seq.seq_id)
         return kv.block_table if kv else []
 
-    def start(self, seq: Sequence) -> int:
-        """Where the sequence's next chunk starts: num_computed, or without a table the prefix hint."""
-        return seq.num_computed if seq.seq_id in self._seqs else seq.prefix_hint or 0
-
     def blocks_needed(self, seq: Sequence, end: int) -> int:
         """Blocks the sequence lacks to hold `end` tokens (plus one to copy a shared block into); a new
         one's prefix hits are not among them."""
@@ -82,9 +78,9 @@ class KVView:
         return max(0, blocks_for(end, self.block_size) - self._table_len(seq)) + shares_tail
 
     def room(self, seq: Sequence, free: int) -> int:
-        """Tokens past `start` the sequence can hold if it takes up to `free` more blocks."""
+        """Tokens past its chunk_start the sequence can hold if it takes up to `free` more blocks."""
         shares_tail = self._seqs[seq.seq_id].shares_tail if seq.seq_id in self._seqs else False
-        return (self._table_len(seq) + free - shares_tail) * self.block_size - self.start(seq)
+        return (self._table_len(seq) + free - shares_tail) * self.block_size - seq.chunk_start
 
     def held_blocks(self) -> set[int]:
         """Every block some table of the view holds: a prefix hit on one of them takes no block."""
@@ -93,13 +89,15 @@ class KVView:
     def _table_len(self, seq: Sequence) -> int:
         """Blocks of its table: those it holds, or without a table its prefix hits (the Lookup's)."""
         kv = self._seqs.get(seq.seq_id)
-        return len(kv.block_table) if kv else len(seq.prefix_blocks)
+        if kv is not None:
+            return len(kv.block_table)
+        return len(seq.prefix_hit.blocks) if seq.prefix_hit is not None else 0
 
     # calls
 
     def lookup(self, seqs: Seqs[Sequence], running: Seqs[Sequence] = ()) -> None:
-        """Sets each sequence's prefix_hint and prefix_blocks: the leading tokens the cache holds computed
-        of it (a KV tier's blocks loaded into the pool first), and their blocks. The running sequences'
+        """Sets each sequence's prefix_hit: the leading tokens the cache holds computed of it (a KV tier's
+        blocks loaded into the pool first), and their blocks. The running sequences'
         progress goes with it, so the blocks their last step wrote are found (as the next Reserve would)."""
         held = [seq for seq in running if self.holds(seq)]
         progress = {s.seq_id: min(s.num_computed, self._seqs[s.seq_id].num_synced) for s in held}
@@ -112,7 +110,7 @@ class KVView:
         # NOTE: a cache that sends no prefix_blocks has its hits counted as new blocks (an upper bound).
         blocks = [tuple(p.block_ids) for p in reply.prefix_blocks] or [()] * len(seqs)
         for seq, cached, block_ids in zip(seqs, reply.cached_tokens, blocks, strict=True):
-            seq.prefix_hint, seq.prefix_blocks = cached, block_ids
+            seq.prefix_hit = PrefixHit(cached, block_ids)
         self.available_blocks = reply.available_blocks
 
     def covers(self, seqs: Seqs[Sequence], lookahead: int = 0) -> bool:
@@ -135,8 +133,9 @@ class KVView:
         (the reply carries only the part of a table that may change).
 
         Prefix hits move num_computed on, and a new table's size sets chunk_end; a sequence's first
-        reservation sets scheduled_at and cached_tokens. `lookahead` (running sequences only): the tables
-        also hold that many slots after the chunk, for the steps of a ForwardSteps call.
+        reservation sets scheduled_at and cached_tokens and drops its prefix_hit. `lookahead` (running
+        sequences only): the tables also hold that many slots after the chunk, for the later steps of a
+        multi-step call.
         """
         if self.covers(seqs, lookahead):
             return
@@ -157,14 +156,15 @@ class KVView:
             seq.chunk_end = table.num_tokens or seq.chunk_end
             kv.num_synced, kv.shares_tail = seq.chunk_end, False
             seq.num_computed = max(seq.num_computed, table.cached_tokens)
+            seq.prefix_hit = None  # the table holds the hits now
             if seq.scheduled_at is None:
                 seq.scheduled_at, seq.cached_tokens = now, table.cached_tokens
         self.available_blocks = reply.available_blocks
 
     def _new_request(self, seq: Sequence) -> cache_pb2.SequenceRequest:
-        """Its tokens up to chunk_end; the step computes at most chunk_end - start after the hits."""
+        """Its tokens up to chunk_end; the step computes at most chunk_end - chunk_start after the hits."""
         tokens = seq.token_ids[: seq.chunk_end]
-        return _seq_request(seq, tokens, seq.chunk_end, max_compute=seq.chunk_end - self.start(seq))
+        return _seq_request(seq, tokens, seq.chunk_end, max_compute=seq.chunk_end - seq.chunk_start)
 
     def _running_request(self, seq: Sequence, lookahead: int) -> cache_pb2.SequenceRequest:
         """The tokens appended since the previous Reserve, and its progress."""

@@ -1,4 +1,4 @@
-"""The public edge's limits, declared once: each a field of `Limits` with its default, its flag and the
+"""The public edge's limits, declared once: each a field of `EdgeLimits` with its default, its flag and the
 status code of a refusal. The gateway checks a request against them before any expensive work (tokenizing,
 queueing); a refusal names the limit, the value and the flag.
 
@@ -26,7 +26,7 @@ def limit(default: int, help: str, capacity: bool = False):
 
 
 @dataclass(frozen=True)
-class Limits:
+class EdgeLimits:
     max_request_bytes: int = limit(
         8 * 2**20, "bytes of one request message; gRPC refuses a larger one before reading it", capacity=True
     )
@@ -52,7 +52,7 @@ class Limits:
         return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_model_len
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "Limits":
+    def from_args(cls, args: argparse.Namespace) -> "EdgeLimits":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
@@ -81,7 +81,7 @@ def positive_count(text: str) -> int:
 
 
 def add_limits(parser: argparse.ArgumentParser) -> None:
-    for f in fields(Limits):
+    for f in fields(EdgeLimits):
         kind = positive_count if f.metadata["capacity"] else count
         parser.add_argument(flag(f.name), type=kind, default=f.default, help=f.metadata["help"])
 
@@ -95,7 +95,7 @@ def table() -> list[tuple[str, int, str, str]]:
             flag(f.name),
             "RESOURCE_EXHAUSTED" if f.metadata["capacity"] else "INVALID_ARGUMENT",
         )
-        for f in fields(Limits)
+        for f in fields(EdgeLimits)
     ]
 
 
@@ -119,7 +119,7 @@ def _check_count(what: str, count: int, limit: int, name: str) -> None:
         _refuse(what, str(count), limit, name, "entries")
 
 
-def _check_messages(request: generation_pb2.GenerateRequest, limits: Limits, prompt_bytes: int) -> None:
+def _check_messages(request: generation_pb2.GenerateRequest, limits: EdgeLimits, prompt_bytes: int) -> None:
     _check_count("messages", len(request.messages), limits.max_messages, "max_messages")
     total = 0
     for m in request.messages:
@@ -134,7 +134,7 @@ def _check_messages(request: generation_pb2.GenerateRequest, limits: Limits, pro
             )
 
 
-def check_request(request: generation_pb2.GenerateRequest, limits: Limits, max_model_len: int) -> None:
+def check_request(request: generation_pb2.GenerateRequest, limits: EdgeLimits, max_model_len: int) -> None:
     """InvalidArgument for the first field beyond its limit; cheap: no field is encoded whole beyond its
     limit and the token ids are only counted."""
     prompt_bytes = limits.prompt_bytes(max_model_len)
@@ -158,13 +158,13 @@ def check_request(request: generation_pb2.GenerateRequest, limits: Limits, max_m
         _check_size(f"sampling.stop[{i}]", stop, limits.max_stop_bytes, "max_stop_bytes")
 
 
-def check_request_id(request_id: str, limits: Limits) -> None:
+def check_request_id(request_id: str, limits: EdgeLimits) -> None:
     """InvalidArgument if the id the caller gave (the request's field, else its x-request-id metadata) is
     too long."""
     _check_size("request_id", request_id, limits.max_request_id_bytes, "max_request_id_bytes")
 
 
-def check_queue(waiting: int, limits: Limits) -> None:
+def check_queue(waiting: int, limits: EdgeLimits) -> None:
     """ResourceExhausted when the waiting queue is full."""
     if waiting >= limits.max_waiting:
         raise ResourceExhausted(

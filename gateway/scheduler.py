@@ -1,25 +1,9 @@
 """Continuous batching with chunked prefill: which sequences run in the next step, and how many of their
 tokens; who is preempted when blocks run out."""
 
-from dataclasses import dataclass, field
-
 from gateway.kv_view import KVView
 from gateway.sequence import Sequence, Status
-
-
-@dataclass(slots=True)
-class ScheduledStep:
-    # Each with its chunk [num_computed, chunk_end) set: decodes first, then prompt chunks.
-    seqs: list[Sequence] = field(default_factory=list)
-    # Sequences whose blocks must be freed (with their progress, for the prefix cache) before anything runs;
-    # they wait to be recomputed. A step that preempts schedules nothing else: the available blocks are
-    # only known again once the cache service has answered the Free.
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence adds one token: no prompt chunk slows the step down."""
-        return all(seq.chunk_end - seq.num_computed == 1 for seq in self.seqs)
+from gateway.step import ScheduledStep
 
 
 class Scheduler:
@@ -64,17 +48,17 @@ class Scheduler:
         self.running.extend(seqs)
 
     def _chunk(self, seq: Sequence, budget: int, free: int) -> int:
-        """How many of the sequence's tokens to compute (after its computed or cached ones, `kv.start`)
+        """How many of the sequence's tokens to compute (after its computed or cached ones, its chunk_start)
         fit in `budget` tokens and `free` blocks: cached prefix tokens cost no budget."""
-        return max(0, min(seq.num_tokens - self.kv.start(seq), budget, self.kv.room(seq, free)))
+        return max(0, min(seq.num_tokens - seq.chunk_start, budget, self.kv.room(seq, free)))
 
     def schedule(self) -> ScheduledStep | None:
         """The next step, or None when there is nothing to run."""
         budget, free, step = self.max_batched_tokens, self.kv.available_blocks, ScheduledStep()
         # running: decodes first, then the next chunks of partly computed prompts
         running = sorted(self.running, key=lambda s: s.rank)
-        for seq in sorted(running, key=lambda s: s.num_tokens - s.num_computed > 1):
-            budget = self._prompt_budget(step, budget) if seq.num_tokens - seq.num_computed > 1 else budget
+        for seq in sorted(running, key=_prefills):
+            budget = self._prompt_budget(step, budget) if _prefills(seq) else budget
             if budget == 0:
                 break
             n = self._chunk(seq, budget, free)
@@ -84,7 +68,8 @@ class Scheduler:
             step.seqs.append(seq)
         budget = self._prompt_budget(step, budget)
         self._admit(step, budget, free)
-        if not step.is_decode:
+        step.kind = "decode" if step.is_decode else "prefill"
+        if step.kind == "prefill":
             # NOTE: this step's prompt chunks write blocks the waiting prompts may share: look them up again.
             for seq in self.waiting:
                 seq.forget_prefix()
@@ -93,19 +78,19 @@ class Scheduler:
     def _prompt_budget(self, step: ScheduledStep, budget: int) -> int:
         """What is left of `budget` for prompt tokens: with decodes in the step, at most
         prefill_tokens_with_decodes of prompt tokens in all."""
-        decodes = [seq for seq in step.seqs if seq.chunk_end - seq.num_computed == 1]
+        decodes = [seq for seq in step.seqs if seq.is_decode]
         if not decodes:
             return budget
-        prompt_tokens = sum(seq.chunk_end - seq.num_computed for seq in step.seqs) - len(decodes)
+        prompt_tokens = sum(seq.chunk_len for seq in step.seqs) - len(decodes)
         return max(0, min(budget, self.prefill_tokens_with_decodes - prompt_tokens))
 
     def _admit(self, step: ScheduledStep, budget: int, free: int) -> None:
         """First chunks of waiting sequences, in rank order; nobody overtakes a request that does not fit.
         A prefix hit takes a block only if neither a table nor an earlier admission holds it."""
         slots = sum(seq.num_slots for seq in self.running)
-        held = self.kv.held_blocks() if any(seq.prefix_blocks for seq in self.waiting) else set()
+        held = self.kv.held_blocks() if any(_hit_blocks(seq) for seq in self.waiting) else set()
         for seq in sorted(self.waiting, key=lambda s: s.rank):
-            revived = len(set(seq.prefix_blocks) - held)
+            revived = len(set(_hit_blocks(seq)) - held)
             room = free - revived - (self.watermark if self.running else 0)
             n = self._chunk(seq, budget, room)
             # NOTE: a preempted sequence comes back only once its whole context fits, or it would take the
@@ -115,7 +100,7 @@ class Scheduler:
                 break
             budget, slots = budget - n, slots + seq.num_slots
             free -= self._take(seq, n) + revived
-            held.update(seq.prefix_blocks)
+            held.update(_hit_blocks(seq))
             self.waiting.remove(seq)
             self.running.append(seq)
             seq.status = Status.RUNNING
@@ -123,7 +108,7 @@ class Scheduler:
 
     def _take(self, seq: Sequence, n: int) -> int:
         """Schedules n tokens of the sequence; returns the blocks that takes (at most)."""
-        seq.chunk_end = self.kv.start(seq) + n
+        seq.chunk_end = seq.chunk_start + n
         return self.kv.blocks_needed(seq, seq.chunk_end)
 
     def _preempt(self, seq: Sequence) -> Sequence:
@@ -150,7 +135,7 @@ class Scheduler:
         """Waiting sequences the scheduler may admit next (the first max_seqs in rank order) whose cached
         prefix is not looked up yet."""
         ranked = sorted(self.waiting, key=lambda s: s.rank)[: self.max_seqs]
-        return [seq for seq in ranked if seq.prefix_hint is None]
+        return [seq for seq in ranked if seq.prefix_hit is None]
 
     def requeue_running(self) -> None:
         """Every running sequence back to waiting, tokens kept, to be computed again (a peer was lost)."""
@@ -166,3 +151,13 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
+
+
+def _prefills(seq: Sequence) -> bool:
+    """More than one token to compute: the sequence's next chunk is (part of) its prompt."""
+    return seq.num_tokens - seq.num_computed > 1
+
+
+def _hit_blocks(seq: Sequence) -> tuple[int, ...]:
+    """The blocks of a waiting sequence's prefix hit (none if not looked up)."""
+    return seq.prefix_hit.blocks if seq.prefix_hit is not None else ()

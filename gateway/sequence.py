@@ -1,4 +1,34 @@
-"""One request's state as it moves through the scheduler."""
+"""One request's state as it moves through the scheduler, and how far its tokens are computed.
+
+A sequence's progress, in tokens of token_ids (prompt_ids + output_ids):
+
+    |<----------------------------------- num_tokens ----------------------------------->|
+    | computed: K/V written         | the scheduled chunk         | not scheduled yet    |
+    0                      num_computed                   chunk_end             num_tokens
+                           (= chunk_start)
+    |<-- prefix_hit.tokens -->|     a Lookup's answer, only while no table is held: chunk_start
+    |<-- cached_tokens -->|         the hits of the first Reserve, reported in the usage; fixed
+    |<------ num_synced ------>|    KVView: the token ids the cache service has (may lag)
+    | b0      | b1      | b2      | b3      |   the block table: blocks_for(chunk_end + lookahead)
+                                                blocks; a new table's first ones are the hits
+
+- `num_computed`: tokens whose K/V is written; a step that completes moves it to its chunk_end.
+- `chunk_end`: the scheduled step computes [num_computed, chunk_end), `chunk_len` tokens; one token
+  after all computed ones is a decode (`is_decode`); the step samples when chunk_end == num_tokens
+  (`samples_now`). A multi-step call moves it on by one token per step.
+- `chunk_start`: where the next chunk starts: num_computed, or for a sequence without a table (not
+  reserved yet, or freed since) the tokens its prefix hit covers. Its first Reserve makes the table,
+  sets num_computed to the hits the cache still holds (fewer than hoped when the hint went stale: the
+  chunk's end moves back with it) and drops `prefix_hit`, whose job is done.
+- `prefix_hit`: None until the next Lookup (again after a free, a refused Reserve, or a step whose prompt
+  chunks wrote blocks the hint could not know of).
+- KVView's `num_synced` lags num_computed after steps that sent no Reserve (a decode inside its last
+  block, a multi-step call): the next Reserve or Free sends the missing token ids. KVView's
+  `shares_tail`: forked and not reserved since, so the next write copies the shared last block.
+
+Invariants: num_computed <= chunk_end <= num_tokens once scheduled; chunk_start == num_computed while a
+table is held.
+"""
 
 import enum
 import queue
@@ -48,6 +78,15 @@ class Sampling:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
+@dataclass(slots=True, frozen=True)
+class PrefixHit:
+    """What a Lookup found of a sequence in the prefix cache: its leading `tokens` are computed in
+    `blocks`."""
+
+    tokens: int
+    blocks: tuple[int, ...] = ()
+
+
 @dataclass(slots=True)
 class Sequence:
     seq_id: str
@@ -62,17 +101,12 @@ class Sequence:
     # When the sequence's first step was scheduled (None until then).
     scheduled_at: float | None = None
     output_ids: list[int] = field(default_factory=list)
-    # Tokens whose K/V is written in the block table's blocks.
+    # Progress (see the module's picture).
     num_computed: int = 0
-    # Tokens whose K/V is written once the scheduled step runs: its chunk is [num_computed, chunk_end).
     chunk_end: int = 0
-    # Without a block table: leading tokens the cache's Lookup found computed (None: not looked up since).
-    prefix_hint: int | None = None
-    # The blocks holding prefix_hint's tokens, as the Lookup found them.
-    prefix_blocks: tuple[int, ...] = ()
-    num_preemptions: int = 0
-    # Leading prompt tokens the first reservation found in the prefix cache (reported in the usage).
+    prefix_hit: PrefixHit | None = None
     cached_tokens: int = 0
+    num_preemptions: int = 0
     cache_salt: str = ""
     # The name of the API key that sent the request ("" without keys): the dashboard shows a key its own.
     tenant: str = ""
@@ -100,6 +134,21 @@ class Sequence:
     def num_slots(self) -> int:
         """Running slots the sequence takes: its n samples once its prompt is done, if it is yet to fork."""
         return self.sampling.n if self.index == 0 and not self.output_ids else 1
+
+    @property
+    def chunk_start(self) -> int:
+        """Where the next chunk starts: after the computed tokens, or without a table after the prefix hit."""
+        return self.num_computed if self.prefix_hit is None else self.prefix_hit.tokens
+
+    @property
+    def chunk_len(self) -> int:
+        """Tokens of the scheduled chunk [num_computed, chunk_end)."""
+        return self.chunk_end - self.num_computed
+
+    @property
+    def is_decode(self) -> bool:
+        """Whether the scheduled chunk is one token after all the computed ones: a decode."""
+        return self.chunk_len == 1
 
     @property
     def samples_now(self) -> bool:
@@ -141,7 +190,7 @@ class Sequence:
 
     def forget_prefix(self) -> None:
         """What the prefix cache holds of it is to be looked up again (the Lookup's answer may be stale)."""
-        self.prefix_hint, self.prefix_blocks = None, ()
+        self.prefix_hit = None
 
     @property
     def token_ids(self) -> list[int]:

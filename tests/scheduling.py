@@ -4,8 +4,9 @@ import itertools
 from dataclasses import replace
 
 from gateway.kv_view import KVView
-from gateway.scheduler import ScheduledStep, Scheduler
+from gateway.scheduler import Scheduler
 from gateway.sequence import Sampling, Sequence
+from gateway.step import ScheduledStep
 from tests.fake_cache import FakeCache
 
 GREEDY = Sampling(max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=None, ignore_eos=False,
@@ -43,7 +44,7 @@ def run(scheduler: Scheduler, step: ScheduledStep) -> dict[str, int]:
         scheduler.add_running(children)
     chunks = {}
     for s in step.seqs:
-        chunks[s.seq_id] = s.chunk_end - s.num_computed
+        chunks[s.seq_id] = s.chunk_len
         sampled = s.samples_now
         s.num_computed = s.chunk_end
         if sampled:

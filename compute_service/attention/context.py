@@ -25,9 +25,9 @@ class Context:
     # Seconds spent in the attention function this step, summed over layers (see `timed`).
     attention_s: float = 0.0
     # Per-backend data derived from the step once, by the first layer that needs it (the cpu backend's
-    # decode groups and prompt masks, cpu-native's plan, a device backend's kernel arguments), by backend
-    # name.
-    plans: dict[str, object] = field(default_factory=dict)
+    # decode groups and prompt masks, cpu-native's kernel inputs, a device backend's kernel arguments), by
+    # backend name.
+    derived: dict[str, object] = field(default_factory=dict)
 
 
 _CONTEXT: Context | None = None

@@ -20,7 +20,7 @@ GATHER_KEYS = 2048
 @dataclass(frozen=True, slots=True)
 class DecodeGroup:
     """Sequences with one new token and the same context length, attended as one batch (see GATHER_KEYS):
-    the decodes [first, first + count) of `Plan.decode_tokens`."""
+    the decodes [first, first + count) of `StepGroups.decode_tokens`."""
 
     first: int
     count: int
@@ -42,7 +42,7 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class StepGroups:
     """This step's decodes, grouped by context length, and its prompts.
 
     NOTE: decodes are grouped so that each group attends over exactly its keys with no mask: the same SDPA
@@ -83,27 +83,27 @@ def paged_attention(
     scales = ctx.scales.of_layer(module.layer_idx)
     write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping, scales)
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
-    plan = step_plan(ctx)
-    if plan.decode_groups:
+    groups = step_groups(ctx)
+    if groups.decode_groups:
         # NOTE: one query select and one output copy per layer; the keys are gathered group by group.
-        q = query[0].transpose(0, 1).index_select(0, plan.decode_tokens).unsqueeze(2)
+        q = query[0].transpose(0, 1).index_select(0, groups.decode_tokens).unsqueeze(2)
         outs = [
             _decode(q[g.first : g.first + g.count], k_cache, v_cache, g, scaling, scales)
-            for g in plan.decode_groups
+            for g in groups.decode_groups
         ]
-        out.index_copy_(0, plan.decode_tokens, outs[0] if len(outs) == 1 else torch.cat(outs))
-    for seg in plan.prompts:
+        out.index_copy_(0, groups.decode_tokens, outs[0] if len(outs) == 1 else torch.cat(outs))
+    for seg in groups.prompts:
         out[seg.start : seg.end] = prefill(query, key, value, k_cache, v_cache, seg, scaling, scales)
     return out.unsqueeze(0), None
 
 
-def step_plan(ctx: Context) -> Plan:
-    """This step's plan, derived by the first layer and shared by the others."""
-    plan = ctx.plans.get(__name__)
-    if plan is None:
-        plan = ctx.plans[__name__] = Plan(*_decode_groups(ctx), _segments(ctx))
-    assert isinstance(plan, Plan)
-    return plan
+def step_groups(ctx: Context) -> StepGroups:
+    """This step's groups, derived by the first layer and shared by the others."""
+    groups = ctx.derived.get(__name__)
+    if groups is None:
+        groups = ctx.derived[__name__] = StepGroups(*_decode_groups(ctx), _segments(ctx))
+    assert isinstance(groups, StepGroups)
+    return groups
 
 
 def _decode_groups(ctx: Context) -> tuple[torch.Tensor, list[DecodeGroup]]:

@@ -23,7 +23,7 @@ KV_DTYPES = cpu.KV_DTYPES
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class KernelInputs:
     """The step's sequences as the kernel takes them (int64, contiguous)."""
 
     q_starts: torch.Tensor  # [N] first new token of each, in the packed batch
@@ -53,35 +53,35 @@ def paged_attention(
     ctx, k_cache, v_cache = layer_call(module, attention_mask, kwargs)
     scales = ctx.scales.of_layer(module.layer_idx)
     cpu.write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping, scales)
-    plan = step_plan(ctx)
+    inputs = kernel_inputs(ctx)
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
     kernel().paged_attention(
         query[0].transpose(0, 1),
         out,
         k_cache,
         v_cache,
-        plan.block_tables,
-        plan.q_starts,
-        plan.q_lens,
-        plan.context_lens,
+        inputs.block_tables,
+        inputs.q_starts,
+        inputs.q_lens,
+        inputs.context_lens,
         query.shape[3] ** -0.5 if scaling is None else scaling,
         *scales,
     )
     return out.unsqueeze(0), None
 
 
-def step_plan(ctx: Context) -> Plan:
-    """This step's plan, derived by the first layer and shared by the others."""
-    plan = ctx.plans.get(__name__)
-    if plan is None:
-        plan = ctx.plans[__name__] = _plan(ctx)
-    assert isinstance(plan, Plan)
-    return plan
+def kernel_inputs(ctx: Context) -> KernelInputs:
+    """This step's inputs, derived by the first layer and shared by the others."""
+    inputs = ctx.derived.get(__name__)
+    if inputs is None:
+        inputs = ctx.derived[__name__] = _kernel_inputs(ctx)
+    assert isinstance(inputs, KernelInputs)
+    return inputs
 
 
-def _plan(ctx: Context) -> Plan:
+def _kernel_inputs(ctx: Context) -> KernelInputs:
     cu = ctx.cu_seqlens_q
-    return Plan(
+    return KernelInputs(
         q_starts=cu[:-1].long().contiguous(),
         q_lens=cu.diff().long(),
         context_lens=ctx.context_lens.long().contiguous(),

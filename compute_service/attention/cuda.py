@@ -35,9 +35,9 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """The transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
     ctx, k_cache, v_cache = layer_call(module, attention_mask, kwargs)
-    args = ctx.plans.get("cuda")
+    args = ctx.derived.get("cuda")
     if args is None:
-        args = ctx.plans["cuda"] = cuda_args.build_varlen_args(
+        args = ctx.derived["cuda"] = cuda_args.build_varlen_args(
             ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, ctx.slot_mapping, query.device
         )
     write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), args.slot_mapping)

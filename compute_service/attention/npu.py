@@ -38,11 +38,11 @@ def paged_attention(
     torch_npu = require_torch_npu()
     ctx, k_cache, v_cache = layer_call(module, attention_mask, kwargs)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    args = ctx.plans.get("npu")
+    args = ctx.derived.get("npu")
     if args is None:
         scale = scaling if scaling is not None else head_dim**-0.5
         heads = (query.shape[1], num_kv_heads)
-        args = ctx.plans["npu"] = npu_args.build_fias_args(
+        args = ctx.derived["npu"] = npu_args.build_fias_args(
             ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, ctx.slot_mapping, heads, block_size, scale,
             query.device,
         )  # fmt: skip

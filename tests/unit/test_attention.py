@@ -154,7 +154,7 @@ def test_decode_groups_split_to_bound_each_gather(monkeypatch):
     monkeypatch.setattr(cpu, "GATHER_KEYS", 20)
     seqs, k_cache, v_cache = make([9, 9, 9, 9, 9, 4])
     step(seqs, [8, 8, 8, 8, 8, 3], k_cache, v_cache)
-    groups = cpu.step_plan(
+    groups = cpu.step_groups(
         build_context([k_cache], [v_cache], batch([1] * 5, [8] * 5, [s.blocks for s in seqs[:5]]))
     ).decode_groups
     assert [(g.first, g.count) for g in groups] == [(0, 2), (2, 2), (4, 1)], "at most 20 // 9 per gather"

@@ -8,9 +8,9 @@ import torch
 
 from common.errors import InvalidArgument, RowsRefused
 from compute_service.greedy import is_plain_greedy
+from compute_service.multi_step import MultiStepPlan
 from compute_service.sampling import SamplingBatch, sample
 from compute_service.sampling_checks import check_sampling
-from compute_service.steps import StepsPlan
 from compute_service.validation import Limits
 from protos import compute_pb2
 from tests.forward import forward_request
@@ -110,4 +110,4 @@ def test_multi_step_calls_refuse_constrained_rows():
     first.constraint_bitmask = packed([1])
     request = compute_pb2.StepsRequest(first=first, max_steps=[2, 2], cu_stop_token_ids=[0, 0, 0])
     with pytest.raises(InvalidArgument, match="ForwardSteps runs no constrained rows"):
-        StepsPlan.check(request, Limits(vocab_size=VOCAB, max_model_len=64, num_blocks=16, block_size=4))
+        MultiStepPlan.check(request, Limits(vocab_size=VOCAB, max_model_len=64, num_blocks=16, block_size=4))

@@ -14,7 +14,7 @@ from common.errors import InvalidArgument, ResourceExhausted
 from common.sampling_controls import CONTROLS, Kind
 from gateway.limits import (
     PROMPT_BYTES_PER_TOKEN,
-    Limits,
+    EdgeLimits,
     add_limits,
     check_queue,
     check_request,
@@ -26,7 +26,7 @@ from protos import generation_pb2
 from tests.helpers import ROOT
 
 MAX_MODEL_LEN = 512
-LIMITS = Limits(
+LIMITS = EdgeLimits(
     max_prompt_bytes=64,
     max_messages=3,
     max_stop_bytes=8,
@@ -91,7 +91,7 @@ def test_the_request_id_takes_its_limit():
 
 
 def test_the_default_prompt_limit_follows_the_context_length():
-    limits = Limits()
+    limits = EdgeLimits()
     edge = PROMPT_BYTES_PER_TOKEN * MAX_MODEL_LEN
     assert limits.prompt_bytes(MAX_MODEL_LEN) == edge
     check_request(request(prompt="p" * edge), limits, MAX_MODEL_LEN)
@@ -108,9 +108,10 @@ def test_the_queue_takes_requests_up_to_its_length():
 def test_every_limit_is_a_flag_with_its_default():
     parser = argparse.ArgumentParser()
     add_limits(parser)
-    assert Limits.from_args(parser.parse_args([])) == Limits()
-    argv = [arg for f in fields(Limits) for arg in (f"--{f.name.replace('_', '-')}", "7")]
-    assert Limits.from_args(parser.parse_args(argv)) == Limits(**{f.name: 7 for f in fields(Limits)})
+    assert EdgeLimits.from_args(parser.parse_args([])) == EdgeLimits()
+    argv = [arg for f in fields(EdgeLimits) for arg in (f"--{f.name.replace('_', '-')}", "7")]
+    sevens = EdgeLimits(**{f.name: 7 for f in fields(EdgeLimits)})
+    assert EdgeLimits.from_args(parser.parse_args(argv)) == sevens
     for flag in ("--max-waiting", "--max-streams-per-key"):
         with pytest.raises(SystemExit):
             parser.parse_args([flag, "0"])

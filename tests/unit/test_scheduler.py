@@ -171,7 +171,8 @@ def test_a_cached_prefix_costs_no_budget_and_its_first_chunk_starts_after_it():
     scheduler.add(shared)
     assert [s.seq_id for s in scheduler.unlooked()] == ["busy", "shared"]
     scheduler.kv.lookup(scheduler.unlooked())
-    assert (busy.prefix_hint, shared.prefix_hint) == (32, 192), "whole blocks, never the last token"
+    hits = (busy.prefix_hit.tokens, shared.prefix_hit.tokens)
+    assert hits == (32, 192), "whole blocks, never the last token"
     assert scheduler.unlooked() == []
     step = scheduler.schedule()
     assert (busy.chunk_end, shared.chunk_end) == (40, 192 + 56), "busy's 8 new tokens, then 56 after the hits"
@@ -201,4 +202,4 @@ def test_a_preempted_sequence_looks_its_prefix_up_again():
     scheduler.kv.lookup(scheduler.unlooked())
     run(scheduler, scheduler.schedule())
     scheduler.kv.free([a])
-    assert a.prefix_hint is None and a.num_computed == 0
+    assert a.prefix_hit is None and a.num_computed == 0

@@ -5,9 +5,9 @@ refuses (RESOURCE_EXHAUSTED) whatever does not fit."""
 
 import pytest
 
+from gateway.reservation import reserve
 from gateway.scheduler import Scheduler
 from gateway.sequence import Status
-from gateway.stepping import Stepping
 from tests.fake_cache import RpcError
 from tests.scheduling import make, run, seq
 
@@ -33,7 +33,7 @@ def test_prompts_sharing_a_cached_prefix_are_admitted_together_by_the_blocks_the
     for prompt in prompts:
         scheduler.add(prompt)
     look_up(scheduler)
-    assert [len(p.prefix_blocks) for p in prompts] == [12] * 4
+    assert [len(p.prefix_hit.blocks) for p in prompts] == [12] * 4
     step = scheduler.schedule()
     # a: 12 revived + 1; b and c: 1 each (their hits are a's); d: 1 would leave no watermark
     assert [s.seq_id for s in step.seqs] == ["a", "b", "c"]
@@ -87,21 +87,14 @@ def test_waiting_prompts_look_their_prefix_up_again_after_a_step_with_prompt_chu
     assert run(scheduler, scheduler.schedule()) == {"first": 40, "second": 24}
     scheduler.add(third := seq("third", 40))
     scheduler.kv.lookup(scheduler.unlooked())
-    assert third.prefix_hint == 0
+    assert third.prefix_hit.tokens == 0
     scheduler.max_seqs = 2
     assert run(scheduler, scheduler.schedule()) == {"first": 1, "second": 63}
-    assert third.prefix_hint is None, "the step computed prompt tokens: the hint may be stale"
+    assert third.prefix_hit is None, "the step computed prompt tokens: the hint may be stale"
     assert scheduler.unlooked() == [third]
     scheduler.kv.lookup(scheduler.unlooked())
     assert run(scheduler, scheduler.schedule()) == {"first": 1, "second": 1}
-    assert third.prefix_hint == 0, "a step of decodes alone keeps the hints"
-
-
-class Steps(Stepping):
-    """The Stepping half alone, over a scheduler and its KV view."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler, self.kv = scheduler, scheduler.kv
+    assert third.prefix_hit.tokens == 0, "a step of decodes alone keeps the hints"
 
 
 def test_a_reserve_refused_for_blocks_undoes_the_new_admissions_and_runs_the_rest():
@@ -116,9 +109,9 @@ def test_a_reserve_refused_for_blocks_undoes_the_new_admissions_and_runs_the_res
     stolen = [cache.free.pop() for _ in range(5)]  # taken behind the view's back: its counts are stale
     step = scheduler.schedule()
     assert step.seqs == [first, late]
-    Steps(scheduler)._reserve(step)
+    reserve(step, scheduler)
     assert step.seqs == [first], "the step runs what fits"
-    assert late.status is Status.WAITING and scheduler.waiting == [late] and late.prefix_hint is None
+    assert late.status is Status.WAITING and scheduler.waiting == [late] and late.prefix_hit is None
     assert not scheduler.kv.holds(late) and "late" not in cache.tables, "the refused Reserve took nothing"
     assert all(cache.refs[b] == 1 for b in cache.prefix), "no reference leaked"
     cache.free.extend(stolen)
@@ -135,7 +128,7 @@ def test_a_refused_reserve_of_running_sequences_alone_still_fails_the_step():
     scheduler.kv._stub.free.clear()
     step = scheduler.schedule()
     with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as raised:
-        Steps(scheduler)._reserve(step)
+        reserve(step, scheduler)
     assert isinstance(raised.value.err, RpcError) and scheduler.running == [first]
 
 

@@ -1,7 +1,7 @@
-"""Multi-step decode: an all-decode step sent as one Compute.ForwardSteps call that runs up to k steps, with
+"""A multi-step: an all-decode step sent as one Compute.ForwardSteps call that runs up to k steps, with
 compute feeding each row's sampled token into the next step, so the round trip between gateway and compute
-(docs/internals/orchestration.md) is paid once per call instead of once per token. Each step's tokens still
-stream back as it finishes."""
+is paid once per call instead of once per token. Each step's tokens still stream back as it finishes. Here:
+which steps may run so, where compute stops each row, the call's first message, and the reply deadline."""
 
 import threading
 import time
@@ -25,15 +25,11 @@ class RowLimit:
         return taken >= self.max_steps or token in self.stop_ids
 
 
-def eligible(seqs: list[Sequence]) -> bool:
+def can_multi_step(seqs: list[Sequence]) -> bool:
     """Whether the step can run as several: every row decodes one token and samples it, none forks, none is
     constrained (its next mask follows the token it samples: gateway.structured)."""
     return all(
-        seq.chunk_end - seq.num_computed == 1
-        and seq.samples_now
-        and not seq.forks_now
-        and seq.constraint is None
-        for seq in seqs
+        seq.is_decode and seq.samples_now and not seq.forks_now and seq.constraint is None for seq in seqs
     )
 
 
@@ -46,7 +42,7 @@ def row_limit(seq: Sequence, steps: int, eos_ids: frozenset[int]) -> RowLimit:
     return RowLimit(max(1, left), frozenset(stop_ids))
 
 
-def steps_request(
+def multi_step_request(
     seqs: list[Sequence],
     tables: list[list[int]],
     epoch: str,
@@ -96,7 +92,7 @@ class ReplyDeadline:
         self._call, self._seconds = call, seconds
         self._due = time.monotonic() + seconds
         self._done = threading.Event()
-        threading.Thread(target=self._watch, daemon=True, name="steps-deadline").start()
+        threading.Thread(target=self._watch, daemon=True, name="multi-step-deadline").start()
 
     def replied(self, seconds: float) -> None:
         """A reply came; the next one has `seconds`."""

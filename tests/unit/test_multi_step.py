@@ -1,6 +1,6 @@
-"""Multi-step decode in the gateway (gateway/decode_steps.py, Stepping._run_steps) over the fake peers: the
+"""Multi-step decode in the gateway (gateway/multi_step.py, gateway/executor.py) over the fake peers: the
 same tokens as one Forward per step, fewer calls, a call ended early by news, a stop string's blocks held
-until the call is over; and the compute side's plan (compute_service/steps.py)."""
+until the call is over; and the compute side's plan (compute_service/multi_step.py)."""
 
 import threading
 import time
@@ -11,9 +11,9 @@ import torch
 
 from common.errors import InvalidArgument, RowsRefused
 from compute_service.batch import ForwardBatch
-from compute_service.steps import StepsPlan
+from compute_service.multi_step import MultiStepPlan
 from compute_service.validation import Limits
-from gateway.decode_steps import ReplyDeadline, RowLimit, row_limit, select_rows
+from gateway.multi_step import ReplyDeadline, RowLimit, row_limit, select_rows
 from gateway.sequence import Sampling, Sequence
 from protos import compute_pb2
 from tests.fake_engine import BLOCKS, GREEDY, PROMPTS, collect, run_all, start, submit, tokenizer
@@ -79,7 +79,7 @@ def test_a_stop_string_ends_the_call_and_its_blocks_are_freed_only_after_it(star
 def _wait_idle(engine, timeout: float = 10.0) -> None:
     """Until the engine has no call running and nothing to schedule."""
     deadline = time.monotonic() + timeout
-    while engine._steps_stop is not None or engine.scheduler.has_work():
+    while engine.executor.in_call or engine.scheduler.has_work():
         assert time.monotonic() < deadline, "the engine did not go idle"
         time.sleep(0.01)
 
@@ -131,7 +131,7 @@ def _steps_request(max_steps: list[int], stops: list[list[int]], tables=((0, 1),
 
 def test_a_plan_stops_each_row_at_its_max_steps_or_a_stop_id():
     request = _steps_request([3, 2], [[9], []])
-    plan = StepsPlan.check(request, LIMITS)
+    plan = MultiStepPlan.check(request, LIMITS)
     assert plan.advance([7, 8]) == [0, 1] and plan.rows == [0, 1]
     assert plan.advance([9, 8]) == [] and plan.rows == []  # row 0 samples its stop id, row 1 ends its 2 steps
 
@@ -142,7 +142,7 @@ def test_a_plan_keeps_the_rows_that_go_on_in_order():
     request = compute_pb2.StepsRequest(
         first=first, max_steps=[3, 1, 3], stop_token_ids=[4], cu_stop_token_ids=[0, 0, 0, 1]
     )
-    plan = StepsPlan.check(request, LIMITS)
+    plan = MultiStepPlan.check(request, LIMITS)
     assert plan.advance([7, 8, 9]) == [0, 2] and plan.rows == [0, 2]  # row 1 ends its one step
     assert plan.advance([7, 4]) == [0] and plan.rows == [0]  # row 2 samples its stop id
     assert plan.advance([7]) == [] and plan.rows == []
@@ -160,7 +160,7 @@ def test_a_plan_keeps_the_rows_that_go_on_in_order():
 )
 def test_a_plan_beyond_its_tables_or_with_bad_limits_is_refused(max_steps, stops, tables, message):
     with pytest.raises(InvalidArgument, match=message) as info:
-        StepsPlan.check(_steps_request(max_steps, stops, tables), LIMITS)
+        MultiStepPlan.check(_steps_request(max_steps, stops, tables), LIMITS)
     if "blocks" in message:
         assert isinstance(info.value, RowsRefused) and info.value.rows == (0,)
 
@@ -169,7 +169,7 @@ def test_a_plan_runs_decodes_only():
     request = _steps_request([2, 2], [[], []])
     request.first.CopyFrom(forward_request([[5, 6], [6]], [4, 2], [[0, 1, 4], [2, 3]], block_size=4))
     with pytest.raises(InvalidArgument, match="decodes only"):
-        StepsPlan.check(request, LIMITS)
+        MultiStepPlan.check(request, LIMITS)
 
 
 def _first_step() -> compute_pb2.ForwardRequest:

@@ -1,6 +1,7 @@
-"""Multi-step decode (Compute.ForwardSteps): the first step's limits checked up front, and each following
-step derived from the one before and the tokens it sampled (ForwardBatch.following), so that compute runs
-several decode steps per call without a round trip to the gateway between them."""
+"""A multi-step (Compute.ForwardSteps: several decode steps in one call): the first step's limits checked up
+front, and each following step derived from the one before and the tokens it sampled
+(ForwardBatch.following), so that compute runs several decode steps per call without a round trip to the
+gateway between them."""
 
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from protos import compute_pb2
 
 
 @dataclass(slots=True)
-class StepsPlan:
+class MultiStepPlan:
     """Which rows of the first step still run (`rows`, in order), how many steps each has run, and when each
     stops: after max_steps steps, or after sampling one of its stop ids."""
 
@@ -23,7 +24,7 @@ class StepsPlan:
     taken: list[int]
 
     @classmethod
-    def check(cls, request: compute_pb2.StepsRequest, limits: Limits) -> "StepsPlan":
+    def check(cls, request: compute_pb2.StepsRequest, limits: Limits) -> "MultiStepPlan":
         """The plan of a request whose first step is already checked as a Forward; raises InvalidArgument
         (RowsRefused naming rows) unless every row decodes one token, samples, and has the slots, the
         model length and the pool for all its steps."""

@@ -1,0 +1,40 @@
+"""What other threads tell the engine loop: sequences to queue, requests to abort, peers lost, and the
+stop. Each message wakes the loop and ends a running multi-step call after its current step
+(`interrupt`), so that the loop hears it within a step."""
+
+import threading
+from collections.abc import Callable
+
+from gateway.sequence import Sequence
+
+
+class Inbox:
+    """Written under `lock` (which also guards what the engine shares with the RPC threads), read by the
+    engine thread in `take`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition()
+        self.intake: list[Sequence] = []
+        self.aborts: set[str] = set()
+        self.lost: set[str] = set()
+        self.stopped = False
+        self.interrupt: Callable[[], None] = lambda: None
+
+    def posted(self) -> None:
+        """Under `lock`, once a message is in: the loop wakes; a running multi-step call ends after its
+        step."""
+        self.lock.notify()
+        self.interrupt()
+
+    def take(self, runnable: bool, timeout: float | None) -> tuple[list[Sequence], set[str], set[str]] | None:
+        """Waits for a message, unless `runnable` (work is there), at most `timeout` seconds (None: no
+        limit); takes them all: (intake, aborts, lost), or None once stopped."""
+        with self.lock:
+            while not (self.stopped or self.intake or self.aborts or runnable or self.lost):
+                if not self.lock.wait(timeout) and timeout is not None:
+                    break
+            if self.stopped:
+                return None
+            news = self.intake, self.aborts, self.lost
+            self.intake, self.aborts, self.lost = [], set(), set()
+            return news

@@ -1,0 +1,84 @@
+"""The schedule stage's cache calls: the Lookup of the prefixes the next prompts may share, then a step's
+blocks reserved (with room for a multi-step's later steps when it may run one), or the preempted
+sequences' blocks freed."""
+
+import grpc
+import structlog
+
+from gateway.multi_step import can_multi_step
+from gateway.recovery import PeerFault, calling
+from gateway.scheduler import Scheduler
+from gateway.sequence import Sequence
+from gateway.step import ScheduledStep
+
+log = structlog.get_logger()
+
+
+def look_up_prefixes(scheduler: Scheduler) -> None:
+    """The waiting sequences next in line learn the prefix the cache holds of them (once each), so their
+    first step computes only the rest; a failed Lookup leaves them to start from 0."""
+    seqs = scheduler.unlooked()
+    if seqs:
+        try:
+            with calling("cache"):
+                scheduler.kv.lookup(seqs, scheduler.running)
+        except PeerFault as fault:
+            log.warning("lookup_failed", error=fault.err.details())
+
+
+def reserve_step(step: ScheduledStep, scheduler: Scheduler, max_steps: int, news: bool) -> None:
+    """Frees the preempted, or reserves the step's blocks and sets its num_steps: up to `max_steps` when the
+    step may run as a multi-step (`news`: requests wait to be admitted, so it may not) and the blocks for
+    the later steps were there. PeerFault if a call fails."""
+    if step.preempted:
+        with calling("cache"):
+            scheduler.kv.free(step.preempted)
+        log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
+        return
+    steps = multi_steps(step, scheduler, max_steps, news)
+    step.num_steps = reserve(step, scheduler, steps - 1) + 1
+
+
+def multi_steps(step: ScheduledStep, scheduler: Scheduler, max_steps: int, news: bool) -> int:
+    """How many steps an all-decode step may run as one multi-step call (1: a plain Forward): up to
+    `max_steps`, while no request waits (for room the lookahead blocks would hold) or is new, and the slots
+    fit above the watermark."""
+    kv = scheduler.kv
+    if max_steps <= 1 or news or scheduler.waiting:
+        return 1
+    if not can_multi_step(step.seqs) or not all(map(kv.holds, step.seqs)):
+        return 1
+    need = sum(kv.blocks_needed(seq, seq.chunk_end + max_steps - 1) for seq in step.seqs)
+    return max_steps if need <= kv.available_blocks - scheduler.watermark else 1
+
+
+def reserve(step: ScheduledStep, scheduler: Scheduler, lookahead: int = 0) -> int:
+    """The step's Reserve, with slots for `lookahead` more tokens per sequence (a multi-step call's);
+    returns the lookahead reserved (0 if the blocks for it were short). One refused for want of blocks
+    (the admission counted on a stale Lookup) undoes the step's admissions: those sequences wait again,
+    and the step runs the others. The cache changed nothing (a Reserve is all or nothing), so no block
+    is leaked."""
+    kv = scheduler.kv
+    try:
+        with calling("cache"):
+            kv.reserve(step.seqs, lookahead)
+        return lookahead
+    except PeerFault as fault:
+        if lookahead and not fault.lost and fault.err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return reserve(step, scheduler)
+        new = [seq for seq in step.seqs if not kv.holds(seq)]
+        if fault.lost or fault.err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or not new:
+            raise
+        log.warning("admission_undone", seq_ids=[s.seq_id for s in new], error=fault.err.details())
+        _undo_admissions(step, scheduler, new)
+        return 0
+
+
+def _undo_admissions(step: ScheduledStep, scheduler: Scheduler, new: list[Sequence]) -> None:
+    """The step's new sequences wait again; the others are reserved alone (the step list shrinks in
+    place: a failure from here on fails only them)."""
+    scheduler.unadmit(new)
+    step.seqs[:] = [seq for seq in step.seqs if scheduler.kv.holds(seq)]
+    if step.seqs:
+        with calling("cache"):
+            scheduler.kv.reserve(step.seqs)

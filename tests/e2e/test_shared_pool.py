@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from protos import cache_pb2, compute_pb2
 
@@ -49,8 +50,12 @@ def test_values_written_by_compute_are_read_by_cache(stack_fp32, hf_models):
     with torch.inference_mode():
         hidden = layer.input_layernorm(model.model.embed_tokens(torch.tensor(tokens)))
         values = layer.self_attn.v_proj(hidden).view(5, 3, 64)
-    # [K/V, slot, kv head, head dim]: the five written slots hold this prompt's values, the rest is untouched.
+        keys = layer.self_attn.k_proj(hidden).view(1, 5, 3, 64).transpose(1, 2)
+        cos, sin = model.model.rotary_emb(hidden, torch.arange(5)[None])
+        _, keys = apply_rotary_pos_emb(keys, keys, cos, sin)
+    # [K/V, slot, kv head, head dim]: the five written slots hold this prompt's rotated keys and its values,
+    # the rest is untouched. A freed block keeps its bytes, so "changed" would depend on earlier tests.
+    torch.testing.assert_close(after[0, :5], keys[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(after[1, :5], values, rtol=1e-4, atol=1e-4)
-    assert not torch.equal(after[0, :5], before[0, :5])
     assert torch.equal(after[:, 5:], before[:, 5:])
     assert stack_fp32.stats().used_blocks == 0

@@ -1,5 +1,5 @@
 """float32 linear layers on the CPU, each weight packed once at load time: into panels for the native
-kernel (compute_service/attention/native/panel_linear.cpp) where it builds, else into oneDNN's blocked layout.
+kernel (compute_service/kernels/panel_linear.cpp) where it builds, else into oneDNN's blocked layout.
 
 NOTE: torch's float32 F.linear on the CPU is MKL's sgemm. oneDNN's inner product on a pre-reordered weight
 was faster at every batch size measured, decode and prefill alike. One step's linears of SmolLM2-135M (30
@@ -27,7 +27,7 @@ token for token against transformers.
 import torch
 from torch import nn
 
-from compute_service.attention import native
+from compute_service import kernels
 
 # The batch size the reordered weight layout is chosen for (see the module docstring).
 PACK_ROWS = 32
@@ -67,16 +67,16 @@ class PackedLinear(nn.Module):
         assert dtype in (torch.float32, torch.bfloat16), dtype
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = dtype
-        kernels = native.load() if dtype == torch.float32 else None
-        self.panels = kernels is not None
+        module = kernels.load() if dtype == torch.float32 else None
+        self.panels = module is not None
         weight = linear.weight.detach().to(dtype).contiguous()
-        self.packed = kernels.pack_panels(weight) if kernels else packed_weight(weight)
+        self.packed = module.pack_panels(weight) if module else packed_weight(weight)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels:
             rows = x.reshape(-1, self.in_features).contiguous()
-            out = native.load().panel_linear(rows, self.packed, self.out_features, self.bias, None)
+            out = kernels.load().panel_linear(rows, self.packed, self.out_features, self.bias, None)
             return out.view(*x.shape[:-1], self.out_features)
         if self.dtype == x.dtype:
             return packed_linear(x, self.packed, self.bias)

@@ -8,8 +8,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedMod
 from common.cpu import bfloat16_native
 from common.model_files import local_copy
 from common.shared_pool import dtype_name
-from compute_service import native_decode
-from compute_service.attention import native
+from compute_service import kernels, native_decode
 from compute_service.attention.context import timed
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend, require_kv_dtype
@@ -91,7 +90,7 @@ def load(
             "AVX512-BF16 or AMX (this one would emulate them ~30x slower): use --weights auto, int8 or int4"
         )
     require_kv_dtype(backend, dtype_name(kv_dtype))
-    if backend == "cpu-native" and native.load() is None:
+    if backend == "cpu-native" and kernels.load() is None:
         raise ValueError(
             "attention backend cpu-native: its kernel cannot be built here (see the log); use cpu"
         )

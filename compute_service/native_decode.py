@@ -1,4 +1,4 @@
-"""The fused Llama stack's all-decode steps in C++ (compute_service/attention/native/decode_layers.cpp).
+"""The fused Llama stack's all-decode steps in C++ (compute_service/kernels/decode_layers.cpp).
 
 A decode step of a small model is mostly small ops: per layer ~25 of them (two RMSNorms, the rotary
 embedding, the K/V store, the residual adds, SiLU, views) around four matrix products and attention, each
@@ -14,7 +14,8 @@ sequence decodes one token. Any other step (a prompt or a chunk in the batch) ru
 
 import torch
 
-from compute_service.attention import cpu_native, native
+from compute_service import kernels
+from compute_service.attention import cpu_native
 from compute_service.attention.context import Context
 from compute_service.linear import PackedLinear
 from compute_service.llama_layer import FusedLlamaLayer, FusedLlamaModel
@@ -75,7 +76,7 @@ class NativeDecode:
                 == (first.num_heads, first.num_kv_heads, first.head_dim, first.scaling)
                 for layer in layers
             )
-            and native.load() is not None
+            and kernels.load() is not None
         )
 
     @staticmethod
@@ -89,7 +90,7 @@ class NativeDecode:
         to the step's."""
         cos, signed_sin = (table[:, 0].contiguous() for table in rope)
         inputs = cpu_native.kernel_inputs(ctx)
-        ctx.attention_s += native.load().decode_layers(
+        ctx.attention_s += kernels.load().decode_layers(
             residual,
             cos,
             signed_sin,

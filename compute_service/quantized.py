@@ -4,7 +4,7 @@ int8: one scale per output channel, symmetric (q in [-127, 127]). int4: asymmetr
 per INT4_GROUP_SIZE inputs of an output channel.
 
 int8 in a float32 model where the native kernels build: the int8 weight is packed into panels
-(compute_service/attention/native/panel_linear.cpp) that every batch size multiplies by, with float32
+(compute_service/kernels/panel_linear.cpp) that every batch size multiplies by, with float32
 activations, widening each weight to float32 in registers. It needs no dense copy: one step's linears of
 SmolLM2-135M (30 layers, 2 threads, Xeon with AVX-512, best of 7) took 3.8 / 13.4 / 44 / 345 ms at 1 / 16 /
 64 / 512 rows, against float32 panels' 17.1 / 26.2 / 52 / 326 and torch's int8 kernel's 9.9 / 34.2 / 97 /
@@ -24,7 +24,7 @@ kept: they cost the model's dtype per weight on top of the quantised copy.
 import torch
 from torch import nn
 
-from compute_service.attention import native
+from compute_service import kernels
 
 WEIGHTS_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")
 QUANTIZED_MODES = ("int8", "int4")
@@ -74,11 +74,11 @@ class QuantizedLinear(nn.Module):
         self.bias = linear.bias
         weight = linear.weight.detach().float()
         dense_float32 = linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
-        kernels = native.load() if mode == "int8" and dense_float32 else None
-        self.panels = kernels is not None
+        module = kernels.load() if mode == "int8" and dense_float32 else None
+        self.panels = module is not None
         dequantized = self._set_int8(weight) if mode == "int8" else self._set_int4(weight)
         if self.panels:
-            self.qweight, self.scales = kernels.pack_panels(self.qweight), self.scales.float()
+            self.qweight, self.scales = module.pack_panels(self.qweight), self.scales.float()
             return
         # The dense GEMM: the values the kernel multiplies by, in the model's dtype.
         self.dense = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
@@ -119,7 +119,7 @@ class QuantizedLinear(nn.Module):
         rows = x.numel() // self.in_features
         if self.panels:
             flat = x.reshape(rows, self.in_features).contiguous()
-            out = native.load().panel_linear(flat, self.qweight, self.out_features, self.bias, self.scales)
+            out = kernels.load().panel_linear(flat, self.qweight, self.out_features, self.bias, self.scales)
             return out.view(*x.shape[:-1], self.out_features)
         if not self.uses_kernel(rows):
             return self.dense(x)

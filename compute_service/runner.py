@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from compute_service.attention import native
+from compute_service import kernels
 from compute_service.attention.context import build_context, reset_context, set_context
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.batch import ForwardBatch
@@ -31,7 +31,7 @@ class Runner:
         self.model = model
         self.scales = scales
         # the native kernels' greedy choice where the logits are on the cpu and the kernels build here
-        self.kernels = native.load() if model.device.type == "cpu" else None
+        self.kernels = kernels.load() if model.device.type == "cpu" else None
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
 

@@ -17,8 +17,7 @@ from common.precision import resolve_dtype, resolve_kv_dtype
 from common.server import serve
 from common.session_fence import SessionFence
 from common.shared_pool import dtype_from_name
-from compute_service import attach_pool
-from compute_service.attention import native
+from compute_service import attach_pool, kernels
 from compute_service.attention.registry import backend_for, require_block_size
 from compute_service.batch import ForwardBatch
 from compute_service.callers import CALLERS
@@ -222,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         layers=spec.num_layers,
         threads=threads.threads,
         single_stream_threads=threads.single_stream,
-        native_threads=native.load().parallel_threads() if spec.attention_backend == "cpu-native" else None,
+        native_threads=kernels.load().parallel_threads() if spec.attention_backend == "cpu-native" else None,
         plain_linear=args.plain_linear,
         fused=isinstance(model.model, FusedLlamaModel),
     )

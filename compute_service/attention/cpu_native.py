@@ -1,4 +1,4 @@
-"""CPU paged attention reading K/V in place by block table (compute_service/attention/native): no gather copy.
+"""CPU paged attention reading K/V in place by block table (compute_service/kernels): no gather copy.
 
 Every sequence of a step, decodes and prompt chunks alike, goes to the native kernel in one call per layer,
 with an online softmax in float32 over the pool's own dtype (fp8 scales folded into the query and the
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from compute_service.attention import cpu, native
+from compute_service import kernels
+from compute_service.attention import cpu
 from compute_service.attention.context import Context, layer_call
 
 KV_DTYPES = cpu.KV_DTYPES
@@ -34,7 +35,7 @@ class KernelInputs:
 
 def kernel():
     """The compiled kernel module; RuntimeError naming the fallback when this machine cannot build it."""
-    module = native.load()
+    module = kernels.load()
     if module is None:
         raise RuntimeError("the native attention kernel cannot be built here; use --attention-backend cpu")
     return module

@@ -3,7 +3,8 @@ the devices it runs on. `auto` picks the device's own backend."""
 
 from collections.abc import Callable
 
-from compute_service.attention import cpu, cpu_native, cuda, native, npu, npu_args
+from compute_service import kernels
+from compute_service.attention import cpu, cpu_native, cuda, npu, npu_args
 
 BACKENDS: dict[str, Callable] = {
     "cpu": cpu.paged_attention,
@@ -29,13 +30,13 @@ DEVICE_DEFAULTS: dict[str, str] = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}
 
 def default_backend(dtype: str = "float32", device_type: str = "cpu") -> str:
     """The device's own backend; on the cpu with float32 weights, cpu-native where its kernel builds and loads
-    (compute_service.attention.native).
+    (compute_service.kernels).
 
     NOTE: bfloat16 keeps cpu: transformers' SDPA rounds the softmax to bfloat16 before multiplying the values,
     the native kernel keeps float32, and at bfloat16's frequent near-ties greedy tokens then differ from
     transformers' generate (measured: the batched parity test left the reference at a gap of 0.125).
     """
-    if device_type == "cpu" and dtype == "float32" and native.load() is not None:
+    if device_type == "cpu" and dtype == "float32" and kernels.load() is not None:
         return "cpu-native"
     return DEVICE_DEFAULTS[device_type]
 

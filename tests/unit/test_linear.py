@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from compute_service.attention import native
+from compute_service import kernels
 from compute_service.batch import ForwardBatch
 from compute_service.linear import PACK_ROWS, PackedLinear, pack_linears
 from compute_service.model_loader import load
@@ -33,20 +33,20 @@ def test_equals_f_linear_at_any_batch_size(rows, bias):
 
 
 INT8_ONES = torch.ones(20, 8, dtype=torch.int8)
-needs_native = pytest.mark.skipif(native.load() is None, reason="the native kernels cannot be built here")
+needs_native = pytest.mark.skipif(kernels.load() is None, reason="the native kernels cannot be built here")
 
 
 @pytest.fixture
 def onednn_only(monkeypatch):
     """PackedLinear as on a machine where the native kernels do not build: oneDNN's layout."""
-    monkeypatch.setattr("compute_service.linear.native", SimpleNamespace(load=lambda: None))
+    monkeypatch.setattr("compute_service.linear.kernels", SimpleNamespace(load=lambda: None))
 
 
 @needs_native
 def test_float32_weights_pack_into_native_panels_where_the_kernels_build():
     packed = PackedLinear(nn.Linear(64, 96))
     assert packed.panels and not packed.packed.is_mkldnn and "native panels" in repr(packed)
-    assert packed.packed.shape == (-(-96 // native.load().panel_width()), 64, native.load().panel_width())
+    assert packed.packed.shape == (-(-96 // kernels.load().panel_width()), 64, kernels.load().panel_width())
 
 
 @pytest.mark.parametrize("rows", [1, 7, PACK_ROWS + 1])
@@ -70,9 +70,9 @@ def test_panels_give_f_linear_for_every_tile_and_a_partial_last_panel(rows, bias
     in_features, out_features = shape
     linear = nn.Linear(in_features, out_features, bias=bias)
     x = torch.randn(rows, in_features)
-    kernels = native.load()
-    panels = kernels.pack_panels(linear.weight.detach())
-    out = kernels.panel_linear(x, panels, out_features, linear.bias, None)
+    module = kernels.load()
+    panels = module.pack_panels(linear.weight.detach())
+    out = module.panel_linear(x, panels, out_features, linear.bias, None)
     assert out.shape == (rows, out_features) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
 
@@ -90,16 +90,16 @@ def test_int8_panels_give_f_linear_on_the_scaled_weights(rows, bias, shape):
     scales = torch.rand(out_features) / 100
     b = torch.randn(out_features) if bias else None
     x = torch.randn(rows, in_features)
-    kernels = native.load()
-    out = kernels.panel_linear(x, kernels.pack_panels(levels), out_features, b, scales)
+    module = kernels.load()
+    out = module.panel_linear(x, module.pack_panels(levels), out_features, b, scales)
     assert out.shape == (rows, out_features)
     torch.testing.assert_close(out, F.linear(x, levels.float() * scales[:, None], b), atol=1e-5, rtol=1e-5)
 
 
 @needs_native
 def test_panels_of_no_rows_give_no_rows():
-    kernels = native.load()
-    out = kernels.panel_linear(torch.empty(0, 8), kernels.pack_panels(torch.randn(20, 8)), 20, None, None)
+    module = kernels.load()
+    out = module.panel_linear(torch.empty(0, 8), module.pack_panels(torch.randn(20, 8)), 20, None, None)
     assert out.shape == (0, 20)
 
 
@@ -116,9 +116,9 @@ def test_panels_of_no_rows_give_no_rows():
     ids=["in width", "strided", "float64", "out", "bias"],
 )
 def test_panels_refuse_inputs_that_do_not_fit(x, out_features, bias, message):
-    kernels = native.load()
+    module = kernels.load()
     with pytest.raises(RuntimeError, match=message):
-        kernels.panel_linear(x, kernels.pack_panels(torch.randn(20, 8)), out_features, bias, None)
+        module.panel_linear(x, module.pack_panels(torch.randn(20, 8)), out_features, bias, None)
 
 
 @needs_native
@@ -133,15 +133,15 @@ def test_panels_refuse_inputs_that_do_not_fit(x, out_features, bias, message):
     ids=["int8 without", "float32 with", "short", "float16"],
 )  # fmt: skip
 def test_panels_take_scales_with_int8_weights_only(weight, scales, message):
-    kernels = native.load()
+    module = kernels.load()
     with pytest.raises(RuntimeError, match=message):
-        kernels.panel_linear(torch.randn(3, 8), kernels.pack_panels(weight), 20, None, scales)
+        module.panel_linear(torch.randn(3, 8), module.pack_panels(weight), 20, None, scales)
 
 
 @needs_native
 def test_only_float32_and_int8_weights_pack_into_panels():
     with pytest.raises(RuntimeError, match="pack_panels takes a float32 or int8 CPU weight"):
-        native.load().pack_panels(torch.ones(20, 8, dtype=torch.float64))
+        kernels.load().pack_panels(torch.ones(20, 8, dtype=torch.float64))
 
 
 @needs_native_bfloat16

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from compute_service.attention import native
+from compute_service import kernels
 from compute_service.batch import ForwardBatch
 from compute_service.model_loader import load
 from compute_service.runner import Runner
@@ -17,7 +17,7 @@ from tests.tiny_model import needs_native_bfloat16, save_tiny_llama
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 96
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels cannot be built here")
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="the native kernels cannot be built here")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_all_decode_steps_give_the_python_layers_logits(model, cached):
 def test_steps_of_many_rows_split_across_threads_give_the_python_layers_logits(model, torch_threads):
     # 300 rows: the norm and SiLU loops split across threads (decode_layers.cpp for_rows)
     torch.set_num_threads(2)
-    assert native.load().parallel_threads() == 2
+    assert kernels.load().parallel_threads() == 2
     torch.manual_seed(3)
     runner, limits = runner_for(model, num_blocks=300)
     new = [[int(t)] for t in torch.randint(3, 256, (300,))]
@@ -115,7 +115,7 @@ def test_bfloat16_weights_run_natively_with_the_python_layers_logits(tiny):
 def test_float32_weights_on_onednn_run_natively_with_the_python_layers_logits(tiny, monkeypatch):
     """Where the linears are packed for oneDNN, not in native panels, the stack calls oneDNN for them."""
     with monkeypatch.context() as patch:
-        patch.setattr("compute_service.linear.native", SimpleNamespace(load=lambda: None))
+        patch.setattr("compute_service.linear.kernels", SimpleNamespace(load=lambda: None))
         model, _ = load(tiny, torch.float32, backend="cpu-native")
     assert model.model.native_decode is not None
     products = [weight for weight in model.model.native_decode.weights if weight.dim() > 1]
@@ -162,7 +162,7 @@ def test_greedy_tokens_over_many_steps_equal_the_python_layers(model):
 def test_steps_with_a_prompt_take_the_python_layers(model, monkeypatch):
     runner, limits = runner_for(model)
     calls = []
-    module = native.load()
+    module = kernels.load()
     real = module.decode_layers
     monkeypatch.setattr(module, "decode_layers", lambda *args: calls.append(len(args[0])) or real(*args))
     decode = forward_request([[9], [4]], [6, 3], [[1, 2], [3, 4]], block_size=BLOCK_SIZE)
@@ -175,7 +175,7 @@ def test_steps_with_a_prompt_take_the_python_layers(model, monkeypatch):
 def test_bfloat16_pools_run_natively_with_the_python_layers_logits(tiny, monkeypatch):
     model, _ = load(tiny, torch.float32, backend="cpu-native", kv_dtype=torch.bfloat16)
     calls = []
-    module = native.load()
+    module = kernels.load()
     real = module.decode_layers
     monkeypatch.setattr(module, "decode_layers", lambda *args: calls.append(args[5][0].dtype) or real(*args))
     runner, limits = runner_for(model, torch.bfloat16)
@@ -212,7 +212,7 @@ def test_refuses_slots_outside_the_pool_and_stray_scales(model, slot, scales, me
     caches = [torch.zeros(NUM_BLOCKS, BLOCK_SIZE, kv_heads, dim) for _ in range(config.num_hidden_layers)]
     one = torch.ones(1, dtype=torch.long)
     with pytest.raises(RuntimeError, match=message):
-        native.load().decode_layers(
+        kernels.load().decode_layers(
             torch.zeros(1, config.hidden_size), torch.ones(1, dim), torch.zeros(1, dim), stack.weights,
             scales, caches, caches, torch.tensor([slot]), torch.zeros(1, 1, dtype=torch.long),
             torch.zeros(1, dtype=torch.long), one, one, heads, kv_heads, 1e-5, dim**-0.5,

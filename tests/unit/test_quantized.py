@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from compute_service.attention import native
+from compute_service import kernels
 from compute_service.model_loader import load
 from compute_service.quantized import (
     QUANTIZED_MAX_ROWS,
@@ -24,7 +24,7 @@ from tests.tiny_model import save_tiny_llama, tiny_llama_config
 TOLERANCE = {"int8": 0.02, "int4": 0.12}
 
 
-needs_native = pytest.mark.skipif(native.load() is None, reason="the native kernels cannot be built here")
+needs_native = pytest.mark.skipif(kernels.load() is None, reason="the native kernels cannot be built here")
 
 
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
@@ -34,7 +34,7 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
 @pytest.fixture
 def torch_kernels(monkeypatch):
     """QuantizedLinear as on a machine where the native kernels do not build: torch's kernels for int8 too."""
-    monkeypatch.setattr("compute_service.quantized.native", SimpleNamespace(load=lambda: None))
+    monkeypatch.setattr("compute_service.quantized.kernels", SimpleNamespace(load=lambda: None))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -82,7 +82,7 @@ def test_int8_panels_multiply_the_torch_paths_values_at_every_batch_size(rows, m
     linear = nn.Linear(128, 96, bias=True)
     panels = QuantizedLinear(linear, "int8")
     with monkeypatch.context() as patch:
-        patch.setattr("compute_service.quantized.native", SimpleNamespace(load=lambda: None))
+        patch.setattr("compute_service.quantized.kernels", SimpleNamespace(load=lambda: None))
         reference = QuantizedLinear(linear, "int8")
     assert panels.panels and not reference.panels and "native panels" in repr(panels)
     x = torch.randn(2, rows, 128)

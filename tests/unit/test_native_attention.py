@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from common import paging
-from compute_service import kernels, model_loader
-from compute_service.attention import cpu_native, registry
+from compute_service import kernels, model_loader, planning
+from compute_service.attention import cpu_native
 from compute_service.attention.reference import reference_attention
 
 NUM_BLOCKS = 256
@@ -216,7 +216,7 @@ def test_a_machine_that_cannot_build_falls_back_to_cpu(monkeypatch, tmp_path):
     kernels.load.cache_clear()
     try:
         assert kernels.load() is None
-        assert registry.default_backend() == "cpu"
+        assert auto_backend() == "cpu"
         with pytest.raises(ValueError, match="cpu-native: its kernel cannot be built"):
             model_loader.load("unused", torch.float32, "cpu-native")
         with pytest.raises(RuntimeError, match="--attention-backend cpu"):
@@ -224,7 +224,7 @@ def test_a_machine_that_cannot_build_falls_back_to_cpu(monkeypatch, tmp_path):
     finally:
         monkeypatch.undo()
         kernels.load.cache_clear()
-    assert registry.default_backend() == "cpu-native", "this machine builds it"
+    assert auto_backend() == "cpu-native", "this machine builds it"
 
 
 def test_a_build_is_loaded_past_a_killed_builds_lock_file():
@@ -257,5 +257,10 @@ def test_a_stale_lock_is_removed_before_a_build_and_a_fresh_one_kept(tmp_path):
 
 
 def test_bfloat16_weights_default_to_the_cpu_backend():
-    assert registry.default_backend("float32") == "cpu-native"
-    assert registry.default_backend("bfloat16") == "cpu"
+    assert auto_backend(torch.float32) == "cpu-native"
+    assert auto_backend(torch.bfloat16) == "cpu"
+
+
+def auto_backend(dtype: torch.dtype = torch.float32) -> str:
+    """--attention-backend auto's choice on this machine, as the execution plan makes it."""
+    return planning.attention_backend(planning.Flags(dtype), planning.this_machine()).implementation

@@ -17,7 +17,7 @@ from common.precision import resolve_dtype, resolve_kv_dtype
 from common.server import serve
 from common.session_fence import SessionFence
 from common.shared_pool import dtype_from_name
-from compute_service import attach_pool, kernels
+from compute_service import kernels, kv_pool
 from compute_service.attention.registry import require_block_size
 from compute_service.batch import ForwardBatch
 from compute_service.callers import CALLERS
@@ -72,7 +72,7 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
         common/shared_pool.py open_pool) and fits the model; a refusal leaves the attached pool in place."""
         if not handle.epoch:
             raise InvalidArgument("pool handle has no epoch: pass the handle CreatePool returned")
-        pool = attach_pool.open_on(handle, self.device)
+        pool = kv_pool.map_kv_pool(handle, self.device)
         self._check_geometry(handle)
         num_blocks, block_size = pool.shape[2], pool.shape[3]
         try:

@@ -21,7 +21,8 @@ def greedy(logits: torch.Tensor, kernels: ModuleType | None) -> Sampled:
 
     NOTE: float32 logits go to the native kernels' `greedy` where given (compute_service.kernels, as the
     execution plan's `sampling.greedy` says): one pass for each row's maximum and one for its sum of
-    exponentials, where torch's ops write [S, V] temporaries in four passes (docs/internals/kernels.md)."""
+    exponentials, where torch's ops write [S, V] temporaries in four passes
+    (docs/internals/fused-layers.md)."""
     if kernels is not None and logits.dtype == torch.float32:
         tokens, logprobs = kernels.greedy(logits.contiguous())
     else:

@@ -1,8 +1,8 @@
 """The kernels a linear layer multiplies by (compute_service.linear), each holding its weight once, in the
 layout it reads: x [rows, in] (+ bias) -> [rows, out]. Which one a layer gets is the execution plan's choice
-(compute_service.planning); docs/internals/kernels.md has the measurements behind each choice and the
-commands that take them again (`python -m tests.step_bench --compare linear`, `python -m cli.weights_report
---speed`).
+(compute_service.planning); docs/internals/cpu-fast-path.md and quantised-weights.md have the measurements
+behind each choice and the commands that take them again (`python -m tests.step_bench --compare linear`,
+`python -m cli.weights_report --speed`).
 
 - Panels: the native panel kernel (compute_service/kernels/panel_linear.cpp) on float32 weights, or int8
   ones with a float32 scale per output channel widened in registers; float32 activations.

@@ -6,7 +6,7 @@ costing Python dispatch. The native stack runs the same function with no Python 
 products are the same kernels on the same packed weights (compute_service.linear_kernels: float32 or int8
 panels, oneDNN in bfloat16), attention is the same cpu-native kernel (compute_service.attention.cpu_native),
 the rest plain loops. It pays at every batch size measured, float32, int8 and bfloat16 weights alike
-(docs/internals/kernels.md; `python -m tests.step_bench --compare decode-stack` measures it again).
+(docs/internals/execution-plan.md; `python -m tests.step_bench --compare decode-stack` measures it again).
 
 Where it runs is the execution plan's choice (compute_service.planning: fused layers of an architecture in
 ARCHITECTURES, the cpu-native attention, panel or oneDNN linears without bias, a float32 or bfloat16 pool);

@@ -20,14 +20,15 @@ INT4_GROUP_SIZE = 32
 # The int4 packing needs whole tiles of output channels.
 INT4_ROW_MULTIPLE = 16
 # The output head's mode under either quantised mode. NOTE: an int4 head costs far more perplexity than int4
-# decoder layers, an int8 head little, at a quarter of float32's bytes (docs/internals/kernels.md;
-# `python -m cli.weights_report --dense-head` measures it).
+# decoder layers, an int8 head little, at a quarter of float32's bytes (docs/configuration.md, Quantised
+# weights; `python -m cli.weights_report --dense-head` measures it).
 HEAD_MODE = "int8"
 # Rows up to which torch's weight-only kernels run; above, the dense GEMM on the dequantised weights is
-# faster (docs/internals/kernels.md).
+# faster (docs/internals/quantised-weights.md).
 QUANTIZED_MAX_ROWS = 16
 # The activations' dtype on torch's weight-only kernels. NOTE: they vectorise bfloat16 activations only;
-# float32 ones take a scalar path, so the input is cast to bfloat16 and the output back.
+# float32 ones take a scalar path, many times slower (docs/internals/kernels.md), so the input is cast to
+# bfloat16 and the output back.
 KERNEL_DTYPE = torch.bfloat16
 
 

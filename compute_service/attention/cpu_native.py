@@ -7,7 +7,7 @@ output).
 NOTE: prompts and chunks go to the kernel too, not to the pure-torch backend's gather + SDPA
 (compute_service.attention.cpu): since it scores four query rows per key vector, weighs values two rows at a
 time and hands out items of up to 32 queries costliest first, it takes about half the time of gather + SDPA
-on fresh prompts and less on chunks over a cached prefix (docs/internals/kernels.md).
+on fresh prompts and less on chunks over a cached prefix (docs/internals/native-attention.md).
 """
 
 from dataclasses import dataclass

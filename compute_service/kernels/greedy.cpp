@@ -1,7 +1,7 @@
 // The greedy choice of each row of float32 logits: its first most likely token and that token's
 // log-probability, log p = -log sum_v exp(logit_v - max), in two passes over the row (the second reads it
 // from cache) with no [rows, vocab] temporaries. Rows run in parallel with at::parallel_for. The pure-torch
-// path it stands in for is compute_service/greedy.py's torch_greedy.
+// path it stands in for is compute_service/greedy.py's, where the execution plan names torch.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>

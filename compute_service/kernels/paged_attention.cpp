@@ -28,8 +28,8 @@
 
 namespace {
 
-// Queries per item of a prompt chunk (32 against 8: chunks over a 512-token prefix 0.85-1.0x -> 0.7-0.8x the
-// time of gather + SDPA), and decodes per group (more would leave a step's groups too few for the threads).
+// Queries per item of a prompt chunk (32 rather than 8: chunks over a cached prefix ran faster,
+// docs/internals/kernels.md), and decodes per group (more would leave a step's groups too few for the threads).
 constexpr int64_t kQueryChunk = 32;
 constexpr int64_t kDecodeGroup = 8;
 
@@ -252,14 +252,12 @@ void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const 
     if (visible[r] > 0) active[count++] = r;
   }
   // NOTE: float keys of head dim 64 in blocks of 16 go through scores64/values64: explicit vectors, up to four
-  // rows per key or value load, a block's 16 scores summed together (measured, 16 decodes of 290 keys on 2
-  // threads, in one process alternating the builds: 0.88-0.93x the step of row_scores/pair_values, 0.82x
-  // with the keys in cache; one decode on 1 thread 0.94x).
+  // rows per key or value load, a block's 16 scores summed together (faster than row_scores/pair_values at
+  // one decode and at many: docs/internals/kernels.md).
   constexpr bool kVec64 = vec::kAvx512 && D == 64 && std::is_same_v<kv_t, float>;
   const bool vec64 = kVec64 && g.block_size == 16;
-  // NOTE: not where scores64 serves, at any row count: against the transposed keys, the attention of 32 decodes
-  // over a 512-token shared prefix took 0.88x the time, a 48-token chunk over it 0.83x, a 512-token prompt 0.83x
-  // (one process, the builds alternating).
+  // NOTE: not where scores64 serves, at any row count: scores64 was faster than the transposed keys there too
+  // (docs/internals/native-attention.md).
   const bool transposed = !vec64 && g.block_size == kTransposedBlock && count >= kTransposedRows;
   // the scratch rows (r0 + active[i]) of runs of up to four active rows, and the most keys any of them sees
   const auto run = [&](int64_t first, int64_t n, int64_t* at) {
@@ -571,11 +569,9 @@ void attend_all(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_ca
   const int64_t* contexts = context_lens.data_ptr<int64_t>();
   // NOTE: a decode's task takes every KV head of its sequence (or group), so that it reads each block's keys
   // and values whole, in one pass: a task per KV head read a third of every key row and skipped the rest, a
-  // pattern the hardware prefetcher follows badly (measured, 16 decodes of 290 keys on 2 threads: the pool's
-  // bytes alone took 16-18 ms per step that way, 5.7-11 ms whole; the kernel's step 0.90-0.96x the time, in
-  // one process alternating the two builds). With fewer decodes than twice the threads (one stream) they keep
-  // a task per KV head so that every thread has work. Prompt chunks, whose keys each serve up to
-  // kQueryChunk queries, keep a task per KV head.
+  // pattern the hardware prefetcher follows badly (docs/internals/kernels.md). With fewer decodes than twice
+  // the threads (one stream) they keep a task per KV head so that every thread has work. Prompt chunks, whose
+  // keys each serve up to kQueryChunk queries, keep a task per KV head.
   const int64_t decode_units = static_cast<int64_t>(groups.size()) +
                                std::count_if(items.begin(), items.end(), [&](const Item& item) {
                                  return lens[item.seq] == 1;

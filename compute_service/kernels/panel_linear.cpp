@@ -7,7 +7,7 @@
 // Why not oneDNN's inner product (which the linears ran on before): a decode step streams every weight from
 // memory once, and oneDNN's products at a few rows overlapped that stream badly with their arithmetic; the
 // panels are faster at decode-sized batches on AVX-512 and AVX2 builds alike (figures and how they were taken:
-// docs/internals/kernels.md; `python -m tests.step_bench --compare linear` measures it again).
+// docs/internals/cpu-fast-path.md; `python -m tests.step_bench --compare linear` measures it again).
 //
 // The kernel: each task takes a run of (panel, row block) pairs, a panel's row blocks one after another (so
 // the panel is read from memory once, its later blocks find it in L2); for each, tiles of up to kMaxRows rows

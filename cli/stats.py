@@ -1,5 +1,6 @@
 """`pagedserve stats`: the cache service's GetStats as a table, or JSON with --json; with --compute-target,
-compute's model, dtype, weights mode, KV dtype and attention backend too (rows `compute.*`)."""
+compute's model, dtype, weights mode, KV dtype and attention backend too (rows `compute.*`), and its execution
+plan: what runs each stage of a step, and why (rows `compute.plan.*`)."""
 
 import argparse
 import json
@@ -37,21 +38,25 @@ def run(args: argparse.Namespace) -> int:
     try:
         fields = _plain(_cache_stats(args))
         if args.compute_target:
-            info = _plain(_model_info(args))
-            fields["compute"] = {name: info[name] for name in COMPUTE_FIELDS}
+            info = _model_info(args)
+            fields["compute"] = {name: getattr(info, name) for name in COMPUTE_FIELDS}
+            fields["compute"]["execution_plan"] = _plan(info.execution_plan)
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(fields))
         return 0
-    # The tier's message (kv_tier) becomes one row per field: kv_tier.hit_blocks, ...; so does compute's.
+    # The tier's message (kv_tier) becomes one row per field: kv_tier.hit_blocks, ...; so does compute's, and
+    # its plan one row per stage: compute.plan.layers, ...
     rows = {}
     for name, value in fields.items():
         if name in ("kv_tier", "compute"):
-            rows.update({f"{name}.{inner}": tier_value for inner, tier_value in value.items()})
+            rows.update({f"{name}.{inner}": inner_value for inner, inner_value in value.items()})
         else:
             rows[name] = value
+    if "compute.execution_plan" in rows:
+        rows.update(_plan_rows(rows.pop("compute.execution_plan")))
     width = max(map(len, rows))
     for name, value in rows.items():
         print(f"{name:<{width}}  {value}")
@@ -67,6 +72,25 @@ def _model_info(args: argparse.Namespace) -> compute_pb2.ModelInfo:
     with channel(args.compute_target, transport.credentials_of(args)) as ch:
         request = compute_pb2.GetModelInfoRequest()
         return compute_pb2_grpc.ComputeStub(ch).GetModelInfo(request, timeout=args.timeout)
+
+
+def _plan(plan: compute_pb2.ExecutionPlan) -> dict:
+    """The plan as plain values: what it was resolved for, and each stage's implementation and reason."""
+    stages = {s.stage: {"implementation": s.implementation, "reason": s.reason} for s in plan.stages}
+    return {
+        "architecture": plan.architecture,
+        "device": plan.device,
+        "isa": plan.isa,
+        "native_kernels": plan.native_kernels,
+        "stages": stages,
+    }
+
+
+def _plan_rows(plan: dict) -> dict:
+    rows = {f"compute.plan.{name}": value for name, value in plan.items() if name != "stages"}
+    for stage, choice in plan["stages"].items():
+        rows[f"compute.plan.{stage}"] = f"{choice['implementation']} ({choice['reason']})"
+    return rows
 
 
 def _plain(message) -> dict:

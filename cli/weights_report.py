@@ -20,6 +20,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,10 +28,13 @@ import torch
 from cli.kv_report import PagedRun, agreement, greedy
 from common.model_files import local_copy
 from common.shared_pool import dtype_from_name, dtype_name
+from compute_service import planning
 from compute_service.attention.kv_codec import NO_SCALES
-from compute_service.linear import pack_linears
-from compute_service.model_loader import load
-from compute_service.quantized import MIXED_PRECISION, QUANTIZED_MAX_ROWS, QUANTIZED_MODES, quantize_linears
+from compute_service.linear import replace_linears
+from compute_service.model_loader import load_planned, plan_for
+from compute_service.plan import WEIGHT_ONLY, ExecutionPlan, LinearChoice
+from compute_service.planning import Flags
+from compute_service.quantized import QUANTIZED_MAX_ROWS, QUANTIZED_MODES
 
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
 # (dtype, weights, output head quantised): float32 first, the reference.
@@ -54,18 +58,24 @@ def tokenized_text(model_name: str) -> list[int]:
 
 
 def build(model_name: str, dtype: str, weights: str, head: bool, kernel_max_rows: int):
-    """The paged model in `dtype` with its linears held as `weights` (the output head too if `head`)."""
-    model, _ = load(model_name, dtype_from_name(dtype), plain_linear=True)
-    quantize_linears(model, weights, lm_head=head, kernel_max_rows=kernel_max_rows)
-    # NOTE: packed after quantising, as the loader does (packing hides the plain weights).
-    pack_linears(model, _packed_dtype(dtype, weights))
-    return model
+    """The paged model in `dtype` with its linears held as `weights` (the output head too if `head`), on the
+    cpu attention backend."""
+    files, plan = plan_for(model_name, Flags(dtype_from_name(dtype), weights, attention_backend="cpu"))
+    return load_planned(files, report_plan(plan, head, kernel_max_rows))[0]
 
 
-def _packed_dtype(dtype: str, weights: str) -> torch.dtype:
-    """The dtype dense linears are packed in: bfloat16 in the mixed-precision mode, else float32 (the
-    packing applies to float32 linears only)."""
-    return torch.bfloat16 if (dtype, weights) == MIXED_PRECISION else torch.float32
+def report_plan(plan: ExecutionPlan, head: bool, kernel_max_rows: int) -> ExecutionPlan:
+    """`plan` with the output head dense unless `head` (the model's dtype, as a dense mode holds it), and
+    torch's weight-only kernels up to `kernel_max_rows` rows."""
+    if not head:
+        flags = Flags(dtype_from_name(plan.dtype))
+        dense = planning.dense_linears(flags, plan.dtype, plan.machine)
+        plan = replace(plan, head_linear=replace(dense, reason="the report's dense head"))
+
+    def rows(choice: LinearChoice) -> LinearChoice:
+        return replace(choice, max_rows=kernel_max_rows) if choice.kernel == WEIGHT_ONLY else choice
+
+    return replace(plan, decoder_linears=rows(plan.decoder_linears), head_linear=rows(plan.head_linear))
 
 
 def perplexity(model_name: str, dtype: str, weights: str, head: bool) -> float:
@@ -78,11 +88,10 @@ def perplexity(model_name: str, dtype: str, weights: str, head: bool) -> float:
     """
     from transformers import AutoModelForCausalLM
 
-    path = local_copy(model_name).path
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype_from_name(dtype)).eval()
-    quantize_linears(model, weights, lm_head=head)
-    if (dtype, weights) == MIXED_PRECISION:
-        pack_linears(model, torch.bfloat16)
+    files, plan = plan_for(model_name, Flags(dtype_from_name(dtype), weights))
+    plan = report_plan(plan, head, QUANTIZED_MAX_ROWS)
+    model = AutoModelForCausalLM.from_pretrained(files.path, dtype=dtype_from_name(dtype)).eval()
+    replace_linears(model, plan.decoder_linears, plan.head_linear)
     ids = torch.tensor([tokenized_text(model_name)])
     with torch.inference_mode():
         logits = model(input_ids=ids).logits[0, :-1].float()

@@ -43,9 +43,8 @@ class ForwardSteps:
         (ForwardBatch.following), in tensors, and needs no checks of its own: MultiStepPlan.check verified up
         front that every row's slots for all its steps lie in its table, the pool and the model's length; its
         sampling rows are the first step's, its new tokens were sampled here, and the pool stays attached
-        while this holds the lock. Measured through the stack (latency workload), where a step's Python runs
-        on caches its forward just flushed: checking each step took ~1 ms of a ~25 ms single-stream step,
-        building its batch again from a request ~0.9 ms, deriving it from the batch before 0.15-0.2 ms."""
+        while this holds the lock. Checking each step, or building its batch again from a request, cost a
+        single stream several times what deriving it does (docs/internals/orchestration.md)."""
         try:
             with self._lock:
                 start = time.perf_counter()

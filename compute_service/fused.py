@@ -1,35 +1,59 @@
-"""Fewer, larger ops: a loaded Llama-family model rebuilt on compute_service.llama_layer.
+"""Fewer, larger ops: a loaded model rebuilt on a lighter layer forward (compute_service.llama_layer), for the
+architectures in ARCHITECTURES.
 
 q/k/v become one linear (their weights stacked, the output split after), gate/up another; the residual
 stream is one tensor updated in place and the RMSNorms work on their temporaries in place; the per-layer
 forward calls the paged attention function directly, with none of transformers' kwargs plumbing, mask
 creation or output capture.
 
-Which models: transformers' Llama classes (LlamaDecoderLayer, SiLU MLP) in float32. Others keep
-transformers' own forward. NOTE: float32 only, because bfloat16 parity with transformers is held token for
-token, and transformers computes RMSNorm in float32 and rounds to bfloat16 before the weight product, which
-this forward (all in the input's dtype) does not reproduce.
+Which models (`misfit`, asked by the execution plan: compute_service.planning): an architecture listed in
+ARCHITECTURES whose config its check accepts, in float32. Others keep transformers' own forward. NOTE:
+float32 only, because bfloat16 parity with transformers is held token for token, and transformers computes
+RMSNorm in float32 and rounds to bfloat16 before the weight product, which this forward (all in the input's
+dtype) does not reproduce.
+
+A new architecture plugs in with an entry in ARCHITECTURES: its config check and the function that rebuilds
+a loaded model of it; the plan then reports it, and every architecture not listed is reported as running
+transformers' layers, with the list of those that do not.
 """
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaModel
 
 from compute_service.llama_layer import FusedLlamaLayer, FusedLlamaModel
 
 
-def can_fuse(model: PreTrainedModel) -> bool:
-    """Whether `fuse` applies: a transformers Llama stack in float32 with SiLU and a paged attention."""
-    base = getattr(model, "model", None)
-    return (
-        type(base) is LlamaModel
-        and model.dtype == torch.float32
-        and model.config.hidden_act == "silu"
-        and all(type(layer) is LlamaDecoderLayer for layer in base.layers)
-        and _is_paged(model.config._attn_implementation)
-    )
+@dataclass(frozen=True)
+class Architecture:
+    """A fused forward for one transformers model_type: `misfit(config)` says why a config of it does not
+    fit (None: it does), `rebuild(model)` replaces a loaded model's stack in place."""
+
+    misfit: Callable[[PretrainedConfig], str | None]
+    rebuild: Callable[[PreTrainedModel], None]
+
+
+def misfit(config: PretrainedConfig, dtype: torch.dtype) -> str | None:
+    """Why a model of `config` in `dtype` keeps transformers' layers, or None if `fuse` rebuilds it."""
+    architecture = ARCHITECTURES.get(config.model_type)
+    if architecture is None:
+        return (
+            f"architecture {config.model_type!r}: the fused forward supports {', '.join(ARCHITECTURES)} only"
+        )
+    if dtype != torch.float32:
+        return "the fused forward runs float32 only (bfloat16 parity rounds RMSNorm as transformers does)"
+    return architecture.misfit(config)
+
+
+def fuse(model: PreTrainedModel) -> None:
+    """Rebuilds `model` in place on its architecture's fused forward (the plan chose it: `misfit` is None)."""
+    assert _is_paged(model.config._attn_implementation), "the fused stack keeps no KV cache of its own"
+    ARCHITECTURES[model.config.model_type].rebuild(model)
 
 
 def _is_paged(attn_implementation: str) -> bool:
@@ -38,16 +62,20 @@ def _is_paged(attn_implementation: str) -> bool:
     return attn_implementation.startswith("pagedserve_") and attn_implementation in ALL_ATTENTION_FUNCTIONS
 
 
-def fuse(model: PreTrainedModel) -> bool:
-    """Replaces `model.model` in place by a FusedLlamaModel over the same weights if `can_fuse`; returns
-    whether it did. The embedding stays shared with a tied output head."""
-    if not can_fuse(model):
-        return False
+def _llama_misfit(config: PretrainedConfig) -> str | None:
+    if config.hidden_act != "silu":
+        return f"hidden_act {config.hidden_act!r}: the fused Llama MLP is SiLU-gated"
+    return None
+
+
+def _rebuild_llama(model: PreTrainedModel) -> None:
+    """`model.model` replaced by a FusedLlamaModel over the same weights; the embedding stays shared with a
+    tied output head."""
     base = model.model
+    assert type(base) is LlamaModel and all(type(layer) is LlamaDecoderLayer for layer in base.layers)
     attention = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
     layers = [fused_layer(layer, attention) for layer in base.layers]
     model.model = FusedLlamaModel(base.embed_tokens, layers, base.norm, base.rotary_emb)
-    return True
 
 
 def fused_layer(layer: LlamaDecoderLayer, attention) -> FusedLlamaLayer:
@@ -76,3 +104,7 @@ def stacked(*linears: nn.Linear) -> nn.Linear:
     if has_bias:
         fused.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
     return fused
+
+
+# The fused forwards by transformers model_type.
+ARCHITECTURES: dict[str, Architecture] = {"llama": Architecture(_llama_misfit, _rebuild_llama)}

@@ -19,10 +19,10 @@ def greedy(logits: torch.Tensor, kernels: ModuleType | None) -> Sampled:
     """logits [S, V] -> the first most likely token of each row and its log-probability, as `sample` gives
     them for a plain greedy batch (the log-probability up to float rounding).
 
-    NOTE: float32 logits go to the native kernels' `greedy` where given (compute_service.attention.native):
-    one pass for each row's maximum and one for its sum of exponentials. torch's ops write [S, V]
-    temporaries in four passes (measured, 2 threads, 49,152 logits per row: 16 rows 1.07 -> 0.24 ms, 32 rows
-    2.2 -> 0.50 ms, 3-4 % of a decode step before)."""
+    NOTE: float32 logits go to the native kernels' `greedy` where given (compute_service.kernels, as the
+    execution plan's `sampling.greedy` says): one pass for each row's maximum and one for its sum of
+    exponentials, where torch's ops write [S, V] temporaries in four passes
+    (docs/internals/fused-layers.md)."""
     if kernels is not None and logits.dtype == torch.float32:
         tokens, logprobs = kernels.greedy(logits.contiguous())
     else:

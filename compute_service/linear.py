@@ -1,103 +1,68 @@
-"""float32 linear layers on the CPU, each weight packed once at load time: into panels for the native
-kernel (compute_service/attention/native/panel_linear.cpp) where it builds, else into oneDNN's blocked layout.
-
-NOTE: torch's float32 F.linear on the CPU is MKL's sgemm. oneDNN's inner product on a pre-reordered weight
-was faster at every batch size measured, decode and prefill alike. One step's linears of SmolLM2-135M (30
-layers + the output head, 538 MB of weights), 2 vCPUs, AMD EPYC with AVX-512, median of 9:
-rows 1: 25-33 -> 11-15 ms; 16: 47-58 -> 20 ms; 64: 111-152 -> 50 ms; 512: ~800 -> 370 ms.
-The reordered layout is tuned for PACK_ROWS rows; 32 was faster than 1 from 1 row to 512 (the layout for
-one row was no faster than the plain weight). vLLM's CPU engine takes the same route (a oneDNN matmul
-on a weight prepared once).
-
-The native panels went further where a step streams the weights from memory (a decode step: every weight
-read once, none in cache): the kernel prefetches each panel ahead of its arithmetic, which oneDNN's small
-products did not overlap well (measurements in panel_linear.cpp). They take the oneDNN weight's place, not
-a second copy.
-
-bfloat16 linears in a float32 model (`--weights bfloat16`, mixed precision): the weight is reordered in
-bfloat16, each input cast to bfloat16 and each output back to float32 (oneDNN accumulates in float32). On a
-CPU with bfloat16 dot products (AVX512-BF16 or AMX), one step's linears as above, median of 10:
-rows 1: 11.0 -> 6.5 ms; 16: 14.5 -> 10.9 ms; 64: 41 -> 26 ms; 512: 319 -> 171 ms. Without them
-oneDNN emulates bfloat16 (~30x slower), so the mode is refused there (`bfloat16_native`).
-
-Other dtypes and devices keep nn.Linear: bfloat16's F.linear is oneDNN already and its rounding is held
-token for token against transformers.
-"""
+"""The one linear layer: y = x·Wᵀ + b through the kernel the execution plan chose for its shape class
+(compute_service.linear_kernels), its weight held once by that kernel; the loader replaces a model's
+nn.Linear layers by it (`replace_linears`) where the plan does not keep transformers' own."""
 
 import torch
 from torch import nn
 
-from compute_service.attention import native
-
-# The batch size the reordered weight layout is chosen for (see the module docstring).
-PACK_ROWS = 32
-
-
-def can_pack(linear: nn.Module) -> bool:
-    """Whether `linear` is a plain float32 CPU nn.Linear and this torch has oneDNN."""
-    return (
-        isinstance(linear, nn.Linear)
-        and linear.weight.dtype == torch.float32
-        and linear.weight.device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-    )
+from common.shared_pool import dtype_from_name
+from compute_service.linear_kernels import Dense, LinearKernel, OneDnn, Panels, WeightOnly
+from compute_service.plan import DENSE, ONEDNN, PANELS, TRANSFORMERS, WEIGHT_ONLY, LinearChoice
+from compute_service.quantized import QUANTIZED_MODES, check_quantizable, quantize
 
 
-def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] reordered for oneDNN's inner product (an opaque tensor: no views, no storage)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+class Linear(nn.Module):
+    """y = x·Wᵀ + b on `kernel`; equal to F.linear on the weight the kernel holds, up to rounding. The bias
+    stays the original layer's parameter; the plain weight is not kept (it lives on only where another
+    module shares it, as a tied embedding does)."""
 
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x·Wᵀ + b for a weight from `packed_weight`; x [..., in] float32, contiguous result [..., out]."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-class PackedLinear(nn.Module):
-    """y = x·Wᵀ + b on `linear`'s weight packed once: float32 panels for the native kernel where it builds
-    (`panels`), else reordered for oneDNN in `dtype` (float32, or bfloat16 for mixed precision: the input
-    cast to it, the output back); equal to F.linear on the weight in `dtype` up to rounding.
-
-    The bias stays `linear`'s own float32 parameter; the plain weight is not kept (it lives on only where
-    another module shares it, as a tied embedding does)."""
-
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, kernel: LinearKernel, bias: torch.Tensor | None) -> None:
         super().__init__()
-        assert can_pack(linear), "PackedLinear takes a float32 CPU nn.Linear"
-        assert dtype in (torch.float32, torch.bfloat16), dtype
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.dtype = dtype
-        kernels = native.load() if dtype == torch.float32 else None
-        self.panels = kernels is not None
-        weight = linear.weight.detach().to(dtype).contiguous()
-        self.packed = kernels.pack_panels(weight) if kernels else packed_weight(weight)
-        self.bias = linear.bias
+        self.in_features, self.out_features = kernel.in_features, kernel.out_features
+        self.kernel = kernel
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels:
-            rows = x.reshape(-1, self.in_features).contiguous()
-            out = native.load().panel_linear(rows, self.packed, self.out_features, self.bias, None)
-            return out.view(*x.shape[:-1], self.out_features)
-        if self.dtype == x.dtype:
-            return packed_linear(x, self.packed, self.bias)
-        out = packed_linear(x.to(self.dtype), self.packed, None).to(x.dtype)
-        return out if self.bias is None else out + self.bias
+        out = self.kernel(x.reshape(-1, self.in_features), self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kind = "native panels" if self.panels else "onednn"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {kind} {self.dtype}"
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
-    """Replaces every float32 CPU nn.Linear of the model in place by a PackedLinear holding its weight in
-    `dtype`; returns how many. Run it last: passes that read or replace nn.Linear weights (fusing,
-    quantising) no longer see these."""
+def kernel_for(weight: torch.Tensor, choice: LinearChoice) -> LinearKernel:
+    """The kernel `choice` names, holding `weight` [out, in] (in the model's dtype) as it says."""
+    if choice.weights in QUANTIZED_MODES:
+        quantized = quantize(weight, choice.weights)
+        if choice.kernel == PANELS:
+            return Panels(quantized.qweight, quantized.scales)
+        assert choice.kernel == WEIGHT_ONLY and choice.dense is not None, choice
+        dense = kernel_for(quantized.dequantized.to(weight.dtype), choice.dense)
+        return WeightOnly(quantized, choice.max_rows, dense)
+    if choice.kernel == PANELS:
+        return Panels(weight.detach().float())
+    if choice.kernel == ONEDNN:
+        return OneDnn(weight, dtype_from_name(choice.weights))
+    assert choice.kernel == DENSE, choice
+    return Dense(weight)
+
+
+def replace_linears(model: nn.Module, decoder: LinearChoice, head: LinearChoice) -> int:
+    """Replaces every nn.Linear of the model in place (fused projections too) by a Linear as `decoder` says,
+    the output head as `head` says; a TRANSFORMERS choice keeps those as they are. Returns how many were
+    replaced. ValueError (before any replacement) if a layer's shape does not fit its kernel. Run it after
+    fusing: fusing stacks the plain weights this hides."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [
-        (parent, name, child)
+        (parent, name, child, head if child is output else decoder)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if can_pack(child)
+        if isinstance(child, nn.Linear)
     ]
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, dtype))
+    targets = [target for target in targets if target[3].kernel != TRANSFORMERS]
+    for parent, name, child, choice in targets:
+        check_quantizable(f"{type(parent).__name__}.{name}", child, choice.weights)
+    for parent, name, child, choice in targets:
+        setattr(parent, name, Linear(kernel_for(child.weight, choice), child.bias))
     return len(targets)

@@ -67,7 +67,8 @@ class FusedLlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens, self.norm, self.rotary_emb = embed_tokens, norm, rotary_emb
         self.layers = nn.ModuleList(layers)
-        # The C++ stack for all-decode steps (compute_service.native_decode), set by the loader if it fits.
+        # The C++ stack for all-decode steps (compute_service.native_decode), set by the loader where the
+        # execution plan runs it.
         self.native_decode = None
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -95,9 +96,8 @@ def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """transformers' LlamaRMSNorm with its float32 arithmetic in the same order (float32 inputs only: see
     compute_service.fused), its temporaries updated in place.
 
-    NOTE: not F.rms_norm: on the CPU its kernel took the same time as transformers' six ops from 64 rows on
-    and twice this one's (576 wide, one thread: 128 vs 70 µs at 64 rows, 995 vs 534 µs at 512); at one row
-    it saves under 1 µs."""
+    NOTE: not F.rms_norm: on the CPU its kernel was no faster than transformers' six ops from 64 rows on and
+    slower than this one (docs/internals/kernels.md)."""
     rstd = torch.rsqrt(x.square().mean(-1, keepdim=True).add_(norm.variance_epsilon))
     return (x * rstd).mul_(norm.weight)
 

@@ -1,27 +1,29 @@
-"""Loads a Hugging Face causal LM unmodified, its attention routed to a registered paged backend."""
+"""Loads a Hugging Face causal LM unmodified, its attention routed to a registered paged backend, and builds
+it to its execution plan (compute_service.plan): fused layers, linear kernels, the native decode stack."""
 
 from dataclasses import dataclass, replace
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from common.cpu import bfloat16_native
-from common.model_files import local_copy
-from common.shared_pool import dtype_name
-from compute_service import native_decode
-from compute_service.attention import native
+from common.model_files import ModelFiles, local_copy
+from common.shared_pool import dtype_from_name, dtype_name
+from compute_service import planning
 from compute_service.attention.context import timed
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
-from compute_service.attention.registry import get_backend, require_kv_dtype
+from compute_service.attention.registry import get_backend
 from compute_service.fused import fuse
 from compute_service.kv_calibration import calibrate
-from compute_service.linear import pack_linears
-from compute_service.quantized import MIXED_PRECISION, QUANTIZED_MODES, quantize_linears, resolve_weights
+from compute_service.linear import replace_linears
+from compute_service.native_decode import NativeDecode
+from compute_service.plan import ExecutionPlan
+from compute_service.planning import Flags
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the rest of the system needs to know about the model: pool geometry and token limits."""
+    """What the rest of the system needs to know about the model: pool geometry, token limits, and how each
+    stage of a step runs (`plan`)."""
 
     name: str
     num_layers: int
@@ -32,16 +34,19 @@ class ModelSpec:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
-    attention_backend: str
+    plan: ExecutionPlan
     # What the pool stores K/V as (the weights' dtype unless --kv-dtype), and its fp8 scales.
     kv_dtype: torch.dtype
     kv_scales: KVScales = NO_SCALES
-    # How the linear layers hold their weights (--weights): the dtype's name, or int8 / int4.
-    weights: str = ""
 
-    def __post_init__(self) -> None:
-        if not self.weights:
-            object.__setattr__(self, "weights", self.dtype_name)
+    @property
+    def attention_backend(self) -> str:
+        return self.plan.attention_backend
+
+    @property
+    def weights(self) -> str:
+        """How the linear layers hold their weights (--weights): the dtype's name, or int8 / int4."""
+        return self.plan.weights
 
     @property
     def dtype_name(self) -> str:
@@ -69,55 +74,45 @@ def load(
     fused: bool = True,
     weights: str = "auto",
 ) -> tuple[PreTrainedModel, ModelSpec]:
-    """The model with paged attention; its float32 CPU linear layers run on oneDNN with weights packed once
-    (compute_service.linear) unless `plain_linear`; a Llama-family model runs on fused projections and a
-    lighter layer forward (compute_service.fused) unless not `fused`; the linears hold int8/int4 weights if
-    `weights` says so (compute_service.quantized), or bfloat16 ones in a float32 model on a cpu that
-    multiplies bfloat16 natively (compute_service.linear). K/V are stored as `kv_dtype` (default: `dtype`);
-    an fp8 one is calibrated here (compute_service.kv_calibration). The model is placed on `device` (a torch
-    device name). ValueError if the backend cannot store it or a layer cannot be quantised."""
-    kv_dtype = dtype if kv_dtype is None else kv_dtype
-    weights = resolve_weights(weights, dtype_name(dtype))
-    if weights in QUANTIZED_MODES and device != "cpu":
-        raise ValueError(f"--weights {weights} runs torch's CPU kernels; on {device} use --weights auto")
-    if plain_linear and weights != dtype_name(dtype):
-        raise ValueError(
-            f"--plain-linear keeps dense nn.Linear layers; it cannot combine with --weights {weights}"
-        )
-    mixed = (dtype_name(dtype), weights) == MIXED_PRECISION
-    if mixed and (device != "cpu" or not bfloat16_native()):
-        raise ValueError(
-            "--weights bfloat16 with --dtype float32 runs oneDNN's bfloat16 products, which need a cpu with "
-            "AVX512-BF16 or AMX (this one would emulate them ~30x slower): use --weights auto, int8 or int4"
-        )
-    require_kv_dtype(backend, dtype_name(kv_dtype))
-    if backend == "cpu-native" and native.load() is None:
-        raise ValueError(
-            "attention backend cpu-native: its kernel cannot be built here (see the log); use cpu"
-        )
+    """The model with paged attention on `device` (a torch device name), built to the plan of these flags on
+    this machine (compute_service.planning); K/V stored as `kv_dtype` (default: `dtype`), an fp8 one
+    calibrated here (compute_service.kv_calibration). ValueError, before the weights load, for flags that
+    cannot run together or here; FileNotFoundError for a model that is not there."""
+    flags = Flags(dtype, weights, kv_dtype, device, backend, plain_linear, fused)
+    return load_planned(*plan_for(model, flags))
+
+
+def plan_for(model: str, flags: Flags) -> tuple[ModelFiles, ExecutionPlan]:
+    """The model's local files and its plan under `flags`; the flags are checked before the files are read."""
+    machine = planning.this_machine()
+    planning.check(flags, machine)
     files = local_copy(model)
+    return files, planning.resolve(AutoConfig.from_pretrained(files.path), flags, machine)
+
+
+def load_planned(files: ModelFiles, plan: ExecutionPlan) -> tuple[PreTrainedModel, ModelSpec]:
+    """The model of `files` built to `plan` (see `load`)."""
+    dtype, kv_dtype = dtype_from_name(plan.dtype), dtype_from_name(plan.kv_dtype)
     hf_model = (
         AutoModelForCausalLM.from_pretrained(
-            files.path, dtype=dtype, attn_implementation=register_attention(backend)
+            files.path, dtype=dtype, attn_implementation=register_attention(plan.attention_backend)
         )
         .eval()
-        .to(device)
+        .to(plan.device)
     )
-    spec = replace(model_spec(hf_model, files.name, backend, kv_dtype), weights=weights)
+    spec = model_spec(hf_model, files.name, plan, kv_dtype)
     spec = replace(spec, kv_scales=calibrate(hf_model, files.path, kv_dtype))
-    if fused:
-        # NOTE: fused before quantised: fusing stacks dense weights, and the fused linears are quantised too.
+    if plan.fused:
+        # NOTE: fused before the linears are replaced: fusing stacks the plain weights they hide.
         fuse(hf_model)
-    quantize_linears(hf_model, weights)
-    if not plain_linear:
-        # NOTE: last, since packing hides the plain weights that fusing and quantising read.
-        pack_linears(hf_model, torch.bfloat16 if mixed else torch.float32)
-        native_decode.enable(hf_model)
+    replace_linears(hf_model, plan.decoder_linears, plan.head_linear)
+    if plan.native_decode:
+        hf_model.model.native_decode = NativeDecode(list(hf_model.model.layers))
     return hf_model, spec
 
 
 def model_spec(
-    model: PreTrainedModel, name: str, backend: str, kv_dtype: torch.dtype | None = None
+    model: PreTrainedModel, name: str, plan: ExecutionPlan, kv_dtype: torch.dtype | None = None
 ) -> ModelSpec:
     config = model.config
     num_heads = config.num_attention_heads
@@ -133,7 +128,7 @@ def model_spec(
         vocab_size=vocab_size,
         max_model_len=config.max_position_embeddings,
         eos_token_ids=_eos_token_ids(config.eos_token_id, model.generation_config.eos_token_id),
-        attention_backend=backend,
+        plan=plan,
         kv_dtype=model.dtype if kv_dtype is None else kv_dtype,
     )
 

@@ -1,36 +1,40 @@
-"""The fused Llama stack's all-decode steps in C++ (compute_service/attention/native/decode_layers.cpp).
+"""The fused Llama stack's all-decode steps in C++ (compute_service/kernels/decode_layers.cpp).
 
 A decode step of a small model is mostly small ops: per layer ~25 of them (two RMSNorms, the rotary
 embedding, the K/V store, the residual adds, SiLU, views) around four matrix products and attention, each
 costing Python dispatch. The native stack runs the same function with no Python between the ops: the
-products are the same kernels on the same packed weights (compute_service.linear, or the int8 panels of
-compute_service.quantized), attention is the same cpu-native kernel (compute_service.attention.cpu_native),
-the rest plain loops.
+products are the same kernels on the same packed weights (compute_service.linear_kernels: float32 or int8
+panels, oneDNN in bfloat16), attention is the same cpu-native kernel (compute_service.attention.cpu_native),
+the rest plain loops. It pays at every batch size measured, float32, int8 and bfloat16 weights alike
+(docs/internals/execution-plan.md; `python -m tests.step_bench --compare decode-stack` measures it again).
 
-Where it runs (`NativeDecode.serves`): a FusedLlamaModel whose linears are all packed (or all int8 panels)
-and bias-free, loaded with the cpu-native attention on a float32 or bfloat16 pool, in a step where every
-sequence decodes one token. Any other step (a prompt or a chunk in the batch) runs the Python layers.
+Where it runs is the execution plan's choice (compute_service.planning: fused layers of an architecture in
+ARCHITECTURES, the cpu-native attention, panel or oneDNN linears without bias, a float32 or bfloat16 pool);
+in a step where every sequence decodes one token. Any other step (a prompt or a chunk in the batch) runs the
+Python layers.
 """
 
 import torch
 
-from compute_service.attention import cpu_native, native
+from compute_service import kernels
+from compute_service.attention import cpu_native
 from compute_service.attention.context import Context
-from compute_service.linear import PackedLinear
-from compute_service.llama_layer import FusedLlamaLayer, FusedLlamaModel
-from compute_service.quantized import QuantizedLinear
+from compute_service.linear import Linear
+from compute_service.linear_kernels import OneDnn, Panels
+from compute_service.llama_layer import FusedLlamaLayer
 
-BACKEND = "cpu-native"
-# The pools the native stack stores K/V into (decode_layers.cpp's `store`).
-POOL_DTYPES = (torch.float32, torch.bfloat16)
+# The architectures (transformers model_type) whose fused layers decode_layers.cpp computes.
+ARCHITECTURES = ("llama",)
 
 
 def _linears(layer: FusedLlamaLayer) -> tuple:
     return layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
 
 
-def _int8_panels(linear: torch.nn.Module) -> bool:
-    return type(linear) is QuantizedLinear and linear.panels
+def _kernel(linear: torch.nn.Module) -> Panels | OneDnn:
+    """A product's kernel, as the plan made it (compute_service.planning.decode_layers)."""
+    assert isinstance(linear, Linear) and isinstance(linear.kernel, (Panels, OneDnn)) and linear.bias is None
+    return linear.kernel
 
 
 class NativeDecode:
@@ -46,50 +50,27 @@ class NativeDecode:
             for layer in layers
             for tensor in (
                 layer.input_layernorm.weight.detach(),
-                _weight(layer.qkv_proj),
-                _weight(layer.o_proj),
+                _kernel(layer.qkv_proj).packed,
+                _kernel(layer.o_proj).packed,
                 layer.post_attention_layernorm.weight.detach(),
-                _weight(layer.gate_up_proj),
-                _weight(layer.down_proj),
+                _kernel(layer.gate_up_proj).packed,
+                _kernel(layer.down_proj).packed,
             )
         ]
-        int8 = _int8_panels(first.qkv_proj)
-        self.scales = [linear.scales for layer in layers for linear in _linears(layer)] if int8 else []
-
-    @staticmethod
-    def fits(layers: list[FusedLlamaLayer], attn_implementation: str) -> bool:
-        """Whether these layers can run natively: all their linears packed, or all int8 panels, and
-        bias-free; the same shape and norm epsilon in every layer, float32 norms, the cpu-native attention,
-        and the kernel built here."""
-        linears = [linear for layer in layers for linear in _linears(layer)]
-        norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
-        first = layers[0]
-        return (
-            attn_implementation == f"pagedserve_{BACKEND}"
-            and (all(type(lin) is PackedLinear for lin in linears) or all(map(_int8_panels, linears)))
-            and all(lin.bias is None for lin in linears)
-            and all(norm.weight.dtype == torch.float32 for norm in norms)
-            and len({norm.variance_epsilon for norm in norms}) == 1
-            and all(
-                (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling)
-                == (first.num_heads, first.num_kv_heads, first.head_dim, first.scaling)
-                for layer in layers
-            )
-            and native.load() is not None
-        )
+        scales = [getattr(_kernel(linear), "scales", None) for layer in layers for linear in _linears(layer)]
+        self.scales = [] if scales[0] is None else scales
 
     @staticmethod
     def serves(ctx: Context) -> bool:
-        """Whether this step can run natively: every sequence decodes one token, on a float32 or bfloat16
-        pool (fp8 ones have scales the stack does not apply)."""
-        return not ctx.prompt_rows and ctx.k_caches[0].dtype in POOL_DTYPES
+        """Whether this step runs natively: every sequence decodes one token."""
+        return not ctx.prompt_rows
 
     def run(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: Context) -> None:
         """Every layer over residual [T, hidden] in place (see decode_layers.cpp); attention's time is added
         to the step's."""
         cos, signed_sin = (table[:, 0].contiguous() for table in rope)
         inputs = cpu_native.kernel_inputs(ctx)
-        ctx.attention_s += native.load().decode_layers(
+        ctx.attention_s += kernels.load().decode_layers(
             residual,
             cos,
             signed_sin,
@@ -107,21 +88,3 @@ class NativeDecode:
             self.eps,
             self.scale,
         )
-
-
-def _weight(linear: torch.nn.Module) -> torch.Tensor:
-    """A product's weight as packed: PackedLinear's `packed`, or QuantizedLinear's int8 panels."""
-    return linear.qweight if type(linear) is QuantizedLinear else linear.packed
-
-
-def enable(model: torch.nn.Module) -> bool:
-    """Gives a loaded model's FusedLlamaModel its NativeDecode if its layers fit (run after packing); returns
-    whether it did."""
-    base = getattr(model, "model", None)
-    if not isinstance(base, FusedLlamaModel):
-        return False
-    layers = list(base.layers)
-    if not NativeDecode.fits(layers, model.config._attn_implementation):
-        return False
-    base.native_decode = NativeDecode(layers)
-    return True

@@ -13,8 +13,9 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "--attention-backend",
         choices=["auto", *BACKENDS],
         default="auto",
-        help="paged attention kernel (default auto: the --kv-device's own; on the cpu, cpu-native for "
-        "float32 where its kernel builds, else cpu; cuda also runs on the cpu, its torch path, to check it)",
+        help="paged attention backend (default auto: the --kv-device's own; on the cpu, cpu-native for "
+        "float32 where the native kernels build, else cpu; cuda also runs on the cpu, its torch path, to "
+        "check it)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument(
@@ -27,7 +28,8 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plain-linear",
         action="store_true",
-        help="keep nn.Linear as is (default: float32 CPU linears run on oneDNN, weights packed once)",
+        help="keep nn.Linear as is (default: float32 CPU linears on weights packed once, native panels where "
+        "the kernels build, else oneDNN; the start-up line execution_plan names them)",
     )
     parser.add_argument(
         "--unfused",

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from compute_service.attention import native
+from compute_service import kernels
 from compute_service.attention.context import build_context, reset_context, set_context
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.batch import ForwardBatch
 from compute_service.greedy import greedy, is_plain_greedy
+from compute_service.plan import ExecutionPlan
 from compute_service.sampling import Sampled, sample
 
 
@@ -27,11 +28,13 @@ class StepTimes:
 class Runner:
     """Runs steps of one model on the attached pool; keeps the per-layer pool views between steps."""
 
-    def __init__(self, model: PreTrainedModel, scales: KVScales = NO_SCALES) -> None:
+    def __init__(
+        self, model: PreTrainedModel, scales: KVScales = NO_SCALES, plan: ExecutionPlan | None = None
+    ) -> None:
+        """`plan`: the model's execution plan, whose `sampling.greedy` choice this follows (None: torch's)."""
         self.model = model
         self.scales = scales
-        # the native kernels' greedy choice where the logits are on the cpu and the kernels build here
-        self.kernels = native.load() if model.device.type == "cpu" else None
+        self.kernels = kernels.load() if plan is not None and plan.native_greedy else None
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
 

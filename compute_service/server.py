@@ -17,16 +17,16 @@ from common.precision import resolve_dtype, resolve_kv_dtype
 from common.server import serve
 from common.session_fence import SessionFence
 from common.shared_pool import dtype_from_name
-from compute_service import attach_pool
-from compute_service.attention import native
-from compute_service.attention.registry import backend_for, require_block_size
+from compute_service import kernels, kv_pool
+from compute_service.attention.registry import require_block_size
 from compute_service.batch import ForwardBatch
 from compute_service.callers import CALLERS
 from compute_service.fencing import StepFence
 from compute_service.forward_steps import ForwardSteps
-from compute_service.llama_layer import FusedLlamaModel
-from compute_service.model_loader import ModelSpec, load
+from compute_service.model_info import model_info
+from compute_service.model_loader import ModelSpec, load_planned, plan_for
 from compute_service.options import OPTIONS
+from compute_service.planning import Flags
 from compute_service.runner import Runner, StepTimes
 from compute_service.threads import ThreadPolicy
 from compute_service.validation import Limits
@@ -65,29 +65,14 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
         self._no_pool = NO_POOL
 
     def GetModelInfo(self, request, context) -> compute_pb2.ModelInfo:
-        spec = self.spec
-        return compute_pb2.ModelInfo(
-            model=spec.name,
-            num_layers=spec.num_layers,
-            num_attention_heads=spec.num_attention_heads,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            dtype=spec.dtype_name,
-            vocab_size=spec.vocab_size,
-            max_model_len=spec.max_model_len,
-            eos_token_ids=spec.eos_token_ids,
-            attention_backend=spec.attention_backend,
-            kv_dtype=spec.kv_dtype_name,
-            kv_scales_id=spec.kv_scales.identity,
-            weights=spec.weights,
-        )
+        return model_info(self.spec)
 
     def AttachPool(self, handle: common_pb2.PoolHandle, context) -> compute_pb2.AttachPoolResponse:
         """Maps the pool only if its segment is the one the cache created for this handle (see
         common/shared_pool.py open_pool) and fits the model; a refusal leaves the attached pool in place."""
         if not handle.epoch:
             raise InvalidArgument("pool handle has no epoch: pass the handle CreatePool returned")
-        pool = attach_pool.open_on(handle, self.device)
+        pool = kv_pool.map_kv_pool(handle, self.device)
         self._check_geometry(handle)
         num_blocks, block_size = pool.shape[2], pool.shape[3]
         try:
@@ -196,22 +181,22 @@ def main(argv: list[str] | None = None) -> None:
     log = configure("compute", args.log_format, args.log_level)
     threads = ThreadPolicy.from_flags(args.threads, args.single_stream_threads)
     torch.set_num_threads(threads.threads)
-    weights = resolve_dtype(args.dtype, device_type=args.kv_device.type)
-    kv_dtype = dtype_from_name(resolve_kv_dtype(args.kv_dtype, weights))
+    dtype = resolve_dtype(args.dtype, device_type=args.kv_device.type)
+    kv_dtype = dtype_from_name(resolve_kv_dtype(args.kv_dtype, dtype))
+    flags = Flags(
+        dtype_from_name(dtype),
+        args.weights,
+        kv_dtype,
+        args.kv_device.torch,
+        args.attention_backend,
+        args.plain_linear,
+        fused=not args.unfused,
+    )
     try:
-        backend = backend_for(args.attention_backend, args.kv_device.type, weights)
-        model, spec = load(
-            args.model,
-            dtype_from_name(weights),
-            backend,
-            args.plain_linear,
-            kv_dtype,
-            args.kv_device.torch,
-            fused=not args.unfused,
-            weights=args.weights,
-        )
+        model, spec = load_planned(*plan_for(args.model, flags))
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"compute_service: {exc}") from exc
+    native = spec.plan.machine.kernels and spec.attention_backend == "cpu-native"
     log.info(
         "model_loaded",
         model=spec.name,
@@ -222,10 +207,9 @@ def main(argv: list[str] | None = None) -> None:
         layers=spec.num_layers,
         threads=threads.threads,
         single_stream_threads=threads.single_stream,
-        native_threads=native.load().parallel_threads() if spec.attention_backend == "cpu-native" else None,
-        plain_linear=args.plain_linear,
-        fused=isinstance(model.model, FusedLlamaModel),
+        native_threads=kernels.load().parallel_threads() if native else None,
     )
+    log.info("execution_plan", **spec.plan.summary())
     COMPUTE_INFO.info(
         {
             "model": spec.name,
@@ -236,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
             "attention_backend": spec.attention_backend,
         }
     )
-    servicer = ComputeServicer(Runner(model, spec.kv_scales), spec, log, args.kv_device, threads)
+    servicer = ComputeServicer(Runner(model, spec.kv_scales, spec.plan), spec, log, args.kv_device, threads)
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(
         [(compute_pb2_grpc.add_ComputeServicer_to_server, servicer, SERVICE_NAME)],

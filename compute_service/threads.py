@@ -3,9 +3,9 @@ decoding), which runs on --single-stream-threads.
 
 NOTE: on a small host the gateway and its clients share the cores with compute. A one-token decode step is
 memory-bound and short, and when compute spreads it over every core, any gateway or client work preempts
-one of its threads and stalls the whole parallel region. Measured through the stack (2 vCPUs, SmolLM2-135M
-float32, `pagedserve bench --workload latency`): inter-token p50 25.9 ms on 2 threads, 22.6 ms on 1; the
-throughput workload (16 streams) kept 2 threads: 54.0 ms there, 61.2 ms on 1.
+one of its threads and stalls the whole parallel region; steps of many streams still gain from every thread.
+Measured through the stack with `pagedserve bench --workload latency` and `--workload throughput`
+(docs/internals/cpu-fast-path.md, One core fewer for one stream).
 """
 
 from dataclasses import dataclass

@@ -15,6 +15,8 @@ from protos import compute_pb2
 
 @dataclass(frozen=True)
 class Limits:
+    """What every step must stay within: the model's vocabulary and length, the attached KV pool's blocks."""
+
     vocab_size: int
     max_model_len: int
     num_blocks: int

@@ -12,7 +12,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "kv_dtype", "kv_scales_id", "weights")
+    __slots__ = ("model", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "kv_dtype", "kv_scales_id", "weights", "execution_plan")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class ModelInfo(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_PLAN_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     num_attention_heads: int
@@ -39,7 +40,32 @@ class ModelInfo(_message.Message):
     kv_dtype: str
     kv_scales_id: str
     weights: str
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., weights: _Optional[str] = ...) -> None: ...
+    execution_plan: ExecutionPlan
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., weights: _Optional[str] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ...) -> None: ...
+
+class ExecutionPlan(_message.Message):
+    __slots__ = ("architecture", "device", "isa", "native_kernels", "stages")
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ISA_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_KERNELS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    architecture: str
+    device: str
+    isa: str
+    native_kernels: bool
+    stages: _containers.RepeatedCompositeFieldContainer[PlanStage]
+    def __init__(self, architecture: _Optional[str] = ..., device: _Optional[str] = ..., isa: _Optional[str] = ..., native_kernels: _Optional[bool] = ..., stages: _Optional[_Iterable[_Union[PlanStage, _Mapping]]] = ...) -> None: ...
+
+class PlanStage(_message.Message):
+    __slots__ = ("stage", "implementation", "reason")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    IMPLEMENTATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    implementation: str
+    reason: str
+    def __init__(self, stage: _Optional[str] = ..., implementation: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AttachPoolResponse(_message.Message):
     __slots__ = ("epoch", "num_blocks")

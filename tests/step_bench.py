@@ -1,6 +1,8 @@
 """A decode step through compute's runner, two model variants against each other, in one process:
-transformers' layers against the fused ones (`--compare fused`), or nn.Linear against the packed oneDNN
-linears (`--compare linear`, both fused).
+transformers' layers against the fused ones (`--compare fused`), nn.Linear against the packed linears
+(`--compare linear`, both fused), or the fused Python layers against the native decode stack on the same
+loaded model (`--compare decode-stack`, the stack switched off and on between steps; `--weights` picks the
+linears it multiplies).
 
     PYTHONPATH=$PWD python -m tests.step_bench [--model smollm2] [--sizes 1 4 16 64] [--prefill 512]
 
@@ -32,6 +34,7 @@ VARIANTS = {
     "fused": {"transformers": {"fused": False}, "fused": {"fused": True}},
     "linear": {"nn.Linear": {"plain_linear": True}, "packed": {}},
 }
+DECODE_STACK = "decode-stack"
 
 
 def step_request(model, num_seqs: int):
@@ -51,7 +54,7 @@ def prefill_request(model, num_tokens: int):
 
 
 def make_runner(model, spec, num_blocks: int) -> tuple[Runner, Limits]:
-    runner = Runner(model, spec.kv_scales)
+    runner = Runner(model, spec.kv_scales, spec.plan)
     shape = (spec.num_layers, 2, num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
     runner.attach(torch.randn(shape, dtype=spec.kv_dtype) * 0.5)
     return runner, Limits(spec.vocab_size, spec.max_model_len, num_blocks, BLOCK_SIZE)
@@ -64,6 +67,31 @@ def timed_step(runner: Runner, limits: Limits, request, clock=time.perf_counter)
     return clock() - start
 
 
+def use_stack(runner: Runner, stack) -> None:
+    """Runs the fused model's all-decode steps on `stack` (None: the Python layers); a model without the
+    fused layers has none to set."""
+    if hasattr(runner.model.model, "native_decode"):
+        runner.model.model.native_decode = stack
+
+
+def load_variants(args, num_blocks: int) -> tuple[dict, dict]:
+    """Each variant's runner and limits, and the native stack it runs decodes on (None: Python layers)."""
+    if args.compare == DECODE_STACK:
+        # NOTE: one model and pool for both: only the forward of the step differs.
+        model, spec = load(args.model, torch.float32, backend=args.backend, weights=args.weights)
+        stack = getattr(model.model, "native_decode", None)
+        assert stack is not None, f"the plan runs no native decode stack: {spec.plan.decode_layers.reason}"
+        runner = make_runner(model, spec, num_blocks)
+        names = ("python layers", "native stack")
+        return dict.fromkeys(names, runner), dict(zip(names, (None, stack), strict=True))
+    variants, stacks = {}, {}
+    for name, options in VARIANTS[args.compare].items():
+        model, spec = load(args.model, torch.float32, backend=args.backend, weights=args.weights, **options)
+        variants[name] = make_runner(model, spec, num_blocks)
+        stacks[name] = getattr(model.model, "native_decode", None)
+    return variants, stacks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
@@ -73,8 +101,9 @@ def main() -> None:
         "--prefill", type=int, default=0, help="also time one fresh prompt of this many tokens"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared host)")
-    parser.add_argument("--compare", choices=sorted(VARIANTS), default="fused")
+    parser.add_argument("--compare", choices=[*sorted(VARIANTS), DECODE_STACK], default="fused")
     parser.add_argument("--backend", default="cpu-native", help="attention backend (default: float32's)")
+    parser.add_argument("--weights", default="auto", help="the linears' weights (--weights of compute)")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -82,10 +111,7 @@ def main() -> None:
     num_blocks = max(
         max(args.sizes) * blocks_for(CONTEXT + 1, BLOCK_SIZE), blocks_for(args.prefill, BLOCK_SIZE)
     )
-    variants = {}
-    for name, options in VARIANTS[args.compare].items():
-        model, spec = load(args.model, torch.float32, backend=args.backend, **options)
-        variants[name] = make_runner(model, spec, num_blocks)
+    variants, stacks = load_variants(args, num_blocks)
     print(f"threads={torch.get_num_threads()} context={CONTEXT} clock={clock.__name__}")
     base, new = variants
     model = variants[new][0].model
@@ -96,6 +122,7 @@ def main() -> None:
         times = {name: [] for name in variants}
         for _ in range(2 + args.repeats):
             for name, (runner, limits) in variants.items():
+                use_stack(runner, stacks[name])
                 times[name].append(timed_step(runner, limits, request, clock))
         medians = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
         ratio = medians[base] / medians[new]
@@ -103,6 +130,7 @@ def main() -> None:
         print(f"{label}  {cells}  speed-up {ratio:.2f}x")
         if args.profile:
             runner, limits = variants[new]
+            use_stack(runner, stacks[new])
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 timed_step(runner, limits, request)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))

@@ -113,7 +113,7 @@ def _decode_groups(ctx: Context) -> tuple[torch.Tensor, list[DecodeGroup]]:
     NOTE: the key slots are computed here once per step, so each layer gathers its keys with one
     index_select (a copy of whole rows) instead of an advanced index over blocks. A group is split so that
     no gather exceeds GATHER_KEYS keys: SDPA then reads keys still in cache, and the copies stay small
-    (measured: 16 decodes of 256 tokens, 30 layers, 2.8x faster than one gather per group)."""
+    (several times faster than one gather per group: docs/internals/kernels.md)."""
     rows = (ctx.cu_seqlens_q.diff() == 1).nonzero().squeeze(1)
     if not len(rows):
         return rows, []

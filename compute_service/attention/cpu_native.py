@@ -1,22 +1,21 @@
-"""CPU paged attention reading K/V in place by block table (compute_service/attention/native): no gather copy.
+"""CPU paged attention reading K/V in place by block table (compute_service/kernels): no gather copy.
 
 Every sequence of a step, decodes and prompt chunks alike, goes to the native kernel in one call per layer,
 with an online softmax in float32 over the pool's own dtype (fp8 scales folded into the query and the
 output).
 
-NOTE: prompts went to the pure-torch backend's gather + SDPA (compute_service.attention.cpu) until the
-kernel scored four query rows per key vector, weighed values two rows at a time, took items of up to 32
-queries and handed them out costliest first. Measured then (one sequence, 9 heads over 3 KV heads of 64,
-float32, 2 threads, best of 8, against gather + SDPA in the same run): fresh prompts of 64 / 256 / 512
-tokens 0.50x / 0.54x / 0.51x the time, chunks of 16 / 64 / 256 over a 512-token prefix 0.72x / 0.79x /
-0.71x (README, Native paged attention).
+NOTE: prompts and chunks go to the kernel too, not to the pure-torch backend's gather + SDPA
+(compute_service.attention.cpu): since it scores four query rows per key vector, weighs values two rows at a
+time and hands out items of up to 32 queries costliest first, it takes about half the time of gather + SDPA
+on fresh prompts and less on chunks over a cached prefix (docs/internals/native-attention.md).
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from compute_service.attention import cpu, native
+from compute_service import kernels
+from compute_service.attention import cpu
 from compute_service.attention.context import Context, layer_call
 
 KV_DTYPES = cpu.KV_DTYPES
@@ -34,7 +33,7 @@ class KernelInputs:
 
 def kernel():
     """The compiled kernel module; RuntimeError naming the fallback when this machine cannot build it."""
-    module = native.load()
+    module = kernels.load()
     if module is None:
         raise RuntimeError("the native attention kernel cannot be built here; use --attention-backend cpu")
     return module

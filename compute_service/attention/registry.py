@@ -1,9 +1,10 @@
-"""Attention backends by name; one module per device, each with the pool dtypes it reads and writes and
-the devices it runs on. `auto` picks the device's own backend."""
+"""Attention backends by name; one module per device, each with the pool dtypes it reads and writes, the
+devices it runs on and how it attends. Which one runs is the execution plan's choice
+(compute_service.planning)."""
 
 from collections.abc import Callable
 
-from compute_service.attention import cpu, cpu_native, cuda, native, npu, npu_args
+from compute_service.attention import cpu, cpu_native, cuda, npu, npu_args
 
 BACKENDS: dict[str, Callable] = {
     "cpu": cpu.paged_attention,
@@ -23,21 +24,18 @@ DEVICES: dict[str, tuple[str, ...]] = {"cpu": ("cpu",), "cuda": cuda.DEVICES, "n
 # The block sizes each backend pages by are multiples of these (checked when a pool is attached); a
 # backend not listed pages by any.
 BLOCK_MULTIPLES: dict[str, int] = {"cpu": 1, "cuda": 1, "npu": npu_args.PREFILL_BLOCK_MULTIPLE}
-# --attention-backend auto: the backend of the device compute runs on (on the cpu, see default_backend).
+# --attention-backend auto off the cpu: the device's own backend (on the cpu: compute_service.planning).
 DEVICE_DEFAULTS: dict[str, str] = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}
-
-
-def default_backend(dtype: str = "float32", device_type: str = "cpu") -> str:
-    """The device's own backend; on the cpu with float32 weights, cpu-native where its kernel builds and loads
-    (compute_service.attention.native).
-
-    NOTE: bfloat16 keeps cpu: transformers' SDPA rounds the softmax to bfloat16 before multiplying the values,
-    the native kernel keeps float32, and at bfloat16's frequent near-ties greedy tokens then differ from
-    transformers' generate (measured: the batched parity test left the reference at a gap of 0.125).
-    """
-    if device_type == "cpu" and dtype == "float32" and native.load() is not None:
-        return "cpu-native"
-    return DEVICE_DEFAULTS[device_type]
+# How each backend attends (prompts and chunks, decodes), as the execution plan reports it.
+PATHS: dict[str, tuple[str, str]] = {
+    "cpu": (
+        "causal SDPA per sequence, a cached prefix's blocks gathered",
+        "one gather by block table and SDPA per group of equal context lengths",
+    ),
+    "cpu-native": ("the native kernel, K/V read in place by block table",) * 2,
+    "cuda": ("flash_attn's varlen kernel with block_table where installed, else its torch path",) * 2,
+    "npu": ("npu_fused_infer_attention_score over the packed step",) * 2,
+}
 
 
 def get_backend(name: str) -> Callable:
@@ -46,20 +44,17 @@ def get_backend(name: str) -> Callable:
     return BACKENDS[name]
 
 
-def backend_for(name: str, device_type: str, dtype: str = "float32") -> str:
-    """The backend to run on `device_type` with `dtype` weights (`auto`: default_backend); ValueError if it
-    cannot run there or needs a module that is not installed (torch_npu)."""
-    backend = default_backend(dtype, device_type) if name == "auto" else name
-    get_backend(backend)
-    devices = DEVICES.get(backend, ("cpu",))
+def check_backend(name: str, device_type: str) -> None:
+    """ValueError unless the backend exists, runs on `device_type` and has its modules (torch_npu)."""
+    get_backend(name)
+    devices = DEVICES.get(name, ("cpu",))
     if device_type not in devices:
         raise ValueError(
-            f"attention backend {backend!r} runs on {' or '.join(devices)}, not on {device_type}: "
+            f"attention backend {name!r} runs on {' or '.join(devices)}, not on {device_type}: "
             "choose --attention-backend auto or a --kv-device it runs on"
         )
-    if backend == "npu":
+    if name == "npu":
         npu.require_torch_npu()
-    return backend
 
 
 def require_kv_dtype(backend: str, kv_dtype: str) -> None:

@@ -3,6 +3,7 @@ ForwardSteps: several decode steps per call give the tokens of one Forward per s
 sampling, penalties), rows stop at their limits or stop ids, the caller's half-close ends the call after the
 running step, and a bad call is refused before touching the pool."""
 
+import json
 import threading
 import time
 from functools import partial
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from common import shared_pool
 from common.server import channel
-from compute_service.attention.registry import default_backend
+from compute_service.plan import STAGES
 from compute_service.server import SEGMENT_CHECK_S, SEGMENT_REMOVED
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
 from tests.forward import forward_request as paged_forward_request
@@ -75,8 +76,11 @@ def service(model_dir, tmp_path_factory):
         "--threads",
         "2",
         "--insecure",
+        "--log-format",
+        "json",
     ]
-    proc = start("compute_service", *args, log_path=tmp_path_factory.mktemp("logs") / "compute.log")
+    log_path = tmp_path_factory.mktemp("logs") / "compute.log"
+    proc = start("compute_service", *args, log_path=log_path)
     target = f"127.0.0.1:{port}"
     try:
         wait_healthy(target, proc, timeout=120)
@@ -84,7 +88,7 @@ def service(model_dir, tmp_path_factory):
             stub = compute_pb2_grpc.ComputeStub(ch)
             # before any AttachPool, so it does not depend on test order
             no_pool = refusal(stub.Forward, small_step(""))
-            yield SimpleNamespace(stub=stub, no_pool=no_pool, pid=proc.pid)
+            yield SimpleNamespace(stub=stub, no_pool=no_pool, pid=proc.pid, log_path=log_path)
     finally:
         assert stop(proc) == 0
 
@@ -105,7 +109,24 @@ def test_model_info(service, model_dir):
     assert (info.num_layers, info.num_attention_heads, info.num_kv_heads, info.head_dim) == (LAYERS, 4, 2, 16)
     assert (info.dtype, info.vocab_size, info.max_model_len) == ("float32", VOCAB, 512)
     assert list(info.eos_token_ids) == [2]
-    assert info.attention_backend == default_backend() == "cpu-native"
+    assert info.attention_backend == "cpu-native", "float32 on a machine that builds the native kernels"
+    plan = info.execution_plan
+    assert (plan.architecture, plan.device, plan.native_kernels) == ("llama", "cpu", True)
+    stages = {stage.stage: stage for stage in plan.stages}
+    assert list(stages) == list(STAGES) and all(stage.reason for stage in plan.stages)
+    assert stages["layers"].implementation == "fused"
+    assert stages["layers.decode"].implementation == "native-stack"
+    assert stages["linears.decoder"].implementation == "panels float32"
+    assert stages["attention.decode"].implementation.startswith("cpu-native: ")
+    assert stages["sampling.greedy"].implementation == "native"
+
+
+def test_the_plan_is_logged_at_start_up_as_one_line(service):
+    lines = [line for line in service.log_path.read_text().splitlines() if "execution_plan" in line]
+    assert len(lines) == 1
+    logged = json.loads(lines[0])
+    assert logged["event"] == "execution_plan" and logged["attention_backend"] == "cpu-native"
+    assert [logged[stage] for stage in ("layers", "layers.decode")] == ["fused", "native-stack"]
 
 
 def test_forward_before_attach_is_refused(service):

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from compute_service.plan import STAGES
 from compute_service.quantized import QUANTIZED_MAX_ROWS
 from tests.e2e.stack import stacks_side_by_side
 from tests.helpers import ROOT
@@ -65,6 +66,17 @@ def test_info_and_metrics_name_the_weights_mode(stacks, mode):
     assert stats.returncode == 0, stats.stderr
     compute = json.loads(stats.stdout)["compute"]
     assert (compute["weights"], compute["dtype"], compute["kv_dtype"]) == (mode, "float32", "float32")
+    plan = compute["execution_plan"]
+    assert list(plan["stages"]) == list(STAGES) and plan["architecture"] == "llama"
+    decoder, head = plan["stages"]["linears.decoder"], plan["stages"]["linears.head"]
+    # int8 in a float32 model multiplies native int8 panels where the kernels build; int4 takes torch's kernel
+    expected = "panels int8" if mode == "int8" and plan["native_kernels"] else f"weight-only {mode} up to"
+    assert decoder["implementation"].startswith(expected) and decoder["reason"]
+    assert "int8" in head["implementation"] and "output head is int8" in head["reason"]
+    as_table = [word for word in command if word != "--json"] + ["--compute-target", stack.compute_target]
+    table = subprocess.run(as_table, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    rows = dict(line.split(None, 1) for line in table.stdout.splitlines())
+    assert rows["compute.plan.linears.decoder"].startswith(decoder["implementation"])
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
 from cache_service.block_map import CACHED, FREE, MAX_REFCOUNT, USED
 from cache_service.sequence import SeqRequest
-from cache_service.server import CacheServicer
+from cache_service.servicer import CacheServicer
 from common.errors import FailedPrecondition
 from protos import cache_pb2
 from tests.blocks import allocate

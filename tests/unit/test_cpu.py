@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from common import cpu
-from compute_service.attention import native
+from compute_service import kernels
 
 SAPPHIRE_RAPIDS = "fpu sse4_2 avx avx2 fma f16c bmi2 avx512f avx512bw avx512_bf16 avx_vnni amx_tile amx_bf16"
 
@@ -42,10 +42,10 @@ def test_an_unknown_profile_is_refused_with_the_choices(monkeypatch):
 
 def test_each_profile_builds_the_native_kernels_apart(monkeypatch):
     monkeypatch.setenv(cpu.ISA_ENV, "native")
-    native_dir, native_flags = native.build_dir(), native.cflags()
+    native_dir, native_flags = kernels.build_dir(), kernels.cflags()
     monkeypatch.setenv(cpu.ISA_ENV, "avx2")
-    assert native.build_dir() != native_dir
-    assert "-march=x86-64-v3" in native.cflags() and "-march=native" in native_flags
+    assert kernels.build_dir() != native_dir
+    assert "-march=x86-64-v3" in kernels.cflags() and "-march=native" in native_flags
 
 
 def test_the_isa_levels_in_order():

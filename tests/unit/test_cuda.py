@@ -48,10 +48,10 @@ OTHER_PROCESS = """
 import sys
 import torch
 from common.devices import Device
-from compute_service import attach_pool
+from compute_service import kv_pool
 from protos import common_pb2
 handle = common_pb2.PoolHandle.FromString(open(sys.argv[1], "rb").read())
-pool = attach_pool.open_on(handle, Device("cuda", 0))
+pool = kv_pool.map_kv_pool(handle, Device("cuda", 0))
 assert pool[1, 0, 2].eq(3).all(), "sees the owner's write"
 pool[0, 1, 1].fill_(7)
 torch.cuda.synchronize()

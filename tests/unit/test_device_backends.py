@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from compute_service import kernels, planning
 from compute_service.attention import cuda, cuda_args, npu_args, registry
 from compute_service.attention.reference import reference_attention
 from tests.device_steps import HEADS, KV_HEADS, SCALE, SCENARIOS, make_step, run_backend
@@ -139,10 +140,15 @@ def test_the_npu_block_size_is_refused_unless_the_op_pages_by_it():
         npu_args.require_block_size(8, prefill=False)
 
 
+def auto(device: str, dtype: torch.dtype = torch.bfloat16, backend: str = "auto") -> str:
+    flags = planning.Flags(dtype, device=device, attention_backend=backend)
+    return planning.attention_backend(flags, planning.this_machine()).implementation
+
+
 def test_auto_picks_the_devices_backend():
-    assert [registry.backend_for("auto", d, "bfloat16") for d in ("cpu", "cuda")] == ["cpu", "cuda"]
-    assert registry.backend_for("auto", "cpu", "float32") == registry.default_backend("float32", "cpu")
-    assert registry.backend_for("cuda", "cpu") == "cuda", "its torch path checks it on the cpu"
+    assert [auto(device) for device in ("cpu", "cuda", "cuda:1")] == ["cpu", "cuda", "cuda"]
+    assert auto("cpu", torch.float32) == ("cpu-native" if kernels.load() else "cpu")
+    assert auto("cpu", backend="cuda") == "cuda", "its torch path checks it on the cpu"
 
 
 @pytest.mark.parametrize(
@@ -156,14 +162,14 @@ def test_auto_picks_the_devices_backend():
 )
 def test_a_backend_on_a_device_it_cannot_run_on_is_refused(backend, device, message):
     with pytest.raises(ValueError, match=message):
-        registry.backend_for(backend, device)
+        registry.check_backend(backend, device)
 
 
 def test_the_npu_backend_without_torch_npu_is_refused_only_when_selected(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)
     with pytest.raises(ValueError, match=r"needs torch_npu .*pip install -e '.\[npu\]'"):
-        registry.backend_for("auto", "npu")
-    assert registry.backend_for("auto", "cpu", "bfloat16") == "cpu"
+        auto("npu")
+    assert auto("cpu") == "cpu"
 
 
 @pytest.mark.parametrize(

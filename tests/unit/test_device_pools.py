@@ -13,7 +13,7 @@ from common import device_pool, devices
 from common.devices import CPU, Device, parse_device
 from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from common.shared_pool import PoolSpec
-from compute_service import attach_pool
+from compute_service import kv_pool
 from compute_service.server import ComputeServicer
 from protos import common_pb2
 from tests.fake_device import FakeIpc
@@ -107,13 +107,13 @@ def test_a_handle_for_another_device_is_refused_naming_both(fake, tmp_path, monk
     with pytest.raises(
         FailedPrecondition, match="the pool is on cuda:0, this compute service runs on the cpu"
     ):
-        attach_pool.open_on(cuda_handle, CPU)
+        kv_pool.map_kv_pool(cuda_handle, CPU)
     npu = Device("npu", 0)
     with pytest.raises(FailedPrecondition, match=r"the pool is on cuda:0 \(cuda handle\).* runs on npu:0"):
         device_pool.open_pool(cuda_handle, npu, FakeIpc("npu"))
     cpu_handle = common_pb2.PoolHandle(device="cpu", shm=common_pb2.SharedMemoryHandle(path="/dev/shm/x"))
     with pytest.raises(FailedPrecondition, match=r"the pool is on cpu \(shm handle\).* runs on cuda:0"):
-        attach_pool.open_on(cpu_handle, CUDA0)
+        kv_pool.map_kv_pool(cpu_handle, CUDA0)
 
 
 def test_the_cache_creates_a_device_pool_and_compute_attaches_it(fake):

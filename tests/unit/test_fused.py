@@ -5,9 +5,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, MistralConfig
 
+from compute_service import planning
 from compute_service.batch import ForwardBatch
-from compute_service.fused import can_fuse, fuse
-from compute_service.linear import pack_linears
+from compute_service.fused import fuse, misfit
+from compute_service.linear import replace_linears
 from compute_service.llama_layer import FusedLlamaModel
 from compute_service.model_loader import register_attention
 from compute_service.runner import Runner, StepTimes
@@ -56,9 +57,11 @@ def test_fused_logits_equal_unfused_on_a_decode_and_prefill_mix(packed):
     prefilled = [torch.randint(3, 256, (n,)).tolist() for n in CACHED]
     new = [[17], torch.randint(3, 256, (7,)).tolist(), torch.randint(3, 256, (6,)).tolist(), [250]]
     unfused, fused = paged_model(), paged_model()
-    assert fuse(fused)
+    fuse(fused)
     if packed:
-        assert pack_linears(unfused) == 7 * 2 + 1 and pack_linears(fused) == 4 * 2 + 1
+        linear = planning.dense_linears(planning.Flags(), "float32", planning.this_machine())
+        assert replace_linears(unfused, linear, linear) == 7 * 2 + 1
+        assert replace_linears(fused, linear, linear) == 4 * 2 + 1
     expected = step_logits(unfused, new, CACHED, prefilled)
     got = step_logits(fused, new, CACHED, prefilled)
     assert expected.shape == got.shape == (4, 256)
@@ -73,7 +76,7 @@ def test_fused_projections_stack_the_weights_as_linears_of_the_same_class():
     q, k, v = attn.q_proj.weight.clone(), attn.k_proj.weight.clone(), attn.v_proj.weight.clone()
     gate, up = mlp.gate_proj.weight.clone(), mlp.up_proj.weight.clone()
     embedding = model.get_input_embeddings().weight
-    assert fuse(model)
+    fuse(model)
     fused = model.model.layers[1]
     assert type(fused.qkv_proj) is nn.Linear and type(fused.gate_up_proj) is nn.Linear
     assert torch.equal(fused.qkv_proj.weight, torch.cat([q, k, v]))
@@ -82,14 +85,18 @@ def test_fused_projections_stack_the_weights_as_linears_of_the_same_class():
     assert model.model.embed_tokens.weight is embedding is model.lm_head.weight, "tied head stays tied"
 
 
-def test_other_models_and_dtypes_keep_transformers_layers():
-    bf16 = paged_model().to(torch.bfloat16)
-    assert not can_fuse(bf16) and not fuse(bf16)
-    assert not isinstance(bf16.model, FusedLlamaModel)
-    mistral = AutoModelForCausalLM.from_config(
-        MistralConfig(**tiny_llama_config().to_dict()), attn_implementation=register_attention("cpu")
-    )
-    assert not fuse(mistral)
+def test_other_models_dtypes_and_activations_keep_transformers_layers():
+    llama = tiny_llama_config()
+    assert misfit(llama, torch.float32) is None
+    assert "float32 only" in misfit(llama, torch.bfloat16)
+    assert "SiLU-gated" in misfit(tiny_llama_config(hidden_act="gelu"), torch.float32)
+    mistral = MistralConfig(**{k: v for k, v in llama.to_dict().items() if k != "model_type"})
+    assert misfit(mistral, torch.float32) == "architecture 'mistral': the fused forward supports llama only"
+
+
+def test_the_fused_stack_needs_a_paged_attention():
     torch.manual_seed(0)
     unpaged = AutoModelForCausalLM.from_config(tiny_llama_config(), attn_implementation="sdpa")
-    assert not fuse(unpaged), "the fused stack needs a paged attention: it keeps no KV cache"
+    with pytest.raises(AssertionError, match="keeps no KV cache of its own"):
+        fuse(unpaged)
+    assert not isinstance(unpaged.model, FusedLlamaModel)

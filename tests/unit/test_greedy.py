@@ -4,7 +4,7 @@ such a batch."""
 import pytest
 import torch
 
-from compute_service.attention import native
+from compute_service import kernels
 from compute_service.greedy import greedy, is_plain_greedy
 from compute_service.sampling import SamplingBatch, sample
 from protos import compute_pb2
@@ -13,9 +13,9 @@ GREEDY = compute_pb2.RowSampling(temperature=0)
 
 
 NATIVE = pytest.param(
-    native.load(),
+    kernels.load(),
     id="native",
-    marks=pytest.mark.skipif(native.load() is None, reason="the native kernels cannot be built here"),
+    marks=pytest.mark.skipif(kernels.load() is None, reason="the native kernels cannot be built here"),
 )
 
 

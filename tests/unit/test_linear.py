@@ -1,8 +1,9 @@
-"""The packed linear layer: the same product as nn.Linear on a weight packed once (float32 panels for the
-native kernel where it builds, else oneDNN's layout), on float32 CPU layers only, in float32 or bfloat16
-(mixed precision, oneDNN); the loader packs them last."""
+"""The one linear layer (compute_service.linear) on each dense kernel (compute_service.linear_kernels): the
+same product as nn.Linear on a weight packed once (float32 panels for the native kernel, oneDNN's layout in
+float32 or bfloat16), at every batch size; the panel kernel itself; and the loader replacing a model's
+linears as its execution plan says."""
 
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,15 +11,27 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from compute_service.attention import native
+from compute_service import kernels, planning
 from compute_service.batch import ForwardBatch
-from compute_service.linear import PACK_ROWS, PackedLinear, pack_linears
+from compute_service.linear import Linear, kernel_for, replace_linears
+from compute_service.linear_kernels import PACK_ROWS, OneDnn, Panels, WeightOnly
 from compute_service.model_loader import load
-from compute_service.quantized import QuantizedLinear
+from compute_service.plan import ONEDNN, PANELS, TRANSFORMERS, LinearChoice
+from compute_service.planning import Flags
 from compute_service.runner import Runner
 from compute_service.validation import Limits
 from tests.forward import forward_request
 from tests.tiny_model import needs_native_bfloat16, save_tiny_llama, tiny_llama_config
+
+MACHINE = planning.this_machine()
+# The float32 linears this machine runs (panels where the kernels build), and oneDNN's, as a machine where
+# they do not build runs them.
+FLOAT32 = planning.dense_linears(Flags(), "float32", MACHINE)
+ONEDNN_FLOAT32 = LinearChoice(ONEDNN, "float32", "a machine without the native kernels")
+
+
+def linear_on(linear: nn.Linear, choice: LinearChoice = FLOAT32) -> Linear:
+    return Linear(kernel_for(linear.weight, choice), linear.bias)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -27,34 +40,33 @@ def test_equals_f_linear_at_any_batch_size(rows, bias):
     torch.manual_seed(rows)
     linear = nn.Linear(64, 96, bias=bias)
     x = torch.randn(1, rows, 64)
-    out = PackedLinear(linear)(x)
+    out = linear_on(linear)(x)
     assert out.shape == (1, rows, 96) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
 
 
 INT8_ONES = torch.ones(20, 8, dtype=torch.int8)
-needs_native = pytest.mark.skipif(native.load() is None, reason="the native kernels cannot be built here")
-
-
-@pytest.fixture
-def onednn_only(monkeypatch):
-    """PackedLinear as on a machine where the native kernels do not build: oneDNN's layout."""
-    monkeypatch.setattr("compute_service.linear.native", SimpleNamespace(load=lambda: None))
+needs_native = pytest.mark.skipif(kernels.load() is None, reason="the native kernels cannot be built here")
 
 
 @needs_native
 def test_float32_weights_pack_into_native_panels_where_the_kernels_build():
-    packed = PackedLinear(nn.Linear(64, 96))
-    assert packed.panels and not packed.packed.is_mkldnn and "native panels" in repr(packed)
-    assert packed.packed.shape == (-(-96 // native.load().panel_width()), 64, native.load().panel_width())
+    assert FLOAT32.kernel == PANELS
+    packed = linear_on(nn.Linear(64, 96))
+    assert isinstance(packed.kernel, Panels) and "float32 panels" in repr(packed)
+    width = kernels.load().panel_width()
+    assert packed.kernel.packed.shape == (-(-96 // width), 64, width)
 
 
 @pytest.mark.parametrize("rows", [1, 7, PACK_ROWS + 1])
-def test_without_the_native_kernels_float32_weights_run_on_onednn(onednn_only, rows):
+def test_without_the_native_kernels_float32_weights_run_on_onednn(rows):
+    assert planning.dense_linears(Flags(), "float32", replace(MACHINE, kernels=False)) == replace(
+        ONEDNN_FLOAT32, reason="the native kernels cannot be built here: oneDNN, packed once"
+    )
     torch.manual_seed(rows)
     linear = nn.Linear(64, 96)
-    packed = PackedLinear(linear)
-    assert not packed.panels and packed.packed.is_mkldnn and "onednn" in repr(packed)
+    packed = linear_on(linear, ONEDNN_FLOAT32)
+    assert isinstance(packed.kernel, OneDnn) and packed.kernel.packed.is_mkldnn and "onednn" in repr(packed)
     x = torch.randn(rows, 64)
     torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
 
@@ -70,9 +82,9 @@ def test_panels_give_f_linear_for_every_tile_and_a_partial_last_panel(rows, bias
     in_features, out_features = shape
     linear = nn.Linear(in_features, out_features, bias=bias)
     x = torch.randn(rows, in_features)
-    kernels = native.load()
-    panels = kernels.pack_panels(linear.weight.detach())
-    out = kernels.panel_linear(x, panels, out_features, linear.bias, None)
+    module = kernels.load()
+    panels = module.pack_panels(linear.weight.detach())
+    out = module.panel_linear(x, panels, out_features, linear.bias, None)
     assert out.shape == (rows, out_features) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
 
@@ -90,16 +102,16 @@ def test_int8_panels_give_f_linear_on_the_scaled_weights(rows, bias, shape):
     scales = torch.rand(out_features) / 100
     b = torch.randn(out_features) if bias else None
     x = torch.randn(rows, in_features)
-    kernels = native.load()
-    out = kernels.panel_linear(x, kernels.pack_panels(levels), out_features, b, scales)
+    module = kernels.load()
+    out = module.panel_linear(x, module.pack_panels(levels), out_features, b, scales)
     assert out.shape == (rows, out_features)
     torch.testing.assert_close(out, F.linear(x, levels.float() * scales[:, None], b), atol=1e-5, rtol=1e-5)
 
 
 @needs_native
 def test_panels_of_no_rows_give_no_rows():
-    kernels = native.load()
-    out = kernels.panel_linear(torch.empty(0, 8), kernels.pack_panels(torch.randn(20, 8)), 20, None, None)
+    module = kernels.load()
+    out = module.panel_linear(torch.empty(0, 8), module.pack_panels(torch.randn(20, 8)), 20, None, None)
     assert out.shape == (0, 20)
 
 
@@ -116,9 +128,9 @@ def test_panels_of_no_rows_give_no_rows():
     ids=["in width", "strided", "float64", "out", "bias"],
 )
 def test_panels_refuse_inputs_that_do_not_fit(x, out_features, bias, message):
-    kernels = native.load()
+    module = kernels.load()
     with pytest.raises(RuntimeError, match=message):
-        kernels.panel_linear(x, kernels.pack_panels(torch.randn(20, 8)), out_features, bias, None)
+        module.panel_linear(x, module.pack_panels(torch.randn(20, 8)), out_features, bias, None)
 
 
 @needs_native
@@ -133,15 +145,15 @@ def test_panels_refuse_inputs_that_do_not_fit(x, out_features, bias, message):
     ids=["int8 without", "float32 with", "short", "float16"],
 )  # fmt: skip
 def test_panels_take_scales_with_int8_weights_only(weight, scales, message):
-    kernels = native.load()
+    module = kernels.load()
     with pytest.raises(RuntimeError, match=message):
-        kernels.panel_linear(torch.randn(3, 8), kernels.pack_panels(weight), 20, None, scales)
+        module.panel_linear(torch.randn(3, 8), module.pack_panels(weight), 20, None, scales)
 
 
 @needs_native
 def test_only_float32_and_int8_weights_pack_into_panels():
     with pytest.raises(RuntimeError, match="pack_panels takes a float32 or int8 CPU weight"):
-        native.load().pack_panels(torch.ones(20, 8, dtype=torch.float64))
+        kernels.load().pack_panels(torch.ones(20, 8, dtype=torch.float64))
 
 
 @needs_native_bfloat16
@@ -153,7 +165,9 @@ def test_bfloat16_packing_multiplies_bfloat16_rounded_inputs_and_weights(rows, b
     torch.manual_seed(rows)
     linear = nn.Linear(64, 96, bias=bias)
     x = torch.randn(1, rows, 64)
-    packed = PackedLinear(linear, torch.bfloat16)
+    choice = planning.dense_linears(Flags(), "bfloat16", MACHINE)
+    assert (choice.kernel, choice.weights) == (ONEDNN, "bfloat16")
+    packed = linear_on(linear, choice)
     out = packed(x)
     assert out.dtype == torch.float32 and out.shape == (1, rows, 96)
     rounded = F.linear(x.bfloat16().float(), linear.weight.bfloat16().float(), linear.bias)
@@ -164,18 +178,18 @@ def test_bfloat16_packing_multiplies_bfloat16_rounded_inputs_and_weights(rows, b
     assert "bfloat16" in repr(packed)
 
 
-def test_bfloat16_packing_is_refused_where_the_cpu_would_emulate_it(tmp_path, monkeypatch):
-    monkeypatch.setattr("compute_service.model_loader.bfloat16_native", lambda: False)
+def test_bfloat16_packing_is_refused_where_the_cpu_would_emulate_it():
+    emulating = replace(MACHINE, bfloat16_native=False)
     with pytest.raises(ValueError, match="need a cpu with AVX512-BF16 or AMX"):
-        load(str(save_tiny_llama(tmp_path / "tiny")), torch.float32, weights="bfloat16")
+        planning.check(Flags(weights="bfloat16"), emulating)
 
 
 @needs_native_bfloat16
 def test_the_loader_packs_bfloat16_weights_in_a_float32_model(tmp_path):
     path = str(save_tiny_llama(tmp_path / "tiny", initializer_range=0.3))
     model, spec = load(path, torch.float32, weights="bfloat16")
-    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert packed and {m.dtype for m in packed} == {torch.bfloat16}
+    packed = [m.kernel for m in model.modules() if isinstance(m, Linear)]
+    assert packed and all(isinstance(k, OneDnn) and k.dtype == torch.bfloat16 for k in packed)
     assert spec.weights == "bfloat16" and spec.dtype == torch.float32 and spec.kv_dtype == torch.float32
     reference, _ = load(path, torch.float32)
     request = forward_request([torch.randint(3, 256, (12,)).tolist()], [0], [[0, 1, 2]], block_size=4)
@@ -196,43 +210,57 @@ def test_plain_linear_refuses_bfloat16_weights(tmp_path):
         load(str(save_tiny_llama(tmp_path / "tiny")), torch.float32, weights="bfloat16", plain_linear=True)
 
 
-def test_takes_a_strided_input():
+@pytest.mark.parametrize("choice", [FLOAT32, ONEDNN_FLOAT32], ids=["this machine", "onednn"])
+def test_takes_a_strided_input(choice):
     linear = nn.Linear(64, 96, bias=False)
     x = torch.randn(64, 5).t()
-    torch.testing.assert_close(PackedLinear(linear)(x), linear(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear_on(linear, choice)(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
-def test_packs_float32_cpu_linears_only_and_keeps_the_tied_embedding():
+def test_replaces_every_linear_and_keeps_the_tied_embedding():
     model = AutoModelForCausalLM.from_config(tiny_llama_config(tie_word_embeddings=True)).eval()
     embedding = model.get_input_embeddings().weight
     linears = sum(type(m) is nn.Linear for m in model.modules())
-    assert pack_linears(model) == linears > 0
+    assert replace_linears(model, FLOAT32, FLOAT32) == linears > 0
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert model.get_input_embeddings().weight is embedding, "the embedding keeps the plain weight"
-    assert pack_linears(model) == 0
-    assert pack_linears(nn.Sequential(nn.Linear(8, 8, dtype=torch.bfloat16))) == 0
+    assert replace_linears(model, FLOAT32, FLOAT32) == 0
 
 
-def test_packed_model_gives_the_same_logits():
+def test_a_transformers_choice_keeps_nn_linear():
+    model = AutoModelForCausalLM.from_config(tiny_llama_config()).eval()
+    kept = LinearChoice(TRANSFORMERS, "float32", "--plain-linear")
+    assert replace_linears(model, kept, kept) == 0
+    assert replace_linears(model, kept, FLOAT32) == 1, "the output head alone"
+    assert isinstance(model.lm_head, Linear) and type(model.model.layers[0].mlp.up_proj) is nn.Linear
+
+
+@pytest.mark.parametrize("choice", [FLOAT32, ONEDNN_FLOAT32], ids=["this machine", "onednn"])
+def test_a_replaced_model_gives_the_same_logits(choice):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_llama_config(initializer_range=0.3)).eval()
     ids = torch.randint(3, 256, (1, 12))
     with torch.inference_mode():
         expected = model(ids).logits
-        pack_linears(model)
+        replace_linears(model, choice, choice)
         got = model(ids).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("plain", [False, True])
 def test_the_loader_packs_unless_plain_linear_is_asked(tmp_path, plain):
-    model, _ = load(str(save_tiny_llama(tmp_path / "tiny")), torch.float32, plain_linear=plain)
-    kinds = {type(module) for module in model.modules() if isinstance(module, (nn.Linear, PackedLinear))}
-    assert kinds == ({nn.Linear} if plain else {PackedLinear})
+    model, spec = load(str(save_tiny_llama(tmp_path / "tiny")), torch.float32, plain_linear=plain)
+    kinds = {type(module) for module in model.modules() if isinstance(module, (nn.Linear, Linear))}
+    assert kinds == ({nn.Linear} if plain else {Linear})
+    assert spec.plan.decoder_linears == (
+        replace(FLOAT32, kernel=TRANSFORMERS, reason="--plain-linear") if plain else FLOAT32
+    )
 
 
 def test_the_loader_packs_the_dense_path_of_quantised_linears(tmp_path):
     model, _ = load(str(save_tiny_llama(tmp_path / "tiny")), torch.float32, weights="int4")
-    dense = [m.dense for m in model.modules() if isinstance(m, QuantizedLinear) and not m.panels]
-    assert dense and all(type(m) is PackedLinear for m in dense)
+    held = [m.kernel for m in model.modules() if isinstance(m, Linear)]
+    weight_only = [kernel for kernel in held if isinstance(kernel, WeightOnly)]
+    dense = Panels if FLOAT32.kernel == PANELS else OneDnn
+    assert weight_only and all(type(kernel.dense) is dense for kernel in weight_only)
     assert not any(type(m) is nn.Linear for m in model.modules())

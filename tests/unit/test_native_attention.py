@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from common import paging
-from compute_service import model_loader
-from compute_service.attention import cpu_native, native, registry
+from compute_service import kernels, model_loader, planning
+from compute_service.attention import cpu_native
 from compute_service.attention.reference import reference_attention
 
 NUM_BLOCKS = 256
@@ -211,31 +211,31 @@ def test_refuses_mismatched_geometry():
 
 
 def test_a_machine_that_cannot_build_falls_back_to_cpu(monkeypatch, tmp_path):
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")  # the compiler fails
-    native.load.cache_clear()
+    kernels.load.cache_clear()
     try:
-        assert native.load() is None
-        assert registry.default_backend() == "cpu"
+        assert kernels.load() is None
+        assert auto_backend() == "cpu"
         with pytest.raises(ValueError, match="cpu-native: its kernel cannot be built"):
             model_loader.load("unused", torch.float32, "cpu-native")
         with pytest.raises(RuntimeError, match="--attention-backend cpu"):
             cpu_native.kernel()
     finally:
         monkeypatch.undo()
-        native.load.cache_clear()
-    assert registry.default_backend() == "cpu-native", "this machine builds it"
+        kernels.load.cache_clear()
+    assert auto_backend() == "cpu-native", "this machine builds it"
 
 
 def test_a_build_is_loaded_past_a_killed_builds_lock_file():
     """A compute killed while torch's extension loader held the build directory's lock used to leave every
     later start waiting on it forever; a finished build is now imported without taking the lock."""
-    assert native.load() is not None
-    lock = native.build_dir() / "lock"
+    assert kernels.load() is not None
+    lock = kernels.build_dir() / "lock"
     lock.touch()
     try:
         loaded = subprocess.run(
-            [sys.executable, "-c", "from compute_service.attention import native; assert native.load()"],
+            [sys.executable, "-c", "from compute_service import kernels; assert kernels.load()"],
             timeout=120,
             capture_output=True,
         )
@@ -248,14 +248,19 @@ def test_a_stale_lock_is_removed_before_a_build_and_a_fresh_one_kept(tmp_path):
     stale, fresh = tmp_path / "stale", tmp_path / "fresh"
     stale.touch()
     fresh.touch()
-    old = time.time() - native.STALE_LOCK_S - 60
+    old = time.time() - kernels.STALE_LOCK_S - 60
     os.utime(stale, (old, old))
-    native._remove_stale_lock(stale)
-    native._remove_stale_lock(fresh)
-    native._remove_stale_lock(tmp_path / "absent")
+    kernels._remove_stale_lock(stale)
+    kernels._remove_stale_lock(fresh)
+    kernels._remove_stale_lock(tmp_path / "absent")
     assert not stale.exists() and fresh.exists()
 
 
 def test_bfloat16_weights_default_to_the_cpu_backend():
-    assert registry.default_backend("float32") == "cpu-native"
-    assert registry.default_backend("bfloat16") == "cpu"
+    assert auto_backend(torch.float32) == "cpu-native"
+    assert auto_backend(torch.bfloat16) == "cpu"
+
+
+def auto_backend(dtype: torch.dtype = torch.float32) -> str:
+    """--attention-backend auto's choice on this machine, as the execution plan makes it."""
+    return planning.attention_backend(planning.Flags(dtype), planning.this_machine()).implementation

@@ -1,7 +1,8 @@
-"""Weight-only quantised linears (compute_service/quantized.py): the product against F.linear per mode, on
-int8 panels and on torch's kernels (the kernel chosen by rows), generic replacement, and the refusals."""
+"""Weight-only quantised linears (compute_service/quantized.py, the WeightOnly and int8 Panels kernels): the
+product against F.linear per mode, on int8 panels and on torch's kernels (the kernel chosen by rows),
+replacement in a model as the plan says, and the refusals."""
 
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,53 +10,60 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from compute_service.attention import native
+from common.shared_pool import dtype_name
+from compute_service import kernels, planning
+from compute_service.linear import Linear, kernel_for, replace_linears
+from compute_service.linear_kernels import Panels, WeightOnly
 from compute_service.model_loader import load
-from compute_service.quantized import (
-    QUANTIZED_MAX_ROWS,
-    QuantizedLinear,
-    quantize_linears,
-    resolve_weights,
-)
+from compute_service.plan import PANELS, TRANSFORMERS, WEIGHT_ONLY, LinearChoice
+from compute_service.planning import Flags
+from compute_service.quantized import QUANTIZED_MAX_ROWS, quantize, resolve_weights
 from tests.tiny_model import save_tiny_llama, tiny_llama_config
 
 # Relative error of the product against the original weights (measured: int8 ~8e-3, int4 ~8e-2 on random
 # weights; bfloat16 activations add ~4e-3).
 TOLERANCE = {"int8": 0.02, "int4": 0.12}
+MACHINE = planning.this_machine()
+# torch's kernels for int8 too, as on a machine where the native kernels do not build
+WITHOUT_KERNELS = replace(MACHINE, kernels=False)
+needs_native = pytest.mark.skipif(kernels.load() is None, reason="the native kernels cannot be built here")
 
 
-needs_native = pytest.mark.skipif(native.load() is None, reason="the native kernels cannot be built here")
+def choice_of(mode: str, dtype: torch.dtype = torch.float32, machine=WITHOUT_KERNELS) -> LinearChoice:
+    flags = Flags(dtype)
+    return planning.quantized_linears(
+        mode, flags, machine, planning.dense_linears(flags, dtype_name(dtype), machine)
+    )
+
+
+def quantized_linear(linear: nn.Linear, mode: str, machine=WITHOUT_KERNELS) -> Linear:
+    return Linear(kernel_for(linear.weight, choice_of(mode, linear.weight.dtype, machine)), linear.bias)
 
 
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
     return ((out.float() - reference.float()).norm() / reference.float().norm()).item()
 
 
-@pytest.fixture
-def torch_kernels(monkeypatch):
-    """QuantizedLinear as on a machine where the native kernels do not build: torch's kernels for int8 too."""
-    monkeypatch.setattr("compute_service.quantized.native", SimpleNamespace(load=lambda: None))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 4, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1, 64, 200])
-def test_close_to_f_linear_on_both_torch_paths(mode, rows, dtype, torch_kernels):
+def test_close_to_f_linear_on_both_torch_paths(mode, rows, dtype):
     torch.manual_seed(rows)
     linear = nn.Linear(128, 96, bias=True, dtype=dtype)
-    quantized = QuantizedLinear(linear, mode)
+    quantized = quantized_linear(linear, mode)
+    assert isinstance(quantized.kernel, WeightOnly)
     x = torch.randn(1, rows, 128, dtype=dtype)
     out = quantized(x)
     assert out.shape == (1, rows, 96) and out.dtype == dtype
     assert relative_error(out, F.linear(x, linear.weight, linear.bias)) < TOLERANCE[mode]
-    # Both paths multiply by the same quantised values: the dense weight is their dequantised form.
-    dense = F.linear(x.float(), quantized.dense.weight.float(), linear.bias.float())
+    # Both paths multiply by the same quantised values: the dense kernel holds their dequantised form.
+    dense = F.linear(x.float(), quantize(linear.weight, mode).dequantized, linear.bias.float())
     assert relative_error(out, dense) < 1e-2
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_kernel_up_to_the_row_limit_dense_gemm_above(mode, monkeypatch, torch_kernels):
-    quantized = QuantizedLinear(nn.Linear(64, 32, bias=False), mode)
+def test_kernel_up_to_the_row_limit_dense_gemm_above(mode, monkeypatch):
+    quantized = quantized_linear(nn.Linear(64, 32, bias=False), mode)
     kernel = "_weight_int8pack_mm" if mode == "int8" else "_weight_int4pack_mm_for_cpu"
     calls = []
     original = getattr(torch, kernel)
@@ -63,70 +71,61 @@ def test_kernel_up_to_the_row_limit_dense_gemm_above(mode, monkeypatch, torch_ke
     for rows in (1, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1, 300):
         quantized(torch.randn(rows, 64))
     assert calls == [1, QUANTIZED_MAX_ROWS]
-    assert quantized.uses_kernel(QUANTIZED_MAX_ROWS) and not quantized.uses_kernel(QUANTIZED_MAX_ROWS + 1)
+    weight_only = quantized.kernel
+    assert weight_only.uses_kernel(QUANTIZED_MAX_ROWS) and not weight_only.uses_kernel(QUANTIZED_MAX_ROWS + 1)
 
 
-def test_int8_holds_one_byte_per_weight_and_int4_half(torch_kernels):
+def test_int8_holds_one_byte_per_weight_and_int4_half():
     linear = nn.Linear(128, 64, bias=False)
-    int8, int4 = QuantizedLinear(linear, "int8"), QuantizedLinear(linear, "int4")
+    int8, int4 = quantized_linear(linear, "int8").kernel, quantized_linear(linear, "int4").kernel
     assert int8.qweight.dtype == torch.int8 and int8.qweight.numel() == 64 * 128
     assert int4.qweight.numel() * int4.qweight.element_size() == 64 * 128 // 2
 
 
 @needs_native
 @pytest.mark.parametrize("rows", [1, 4, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1, 64, 200])
-def test_int8_panels_multiply_the_torch_paths_values_at_every_batch_size(rows, monkeypatch):
+def test_int8_panels_multiply_the_torch_paths_values_at_every_batch_size(rows):
     """A float32 model's int8 layer on panels: float32 activations (no bfloat16 rounding), the same quantised
     values as torch's paths (their dense weight is the dequantised one), and no dense copy."""
     torch.manual_seed(rows)
     linear = nn.Linear(128, 96, bias=True)
-    panels = QuantizedLinear(linear, "int8")
-    with monkeypatch.context() as patch:
-        patch.setattr("compute_service.quantized.native", SimpleNamespace(load=lambda: None))
-        reference = QuantizedLinear(linear, "int8")
-    assert panels.panels and not reference.panels and "native panels" in repr(panels)
+    panels = quantized_linear(linear, "int8", MACHINE)
+    assert isinstance(panels.kernel, Panels) and "int8 panels" in repr(panels)
     x = torch.randn(2, rows, 128)
-    expected = F.linear(x, reference.dense.weight, linear.bias)
+    expected = F.linear(x, quantize(linear.weight, "int8").dequantized, linear.bias)
     torch.testing.assert_close(panels(x), expected, atol=1e-5, rtol=1e-5)
-    assert panels.uses_kernel(rows)
     held = {name: t.dtype for name, t in [*panels.named_parameters(), *panels.named_buffers()]}
-    assert held == {"bias": torch.float32, "qweight": torch.int8, "scales": torch.float32}
+    assert held == {"bias": torch.float32, "kernel.packed": torch.int8, "kernel.scales": torch.float32}
 
 
-@needs_native
 def test_int4_and_bfloat16_models_keep_torchs_kernels():
-    assert not QuantizedLinear(nn.Linear(128, 64), "int4").panels
-    assert not QuantizedLinear(nn.Linear(128, 64, dtype=torch.bfloat16), "int8").panels
+    built = replace(MACHINE, kernels=True)
+    assert choice_of("int8", machine=built).kernel == PANELS
+    assert choice_of("int4", machine=built).kernel == WEIGHT_ONLY
+    assert choice_of("int8", torch.bfloat16, built).kernel == WEIGHT_ONLY
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_replaces_every_linear_fused_ones_too(mode):
+def test_replaces_every_linear_fused_ones_too_the_head_in_int8(mode):
     model = AutoModelForCausalLM.from_config(tiny_llama_config()).eval()
     layer = model.model.layers[0].self_attn
-    # A fused projection stands in for what a fused-QKV model holds: any nn.Linear subclass is replaced.
+    # A fused projection stands in for what a fused-QKV model holds: any nn.Linear is replaced.
     layer.qkv_proj = nn.Linear(64, 128, bias=False)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
-    assert quantize_linears(model, mode) == linears
-    # the only nn.Linear left: the dense paths of the layers on torch's kernels (for batches above their rows)
-    dense = {id(m.dense) for m in model.modules() if isinstance(m, QuantizedLinear) and not m.panels}
-    assert {id(m) for m in model.modules() if isinstance(m, nn.Linear)} == dense
-    assert isinstance(layer.qkv_proj, QuantizedLinear) and layer.qkv_proj.mode == mode
-    # the output head is int8 in either mode (int4 there cost 3.7 % perplexity)
-    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.mode == "int8"
-    assert quantize_linears(model, mode) == 0
+    decoder, head = planning.linears(Flags(weights=mode), mode, MACHINE)
+    assert replace_linears(model, decoder, head) == linears
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert isinstance(layer.qkv_proj, Linear) and "int8" in head.implementation
+    # the output head is int8 in either mode (int4 there costs far more perplexity)
+    assert model.lm_head.kernel.packed.dtype == torch.int8 or model.lm_head.kernel.mode == "int8"
+    assert replace_linears(model, decoder, head) == 0
 
 
 def test_the_output_head_can_stay_dense_and_tied():
     model = AutoModelForCausalLM.from_config(tiny_llama_config(tie_word_embeddings=True)).eval()
-    quantize_linears(model, "int8", lm_head=False)
+    replace_linears(model, choice_of("int8"), LinearChoice(TRANSFORMERS, "float32", "dense head"))
     assert type(model.lm_head) is nn.Linear
     assert model.lm_head.weight is model.get_input_embeddings().weight
-
-
-def test_dense_modes_replace_nothing():
-    model = AutoModelForCausalLM.from_config(tiny_llama_config()).eval()
-    assert quantize_linears(model, "float32") == 0
-    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 
 @pytest.mark.parametrize(
@@ -150,10 +149,11 @@ def test_refuses_unknown_modes_and_another_dense_dtype(weights, dtype, message):
 def test_int4_refuses_shapes_the_kernel_cannot_hold_and_changes_nothing():
     model = AutoModelForCausalLM.from_config(tiny_llama_config()).eval()
     model.model.layers[1].mlp.odd = nn.Linear(64, 40, bias=False)
+    decoder, head = planning.linears(Flags(weights="int4"), "int4", MACHINE)
     with pytest.raises(ValueError, match="out_features by 16.*'LlamaMLP.odd' is 40 x 64: use --weights int8"):
-        quantize_linears(model, "int4")
-    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
-    assert quantize_linears(model, "int8") > 0
+        replace_linears(model, decoder, head)
+    assert not any(isinstance(m, Linear) for m in model.modules())
+    assert replace_linears(model, *planning.linears(Flags(weights="int8"), "int8", MACHINE)) > 0
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -161,6 +161,7 @@ def test_the_loader_quantises_and_names_the_mode(tmp_path, mode):
     model, spec = load(str(save_tiny_llama(tmp_path / "tiny")), torch.float32, weights=mode)
     assert spec.weights == mode and spec.dtype_name == "float32"
     assert all(not isinstance(m, nn.Linear) for m in model.modules())
+    assert spec.plan.decoder_linears.weights == mode and spec.plan.head_linear.weights == "int8"
 
 
 def test_the_loader_names_the_dense_dtype_and_refuses_plain_linear_with_quantised(tmp_path):

@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from compute_service import planning
 from compute_service.batch import ForwardBatch
 from compute_service.fused import fuse
-from compute_service.linear import pack_linears
+from compute_service.linear import replace_linears
 from compute_service.model_loader import register_attention
 from compute_service.runner import Runner
 from compute_service.validation import Limits
@@ -25,8 +26,8 @@ forward_request = partial(paged_forward_request, block_size=BLOCK_SIZE)
 @pytest.fixture(scope="module", params=["packed linear", "plain linear", "fused"])
 def models(request):
     """The reference and the paged model, the latter's linears on the path the compute service uses by
-    default (oneDNN, packed weights), or on nn.Linear's (--plain-linear), or rebuilt on fused layers
-    (compute_service.fused) and packed, as the loader does."""
+    default (packed weights: native panels, or oneDNN where they do not build), or on nn.Linear's
+    (--plain-linear), or rebuilt on fused layers (compute_service.fused) and packed, as the loader does."""
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(
         tiny_llama_config(initializer_range=0.3), attn_implementation="sdpa", dtype=torch.float32
@@ -38,10 +39,11 @@ def models(request):
     ).eval()
     paged.load_state_dict(reference.state_dict())
     if request.param == "fused":
-        assert fuse(paged)
+        fuse(paged)
     if request.param != "plain linear":
         linears = 4 if request.param == "fused" else 7
-        assert pack_linears(paged) == linears * paged.config.num_hidden_layers + 1
+        linear = planning.dense_linears(planning.Flags(), "float32", planning.this_machine())
+        assert replace_linears(paged, linear, linear) == linears * paged.config.num_hidden_layers + 1
     return reference, paged
 
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import structlog
 
-from cache_service.server import CacheServicer
+from cache_service.servicer import CacheServicer
 from cache_service.sessions import REMEMBERED_LAPSED, Sessions
 from common.errors import FailedPrecondition, InvalidArgument, NotFound
 from protos import cache_pb2

@@ -1,12 +1,14 @@
-"""The native kernels, compiled from source once per machine: paged attention (paged_attention.cpp), the
-float32 Llama decoder stack of all-decode steps (decode_layers.cpp, compute_service.native_decode), the
-plain-greedy choice of a step's tokens (greedy.cpp, compute_service.greedy) and float32 linear layers on
-weights packed in panels (panel_linear.cpp, compute_service.linear).
+"""The native kernels, C++ compiled from source once per machine into one module: paged attention
+(paged_attention.cpp, the cpu-native attention backend), the float32 Llama decoder stack of all-decode steps
+(decode_layers.cpp, compute_service.native_decode), the plain-greedy choice of a step's tokens (greedy.cpp,
+compute_service.greedy) and linear layers on weights packed in panels (panel_linear.cpp,
+compute_service.linear); vec.h holds the vector types they share, module.cpp binds them.
 
-`load()` builds it with torch's C++ extension tooling (g++, ninja) into a cache directory keyed by the
-source, the torch version, the compiler flags and the CPU's flags, then imports it; a later process imports
-the cached build. `make setup` builds it ahead (`python -m compute_service.attention.native`). A machine
-that cannot build it gets None, with the reason logged: the pure-torch backend then serves.
+`load()` builds them with torch's C++ extension tooling (g++, ninja) into a cache directory keyed by the
+sources, the torch version, the compiler flags and the CPU's flags, then imports the module; a later process
+imports the cached build. `make setup` builds it ahead (`python -m compute_service.kernels`). A machine that
+cannot build it gets None, with the reason logged; the execution plan (compute_service.plan) then names the
+pure-torch implementation of every stage.
 """
 
 import contextlib
@@ -26,12 +28,13 @@ from common.cpu import cpu_flags, march
 
 HERE = Path(__file__).parent
 SOURCES = (
+    HERE / "module.cpp",
     HERE / "paged_attention.cpp",
     HERE / "decode_layers.cpp",
     HERE / "greedy.cpp",
     HERE / "panel_linear.cpp",
 )
-HEADERS = (HERE / "paged_attention.h",)
+HEADERS = (HERE / "kernels.h", HERE / "vec.h")
 # NOTE: -march=native (common.cpu.march(); x86-64-v3 under PAGEDSERVE_CPU_ISA=avx2) tunes the build to this
 # machine's vector units; the cache key includes the compiler flags and the CPU's flags as common.cpu sees
 # them, so a build is never loaded on a CPU that lacks an instruction it uses.
@@ -39,9 +42,9 @@ HEADERS = (HERE / "paged_attention.h",)
 # after another (measured: the lane-by-lane sum was the kernel's hottest code); infinities and NaN keep their
 # meaning (no -ffinite-math-only), so a row's running max may start at -inf.
 # NOTE: -fopenmp turns at::parallel_for (an inline template over `#pragma omp parallel`) into a parallel
-# loop; without it the kernels ran on one thread whatever torch's thread count (measured: 32 decodes of 560
-# keys, 2.59 ms per layer on 2 threads and on 1). The build links libgomp by its soname, so the process keeps
-# the one OpenMP runtime torch loaded (torch/lib/libgomp.so.1) and torch.set_num_threads governs both.
+# loop; without it the kernels ran on one thread whatever torch's thread count. The build links libgomp by
+# its soname, so the process keeps the one OpenMP runtime torch loaded (torch/lib/libgomp.so.1) and
+# torch.set_num_threads governs both.
 CFLAGS = (
     "-O3",
     "-fopenmp",
@@ -71,23 +74,23 @@ def build_dir() -> Path:
             + [" ".join(sorted(cpu_flags())).encode()]
         )
     ).hexdigest()[:16]
-    return root / f"paged_attention-{key}"
+    return root / f"kernels-{key}"
 
 
 @functools.cache
 def load() -> ModuleType | None:
-    """The compiled kernel module, built first if this machine has no build yet; None if it cannot be."""
+    """The compiled kernels' module, built first if this machine has no build yet; None if it cannot be."""
     from torch.utils import cpp_extension
 
     directory = build_dir()
     # NOTE: a name per directory: torch renames (and so rebuilds) an extension loaded under one name from
     # two directories in one process.
-    name = "pagedserve_attention_" + hashlib.sha256(str(directory).encode()).hexdigest()[:12]
+    name = "pagedserve_kernels_" + hashlib.sha256(str(directory).encode()).hexdigest()[:12]
     try:
         built = directory / f"{name}.so"
         if built.exists():
             return _import_built(name, built)
-        log.info("native_attention_build", directory=str(directory), note="compiling once, about a minute")
+        log.info("kernels_build", directory=str(directory), note="compiling once, about a minute")
         directory.mkdir(parents=True, exist_ok=True)
         _remove_stale_lock(directory / "lock")
         return cpp_extension.load(
@@ -100,7 +103,7 @@ def load() -> ModuleType | None:
         )
     except (OSError, RuntimeError, ImportError, cpp_extension.subprocess.CalledProcessError) as exc:
         reason = (str(exc).strip().splitlines() or [repr(exc)])[-1]
-        log.warning("native_attention_unavailable", reason=reason, fallback="--attention-backend cpu")
+        log.warning("kernels_unavailable", reason=reason, fallback="the pure-torch implementations")
         return None
 
 
@@ -122,11 +125,11 @@ def _remove_stale_lock(lock: Path) -> None:
         age = time.time() - lock.stat().st_mtime
         if age > STALE_LOCK_S:
             lock.unlink()
-            log.warning("native_attention_stale_lock_removed", path=str(lock), age_s=round(age))
+            log.warning("kernels_stale_lock_removed", path=str(lock), age_s=round(age))
 
 
 def main() -> None:
-    """Builds (or finds) the kernel; exit status 1 when it cannot be built."""
+    """Builds (or finds) the kernels; exit status 1 when they cannot be built."""
     module = load()
-    print(f"native paged attention: {'ready in ' + str(build_dir()) if module else 'unavailable'}")
+    print(f"native kernels: {'ready in ' + str(build_dir()) if module else 'unavailable'}")
     sys.exit(0 if module else 1)

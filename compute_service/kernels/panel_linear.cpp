@@ -5,12 +5,9 @@
 // each int8 weight is widened to float32 in registers and the column's sum scaled once at the end.
 //
 // Why not oneDNN's inner product (which the linears ran on before): a decode step streams every weight from
-// memory once, and oneDNN's products at a few rows overlapped that stream badly with their arithmetic. One
-// step's 30 layers of SmolLM2-135M (381 MB of weights, every layer's weights distinct so none stay in
-// cache), 2 threads, Xeon with AVX-512, best of 5: 1 row 24.8 -> 18.0 ms, 16 rows 35.2 -> 27.6, 64 rows
-// 75.1 -> 57.7, 512 rows 359 -> 358. Built for AVX2 on the same machine, against oneDNN held to AVX2
-// (ONEDNN_MAX_CPU_ISA=AVX2): 27.9 -> 19.9, 49.2 -> 34.3, 101 -> 86, 550 -> 612 (prompts' products are
-// slower there, 0.90x).
+// memory once, and oneDNN's products at a few rows overlapped that stream badly with their arithmetic; the
+// panels are faster at decode-sized batches on AVX-512 and AVX2 builds alike (figures and how they were taken:
+// docs/internals/cpu-fast-path.md; `python -m tests.step_bench --compare linear` measures it again).
 //
 // The kernel: each task takes a run of (panel, row block) pairs, a panel's row blocks one after another (so
 // the panel is read from memory once, its later blocks find it in L2); for each, tiles of up to kMaxRows rows
@@ -18,25 +15,22 @@
 // broadcast of x per row at each k, with the panel prefetched kPrefetchBytes ahead (the prefetch, not the
 // tiling, is what overlaps the weight stream with the arithmetic: without it the kernel was no faster than
 // oneDNN).
-#include "paged_attention.h"
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 
 namespace {
 
+constexpr int kLanes = vec::kLanes;
 #ifdef __AVX512F__
-constexpr int kLanes = 16;
 constexpr int kVectors = 2;
 constexpr int kMaxRows = 12;  // 24 accumulators of the 32 vector registers
 #else
 // NOTE: 3 x 4 rather than 2 x 6 (both 12 accumulators of the 16 vector registers): fewer broadcasts per
-// product, and at 512 rows 0.89-1.00x oneDNN against 0.86-0.94x.
-constexpr int kLanes = 8;
+// product, and faster at prompt-sized batches.
 constexpr int kVectors = 3;
 constexpr int kMaxRows = 4;
 #endif
@@ -46,39 +40,28 @@ constexpr int64_t kPrefetchBytes = 16 * kPanel * sizeof(float);
 // Rows of x one task reads against a panel (at in=1536, 96 rows are 590 KB, which L2 holds).
 constexpr int64_t kRowBlock = 96;
 
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float UnalignedVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(sizeof(float))));
-
-inline Vec load(const float* p) { return *reinterpret_cast<const UnalignedVec*>(p); }
-// kLanes int8 weights widened to float32 (NOTE: the compiler's generic vector conversion ran 2-5x slower).
-inline Vec load(const int8_t* p) {
-  const __m128i* bytes = reinterpret_cast<const __m128i*>(p);
-#ifdef __AVX512F__
-  return reinterpret_cast<Vec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes))));
-#else
-  return reinterpret_cast<Vec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(bytes))));
-#endif
-}
-inline void store(float* p, Vec v) { *reinterpret_cast<UnalignedVec*>(p) = v; }
+using vec::Float;
+using vec::load;
+using vec::store;
 
 // y[r, 0:cols] = x[r, :] . panel (* scales[0:cols]) (+ bias[0:cols]) for the R rows from x and y, K = in; W is
 // float, or int8 with a scale per output column.
 template <typename W, int R>
 void tile(const float* x, int64_t K, const W* panel, const float* scales, const float* bias, float* y, int64_t out,
           int64_t cols) {
-  Vec acc[R][kVectors];
+  Float acc[R][kVectors];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kVectors; ++c) acc[r][c] = Vec{};
+    for (int c = 0; c < kVectors; ++c) acc[r][c] = Float{};
   for (int64_t k = 0; k < K; ++k) {
     const W* at = panel + k * kPanel;
     // NOTE: a prefetch past the end of the weights does not fault. Later tiles of a panel find it in L2, and
     // their prefetches bring it on to L1 (skipping them there measured the same).
     const char* ahead = reinterpret_cast<const char*>(at) + kPrefetchBytes;
     for (int64_t line = 0; line < kPanel * int64_t(sizeof(W)); line += 64) __builtin_prefetch(ahead + line, 0, 3);
-    Vec w[kVectors];
+    Float w[kVectors];
     for (int c = 0; c < kVectors; ++c) w[c] = load(at + c * kLanes);
     for (int r = 0; r < R; ++r) {
-      const Vec b = Vec{} + x[r * K + k];
+      const Float b = Float{} + x[r * K + k];
       for (int c = 0; c < kVectors; ++c) acc[r][c] += b * w[c];
     }
   }

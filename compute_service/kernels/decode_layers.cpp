@@ -9,7 +9,7 @@
 //   x = rms_norm(residual) -> qkv = x Wqkv^T -> rotary on q, k -> k, v stored at slot_mapping ->
 //   attention -> residual += out Wo^T -> x = rms_norm(residual) -> gate, up = x Wgu^T ->
 //   residual += (silu(gate) * up) Wdown^T
-#include "paged_attention.h"
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -101,7 +101,7 @@ void store(const at::Tensor& cache, const float* src, int64_t rows, int64_t stri
   }
 }
 
-// out [rows, inter] = silu(gate) * up from gate_up [rows, 2 * inter] (vector_exp: the loop vectorises).
+// out [rows, inter] = silu(gate) * up from gate_up [rows, 2 * inter] (vec::fast_exp: the loop vectorises).
 void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) {
   for_rows(rows, inter, [&](int64_t first, int64_t end) {
     for (int64_t r = first; r < end; ++r) {
@@ -109,7 +109,7 @@ void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) {
       const float* u = g + inter;
       float* o = out + r * inter;
 #pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + vector_exp(-g[i])) * u[i];
+      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + vec::fast_exp(-g[i])) * u[i];
     }
   });
 }

@@ -1,30 +1,14 @@
-// The native module's entry points (paged_attention.cpp, decode_layers.cpp, greedy.cpp, panel_linear.cpp).
+// The kernels' entry points (paged_attention.cpp, decode_layers.cpp, greedy.cpp, panel_linear.cpp), bound to
+// Python in module.cpp.
 #pragma once
 
 #include <torch/extension.h>
 
-#include <algorithm>
-#include <bit>
-#include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
-// e^x (Cody-Waite range reduction, Cephes' degree-5 polynomial; relative error ~1e-7), x clamped to [-87, 88]
-// so that the result stays a normal float; a plain function of floats so that a loop over it vectorises,
-// unlike std::exp.
-inline float vector_exp(float x) {
-  x = std::clamp(x, -87.0f, 88.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
-  return e * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-}
+#include "vec.h"
 
 // See paged_attention.cpp.
 void paged_attention(const at::Tensor& query_in, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -1,6 +1,7 @@
-"""Mapping the pool a handle names on the device compute runs on (--kv-device): the shm segment on the cpu
-(common/shared_pool.py), the exported allocation on an accelerator (common/device_pool.py). A handle for
-another device is refused with FailedPrecondition naming both devices and the flags that match them."""
+"""Mapping the KV pool a handle names (the one tensor of every layer's K/V blocks the cache service owns) on
+the device compute runs on (--kv-device): through its shm segment on the cpu (common/shared_pool.py), the
+exported allocation on an accelerator (common/device_pool.py). A handle for another device is refused with
+FailedPrecondition naming both devices and the flags that match them."""
 
 import torch
 
@@ -10,8 +11,8 @@ from common.errors import FailedPrecondition
 from protos import common_pb2
 
 
-def open_on(handle: common_pb2.PoolHandle, device: Device) -> torch.Tensor:
-    """The pool tensor on `device`; the checks of open_pool on that device (identity, epoch, geometry)."""
+def map_kv_pool(handle: common_pb2.PoolHandle, device: Device) -> torch.Tensor:
+    """The KV pool tensor on `device`; the checks of open_pool on that device (identity, epoch, geometry)."""
     if device.type != "cpu":
         return device_pool.open_pool(handle, device, ipc_for(device))
     if handle.WhichOneof("payload") in ("cuda", "npu"):

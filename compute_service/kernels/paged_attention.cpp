@@ -12,7 +12,7 @@
 // tokens, written so that the compiler vectorises them (-O3 -march=native -fopenmp, sums reassociated:
 // native/__init__.py CFLAGS); a block's scores take four rows per key vector and its values two rows per
 // value row, so that several chains of FMAs are in flight.
-#include "paged_attention.h"
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -28,8 +28,8 @@
 
 namespace {
 
-// Queries per item of a prompt chunk (32 against 8: chunks over a 512-token prefix 0.85-1.0x -> 0.7-0.8x the
-// time of gather + SDPA), and decodes per group (more would leave a step's groups too few for the threads).
+// Queries per item of a prompt chunk (32 rather than 8: chunks over a cached prefix ran faster,
+// docs/internals/kernels.md), and decodes per group (more would leave a step's groups too few for the threads).
 constexpr int64_t kQueryChunk = 32;
 constexpr int64_t kDecodeGroup = 8;
 
@@ -172,60 +172,32 @@ void scores_transposed(const kv_t* __restrict__ k, int64_t stride, int64_t n, co
   }
 }
 
-// Whether the build targets AVX-512: the one ISA where scores64/values64 pay. Built for AVX2 (-march=x86-64-v3),
-// where a 16-float vector is two registers and a two-vector shuffle many instructions, they took 2.1x the
-// step of the plain loops (4.8x with the keys in cache), so AVX2 builds keep those.
-#if defined(__AVX512F__)
-constexpr bool kAvx512 = true;
-#else
-constexpr bool kAvx512 = false;
-#endif
-
-// GCC vector extensions: 16 floats, one AVX-512 register; v16u is loaded and stored at any float boundary.
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline void store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
-
-// Lane t of the result is the sum of p[t]'s 16 lanes: the vectors halved and interleaved pairwise four times
-// (15 adds and 30 two-vector shuffles for 16 sums, against a horizontal sum of 4-5 steps each).
-inline v16 sum_lanes(const v16 (&p)[16]) {
-  constexpr i16 a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  constexpr i16 b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  constexpr i16 a2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  constexpr i16 b2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-  constexpr i16 a3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  constexpr i16 b3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-  constexpr i16 a4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  constexpr i16 b4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-  v16 c[8], d[4], e[2];
-  for (int i = 0; i < 8; ++i) c[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], a1) + __builtin_shuffle(p[2 * i], p[2 * i + 1], b1);
-  for (int i = 0; i < 4; ++i) d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], a2) + __builtin_shuffle(c[2 * i], c[2 * i + 1], b2);
-  for (int i = 0; i < 2; ++i) e[i] = __builtin_shuffle(d[2 * i], d[2 * i + 1], a3) + __builtin_shuffle(d[2 * i], d[2 * i + 1], b3);
-  return __builtin_shuffle(e[0], e[1], a4) + __builtin_shuffle(e[0], e[1], b4);
-}
+// NOTE: scores64/values64 serve AVX-512 builds only (vec::kAvx512). Built for AVX2 (-march=x86-64-v3), where a
+// 16-float vector is two registers and a two-vector shuffle many instructions, they were slower than the plain
+// loops (docs/internals/kernels.md), so AVX2 builds keep those.
+using vec::Float16;
+using vec::load16;
+using vec::store16;
 
 // Scores of R rows (head dim 64) against a block's first n of 16 keys, each key loaded once for all R rows:
 // out[r][t] = q[r] . k_t for t < n (later lanes hold zeros).
 template <int R>
 inline void scores64(const float* const* q, const float* __restrict__ k, int64_t stride, int64_t n,
                      float* const* out) {
-  v16 qv[R][4], part[R][16];
+  Float16 qv[R][4], part[R][16];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 4; ++j) qv[r][j] = load16(q[r] + 16 * j);
   }
   for (int t = 0; t < 16; ++t) {
     if (t >= n) {
-      for (int r = 0; r < R; ++r) part[r][t] = v16{};
+      for (int r = 0; r < R; ++r) part[r][t] = Float16{};
       continue;
     }
     const float* kt = k + t * stride;
-    const v16 k0 = load16(kt), k1 = load16(kt + 16), k2 = load16(kt + 32), k3 = load16(kt + 48);
+    const Float16 k0 = load16(kt), k1 = load16(kt + 16), k2 = load16(kt + 32), k3 = load16(kt + 48);
     for (int r = 0; r < R; ++r) part[r][t] = qv[r][0] * k0 + qv[r][1] * k1 + qv[r][2] * k2 + qv[r][3] * k3;
   }
-  for (int r = 0; r < R; ++r) store16(out[r], sum_lanes(part[r]));
+  for (int r = 0; r < R; ++r) store16(out[r], vec::sum_lanes(part[r]));
 }
 
 // acc[r] += sum over t < n of p[r][t] * v_t for R rows (head dim 64), each value row loaded once for all R
@@ -233,13 +205,13 @@ inline void scores64(const float* const* q, const float* __restrict__ k, int64_t
 template <int R>
 inline void values64(float* const* acc, const float* const* p, const float* __restrict__ v, int64_t stride,
                      int64_t n) {
-  v16 a[R][4];
+  Float16 a[R][4];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 4; ++j) a[r][j] = load16(acc[r] + 16 * j);
   }
   for (int64_t t = 0; t < n; ++t) {
     const float* vt = v + t * stride;
-    const v16 v0 = load16(vt), v1 = load16(vt + 16), v2 = load16(vt + 32), v3 = load16(vt + 48);
+    const Float16 v0 = load16(vt), v1 = load16(vt + 16), v2 = load16(vt + 32), v3 = load16(vt + 48);
     for (int r = 0; r < R; ++r) {
       const float pt = p[r][t];
       a[r][0] += pt * v0;
@@ -280,14 +252,12 @@ void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const 
     if (visible[r] > 0) active[count++] = r;
   }
   // NOTE: float keys of head dim 64 in blocks of 16 go through scores64/values64: explicit vectors, up to four
-  // rows per key or value load, a block's 16 scores summed together (measured, 16 decodes of 290 keys on 2
-  // threads, in one process alternating the builds: 0.88-0.93x the step of row_scores/pair_values, 0.82x
-  // with the keys in cache; one decode on 1 thread 0.94x).
-  constexpr bool kVec64 = kAvx512 && D == 64 && std::is_same_v<kv_t, float>;
+  // rows per key or value load, a block's 16 scores summed together (faster than row_scores/pair_values at
+  // one decode and at many: docs/internals/kernels.md).
+  constexpr bool kVec64 = vec::kAvx512 && D == 64 && std::is_same_v<kv_t, float>;
   const bool vec64 = kVec64 && g.block_size == 16;
-  // NOTE: not where scores64 serves, at any row count: against the transposed keys, the attention of 32 decodes
-  // over a 512-token shared prefix took 0.88x the time, a 48-token chunk over it 0.83x, a 512-token prompt 0.83x
-  // (one process, the builds alternating).
+  // NOTE: not where scores64 serves, at any row count: scores64 was faster than the transposed keys there too
+  // (docs/internals/native-attention.md).
   const bool transposed = !vec64 && g.block_size == kTransposedBlock && count >= kTransposedRows;
   // the scratch rows (r0 + active[i]) of runs of up to four active rows, and the most keys any of them sees
   const auto run = [&](int64_t first, int64_t n, int64_t* at) {
@@ -336,7 +306,7 @@ void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const 
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < m; ++t) {
-      scores[t] = vector_exp(scores[t] - row_max);
+      scores[t] = vec::fast_exp(scores[t] - row_max);
       sum += scores[t];
     }
     sums[r] += sum;
@@ -599,11 +569,9 @@ void attend_all(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_ca
   const int64_t* contexts = context_lens.data_ptr<int64_t>();
   // NOTE: a decode's task takes every KV head of its sequence (or group), so that it reads each block's keys
   // and values whole, in one pass: a task per KV head read a third of every key row and skipped the rest, a
-  // pattern the hardware prefetcher follows badly (measured, 16 decodes of 290 keys on 2 threads: the pool's
-  // bytes alone took 16-18 ms per step that way, 5.7-11 ms whole; the kernel's step 0.90-0.96x the time, in
-  // one process alternating the two builds). With fewer decodes than twice the threads (one stream) they keep
-  // a task per KV head so that every thread has work. Prompt chunks, whose keys each serve up to
-  // kQueryChunk queries, keep a task per KV head.
+  // pattern the hardware prefetcher follows badly (docs/internals/kernels.md). With fewer decodes than twice
+  // the threads (one stream) they keep a task per KV head so that every thread has work. Prompt chunks, whose
+  // keys each serve up to kQueryChunk queries, keep a task per KV head.
   const int64_t decode_units = static_cast<int64_t>(groups.size()) +
                                std::count_if(items.begin(), items.end(), [&](const Item& item) {
                                  return lens[item.seq] == 1;
@@ -717,28 +685,4 @@ void paged_attention(const at::Tensor& query_in, at::Tensor& out, const at::Tens
     default:
       TORCH_CHECK(false, "paged attention: unsupported pool dtype ", k_cache.scalar_type());
   }
-}
-
-// The number of threads at::parallel_for spreads a loop over now: torch's thread count where the build has
-// OpenMP, 1 where it has not (what compute logs at start, and what the tests check).
-int64_t parallel_threads() {
-  std::atomic<uint64_t> seen{0};
-  at::parallel_for(0, 64, 1, [&](int64_t, int64_t) { seen |= uint64_t{1} << std::min<int>(at::get_thread_num(), 63); });
-  return std::popcount(seen.load());
-}
-
-// NOTE: the kernels run without the GIL, as torch's own ops do: a step of the decoder stack holds no Python state, and
-// compute's other threads (the one sending the last step's reply) must not wait the whole step for it.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention reading K/V in place by block table",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("decode_layers", &decode_layers, "a float32 Llama decoder stack over one all-decode step",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("greedy", &greedy, "each row's first most likely token and its log-probability",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses now");
-  m.def("panel_width", &panel_width, "output columns per panel of pack_panels");
-  m.def("pack_panels", &pack_panels, "a float32 or int8 weight [out, in] packed for panel_linear");
-  m.def("panel_linear", &panel_linear, "x [rows, in] times packed panels (* int8 scales) (+ bias): [rows, out]",
-        py::call_guard<py::gil_scoped_release>());
 }

@@ -1,8 +1,8 @@
 // The greedy choice of each row of float32 logits: its first most likely token and that token's
 // log-probability, log p = -log sum_v exp(logit_v - max), in two passes over the row (the second reads it
 // from cache) with no [rows, vocab] temporaries. Rows run in parallel with at::parallel_for. The pure-torch
-// path it stands in for is compute_service/greedy.py's torch_greedy.
-#include "paged_attention.h"
+// path it stands in for is compute_service/greedy.py's, where the execution plan names torch.
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -40,10 +40,10 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits) {
       int64_t first = 0;
       while (first < vocab - 1 && !(x[first] == best)) ++first;
       for (int64_t v = 0; v < whole; v += kLanes)
-        for (int64_t l = 0; l < kLanes; ++l) lane_sum[l] += vector_exp(x[v + l] - best);
+        for (int64_t l = 0; l < kLanes; ++l) lane_sum[l] += vec::fast_exp(x[v + l] - best);
       float sum = 0.0f;
       for (int64_t l = 0; l < kLanes; ++l) sum += lane_sum[l];
-      for (int64_t v = whole; v < vocab; ++v) sum += vector_exp(x[v] - best);
+      for (int64_t v = whole; v < vocab; ++v) sum += vec::fast_exp(x[v] - best);
       token[r] = first;
       logprob[r] = -std::log(sum);
     }

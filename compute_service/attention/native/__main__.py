@@ -1,3 +1,0 @@
-from compute_service.attention.native import main
-
-main()

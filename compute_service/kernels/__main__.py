@@ -1,0 +1,3 @@
+from compute_service.kernels import main
+
+main()

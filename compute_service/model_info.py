@@ -1,0 +1,38 @@
+"""GetModelInfo's reply: the model's shape and limits, and its execution plan (compute_service.plan)."""
+
+from compute_service.model_loader import ModelSpec
+from compute_service.plan import ExecutionPlan
+from protos import compute_pb2
+
+
+def model_info(spec: ModelSpec) -> compute_pb2.ModelInfo:
+    return compute_pb2.ModelInfo(
+        model=spec.name,
+        num_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=spec.dtype_name,
+        vocab_size=spec.vocab_size,
+        max_model_len=spec.max_model_len,
+        eos_token_ids=spec.eos_token_ids,
+        attention_backend=spec.attention_backend,
+        kv_dtype=spec.kv_dtype_name,
+        kv_scales_id=spec.kv_scales.identity,
+        weights=spec.weights,
+        execution_plan=plan_message(spec.plan),
+    )
+
+
+def plan_message(plan: ExecutionPlan) -> compute_pb2.ExecutionPlan:
+    machine = plan.machine
+    return compute_pb2.ExecutionPlan(
+        architecture=plan.architecture,
+        device=plan.device,
+        isa=f"{machine.isa} (profile {machine.profile})",
+        native_kernels=machine.kernels,
+        stages=[
+            compute_pb2.PlanStage(stage=stage, implementation=choice.implementation, reason=choice.reason)
+            for stage, choice in plan.stages().items()
+        ],
+    )

@@ -1,0 +1,172 @@
+"""The execution plan (compute_service.planning): each stage's implementation and reason for the model,
+flags and machine it is resolved for, the refusals, and its report (the log line's summary, GetModelInfo's
+message)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import MistralConfig, Qwen2Config
+
+from common import cpu
+from compute_service import planning
+from compute_service.model_info import plan_message
+from compute_service.plan import STAGES
+from compute_service.planning import Flags
+from tests.tiny_model import tiny_llama_config
+
+LLAMA = tiny_llama_config()
+# A machine as each kind of host gives it: this CPU with and without the native kernels built, and AVX2-only.
+BUILT = planning.Machine(isa="AMX", profile="native", kernels=True, bfloat16_native=True, onednn=True)
+UNBUILT = replace(BUILT, kernels=False)
+AVX2 = replace(BUILT, isa="AVX2", profile="avx2", bfloat16_native=False)
+
+
+def implementations(config=LLAMA, machine=BUILT, **flags) -> dict[str, str]:
+    plan = planning.resolve(config, Flags(**flags), machine)
+    return {stage: choice.implementation for stage, choice in plan.stages().items()}
+
+
+def reasons(config=LLAMA, machine=BUILT, **flags) -> dict[str, str]:
+    plan = planning.resolve(config, Flags(**flags), machine)
+    return {stage: choice.reason for stage, choice in plan.stages().items()}
+
+
+def test_float32_llama_with_the_native_kernels_runs_every_native_path():
+    got = implementations()
+    assert got == {
+        "layers": "fused",
+        "layers.decode": "native-stack",
+        "linears.decoder": "panels float32",
+        "linears.head": "panels float32",
+        "attention.prefill": "cpu-native: the native kernel, K/V read in place by block table",
+        "attention.decode": "cpu-native: the native kernel, K/V read in place by block table",
+        "sampling.greedy": "native",
+        "sampling": "torch",
+    }
+    assert "16-float vectors" in reasons()["attention.decode"], "AVX-512 scores head dim 64 by vectors"
+
+
+def test_without_the_native_kernels_every_stage_names_its_pure_torch_implementation():
+    got, why = implementations(machine=UNBUILT), reasons(machine=UNBUILT)
+    assert got["attention.decode"].startswith("cpu: ") and "cannot be built" in why["attention.decode"]
+    assert (got["layers"], got["layers.decode"]) == ("fused", "fused")
+    assert "cpu-native attention" in why["layers.decode"]
+    assert got["linears.decoder"] == "onednn float32" and "cannot be built" in why["linears.decoder"]
+    assert got["sampling.greedy"] == "torch"
+
+
+def test_an_avx2_machine_keeps_the_native_paths_and_refuses_bfloat16_products():
+    assert implementations(machine=AVX2) == implementations()
+    assert "16-float vectors" not in reasons(machine=AVX2)["attention.decode"]
+    with pytest.raises(ValueError, match="need a cpu with AVX512-BF16 or AMX"):
+        planning.resolve(LLAMA, Flags(weights="bfloat16"), AVX2)
+
+
+def test_the_machine_is_what_common_cpu_answers(monkeypatch):
+    machine = planning.this_machine()
+    assert (machine.isa, machine.profile) == (cpu.isa_level(cpu.cpu_flags()), cpu.profile())
+    assert machine.bfloat16_native == cpu.bfloat16_native()
+    monkeypatch.setenv(cpu.ISA_ENV, "avx2")
+    assert cpu.isa_level(cpu.cpu_flags()) == "AVX2" and not cpu.bfloat16_native()
+
+
+def test_bfloat16_keeps_transformers_layers_and_linears_and_the_cpu_attention():
+    got, why = implementations(dtype=torch.bfloat16), reasons(dtype=torch.bfloat16)
+    assert (got["layers"], got["layers.decode"]) == ("transformers", "transformers")
+    assert "float32 only" in why["layers"]
+    assert got["linears.decoder"] == "transformers bfloat16"
+    assert (
+        got["attention.prefill"].startswith("cpu: ") and "rounds as transformers" in why["attention.prefill"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("weights", "decoder", "decode_layers"),
+    [("int8", "panels int8", "native-stack"),
+     ("int4", "weight-only int4 up to 16 rows, panels float32 above", "fused"),
+     ("bfloat16", "onednn bfloat16", "native-stack")],
+)  # fmt: skip
+def test_weights_modes_choose_their_linears_and_the_head_is_int8_when_quantised(
+    weights, decoder, decode_layers
+):
+    got, why = implementations(weights=weights), reasons(weights=weights)
+    assert (got["linears.decoder"], got["layers.decode"]) == (decoder, decode_layers)
+    if weights in ("int8", "int4"):
+        assert got["linears.head"] == "panels int8" and "output head is int8" in why["linears.head"]
+    if decode_layers == "fused":
+        assert "weight-only" in why["layers.decode"]
+
+
+def test_quantised_weights_without_the_native_kernels_take_torchs_kernels_and_onednn_above():
+    got = implementations(machine=UNBUILT, weights="int8")
+    assert got["linears.decoder"] == "weight-only int8 up to 16 rows, onednn float32 above"
+    bf16 = implementations(dtype=torch.bfloat16, weights="int4")
+    assert bf16["linears.decoder"] == "weight-only int4 up to 16 rows, dense bfloat16 above"
+
+
+@pytest.mark.parametrize(
+    ("flags", "stage", "implementation", "reason"),
+    [(dict(kv_dtype=torch.float8_e4m3fn), "layers.decode", "fused", "fp8_e4m3 pool"),
+     (dict(kv_dtype=torch.bfloat16), "layers.decode", "native-stack", "in C++"),
+     (dict(fused=False), "layers", "transformers", "--unfused"),
+     (dict(plain_linear=True), "linears.decoder", "transformers float32", "--plain-linear"),
+     (dict(attention_backend="cpu"), "layers.decode", "fused", "cpu-native attention"),
+     (dict(attention_backend="cuda"), "attention.decode", "cuda: ", "--attention-backend cuda")],
+)  # fmt: skip
+def test_flags_decide_the_stage_they_name(flags, stage, implementation, reason):
+    assert implementations(**flags)[stage].startswith(implementation)
+    assert reason in reasons(**flags)[stage]
+
+
+def test_biased_projections_keep_the_python_layers_for_decodes():
+    got, why = (
+        implementations(tiny_llama_config(attention_bias=True)),
+        reasons(tiny_llama_config(mlp_bias=True)),
+    )
+    assert got["layers.decode"] == "fused" and "bias" in why["layers.decode"]
+
+
+@pytest.mark.parametrize("config_class", [MistralConfig, Qwen2Config])
+def test_other_architectures_run_transformers_layers_and_the_plan_says_why(config_class):
+    config = config_class(**{k: v for k, v in LLAMA.to_dict().items() if k != "model_type"})
+    got, why = implementations(config), reasons(config)
+    assert (got["layers"], got["layers.decode"]) == ("transformers", "transformers")
+    assert why["layers"] == f"architecture {config.model_type!r}: the fused forward supports llama only"
+    assert got["linears.decoder"] == "panels float32", "the linears and attention do not depend on it"
+
+
+def test_an_accelerator_runs_its_backend_and_transformers_linears():
+    plan = planning.resolve(LLAMA, Flags(dtype=torch.bfloat16, device="cuda:0"), BUILT)
+    got = {stage: choice.implementation for stage, choice in plan.stages().items()}
+    assert plan.attention_backend == "cuda" and got["linears.decoder"] == "transformers bfloat16"
+    assert got["sampling.greedy"] == "torch" and plan.device == "cuda:0"
+
+
+@pytest.mark.parametrize(
+    ("flags", "machine", "message"),
+    [(dict(weights="int8", device="cuda"), BUILT, "--weights int8 runs torch's CPU kernels; on cuda"),
+     (dict(weights="int4", plain_linear=True), BUILT, "--plain-linear .* cannot combine with --weights int4"),
+     (dict(attention_backend="cpu-native"), UNBUILT, "cpu-native: its kernel cannot be built here"),
+     (dict(attention_backend="npu"), BUILT, "'npu' runs on npu, not on cpu"),
+     (dict(attention_backend="cuda", kv_dtype=torch.float8_e5m2), BUILT, "'cuda' cannot store K/V as fp8"),
+     (dict(weights="int3"), BUILT, "unknown --weights 'int3'")],
+)  # fmt: skip
+def test_combinations_that_cannot_run_are_refused_before_the_config_is_read(flags, machine, message):
+    with pytest.raises(ValueError, match=message):
+        planning.check(Flags(**flags), machine)
+
+
+def test_the_report_names_every_stage_in_order():
+    plan = planning.resolve(LLAMA, Flags(weights="int4"), AVX2)
+    summary = plan.summary()
+    assert list(summary)[-len(STAGES) :] == list(STAGES)
+    assert (summary["isa"], summary["native_kernels"]) == ("AVX2 (profile avx2)", "built")
+    message = plan_message(plan)
+    assert [s.stage for s in message.stages] == list(STAGES) and all(s.reason for s in message.stages)
+    assert (message.architecture, message.isa, message.native_kernels) == (
+        "llama",
+        "AVX2 (profile avx2)",
+        True,
+    )
+    assert message.stages[2].implementation == summary["linears.decoder"]

@@ -5,9 +5,10 @@ restart that keeps the KV: the running sequences go on from their tables, no tok
 
 import grpc
 import pytest
-from structlog.testing import capture_logs
 
 from common.errors import PagedServeError
+from gateway import engine as engine_module
+from gateway import step_faults
 from gateway.config import FAIL_STEP_ENV
 from gateway.sequence import Sequence
 from gateway.step_faults import isolate, max_reruns
@@ -36,15 +37,30 @@ def co_batched(engine, prompts: list[list[int]], bad: str = "") -> list:
     return [collect(seq) for seq in seqs]
 
 
+class Logs(list):
+    """Stands in for a module's structlog logger: keeps each event as a dict (structlog's own capture misses
+    loggers cached before it)."""
+
+    def __getattr__(self, level: str):
+        return lambda event, **fields: self.append({"event": event, **fields})
+
+
+@pytest.fixture
+def logs(monkeypatch) -> Logs:
+    logs = Logs()
+    monkeypatch.setattr(step_faults, "log", logs)
+    monkeypatch.setattr(engine_module, "log", logs)
+    return logs
+
+
 def isolated(logs: list[dict]) -> list[dict]:
     return [e for e in logs if e["event"] == "step_fault_isolated"]
 
 
-def test_an_exception_in_a_co_batched_step_fails_only_its_request(start, monkeypatch, reference):
+def test_an_exception_in_a_co_batched_step_fails_only_its_request(start, monkeypatch, reference, logs):
     monkeypatch.setenv(FAIL_STEP_ENV, "bad")
     engine, cache, _ = start()
-    with capture_logs() as logs:
-        *outputs, error = co_batched(engine, [*PROMPTS, BAD_PROMPT], bad="bad")
+    *outputs, error = co_batched(engine, [*PROMPTS, BAD_PROMPT], bad="bad")
     assert isinstance(error, PagedServeError) and error.code == grpc.StatusCode.INTERNAL
     assert "RuntimeError" in str(error) and "request bad" in str(error)
     assert outputs == reference[0]
@@ -55,11 +71,10 @@ def test_an_exception_in_a_co_batched_step_fails_only_its_request(start, monkeyp
     assert_nothing_held(engine, cache)
 
 
-def test_a_compute_internal_naming_no_row_is_bisected_to_the_row_that_fails_alone(start, reference):
+def test_a_compute_internal_naming_no_row_is_bisected_to_the_row_that_fails_alone(start, reference, logs):
     engine, cache, compute = start()
     compute.broken = {1}
-    with capture_logs() as logs:
-        *outputs, error = co_batched(engine, [*PROMPTS, BAD_PROMPT])
+    *outputs, error = co_batched(engine, [*PROMPTS, BAD_PROMPT])
     assert isinstance(error, PagedServeError) and error.code == grpc.StatusCode.INTERNAL
     assert "a fault in the model's code" in str(error)
     assert outputs == reference[0]
@@ -67,7 +82,7 @@ def test_a_compute_internal_naming_no_row_is_bisected_to_the_row_that_fails_alon
     assert_nothing_held(engine, cache)
 
 
-def test_a_fault_in_the_middle_of_a_multi_step_call_reruns_its_step_and_loses_nobody(start, reference):
+def test_a_fault_in_the_middle_of_a_multi_step_call_reruns_its_step_and_loses_nobody(start, reference, logs):
     engine, cache, compute = start()
 
     def fault_once():
@@ -78,8 +93,7 @@ def test_a_fault_in_the_middle_of_a_multi_step_call_reruns_its_step_and_loses_no
 
     # NOTE: two steps prefill the prompts; the 6th is the 4th step of a ForwardSteps call.
     compute.before[6] = fault_once
-    with capture_logs() as logs:
-        assert run_all(engine) == reference[0]
+    assert run_all(engine) == reference[0]
     assert calls and calls[0][-1] > 1, "the fault came after the call's first step"
     assert [f["failed"] for f in isolated(logs)] == [[]], "the rerun succeeded: no request failed"
     assert_nothing_held(engine, cache)
@@ -112,7 +126,7 @@ def test_bisection_finds_one_faulty_row_within_its_bound_and_runs_every_other_ro
     assert len(calls) == max_reruns(8) and sorted(failed, key=rows.index) == rows, "bounded, then failed"
 
 
-def test_a_compute_restart_keeps_the_tables_and_computes_no_token_twice(start, reference):
+def test_a_compute_restart_keeps_the_tables_and_computes_no_token_twice(start, reference, logs):
     engine, cache, compute = start()
     epoch = cache.epoch
 
@@ -122,8 +136,7 @@ def test_a_compute_restart_keeps_the_tables_and_computes_no_token_twice(start, r
 
     # NOTE: the 8th step is a decode, with tokens of every prompt computed and blocks partly filled
     compute.before[8] = die_and_restart
-    with capture_logs() as logs:
-        assert run_all(engine) == reference[0]
+    assert run_all(engine) == reference[0]
     assert not compute.before, "the fault happened"
     assert compute.computed == reference[1], "each token computed once: only the lost step ran again"
     attached = [e for e in logs if e["event"] == "attached"]

@@ -6,7 +6,7 @@ are those of a fault-free run, and the steps of the restarted compute holding mo
 (a prefill of what the streams had; 0 when they go on from the K/V already written). docs/reliability.md
 quotes it.
 
-    python scripts/compute_restart.py --runs 3 --json /tmp/compute-restart.json [-- up flags...]
+    python -m scripts.compute_restart --runs 3 --json /tmp/compute-restart.json [-- up flags...]
 """
 
 import argparse

@@ -140,5 +140,6 @@ def test_a_compute_restart_keeps_the_tables_and_computes_no_token_twice(start, r
     assert not compute.before, "the fault happened"
     assert compute.computed == reference[1], "each token computed once: only the lost step ran again"
     attached = [e for e in logs if e["event"] == "attached"]
-    assert attached[-1]["kept_running"] == len(PROMPTS) and compute.epoch == epoch
+    assert attached[-1]["kept_running"] == len(PROMPTS), "the tables were kept"
+    assert compute.epoch == epoch == cache.epoch, "the cache kept its pool: the same one is attached again"
     assert_nothing_held(engine, cache)

@@ -19,7 +19,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.healthcheck import status
+from common.server import channel
 from gateway.config import FAIL_STEP_ENV
+from protos import cache_pb2, cache_pb2_grpc
 from sdk.client import Client, GenerationError
 from tests.helpers import free_port, log_events, start, stop, wait_healthy
 from tests.processes import segments_of
@@ -182,23 +184,32 @@ def test_a_compute_killed_mid_decode_goes_on_from_the_kv_already_written(service
     metrics_port = free_port()
 
     def kill_and_restart():
+        before = admissions(services)
         services.kill("compute")
         killed_at = time.monotonic()
         services.start("compute", "--metrics-port", str(metrics_port))
-        return killed_at
+        return killed_at, before
 
-    outputs, arrivals, killed_at = four_streams(services, kill_and_restart)
+    outputs, arrivals, (killed_at, before) = four_streams(services, kill_and_restart)
     assert outputs == four_reference
     assert recoveries(services) == ["compute"], "the streams were running when compute died"
     assert gateway_events(services, "attached")[-1]["kept_running"] == len(FOUR), "the tables were kept"
-    # Every step the new compute ran is a decode step of the four streams (no prefill of what they had),
-    # and it computed no more tokens than the streams had still to receive at the kill.
+    # The streams went on in the blocks they held: none was freed and admitted again (its prefix looked up,
+    # its last block copied), as a recompute does.
+    assert admissions(services) == before
+    # Every step the new compute ran was a decode step of the four streams, and it computed no more tokens
+    # than the streams had still to receive at the kill.
     had = [max((n for at, n in chunks if at <= killed_at), default=0) for chunks in arrivals]
     steps = step_tokens(metrics_port)
     assert steps["count"] > 0 and steps["at_most_4"] == steps["count"], steps
     assert steps["sum"] <= sum(STREAMS["max_tokens"] - n for n in had), (steps, had)
-    next_token = min(at for chunks in arrivals for at, _ in chunks if at > killed_at)
-    print(f"kill to next token: {next_token - killed_at:.2f} s (compute start included)")
+
+
+def admissions(services: Services) -> tuple[int, int, int]:
+    """The cache's counters of sequences admitted: prompt tokens looked up, found cached, blocks copied."""
+    stub = cache_pb2_grpc.CacheStub(channel(services.targets["cache"]))
+    stats = stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+    return stats.prefix_query_tokens, stats.prefix_hit_tokens, stats.copy_on_writes
 
 
 def test_a_cache_killed_and_restarted_mid_stream_changes_no_token(services, reference):

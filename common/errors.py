@@ -62,7 +62,7 @@ class RowsRefused(InvalidArgument):
         return ((BAD_ROWS_KEY, ",".join(map(str, self.rows))),)
 
 
-_BY_CODE = {cls.code: cls for cls in PagedServeError.__subclasses__()}
+_BY_CODE = {cls.code: cls for cls in (PagedServeError, *PagedServeError.__subclasses__())}
 
 
 def from_rpc_error(err: grpc.RpcError) -> PagedServeError:

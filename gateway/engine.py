@@ -9,7 +9,6 @@ objects of gateway/step.py:
               one path whether compute ran one step or several
 """
 
-import os
 import time
 from contextlib import closing
 
@@ -18,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from common.errors import Unavailable, from_rpc_error
 from common.server import channel
-from gateway.config import FAIL_STEP_ENV, HANDSHAKE_TIMEOUT_S, RETRY_TIMEOUT_S, EngineConfig
+from gateway.config import HANDSHAKE_TIMEOUT_S, RETRY_TIMEOUT_S, EngineConfig
 from gateway.engine_view import EngineView
 from gateway.executor import StepExecutor
 from gateway.handshake import handshake
@@ -32,6 +31,7 @@ from gateway.reservation import look_up_prefixes, reserve_step
 from gateway.scheduler import Scheduler
 from gateway.sequence import Sequence
 from gateway.step import ScheduledStep, StepResult
+from gateway.step_faults import run_isolated
 from gateway.step_timer import StepTimer
 from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 
@@ -59,26 +59,35 @@ class Engine:
         self._attached_at = 0.0
         # Set when the loop died: every request is refused with it.
         self.dead: Unavailable | None = None
-        self._fail_step = os.environ.get(FAIL_STEP_ENV) or None
+        # Whether the tables the cache holds outlive the peer lost now: only compute was lost since the last
+        # attach (the cache kept its pool, the session its tables), so running sequences go on from them.
+        self._keep_tables = False
         # NOTE: a session the cache service dropped (lapsed, or it restarted) took the tables with it.
         self.lease = Lease(self._cache, config.session_ttl_s, self.session_lost, config.rpc_timeout_s)
 
     # start-up
     def handshake(self, timeout: float = HANDSHAKE_TIMEOUT_S, wait: bool = True) -> None:
         """gateway.handshake.handshake, then the engine steps on that pool (PeerFault if a call fails).
-        Re-runnable: the tables the cache held are freed (same pool) or forgotten (new epoch), the KV view
-        starts afresh, the sequences keep their tokens for recompute, in a new session."""
+        Re-runnable. After a lost compute whose pool the cache kept (same epoch, the session still held),
+        the tables, the session and the running sequences' progress stay: they go on from the K/V of their
+        completed steps and compute again only the step that was in flight. Otherwise the tables the cache
+        held are freed (same pool) or forgotten (new epoch), the KV view starts afresh and the sequences keep
+        their tokens for recompute, in a new session."""
         info, handle = handshake(self._cache, self._compute, self.config.block_size, timeout, wait)
         same_pool = self.handle is not None and self.handle.epoch == handle.epoch
+        kept = same_pool and self._keep_tables and self.lease.held()
         self.model_info, self.handle = info, handle
-        self._attach(handle.shape[2], same_pool)
+        if not kept:
+            self._attach(handle.shape[2], same_pool)
         self.executor.attach(handle.epoch, frozenset(info.eos_token_ids))
-        with calling("cache"):
-            self.lease.open()
+        if not kept:
+            with calling("cache"):
+                self.lease.open()
+        self._keep_tables = False
         self._attached_at = time.monotonic()
-        log.info(
-            "attached", model=info.model, num_blocks=handle.shape[2], epoch=handle.epoch, again=same_pool
-        )
+        kept_running = len(self.scheduler.running) if kept else 0
+        log.info("attached", model=info.model, num_blocks=handle.shape[2], epoch=handle.epoch,
+                 again=same_pool, kept_running=kept_running)  # fmt: skip
 
     def _attach(self, num_blocks: int, same_pool: bool) -> None:
         if self.kv is None:  # the first handshake
@@ -95,6 +104,7 @@ class Engine:
             self.inbox.interrupt = self.executor.end_call
             self.live = LiveSeqs(self.scheduler, self.kv)
             return
+        self.scheduler.requeue_running()
         self.kv.reattach([seq for seq in self.live.all() if self.kv.holds(seq)], num_blocks, same_pool)
 
     def attached_epoch(self) -> str | None:
@@ -214,8 +224,6 @@ class Engine:
             if not step.seqs:
                 return
             log.debug("step", chunks=[[s.request_id, s.index, s.chunk_len] for s in step.seqs])
-            if self._fail_step in {seq.request_id for seq in step.seqs}:
-                raise RuntimeError(f"injected step fault ({FAIL_STEP_ENV})")
             if not self.lease.held():  # the blocks may be another gateway's by now: compute must not write
                 self._lose("cache")
                 return
@@ -233,7 +241,7 @@ class Engine:
         are handed over once the call is over."""
         held: list[tuple[Sequence, Output]] = []
         try:
-            with closing(self.executor.run(step, timer, self.live.refuse)) as results:
+            with closing(run_isolated(self.executor, self.live, step, timer)) as results:
                 for result in results:
                     held += self._update(result)
         finally:
@@ -266,11 +274,16 @@ class Engine:
 
     # recovery
     def _lose(self, service: str) -> None:
-        """Stops stepping; running sequences wait again, to be recomputed after the next handshake."""
-        if not self.recovery.active:
+        """Stops stepping until the next handshake. A lost cache took the tables: the running sequences wait
+        again, to be recomputed. A lost compute (and nothing else since the last attach) leaves them
+        running: the handshake keeps their tables if the cache kept its pool (see handshake)."""
+        first = not self.recovery.active
+        if first:
             log.warning("peer_lost", peer=service, running=len(self.scheduler.running))
+        self._keep_tables = service == "compute" and (first or self._keep_tables)
         self.recovery.lost(service)
-        self.scheduler.requeue_running()
+        if not self._keep_tables:
+            self.scheduler.requeue_running()
 
     def _recover(self) -> None:
         """One handshake attempt when due; past the grace, the requests fail (and new ones are refused)."""

@@ -24,6 +24,10 @@ class LiveSeqs:
         for seq in seqs:
             self._by_id[seq.seq_id] = seq
 
+    def holds(self, seq: Sequence) -> bool:
+        """Whether the sequence is still served (not ended)."""
+        return seq.seq_id in self._by_id
+
     def all(self) -> list[Sequence]:
         return list(self._by_id.values())
 
@@ -70,7 +74,7 @@ class LiveSeqs:
 
     def fail_internal(self, seqs: list[Sequence], exc: Exception) -> None:
         """A fault of the gateway's own code in one step: its requests fail with INTERNAL, naming them."""
-        log.exception("step_fault", seq_ids=[s.seq_id for s in seqs])
+        log.error("step_fault", seq_ids=[s.seq_id for s in seqs], exc_info=exc)
         seqs = [seq for seq in seqs if seq.seq_id in self._by_id]
         for request_id, group in by_request(seqs).items():
             error = PagedServeError(f"{type(exc).__name__}: {exc} (request {request_id})")

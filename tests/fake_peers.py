@@ -83,7 +83,9 @@ class FakeCompute:
     """`down` refuses every call; `restart()` detaches the pool; `before[n]()` runs at the start of the n-th
     step (a Forward, or a step of a ForwardSteps call) and may raise, as a dying process's call does; a step
     with a row holding a token of `refused` is refused (INVALID_ARGUMENT) naming those rows, as the real
-    compute does, before anything is written. Block size 4."""
+    compute does, before anything is written; one holding a token of `broken` fails with INTERNAL naming no
+    row, after writing its K/V (a fault in the model's code). `computed` counts the tokens of the steps
+    that completed. Block size 4."""
 
     def __init__(self) -> None:
         self.kv: dict[tuple[str, int, int], int] = {}
@@ -94,6 +96,8 @@ class FakeCompute:
         # Steps each ForwardSteps call ran, in call order.
         self.call_steps: list[int] = []
         self.refused: set[int] = set()
+        self.broken: set[int] = set()
+        self.computed = 0
 
     def restart(self) -> None:
         self.epoch = None
@@ -157,6 +161,9 @@ class FakeCompute:
             if request.sample[i]:
                 context = [self.kv[slot] for slot in slots]
                 tokens.append(3 + sum((pos + 1) * t for pos, t in enumerate(context)) % (VOCAB - 3))
+        if self.broken & set(request.token_ids):
+            raise RpcError(grpc.StatusCode.INTERNAL, "RuntimeError: a fault in the model's code")
+        self.computed += len(request.token_ids)
         return compute_pb2.ForwardResponse(token_ids=tokens, logprobs=[0.0] * len(tokens))
 
     def _refuse_rows(self, request: compute_pb2.ForwardRequest) -> None:

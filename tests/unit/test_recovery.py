@@ -40,21 +40,6 @@ def reference(start):
     return outputs
 
 
-def test_a_restarted_compute_is_attached_again_and_the_requests_end_with_the_same_tokens(start, reference):
-    engine, cache, compute = start()
-    epoch = cache.epoch
-
-    def die_and_restart():
-        compute.restart()
-        raise unreachable("compute")
-
-    compute.before[4] = die_and_restart
-    assert run_all(engine) == reference
-    assert not compute.before, "the fault happened"
-    assert compute.epoch == epoch == cache.epoch, "the cache kept its pool: the same one is attached again"
-    assert_nothing_held(engine, cache)
-
-
 def test_a_restarted_cache_gets_a_new_pool_and_every_sequence_is_recomputed(start, reference):
     engine, cache, compute = start()
     epoch = cache.epoch

@@ -40,7 +40,7 @@ up: setup
 	$(VENV)/bin/pagedserve up
 
 test: setup
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra --durations=30
 
 test-unit: setup
 	$(PY) -m pytest -ra tests/unit

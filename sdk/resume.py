@@ -80,7 +80,7 @@ class Call:
         self._finished: set[int] = set()
         self._failures = 0
         self._heard_at = time.monotonic()
-        # Broken attempts so far; the target of the current one.
+        # Times the stream went on after a break; the target of the current attempt.
         self.resumes = 0
         self.target = targets.current
 
@@ -108,6 +108,8 @@ class Call:
         self._received.setdefault(response.index, []).extend(response.token_ids)
         if response.finish_reason:
             self._finished.add(response.index)
+        if self._failures:
+            self.resumes += 1
         self._failures, self._heard_at = 0, time.monotonic()
 
     def retry_in(self, err: grpc.RpcError) -> float | None:
@@ -122,11 +124,13 @@ class Call:
         targets.failed(self.target)
         # NOTE: the first retry goes at once to another gateway; a round of failures waits, doubling.
         rounds = self._failures // targets.count
-        self._failures, self.resumes = self._failures + 1, self.resumes + 1
         delay = 0.0 if rounds == 0 and targets.count > 1 else min(FIRST_DELAY_S * 2**rounds, MAX_DELAY_S)
-        log.warning(
+        # NOTE: the break is a warning; the attempts that find no gateway after it are not.
+        log.log(
+            logging.INFO if self._failures else logging.WARNING,
             "request %s on %s: %s: %s; resuming on %s in %.1f s",
             self._request.request_id, targets.names[self.target], err.code().name, err.details(),
             targets.names[targets.current], delay,
         )  # fmt: skip
+        self._failures += 1
         return delay

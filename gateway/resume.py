@@ -9,6 +9,7 @@ text stream is rebuilt by passing the received tokens through the same path, one
 release dropped: it releases next exactly what the unbroken stream would have, nothing twice.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from transformers import PreTrainedTokenizerBase
@@ -53,7 +54,7 @@ def samples(
     return Samples(seqs, texts)
 
 
-def finished_tokens(resume: list[generation_pb2.ResumedSample]) -> int:
+def finished_tokens(resume: Iterable[generation_pb2.ResumedSample]) -> int:
     """The completion tokens of the samples the client received whole (their usage counts them once)."""
     return sum(len(sample.token_ids) for sample in resume if sample.finished)
 

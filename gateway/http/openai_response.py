@@ -6,6 +6,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 
+from gateway.resume import finished_tokens
 from protos import generation_pb2
 
 FINISH = {
@@ -51,7 +52,7 @@ class Rendering:
         # Tool calls streamed so far, per sample (a streamed call's index).
         self._calls: dict[int, int] = defaultdict(int)
         self._prompt_tokens = self._cached_tokens = 0
-        self._completion_tokens = sum(len(sample.token_ids) for sample in resumed if sample.finished)
+        self._completion_tokens = finished_tokens(resumed)
 
     @property
     def id(self) -> str:

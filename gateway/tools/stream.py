@@ -14,9 +14,7 @@ class CallStreams:
     """One parser per sample of a request with tools (`parser`: a PARSERS name). A resumed request's
     samples go on from the text their client received (`received`, by sample): the calls in it were sent."""
 
-    def __init__(
-        self, tools: ToolUse, parser: str, received: Mapping[int, str] = MappingProxyType({})
-    ) -> None:
+    def __init__(self, tools: ToolUse, parser: str, received: Mapping[int, str] | None = None) -> None:
         self._tools = tools
         self._make = PARSERS[parser]
         self._parsers: dict[int, hermes.Parser] = {}

@@ -49,9 +49,12 @@ def generate(seq: Sequence, tokens: list[int], tokenizer) -> tuple[list[str], st
     return deltas, seq.finish_reason
 
 
+def resumed_samples(sampling: Sampling, received: list[ResumedSample], tokenizer) -> resume.Samples:
+    return resume.samples(first(sampling), received, eos(tokenizer), tokenizer, len(tokenizer))
+
+
 def resumed(sampling: Sampling, received: list[ResumedSample], tokenizer) -> list[Sequence]:
-    vocab = len(tokenizer)
-    return resume.samples(first(sampling), received, eos(tokenizer), tokenizer, vocab)
+    return resumed_samples(sampling, received, tokenizer).seqs
 
 
 # Each ends before the text runs out (the plain one at its last token).
@@ -72,8 +75,10 @@ def test_from_every_break_point_the_deltas_and_the_finish_are_the_unbroken_strea
     deltas, reason = generate(first(sampling), tokens, tokenizer)
     assert reason is not None, "each case ends before the text runs out"
     for k in range(len(deltas)):
-        (seq,) = resumed(sampling, [ResumedSample(index=0, token_ids=tokens[:k])], tokenizer)
+        samples = resumed_samples(sampling, [ResumedSample(index=0, token_ids=tokens[:k])], tokenizer)
+        (seq,) = samples.seqs
         assert seq.output_ids == tokens[:k] and seq.num_computed == 0, "the received tokens are prefilled"
+        assert samples.texts == {0: "".join(deltas[:k])}, "the text its client has, for the tool-call parser"
         assert generate(seq, tokens[k:], tokenizer) == (deltas[k:], reason), f"broken after {k} tokens"
 
 

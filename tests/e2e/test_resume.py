@@ -7,6 +7,7 @@ SDK resumes streams on the other gateway when one is killed (SIGKILL) or drained
 moves past a gateway that is down; a resume takes over the running request of its id; the OpenAI API
 resumes through its extension fields. No block stays used afterwards."""
 
+import asyncio
 import signal
 import subprocess
 import time
@@ -18,7 +19,7 @@ import openai
 import pytest
 
 from protos import generation_pb2, generation_pb2_grpc
-from sdk import Client
+from sdk import AsyncClient, Client
 from sdk.client import build_request
 from tests.e2e.cache_process import Service
 from tests.e2e.gateway_process import Gateway
@@ -152,9 +153,9 @@ def test_a_resumed_sample_marked_finished_is_not_generated_again(stack, referenc
     assert rest[-1].usage.completion_tokens == len(tokens(reference[1]))
 
 
-def stream_all(client: Client, cases: list[str], received: list[int]) -> list[list]:
-    """Streams every case at once through `client`; `received[i]` counts case i's tokens so far. Returns
-    each case's chunks."""
+def stream_all(targets: list[str], cases: list[str], received: list[int]) -> list[list]:
+    """Streams every case at once through one Client of `targets`; `received[i]` counts case i's tokens so
+    far. Returns each case's chunks."""
 
     def run(i: int) -> list:
         chunks = []
@@ -163,8 +164,25 @@ def stream_all(client: Client, cases: list[str], received: list[int]) -> list[li
             received[i] += len(chunk.token_ids)
         return chunks
 
-    with ThreadPoolExecutor(len(cases)) as pool:
+    with Client(targets, timeout=WAIT_S * 2) as client, ThreadPoolExecutor(len(cases)) as pool:
         return list(pool.map(run, range(len(cases))))
+
+
+def stream_all_async(targets: list[str], cases: list[str], received: list[int]) -> list[list]:
+    """stream_all through one AsyncClient, every case a task of one event loop."""
+
+    async def run(client: AsyncClient, i: int) -> list:
+        chunks = []
+        async for chunk in client.stream(**CASES[cases[i]]):
+            chunks.append(chunk)
+            received[i] += len(chunk.token_ids)
+        return chunks
+
+    async def main() -> list[list]:
+        async with AsyncClient(targets, timeout=WAIT_S * 2) as client:
+            return list(await asyncio.gather(*(run(client, i) for i in range(len(cases)))))
+
+    return asyncio.run(main())
 
 
 def wait_streaming(received: list[int], at_least: int) -> None:
@@ -187,17 +205,18 @@ def assert_like_reference(chunks_by_case: list[list], cases: list[str], referenc
 
 @pytest.mark.parametrize("stop_how", ["kill -9", "drain"])
 def test_streams_resume_on_the_other_gateway_when_theirs_stops(stack, references, stop_how):
-    """kill -9: the streams break at once; drain (SIGTERM, --drain-timeout 1): they are cut a second later.
-    Compute is stopped meanwhile, so no stream ends before its gateway is gone: each resumes once on the
-    other gateway and ends as the fault-free run."""
+    """kill -9 (Client): the streams break at once; drain (SIGTERM, --drain-timeout 1; AsyncClient): they
+    are cut a second later. Compute is stopped meanwhile, so no stream ends before its gateway is gone: each
+    resumes once on the other gateway and ends as the fault-free run."""
     first, second = stack.gateways
     if stop_how == "drain":
         stop(first.proc)
         first.start("--drain-timeout", "1")
     cases = list(CASES)
     received = [0] * len(cases)
-    with Client([first.target, second.target], timeout=WAIT_S * 2) as client, ThreadPoolExecutor(1) as pool:
-        running = pool.submit(stream_all, client, cases, received)
+    streaming = stream_all if stop_how == "kill -9" else stream_all_async
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(streaming, [first.target, second.target], cases, received)
         wait_streaming(received, 3)
         with stopped(stack.compute.pid):
             first.proc.send_signal(signal.SIGKILL if stop_how == "kill -9" else signal.SIGTERM)

@@ -15,11 +15,12 @@ import grpc
 import pytest
 
 from cli.launch import Stack
+from cli.processes import gone, services_of
 from common.healthcheck import serving
 from sdk.client import GenerationError
 from tests.e2e.streaming import start_streams
 from tests.helpers import ROOT, log_events
-from tests.processes import gone, left_by, segments_of, services_of, stopped
+from tests.processes import left_by, segments_of, stopped
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e

@@ -62,6 +62,17 @@ def _error(err: grpc.RpcError) -> GenerationError:
     return GenerationError(err.code(), err.details())
 
 
+def _after_break(call: Call, err: grpc.RpcError) -> float:
+    """After an attempt broke with err: the seconds to wait before the next one (0 when it broke after the
+    last response: nothing is missing, the loop ends); GenerationError when it is not to be resumed."""
+    if call.done:
+        return 0.0
+    delay = call.retry_in(err)
+    if delay is None:
+        raise _error(err) from None
+    return delay
+
+
 class Client:
     """Unset sampling fields take the server's defaults (the sampling table of docs/configuration.md).
 
@@ -104,11 +115,7 @@ class Client:
                     yield to_chunk(response, call.resumes)
                 return
             except grpc.RpcError as err:
-                if call.done:  # broke after its last response: nothing is missing
-                    return
-                delay = call.retry_in(err)
-                if delay is None:
-                    raise _error(err) from None
+                delay = _after_break(call, err)
             finally:
                 rpc.cancel()
             time.sleep(delay)
@@ -186,11 +193,7 @@ class AsyncClient:
                     yield to_chunk(response, call.resumes)
                 return
             except grpc.RpcError as err:
-                if call.done:  # broke after its last response: nothing is missing
-                    return
-                delay = call.retry_in(err)
-                if delay is None:
-                    raise _error(err) from None
+                delay = _after_break(call, err)
             finally:
                 rpc.cancel()
             await asyncio.sleep(delay)

@@ -69,7 +69,7 @@ def _after_break(call: Call, err: grpc.RpcError) -> float:
         return 0.0
     delay = call.retry_in(err)
     if delay is None:
-        raise _error(err) from None
+        raise _error(call.reported(err)) from None
     return delay
 
 

@@ -79,6 +79,8 @@ class Call:
         self._received: dict[int, list[int]] = {}
         self._finished: set[int] = set()
         self._failures = 0
+        # The break the attempts since the last response went on after (None: the last attempt received).
+        self._break: grpc.RpcError | None = None
         self._heard_at = time.monotonic()
         # Times the stream went on after a break; the target of the current attempt.
         self.resumes = 0
@@ -110,7 +112,7 @@ class Call:
             self._finished.add(response.index)
         if self._failures:
             self.resumes += 1
-        self._failures, self._heard_at = 0, time.monotonic()
+        self._failures, self._heard_at, self._break = 0, time.monotonic(), None
 
     def retry_in(self, err: grpc.RpcError) -> float | None:
         """After the current attempt broke with `err`: the seconds to wait before the next one (on the next
@@ -133,4 +135,12 @@ class Call:
             targets.names[targets.current], delay,
         )  # fmt: skip
         self._failures += 1
+        self._break = err
         return delay
+
+    def reported(self, err: grpc.RpcError) -> grpc.RpcError:
+        """The error to raise for a request that ends with err: the break it was resuming after when the
+        request's timeout passed meanwhile (what went wrong, not that time ran out), else err."""
+        if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._break is not None:
+            return self._break
+        return err

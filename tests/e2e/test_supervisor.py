@@ -17,7 +17,7 @@ import pytest
 from cli.launch import Stack
 from cli.processes import gone, services_of
 from common.healthcheck import serving
-from sdk.client import GenerationError
+from sdk.client import Client, GenerationError
 from tests.e2e.streaming import start_streams
 from tests.helpers import ROOT, log_events
 from tests.processes import left_by, segments_of, stopped
@@ -99,7 +99,11 @@ def test_sigterm_drains_the_running_requests_and_refuses_new_ones(tiny_model, lo
         with stopped(compute):
             stack.proc.send_signal(signal.SIGTERM)
             assert wait_until(lambda: not serving(stack.target, timeout=1), 10), "NOT_SERVING at once"
-            with stack.client(timeout=30) as client, pytest.raises(GenerationError) as refused:
+            # NOTE: resume_timeout 0: the gateway's own answer, which the SDK would otherwise retry.
+            with (
+                Client(stack.target, timeout=30, resume_timeout=0) as client,
+                pytest.raises(GenerationError) as refused,
+            ):
                 client.generate(token_ids=[5, 6, 7], max_tokens=4)
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE
             assert refused.value.details.startswith("draining: the gateway is shutting down")

@@ -138,6 +138,10 @@ def test_a_gateway_that_stays_away_ends_the_request_after_the_resume_timeout():
     with Client(closed, resume_timeout=1.0) as client, pytest.raises(GenerationError) as raised:
         client.generate(token_ids=PROMPT, max_tokens=5)
     assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+    with Client(closed, timeout=1.0) as client, pytest.raises(GenerationError) as timed_out:
+        client.generate(token_ids=PROMPT, max_tokens=5)
+    assert timed_out.value.code == grpc.StatusCode.UNAVAILABLE, "the break, not that the timeout passed"
+    assert "failed to connect" in timed_out.value.details
 
 
 @pytest.mark.parametrize("gateways", [[ScriptedGateway([1, 0]), ScriptedGateway([2])]], indirect=True)

@@ -7,7 +7,6 @@ stream. The contract is docs/api.md's "Resuming a stream"."""
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 
 import grpc
@@ -71,8 +70,6 @@ class Call:
     ) -> None:
         self._request = generation_pb2.GenerateRequest()
         self._request.CopyFrom(request)
-        # NOTE: the id a resume names; the gateway takes over a request of that id still running there.
-        self._request.request_id = request.request_id or uuid.uuid4().hex
         self._n = request.sampling.n if request.sampling.HasField("n") else 1
         self._targets, self._resume_timeout = targets, resume_timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
@@ -107,6 +104,9 @@ class Call:
 
     def received(self, response: generation_pb2.GenerateResponse) -> None:
         """Notes a response of the current attempt."""
+        # NOTE: the id a resume names (the gateway's own when none was given): a gateway takes over a
+        # request of that id still running there.
+        self._request.request_id = self._request.request_id or response.request_id
         self._received.setdefault(response.index, []).extend(response.token_ids)
         if response.finish_reason:
             self._finished.add(response.index)
@@ -131,8 +131,8 @@ class Call:
         log.log(
             logging.INFO if self._failures else logging.WARNING,
             "request %s on %s: %s: %s; resuming on %s in %.1f s",
-            self._request.request_id, targets.names[self.target], err.code().name, err.details(),
-            targets.names[targets.current], delay,
+            self._request.request_id or "(no id yet)", targets.names[self.target], err.code().name,
+            err.details(), targets.names[targets.current], delay,
         )  # fmt: skip
         self._failures += 1
         self._break = err

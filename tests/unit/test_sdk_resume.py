@@ -44,7 +44,7 @@ class ScriptedGateway(generation_pb2_grpc.GenerationServicer):
             if budget is not None and sent == budget:
                 context.abort(code, "the gateway went away")
             reply = generation_pb2.GenerateResponse(
-                request_id=request.request_id,
+                request_id=request.request_id or "made-by-the-gateway",
                 token_ids=[token(index, position)],
                 text=f"<{position}>",
                 index=index,
@@ -103,7 +103,8 @@ def test_n_samples_resume_on_the_other_gateway_with_the_finished_ones_marked(gat
         (1, [1000, 1001], False),
     ]
     assert again.token_ids == [0, 1] and not later.resume, "later requests go to the gateway that answered"
-    assert len(dying.requests) == 1
+    assert len(dying.requests) == 1 and dying.requests[0].request_id == ""
+    assert resumed.request_id == "made-by-the-gateway", "a resume names the id the gateway answered with"
 
 
 @pytest.mark.parametrize("gateways", [[ScriptedGateway([])]], indirect=True)

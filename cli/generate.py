@@ -7,6 +7,9 @@ from pathlib import Path
 
 from common.sampling_controls import CONTROLS, Kind
 from sdk.client import API_KEY_ENV, Client, GenerationError, TokenLogprob
+from sdk.resume import RESUME_TIMEOUT_S
+
+DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 def _bias(value: str) -> tuple[int, float]:
@@ -65,8 +68,20 @@ def add_parser(commands) -> None:
     p.add_argument(
         "--priority", type=int, default=0, help="lower is served first, equal ones by arrival (default 0)"
     )
-    p.add_argument("--target", default="127.0.0.1:50051", help="gateway address HOST:PORT")
+    p.add_argument(
+        "--target",
+        action="append",
+        help="gateway address HOST:PORT (default 127.0.0.1:50051); repeat it, or separate with commas, for "
+        "several: a stream that breaks resumes on the next",
+    )
     p.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+    p.add_argument(
+        "--resume-timeout",
+        type=float,
+        default=RESUME_TIMEOUT_S,
+        help="seconds a broken stream keeps trying to resume while no gateway answers "
+        f"(default {RESUME_TIMEOUT_S:g}; 0: never)",
+    )
     add_connection_flags(p)
     p.set_defaults(run=run)
 
@@ -113,15 +128,21 @@ def run(args: argparse.Namespace) -> int:
         {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     )
     logprobs: list[TokenLogprob] = []
+    targets = ",".join(args.target or [DEFAULT_TARGET])
     try:
         constraint = constraint_kwargs(args)
     except (OSError, ValueError) as err:
         print(f"error: cannot read {args.json_schema or args.grammar}: {err}", file=sys.stderr)
         return 2
     try:
-        client = Client(args.target, timeout=args.timeout, **connection_kwargs(args))
+        client = Client(
+            targets, timeout=args.timeout, resume_timeout=args.resume_timeout, **connection_kwargs(args)
+        )
     except OSError as err:
         print(f"error: cannot read --tls-ca {args.tls_ca}: {err.strerror}", file=sys.stderr)
+        return 2
+    except ValueError as err:
+        print(f"error: --target: {err}", file=sys.stderr)
         return 2
     with client:
         try:
@@ -142,10 +163,11 @@ def run(args: argparse.Namespace) -> int:
     for lp in logprobs:
         alternatives = " ".join(f"{token}:{value:.3f}" for token, value in lp.top)
         print(f"{lp.token_id}\t{lp.logprob:.4f}\t{alternatives}", file=sys.stderr)
+    resumed = f"; resumed {chunk.resumes}x" if chunk.resumes else ""
     print(
         f"[{chunk.finish_reason}: {u.prompt_tokens} prompt tokens ({u.cached_tokens} cached), "
         f"{u.completion_tokens} generated; queued {t.queue_s:.3f}s, "
-        f"first token {t.time_to_first_token_s:.3f}s, total {t.total_s:.3f}s]",
+        f"first token {t.time_to_first_token_s:.3f}s, total {t.total_s:.3f}s{resumed}]",
         file=sys.stderr,
     )
     return 0

@@ -41,6 +41,10 @@ class Cancelled(PagedServeError):
     code = grpc.StatusCode.CANCELLED
 
 
+class Aborted(PagedServeError):
+    code = grpc.StatusCode.ABORTED
+
+
 class Unauthenticated(PagedServeError):
     code = grpc.StatusCode.UNAUTHENTICATED
 

@@ -97,11 +97,16 @@ def sweep_stale(shm_dir: Path = SHM_DIR) -> list[Path]:
     return removed
 
 
+def files_of(pid: int, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """The segments and session fences that process pid created and that are still there, sorted."""
+    return sorted(path for prefix in PREFIXES for path in shm_dir.glob(f"{prefix}{pid}-*"))
+
+
 def remove_segments_of(pid: int, shm_dir: Path = SHM_DIR) -> list[Path]:
     """Removes the segments (and session fences) that process pid created; for whoever sees that owner
     exit."""
     assert pid != os.getpid(), "an owner releases its own segments"
-    removed = sorted(path for prefix in PREFIXES for path in shm_dir.glob(f"{prefix}{pid}-*"))
+    removed = files_of(pid, shm_dir)
     for path in removed:
         path.unlink(missing_ok=True)
     return removed

@@ -35,6 +35,11 @@ class Admission:
         with self._changed:
             return len(self._running)
 
+    def running_requests(self, request_id: str, tenant: str) -> list[Sequence]:
+        """The admitted requests of this id sent with this API key's name (first samples)."""
+        with self._changed:
+            return [s for s in self._running.values() if s.request_id == request_id and s.tenant == tenant]
+
     def drain(self, timeout: float) -> int:
         """Refuses new requests from now on and waits until the admitted ones end, for at most timeout
         seconds; then fails those still running with UNAVAILABLE. Returns how many it failed."""

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import structlog
 
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from gateway import metrics
+from gateway import metrics, resume
 from gateway import tokenizer as tok
 from gateway.admission import Admission
 from gateway.auth import Tenant, salted
@@ -83,41 +83,31 @@ class Generation:
         check_request(request, self.edge.limits, info.max_model_len)
         request_id = request.request_id or structlog.contextvars.get_contextvars().get("request_id")
         check_request_id(request_id or "", self.edge.limits)
+        if request.resume and not request_id:
+            raise InvalidArgument("resume needs the request_id its responses carried: the one to continue")
         request_id = request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
         seq, tools = self._new_sequence(request, request_id, tenant, info)
-        calls = CallStreams(tools, self.tool_parser) if tools is not None else None
+        resumed = resume.samples(
+            seq, request.resume, frozenset(info.eos_token_ids), self.tokenizer, info.vocab_size
+        )
+        calls = CallStreams(tools, self.tool_parser, resumed.texts) if tools is not None else None
+        # NOTE: a resumed sample's usage counts the tokens its client received before too.
+        completion_tokens = {sample.index: len(sample.output_ids) for sample in resumed.seqs}
+        if request.resume:
+            metrics.RESUMED.inc()
+            ended = resume.take_over(self.admission, request_id, tenant.name)
+            log.info("resumed", received_tokens=completion_tokens, taken_over=ended)
         self.admission.enter(seq)
         on_end(lambda: self.admission.leave(seq.seq_id))
-        completion_tokens = [0] * seq.sampling.n
         timer = metrics.RequestTimer(info.model)
         log.info("request", prompt_tokens=len(seq.prompt_ids), n=seq.sampling.n, seq_id=seq.seq_id)
-        self.engine.submit(seq)
-        on_end(lambda: self.engine.abort(seq.seq_id))
-        running, first_token_at = seq.sampling.n, None
-        while running:
-            item = seq.outbox.get()
-            if isinstance(item, Exception):
-                raise item
-            now = timer.token()
-            first_token_at = first_token_at or now
-            completion_tokens[item.index] += len(item.token_ids)
-            reply = _response(item, request_id)
-            if calls is not None:
-                calls.apply(reply)
-            if item.finish_reason:
-                reply.usage.CopyFrom(
-                    generation_pb2.Usage(
-                        prompt_tokens=len(seq.prompt_ids),
-                        cached_tokens=seq.cached_tokens,
-                        completion_tokens=completion_tokens[item.index],
-                    )
-                )
-                reply.timings.CopyFrom(_timings(seq, first_token_at, now))
-            yield reply
-            running -= bool(item.finish_reason)
-        timer.finish(item.finish_reason, len(seq.prompt_ids), seq.scheduled_at - seq.arrival)
-        log.info("finished", finish_reason=item.finish_reason, completion_tokens=sum(completion_tokens))
+        for sample in resumed.seqs:
+            self.engine.submit(sample)
+        on_end(lambda: self.engine.abort(seq.group_id))
+        # NOTE: unresumed, sample 0 forks the others: its n samples all end here.
+        running = len(resumed.seqs) if request.resume else seq.sampling.n
+        yield from _replies(seq, resumed.seqs, completion_tokens, timer, running, calls)
 
     def _new_sequence(
         self, request: generation_pb2.GenerateRequest, request_id: str, tenant: Tenant, info
@@ -213,6 +203,50 @@ def _response(item: Output, request_id: str) -> generation_pb2.GenerateResponse:
     if item.finish_reason:
         reply.finish_reason = FINISH_REASONS[item.finish_reason]
     return reply
+
+
+def _replies(
+    seq: Sequence,
+    samples: list[Sequence],
+    completion_tokens: dict[int, int],
+    timer: metrics.RequestTimer,
+    running: int,
+    calls: CallStreams | None,
+) -> Iterator[generation_pb2.GenerateResponse]:
+    """The request's responses until `running` samples finished, or its error; `calls` moves the tool calls
+    out of their text."""
+    by_index = {sample.index: sample for sample in samples}
+    first_token_at = None
+    while running:
+        item = seq.outbox.get()
+        if isinstance(item, Exception):
+            raise item
+        now = timer.token()
+        first_token_at = first_token_at or now
+        completion_tokens[item.index] = completion_tokens.get(item.index, 0) + len(item.token_ids)
+        reply = _response(item, seq.request_id)
+        if calls is not None:
+            calls.apply(reply)
+        if item.finish_reason:
+            # NOTE: forked samples have sample 0's prompt, cached tokens and times.
+            sample = by_index.get(item.index, seq)
+            reply.usage.CopyFrom(_usage(sample, completion_tokens[item.index]))
+            reply.timings.CopyFrom(_timings(sample, first_token_at, now))
+        yield reply
+        running -= bool(item.finish_reason)
+    timer.finish(item.finish_reason, len(seq.prompt_ids), samples[0].scheduled_at - seq.arrival)
+    log.info("finished", finish_reason=item.finish_reason, completion_tokens=sum(completion_tokens.values()))
+
+
+def _usage(seq: Sequence, completion_tokens: int) -> generation_pb2.Usage:
+    """A sample's usage: cached_tokens counts the prompt's only (a resumed sample's received tokens may be
+    cached too)."""
+    prompt_tokens = len(seq.prompt_ids)
+    return generation_pb2.Usage(
+        prompt_tokens=prompt_tokens,
+        cached_tokens=min(seq.cached_tokens, prompt_tokens),
+        completion_tokens=completion_tokens,
+    )
 
 
 def _timings(seq: Sequence, first_token_at: float, now: float) -> generation_pb2.Timings:

@@ -32,6 +32,9 @@ E2E = Histogram("pagedserve_e2e_request_latency_seconds", "Arrival to last token
 FINISHED = Counter("pagedserve_requests_finished", "Requests completed, by reason.", ["finish_reason"])
 PROMPT_TOKENS = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests.")
 GENERATION_TOKENS = Counter("pagedserve_generation_tokens", "Tokens generated for finished requests.")
+RESUMED = Counter(
+    "pagedserve_requests_resumed", "Requests that continue a broken stream (GenerateRequest.resume)."
+)
 
 
 class RequestTimer:

@@ -37,15 +37,17 @@ def advance(
     outputs = []
     logprobs = token_logprobs(reply, sampled)
     for seq, token, token_logprob in zip(sampled, reply.token_ids, logprobs, strict=True):
-        text = _append(seq, token, eos, tokenizer)
+        text = append_token(seq, token, eos, tokenizer)
         per_token = None if token_logprob is None else [token_logprob]
         outputs.append((seq, Output([token], seq.finish_reason, seq.index, text, per_token)))
     prefetch([seq.constraint for seq in sampled if seq.constraint is not None and not seq.finish_reason])
     return outputs
 
 
-def _append(seq: Sequence, token: int, eos: frozenset[int], tokenizer: PreTrainedTokenizerBase) -> str:
-    """Adds the token, sets finish_reason (stop strings first) and returns the text it releases."""
+def append_token(seq: Sequence, token: int, eos: frozenset[int], tokenizer: PreTrainedTokenizerBase) -> str:
+    """Adds the token, sets finish_reason (stop strings first) and returns the text it releases. (A resumed
+    sample's received tokens go through here too, one by one, so its text and stop state are the unbroken
+    stream's: gateway.resume.)"""
     seq.output_ids.append(token)
     if seq.constraint is not None:
         seq.constraint.accept(token)

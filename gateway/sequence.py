@@ -77,6 +77,12 @@ class Sampling:
     def penalized(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+    def of_sample(self, index: int) -> "Sampling":
+        """Sample `index`'s controls: seeded with seed + index (mod 2**64: seeds are uint64), so that its
+        draw at each position is the same wherever and whenever it runs."""
+        # NOTE: unwrapped, seed 2**64 - 1 made a RowSampling that failed the whole step (INTERNAL).
+        return replace(self, seed=None if self.seed is None else (self.seed + index) % 2**64)
+
 
 @dataclass(slots=True, frozen=True)
 class PrefixHit:
@@ -163,24 +169,28 @@ class Sequence:
     def fork(self) -> list["Sequence"]:
         """Samples 1..n-1 of the request, made after its prompt's prefill: each shares the prompt (and,
         once the cache service forks them, its blocks) and recomputes the last prompt token to sample its
-        own first token, seeded with seed + index (mod 2**64: seeds are uint64)."""
+        own first token."""
         assert self.index == 0 and not self.output_ids, (self.seq_id, self.index)
-        seed = self.sampling.seed
         return [
-            replace(
-                self,
-                seq_id=f"{self.seq_id}/{index}",
-                index=index,
-                # NOTE: unwrapped, seed 2**64 - 1 made a RowSampling that failed the whole step (INTERNAL).
-                sampling=replace(self.sampling, seed=None if seed is None else (seed + index) % 2**64),
-                num_computed=self.num_tokens - 1,
-                chunk_end=0,
-                num_preemptions=0,
-                output_ids=[],
-                constraint=self.constraint and self.constraint.fresh(),
-            )
+            self.sample(index, num_computed=self.num_tokens - 1, chunk_end=0, num_preemptions=0)
             for index in range(1, self.sampling.n)
         ]
+
+    def sample(self, index: int, **changes) -> "Sequence":
+        """The request's sample `index` (this sequence being sample 0), no token generated yet: seeded with
+        seed + index, its constraint at its start; `changes` as dataclasses.replace takes them."""
+        fields = {
+            "seq_id": self.sample_id(index),
+            "index": index,
+            "sampling": self.sampling.of_sample(index),
+            "output_ids": [],
+            "constraint": self.constraint and self.constraint.fresh(),
+        }
+        return replace(self, **{**fields, **changes})
+
+    def sample_id(self, index: int) -> str:
+        """The seq_id of the request's sample `index` (this sequence being sample 0)."""
+        return f"{self.group_id}/{index}" if index else self.group_id
 
     def drop_kv(self) -> None:
         """After its blocks are freed: nothing is computed any more (the tokens are kept), and what the

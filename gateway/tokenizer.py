@@ -45,10 +45,15 @@ def encode(
     else:
         ids = tokenizer.encode(request.prompt, add_special_tokens=True)
     # NOTE: checked for text too: a tokenizer may know more tokens than the model (compute refuses those).
+    check_vocabulary(ids, vocab_size)
+    return ids
+
+
+def check_vocabulary(ids: list[int], vocab_size: int, where: str = "") -> None:
+    """InvalidArgument (its message starting with `where`) for the first id outside the vocabulary."""
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    return ids
+        raise InvalidArgument(f"{where}token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
 def _render_chat(tokenizer: PreTrainedTokenizerBase, messages, tools: ToolUse | None) -> list[int]:

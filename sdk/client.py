@@ -1,4 +1,5 @@
-"""The Python SDK: `Client(target).generate(...)` or `.stream(...)`; one client may serve many threads.
+"""The Python SDK: `Client(target).generate(...)` or `.stream(...)`; one client may serve many threads. Given
+several gateways, or one that `pagedserve up` restarts, a broken stream resumes where it broke (sdk.resume).
 
 Constrained decoding: `json_schema=` (a dict or JSON text), `json_object=True`, `regex=`, `choice=[...]` or
 `grammar=` (docs/structured-outputs.md). Tools: `tools=[{"name", "description", "parameters"}]` with chat
@@ -11,22 +12,24 @@ A gateway with TLS: `Client(target, tls=True)` (the system's trusted roots) or `
 with API keys: `api_key="..."`, or the PAGEDSERVE_API_KEY environment variable.
 """
 
+import asyncio
 import os
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import grpc
 
 from common.server import CHANNEL_OPTIONS, channel
 from protos import generation_pb2, generation_pb2_grpc
+from sdk.messages import Chunk, Completion, TokenLogprob, ToolCall, Usage, add, to_chunk
 from sdk.request import build_request
+from sdk.resume import RECONNECT_OPTIONS, RESUME_TIMEOUT_S, Call, Targets, target_list
 
-_FINISH_REASONS = {
-    generation_pb2.FINISH_REASON_LENGTH: "length",
-    generation_pb2.FINISH_REASON_STOP: "stop",
-    generation_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
-}
+__all__ = [
+    "API_KEY_ENV", "AsyncClient", "Chunk", "Client", "Completion", "GenerationError", "TokenLogprob",
+    "ToolCall", "Usage", "build_request",
+]  # fmt: skip
 
 
 class GenerationError(Exception):
@@ -36,96 +39,6 @@ class GenerationError(Exception):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability (raw model logits) and the `logprobs` most likely alternatives."""
-
-    token_id: int
-    logprob: float
-    # (token id, log-probability), most likely first
-    top: list[tuple[int, float]]
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    # JSON text
-    arguments: str
-
-
-@dataclass(frozen=True)
-class Timings:
-    """Seconds from the request's arrival at the gateway: until its first step, its first token, its end."""
-
-    queue_s: float
-    time_to_first_token_s: float
-    total_s: float
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One streamed response: the new tokens and text; the last one has finish_reason and usage."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    # Which of the n samples the chunk continues.
-    index: int = 0
-    # One per token when the request set logprobs.
-    logprobs: list[TokenLogprob] | None = None
-    timings: Timings | None = None
-    # With tools: the calls this chunk completed.
-    tool_calls: list[ToolCall] = field(default_factory=list)
-
-
-@dataclass
-class Completion:
-    request_id: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    logprobs: list[TokenLogprob] | None = None
-    timings: Timings | None = None
-    tool_calls: list[ToolCall] = field(default_factory=list)
-
-
-def to_chunk(response: generation_pb2.GenerateResponse) -> Chunk:
-    usage = None
-    if response.HasField("usage"):
-        u = response.usage
-        usage = Usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
-    timings = None
-    if response.HasField("timings"):
-        t = response.timings
-        timings = Timings(t.queue_s, t.time_to_first_token_s, t.total_s)
-    return Chunk(
-        request_id=response.request_id,
-        token_ids=list(response.token_ids),
-        text=response.text,
-        finish_reason=_FINISH_REASONS.get(response.finish_reason),
-        usage=usage,
-        index=response.index,
-        logprobs=[
-            TokenLogprob(lp.token_id, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs, strict=True)))
-            for lp in response.logprobs
-        ]
-        or None,
-        timings=timings,
-        tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in response.tool_calls],
-    )
 
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -149,15 +62,15 @@ def _error(err: grpc.RpcError) -> GenerationError:
     return GenerationError(err.code(), err.details())
 
 
-def _add(result: Completion, chunk: Chunk) -> None:
-    result.request_id = chunk.request_id
-    result.token_ids.extend(chunk.token_ids)
-    result.text += chunk.text
-    result.tool_calls.extend(chunk.tool_calls)
-    result.finish_reason, result.usage, result.timings = chunk.finish_reason, chunk.usage, chunk.timings
-    if chunk.logprobs is not None:
-        result.logprobs = result.logprobs or []
-        result.logprobs.extend(chunk.logprobs)
+def _after_break(call: Call, err: grpc.RpcError) -> float:
+    """After an attempt broke with err: the seconds to wait before the next one (0 when it broke after the
+    last response: nothing is missing, the loop ends); GenerationError when it is not to be resumed."""
+    if call.done:
+        return 0.0
+    delay = call.retry_in(err)
+    if delay is None:
+        raise _error(call.reported(err)) from None
+    return delay
 
 
 class Client:
@@ -166,33 +79,46 @@ class Client:
     The keyword arguments are `build_request`'s: the prompt (prompt, token_ids or messages) and the
     sampling controls of `pagedserve.v1.SamplingParams` (stop may be one string or several). `tls`,
     `ca_file` and `api_key` are for a gateway with TLS or API keys (the module's docstring).
+
+    `target`: one gateway, or several (a list, or "HOST:PORT,HOST:PORT"). A stream that breaks with
+    UNAVAILABLE is resumed on the next one (on the same one once it is back, when there is one), for up to
+    `resume_timeout` seconds without a response (0: never; the error is raised at once); `timeout` bounds
+    each whole request, resumes included.
     """
 
     def __init__(
         self,
-        target: str = "127.0.0.1:50051",
+        target: str | Sequence[str] = "127.0.0.1:50051",
         timeout: float | None = None,
         tls: bool = False,
         ca_file: str | Path | None = None,
         api_key: str | None = None,
+        resume_timeout: float = RESUME_TIMEOUT_S,
     ) -> None:
-        self._channel = channel(target, credentials(tls, ca_file))
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        secure = credentials(tls, ca_file)
+        names = target_list(target)
+        self._channels = [channel(name, secure, RECONNECT_OPTIONS) for name in names]
+        self._stubs = [generation_pb2_grpc.GenerationStub(c) for c in self._channels]
+        self._targets = Targets(names)
         self._metadata = auth_metadata(api_key)
-        self.timeout = timeout
+        self.timeout, self.resume_timeout = timeout, resume_timeout
 
     def stream(self, prompt: str | None = None, **kwargs) -> Iterator[Chunk]:
         """Yields chunks as the server produces them; GenerationError on a refused or failed request."""
-        call = self._stub.Generate(
-            build_request(prompt, **kwargs), timeout=self.timeout, metadata=self._metadata
-        )
-        try:
-            for response in call:
-                yield to_chunk(response)
-        except grpc.RpcError as err:
-            raise _error(err) from None
-        finally:
-            call.cancel()
+        call = Call(build_request(prompt, **kwargs), self._targets, self.resume_timeout, self.timeout)
+        while not call.done:
+            target, request, timeout = call.attempt()
+            rpc = self._stubs[target].Generate(request, timeout=timeout, metadata=self._metadata)
+            try:
+                for response in rpc:
+                    call.received(response)
+                    yield to_chunk(response, call.resumes)
+                return
+            except grpc.RpcError as err:
+                delay = _after_break(call, err)
+            finally:
+                rpc.cancel()
+            time.sleep(delay)
 
     def generate(self, prompt: str | None = None, **kwargs) -> Completion:
         """The whole completion at once: token_ids, text, finish_reason, usage."""
@@ -203,19 +129,21 @@ class Client:
         """n samples of one prompt whose KV is computed once; sample i uses seed + i when seeded."""
         results = [Completion() for _ in range(n)]
         for chunk in self.stream(prompt, n=n, **kwargs):
-            _add(results[chunk.index], chunk)
+            add(results[chunk.index], chunk)
         return results
 
     def info(self) -> generation_pb2.GetInfoResponse:
+        """The current gateway's model and cache."""
         try:
-            return self._stub.GetInfo(
+            return self._stubs[self._targets.current].GetInfo(
                 generation_pb2.GetInfoRequest(), timeout=self.timeout, metadata=self._metadata
             )
         except grpc.RpcError as err:
             raise _error(err) from None
 
     def close(self) -> None:
-        self._channel.close()
+        for chan in self._channels:
+            chan.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -227,38 +155,48 @@ class Client:
 class AsyncClient:
     """`Client` for asyncio (grpc.aio): the same methods, awaited; create it inside the running event loop.
 
-    `timeout` bounds each whole request; when it passes the request ends with DEADLINE_EXCEEDED.
+    `timeout` bounds each whole request, resumes included; when it passes the request ends with
+    DEADLINE_EXCEEDED. `target` and `resume_timeout` as for `Client`.
     """
 
     def __init__(
         self,
-        target: str = "127.0.0.1:50051",
+        target: str | Sequence[str] = "127.0.0.1:50051",
         timeout: float | None = None,
         tls: bool = False,
         ca_file: str | Path | None = None,
         api_key: str | None = None,
+        resume_timeout: float = RESUME_TIMEOUT_S,
     ) -> None:
-        secure = credentials(tls, ca_file)
-        if secure is None:
-            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.aio.secure_channel(target, secure, options=CHANNEL_OPTIONS)
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        secure, names = credentials(tls, ca_file), target_list(target)
+        options = [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
+        self._channels = [
+            grpc.aio.insecure_channel(name, options=options)
+            if secure is None
+            else grpc.aio.secure_channel(name, secure, options=options)
+            for name in names
+        ]
+        self._stubs = [generation_pb2_grpc.GenerationStub(c) for c in self._channels]
+        self._targets = Targets(names)
         self._metadata = auth_metadata(api_key)
-        self.timeout = timeout
+        self.timeout, self.resume_timeout = timeout, resume_timeout
 
     async def stream(self, prompt: str | None = None, **kwargs) -> AsyncIterator[Chunk]:
         """Yields chunks as the server produces them; GenerationError on a refused or failed request."""
-        call = self._stub.Generate(
-            build_request(prompt, **kwargs), timeout=self.timeout, metadata=self._metadata
-        )
-        try:
-            async for response in call:
-                yield to_chunk(response)
-        except grpc.RpcError as err:
-            raise _error(err) from None
-        finally:
-            call.cancel()
+        call = Call(build_request(prompt, **kwargs), self._targets, self.resume_timeout, self.timeout)
+        while not call.done:
+            target, request, timeout = call.attempt()
+            rpc = self._stubs[target].Generate(request, timeout=timeout, metadata=self._metadata)
+            try:
+                async for response in rpc:
+                    call.received(response)
+                    yield to_chunk(response, call.resumes)
+                return
+            except grpc.RpcError as err:
+                delay = _after_break(call, err)
+            finally:
+                rpc.cancel()
+            await asyncio.sleep(delay)
 
     async def generate(self, prompt: str | None = None, **kwargs) -> Completion:
         """The whole completion at once: token_ids, text, finish_reason, usage."""
@@ -269,19 +207,21 @@ class AsyncClient:
         """n samples of one prompt whose KV is computed once; sample i uses seed + i when seeded."""
         results = [Completion() for _ in range(n)]
         async for chunk in self.stream(prompt, n=n, **kwargs):
-            _add(results[chunk.index], chunk)
+            add(results[chunk.index], chunk)
         return results
 
     async def info(self) -> generation_pb2.GetInfoResponse:
+        """The current gateway's model and cache."""
         try:
-            return await self._stub.GetInfo(
+            return await self._stubs[self._targets.current].GetInfo(
                 generation_pb2.GetInfoRequest(), timeout=self.timeout, metadata=self._metadata
             )
         except grpc.RpcError as err:
             raise _error(err) from None
 
     async def close(self) -> None:
-        await self._channel.close()
+        for chan in self._channels:
+            await chan.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self

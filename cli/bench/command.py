@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from cache_service.tiers import registry as tiers
 from cache_service.tiers.options import add_tier_settings
-from cli.bench import driver, engines, peers, profile, report, shapes
+from cli.bench import driver, engines, peers, profile, report, shapes, soak
 from cli.bench.workloads import WORKLOADS, Workload, build
 from cli.launch import Stack
 from cli.scrape import scrape
@@ -29,7 +29,7 @@ TIER = ServiceOptions("cache_service", 0, settings=(add_tier_settings,))
 
 def add_parser(commands) -> None:
     p = commands.add_parser("bench")
-    p.add_argument("--workload", choices=list(WORKLOADS), required=True)
+    p.add_argument("--workload", choices=[*WORKLOADS, soak.NAME], required=True)
     p.add_argument("--target", help="gateway HOST:PORT of a running stack (default: start one)")
     p.add_argument(
         "--cache-target",
@@ -66,6 +66,7 @@ def add_parser(commands) -> None:
         help="the stack's compute --weights (int8, int4)",
     )
     p.add_argument("--json", type=Path, help="also write the figures here")
+    soak.add_flags(p)
     add_tier_settings(p)
     p.add_argument(
         "--cold-restart",
@@ -146,6 +147,7 @@ def _tier_label(args) -> str:
 def _check(args) -> None:
     """SystemExit for flags that do not go together."""
     engines.check_flags(args)
+    soak.check_flags(args)
     if args.model_shape and args.model != DEFAULT_MODEL:
         raise SystemExit("pagedserve bench: --model-shape makes the model; drop --model")
     if args.profile and args.target and not args.metrics_url:
@@ -175,10 +177,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"model shape {args.model_shape}: random weights (built once)", file=sys.stderr)
         args.model = str(shapes.model_dir(args.model_shape))
     try:
-        return _run(args)
+        return _soak(args) if args.workload == soak.NAME else _run(args)
     finally:
         if temporary:
             shutil.rmtree(args.kv_tier_path, ignore_errors=True)
+
+
+def _soak(args: argparse.Namespace) -> int:
+    result = soak.run(args, lambda: _start(args))
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
 }
@@ -24,7 +25,7 @@ SERVER_ERROR = (500, "server_error")
 # The request fields an error message may start with (`sampling.top_p must be ...`, `prompt has ...`).
 _FIELDS = {
     *CONTROLS, "prompt", "messages", "token_ids", "cache_salt", "request_id", "token", "constraint", "tools",
-    "tool_choice",
+    "tool_choice", "resume",
 }  # fmt: skip
 _FIELD = re.compile(r"(?:sampling\.)?([a-z_]+)")
 

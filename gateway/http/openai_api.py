@@ -175,7 +175,7 @@ async def _generate(front: Front, request: Request, request_id: str, chat: bool,
         proto = chat_request(body, request_id, info.max_model_len)
     else:
         proto = completion_request(body, request_id)
-    rendering = Rendering(chat, info.model, front.generation.tokenizer)
+    rendering = Rendering(chat, info.model, front.generation.tokenizer, body.return_token_ids, proto.resume)
     replies = front.bridge.replies(proto, tenant)
     if body.stream:
         first = await unless_disconnected(request, anext(replies))

@@ -40,6 +40,14 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class ResumedSample(_Body):
+    """pagedserve's: what a client received of one choice before its stream broke (GenerateRequest.resume)."""
+
+    index: Int32
+    token_ids: list[Int32] = []
+    finished: bool = False
+
+
 class _Request(Constrained):
     model: str | None = None
     max_tokens: Int32 | None = None
@@ -63,6 +71,9 @@ class _Request(Constrained):
     stop_token_ids: list[Int32] | None = None
     cache_salt: str | None = None
     priority: Int32 | None = None
+    # pagedserve's: each choice's token ids in its chunks, and resuming a broken stream (docs/api.md)
+    return_token_ids: bool = False
+    resume: list[ResumedSample] | None = None
 
 
 Body = TypeVar("Body", bound=_Request)
@@ -198,6 +209,7 @@ def _request(
         sampling=sampling,
         cache_salt=body.cache_salt or "",
         priority=body.priority or 0,
+        resume=[generation_pb2.ResumedSample(**sample.model_dump()) for sample in body.resume or ()],
     )
     set_constraint(body, request)
     return request

@@ -4,7 +4,9 @@ streamed chunks (server-sent events), usage and logprobs."""
 import json
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 
+from gateway.resume import finished_tokens
 from protos import generation_pb2
 
 FINISH = {
@@ -22,20 +24,35 @@ def event(data: dict) -> str:
 
 class Rendering:
     """One request's responses rendered for completions (`chat` False) or chat completions: per reply a
-    streamed chunk, or all of them as one object; usage counted as they pass."""
+    streamed chunk, or all of them as one object; usage counted as they pass.
 
-    def __init__(self, chat: bool, model: str, tokenizer) -> None:
+    `token_ids` (return_token_ids): each choice carries its token ids too. A resumed request's (`resumed`:
+    GenerateRequest.resume) choices continue the broken stream's: no second assistant role, logprobs'
+    text offsets after the received text, and the usage counts the choices finished before.
+    """
+
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        tokenizer,
+        token_ids: bool = False,
+        resumed: Sequence[generation_pb2.ResumedSample] = (),
+    ) -> None:
         self.chat = chat
         # The gateway's id of the request, from its first reply.
         self.request_id = ""
         self.model = model
         self.created = int(time.time())
         self._tokenizer = tokenizer
-        self._text_offsets: dict[int, int] = defaultdict(int)
-        self._started: set[int] = set()
+        self._token_ids = token_ids
+        self._resumed = {sample.index: sample.token_ids for sample in resumed}
+        self._text_offsets: dict[int, int] = {}
+        self._started = {sample.index for sample in resumed if sample.token_ids or sample.finished}
         # Tool calls streamed so far, per sample (a streamed call's index).
         self._calls: dict[int, int] = defaultdict(int)
-        self._prompt_tokens = self._cached_tokens = self._completion_tokens = 0
+        self._prompt_tokens = self._cached_tokens = 0
+        self._completion_tokens = finished_tokens(resumed)
 
     @property
     def id(self) -> str:
@@ -75,9 +92,11 @@ class Rendering:
         self.count(reply)
         first = reply.index not in self._started
         self._started.add(reply.index)
+        tokens = self._token_ids and reply.token_ids
         if not (
-            reply.text or reply.logprobs or reply.finish_reason or reply.tool_calls or (self.chat and first)
-        ):
+            reply.text or tokens or reply.logprobs or reply.finish_reason or reply.tool_calls
+            or (self.chat and first)
+        ):  # fmt: skip
             return None
         choice = {"index": reply.index}
         if self.chat:
@@ -92,6 +111,8 @@ class Rendering:
                 ]
         else:
             choice["text"] = reply.text
+        if self._token_ids:
+            choice["token_ids"] = list(reply.token_ids)
         choice["logprobs"] = self._logprobs(reply) if reply.logprobs else None
         choice["finish_reason"] = FINISH.get(reply.finish_reason)
         chunk = self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
@@ -127,6 +148,8 @@ class Rendering:
                 choice["message"]["tool_calls"] = calls
         else:
             choice["text"] = text
+        if self._token_ids:
+            choice["token_ids"] = [t for reply in replies for t in reply.token_ids]
         choice["logprobs"] = None
         if logprobs:
             parts = [self._logprobs(reply) for reply in replies if reply.logprobs]
@@ -146,6 +169,9 @@ class Rendering:
         if self.chat:
             return {"content": [self._chat_logprob(lp) for lp in reply.logprobs]}
         tokens = [self._token(lp.token_id) for lp in reply.logprobs]
+        if reply.index not in self._text_offsets:
+            received = self._resumed.get(reply.index, ())
+            self._text_offsets[reply.index] = sum(len(self._token(t)) for t in received)
         offsets = []
         for token in tokens:
             offsets.append(self._text_offsets[reply.index])

@@ -151,9 +151,10 @@ def refused(call, code: grpc.StatusCode) -> tuple[str, float]:
 
 # TLS
 def test_the_edge_speaks_only_tls_with_a_certificate_the_client_trusts(edge):
-    with edge.client(edge.edge) as plaintext:
+    # NOTE: resume_timeout 0: a handshake that fails is UNAVAILABLE, which the SDK would otherwise retry.
+    with edge.client(edge.edge, resume_timeout=0) as plaintext:
         refused(lambda: plaintext.generate(token_ids=[5, 6], **GREEDY), grpc.StatusCode.UNAVAILABLE)
-    with edge.client(edge.edge, tls=True) as system_roots:
+    with edge.client(edge.edge, tls=True, resume_timeout=0) as system_roots:
         refused(lambda: system_roots.generate(token_ids=[5, 6], **GREEDY), grpc.StatusCode.UNAVAILABLE)
     with edge.edge_client() as trusted:
         assert trusted.info().max_model_len == MAX_MODEL_LEN

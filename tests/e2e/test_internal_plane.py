@@ -17,13 +17,13 @@ import pytest
 
 from cli import certs
 from cli.launch import GATEWAY_SERVICE, Stack
+from cli.processes import services_of
 from common import transport
 from common.server import channel
 from protos import cache_pb2, cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 from sdk.client import Client
 from tests.forward import forward_request
 from tests.helpers import PAGEDSERVE, ROOT, free_port, start, stop, wait_healthy
-from tests.processes import services_of
 
 pytestmark = pytest.mark.e2e
 NOBODY = 65534

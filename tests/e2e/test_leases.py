@@ -11,37 +11,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cli.launch import GATEWAY_SERVICE
 from common.server import channel
 from protos import cache_pb2, compute_pb2, compute_pb2_grpc
-from sdk import Client
 from tests.e2e.cache_process import Service
+from tests.e2e.gateway_process import Gateway
 from tests.helpers import free_port, start, stop, wait_healthy
 from tests.processes import left_by
 from tests.processes import stopped as process_stopped
 
 TTL_S, MARGIN_S = 2.0, 3.0
+TTL = ("--session-ttl", str(TTL_S))
 PROMPTS = [
     "The capital of France is",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "List the planets of the solar system in order:",
 ]
-
-
-class Gateway:
-    def __init__(self, tmp, name: str, cache: Service, compute_target: str, *flags: str) -> None:
-        self.target = f"127.0.0.1:{free_port()}"
-        argv = ["--port", self.target.rsplit(":", 1)[1], "--cache-target", cache.target,
-                "--compute-target", compute_target, "--session-ttl", str(TTL_S), *flags]  # fmt: skip
-        self.proc = start("gateway", *argv, log_path=tmp / f"{name}.log")
-        try:
-            wait_healthy(self.target, self.proc, timeout=300, service=GATEWAY_SERVICE)
-        except BaseException:
-            stop(self.proc)
-            raise
-
-    def client(self) -> Client:
-        return Client(self.target, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +68,7 @@ def wait_released(cache: Service, sessions: int) -> cache_pb2.CacheStats:
 
 def test_a_killed_gateways_blocks_are_freed_within_its_ttl_and_a_new_gateway_serves_alike(services):
     tmp, cache, compute_target, _ = services
-    first = Gateway(tmp, "gateway-1", cache, compute_target)
+    first = Gateway(tmp, "gateway-1", cache, compute_target, *TTL)
     try:
         reference = greedy(first, PROMPTS[1])
         with first.client() as client:
@@ -101,7 +85,7 @@ def test_a_killed_gateways_blocks_are_freed_within_its_ttl_and_a_new_gateway_ser
     released = wait_released(cache, sessions=0)
     assert released.cached_blocks > 0  # the killed stream's written blocks stay in the prefix cache
 
-    second = Gateway(tmp, "gateway-2", cache, compute_target)
+    second = Gateway(tmp, "gateway-2", cache, compute_target, *TTL)
     try:
         assert greedy(second, PROMPTS[1]) == reference
         wait_released(cache, sessions=1)
@@ -112,7 +96,7 @@ def test_a_killed_gateways_blocks_are_freed_within_its_ttl_and_a_new_gateway_ser
 
 def test_two_gateways_on_one_cache_serve_side_by_side(services):
     tmp, cache, compute_target, _ = services
-    gateways = [Gateway(tmp, f"gateway-side-{index}", cache, compute_target) for index in range(2)]
+    gateways = [Gateway(tmp, f"gateway-side-{index}", cache, compute_target, *TTL) for index in range(2)]
     try:
         references = [greedy(gateways[0], prompt) for prompt in PROMPTS]
         jobs = [(gateway, prompt) for gateway in gateways for prompt in PROMPTS]
@@ -128,7 +112,7 @@ def test_two_gateways_on_one_cache_serve_side_by_side(services):
 
 def test_a_gateway_stalled_past_its_ttl_recomputes_its_requests_in_a_new_session(services):
     tmp, cache, compute_target, _ = services
-    gateway = Gateway(tmp, "gateway-stalled", cache, compute_target)
+    gateway = Gateway(tmp, "gateway-stalled", cache, compute_target, *TTL)
     try:
         reference = greedy(gateway, PROMPTS[2], max_tokens=48)
         with gateway.client() as client:
@@ -179,9 +163,9 @@ def test_a_stalled_gateways_late_forward_is_refused_and_writes_nothing(services)
 
     try:
         gateways.append(
-            stalled := Gateway(tmp, "gateway-late", cache, compute_target, "--step-timeout", "300")
+            stalled := Gateway(tmp, "gateway-late", cache, compute_target, *TTL, "--step-timeout", "300")
         )
-        gateways.append(other := Gateway(tmp, "gateway-other", cache, compute_target))
+        gateways.append(other := Gateway(tmp, "gateway-other", cache, compute_target, *TTL))
         references = [greedy(other, prompt) for prompt in (PROMPTS[0], PROMPTS[2])]
         layers = (0, compute_info(compute_target).num_layers - 1)
         with stalled.client() as client, ThreadPoolExecutor(1) as pool:

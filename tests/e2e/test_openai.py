@@ -19,8 +19,9 @@ import uuid
 import openai
 import pytest
 
+from cli.processes import services_of
 from tests.e2e.stack import start_stack
-from tests.processes import services_of, stopped
+from tests.processes import stopped
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e

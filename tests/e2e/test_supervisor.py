@@ -1,23 +1,26 @@
-"""`pagedserve up` as an operator meets it: a killed service comes back, a killed launcher takes its
-services along (the gateway drains first while compute and cache still serve it, as on SIGTERM), SIGTERM
-drains the gateway and writes the prefix cache to the KV tier, so a restarted stack serves a 2,500-token
-prompt from it; no segment is left in /dev/shm. The tiny model starts fast."""
+"""`pagedserve up` as an operator meets it: a killed service comes back (a killed gateway's streams resume on
+the new one through the SDK), a killed launcher takes its services along (the gateway drains first while
+compute and cache still serve it, as on SIGTERM), SIGTERM drains the gateway and writes the prefix cache to
+the KV tier, so a restarted stack serves a 2,500-token prompt from it; no segment is left in /dev/shm. The
+tiny model starts fast."""
 
 import os
 import random
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 
 from cli.launch import Stack
+from cli.processes import gone, services_of
 from common.healthcheck import serving
-from sdk.client import GenerationError
+from sdk.client import Client, GenerationError
 from tests.e2e.streaming import start_streams
 from tests.helpers import ROOT, log_events
-from tests.processes import gone, left_by, segments_of, services_of, stopped
+from tests.processes import left_by, segments_of, stopped
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -96,7 +99,11 @@ def test_sigterm_drains_the_running_requests_and_refuses_new_ones(tiny_model, lo
         with stopped(compute):
             stack.proc.send_signal(signal.SIGTERM)
             assert wait_until(lambda: not serving(stack.target, timeout=1), 10), "NOT_SERVING at once"
-            with stack.client(timeout=30) as client, pytest.raises(GenerationError) as refused:
+            # NOTE: resume_timeout 0: the gateway's own answer, which the SDK would otherwise retry.
+            with (
+                Client(stack.target, timeout=30, resume_timeout=0) as client,
+                pytest.raises(GenerationError) as refused,
+            ):
                 client.generate(token_ids=[5, 6, 7], max_tokens=4)
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE
             assert refused.value.details.startswith("draining: the gateway is shutting down")
@@ -131,6 +138,49 @@ def test_a_gateway_signalled_at_its_first_serving_drains_and_exits_cleanly(tiny_
         os.kill(new, signal.SIGTERM)
         assert wait_until(lambda: len(gateway_exits(stack)) == 2, 30), gateway_exits(stack)
         assert gateway_exits(stack)[1].startswith("pagedserve: gateway exited (exit code 0)")
+    finally:
+        stack.stop()
+
+
+def test_a_killed_gateway_is_restarted_and_the_sdk_resumes_its_streams_on_it(tiny_model, logs):
+    """kill -9 of the gateway under `up` (compute stopped meanwhile, so that no stream ends first): up starts
+    a new one on the same port and every stream, greedy or seeded, resumes there once and ends as the
+    fault-free run does."""
+    stack = start(tiny_model, logs)
+    kinds = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 77}]
+    requests = [dict(token_ids=[3 + i, 40, 50, 60], max_tokens=300, ignore_eos=True, **kinds[i % 2])
+                for i in range(4)]  # fmt: skip
+    received = [0] * len(requests)
+
+    def run(i: int) -> list:
+        with stack.client() as client:
+            chunks = []
+            for chunk in client.stream(**requests[i]):
+                chunks.append(chunk)
+                received[i] += len(chunk.token_ids)
+            return chunks
+
+    try:
+        with stack.client() as client:
+            expected = [client.generate(**request) for request in requests]
+        services = services_of(stack.proc.pid)
+        with ThreadPoolExecutor(len(requests)) as pool:
+            running = [pool.submit(run, i) for i in range(len(requests))]
+            assert wait_until(lambda: min(received) >= 5, 60), received
+            with stopped(services["compute"]):
+                os.kill(services["gateway"], signal.SIGKILL)
+                assert wait_until(
+                    lambda: services_of(stack.proc.pid).get("gateway") not in (None, services["gateway"]), 30
+                )
+            results = [future.result(120) for future in running]
+        for chunks, reference in zip(results, expected, strict=True):
+            assert [t for c in chunks for t in c.token_ids] == reference.token_ids
+            assert "".join(c.text for c in chunks) == reference.text
+            last = chunks[-1]
+            assert (last.finish_reason, last.usage.completion_tokens, last.resumes) == (
+                reference.finish_reason, reference.usage.completion_tokens, 1
+            )  # fmt: skip
+        assert "gateway exited (signal SIGKILL); restart 1" in stack.proc.log_path.read_text()
     finally:
         stack.stop()
 

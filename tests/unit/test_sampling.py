@@ -85,6 +85,22 @@ def test_different_seeds_and_positions_draw_differently():
     assert torch.equal(again.tokens, by_seed.tokens)
 
 
+def test_a_seeded_draw_depends_on_its_seed_and_position_alone():
+    """What a resumed stream relies on: drawn from position 25 on, in a batch of another size, after other
+    draws, the tokens are those of the run from position 0; unseeded rows stay random."""
+    logits = torch.randn(VOCAB)
+    params = compute_pb2.RowSampling(temperature=1.0, seed=99)
+    unbroken = [int(sample(logits[None], batch(params), torch.tensor([p])).tokens) for p in range(40)]
+    assert len(set(unbroken)) > 5
+    torch.manual_seed(12345)
+    rows = logits.expand(15, -1)
+    resumed = sample(rows, batch(*[params] * 15), torch.arange(25, 40)).tokens.tolist()
+    assert resumed == unbroken[25:]
+    unseeded = compute_pb2.RowSampling(temperature=1.0)
+    twice = [sample(rows, batch(*[unseeded] * 15), torch.arange(25, 40)).tokens.tolist() for _ in range(2)]
+    assert twice[0] != twice[1]
+
+
 def seeded_draws(logits: torch.Tensor, count: int = 400, **fields) -> set[int]:
     """Tokens drawn from one row of logits by `count` rows with different seeds."""
     params = [compute_pb2.RowSampling(seed=s, **fields) for s in range(count)]

@@ -8,8 +8,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from cli.processes import gone
 from cli.supervisor import RestartPolicy, Restarts, Supervisor, describe_exit
-from tests.processes import gone
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 FAILING = [sys.executable, "-c", "raise SystemExit(3)"]

@@ -140,6 +140,17 @@ def test_replies_carry_the_calls_and_finish_with_tool_calls():
     assert both.finish_reason == generation_pb2.FINISH_REASON_LENGTH
 
 
+def test_a_resumed_sample_goes_on_from_the_text_its_client_received():
+    call = '<tool_call>{"name": "get_time"}</tool_call>'
+    streams = CallStreams(tools_of(parallel_tool_calls=False), "hermes", {0: call + '<tool_call>{"na'})
+    rest = generation_pb2.GenerateResponse(
+        text='me": "get_weather"}</tool_call>', finish_reason=generation_pb2.FINISH_REASON_STOP
+    )
+    streams.apply(rest)
+    assert (rest.text, len(rest.tool_calls)) == ("", 0), "the received call was the one call allowed"
+    assert rest.finish_reason == generation_pb2.FINISH_REASON_TOOL_CALLS, "a call was made: before the break"
+
+
 # forcing calls
 @pytest.mark.parametrize(
     ("choice", "parallel"), [("required", True), ("required", False), ("get_weather", True)]

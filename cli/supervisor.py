@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from cli.lifelines import Lifelines
 from common import lifeline
+from common.options import REFUSED
 
 STOP_TIMEOUT_S = 30.0
 
@@ -71,7 +72,8 @@ def describe_exit(code: int) -> str:
 
 
 class Supervisor:
-    """Starts services in order, restarts those that exit (`check`), stops them in reverse order (`stop`).
+    """Starts services in order, restarts those that exit (`check`) unless they refused their settings (exit
+    status REFUSED), stops them in reverse order (`stop`).
 
     `on_exit(name, pid)` runs once for every exited process, expected or not (e.g. to remove what it left).
     """
@@ -116,8 +118,12 @@ class Supervisor:
 
     def _schedule_restart(self, service: Service) -> bool:
         self.on_exit(service.name, service.proc.pid)
-        delay = service.restarts.delay()
         how = describe_exit(service.proc.returncode)
+        if service.proc.returncode == REFUSED:
+            print(f"pagedserve: {service.name} refused its settings or model ({how}); stopping the stack",
+                  file=sys.stderr)  # fmt: skip
+            return False
+        delay = service.restarts.delay()
         if delay is None:
             policy = service.restarts.policy
             print(f"pagedserve: {service.name} exited ({how}) more than {policy.max_restarts} times within "

@@ -49,6 +49,10 @@ class Unauthenticated(PagedServeError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class Unimplemented(PagedServeError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 # Trailing metadata of a refused step naming the rows (sequences, in request order) that caused it.
 BAD_ROWS_KEY = "pagedserve-bad-rows"
 

@@ -17,6 +17,9 @@ from common.precision import DTYPE_CHOICES, KV_DTYPE_CHOICES
 
 # Adds some flags to a parser (or an argument group).
 Adder = Callable[[argparse.ArgumentParser], None]
+# The exit status of a service that refuses its settings or its model at start-up, as argparse's for bad
+# flags: `pagedserve up` stops then instead of restarting it (it would refuse again).
+REFUSED = 2
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 

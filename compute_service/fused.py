@@ -1,5 +1,7 @@
 """Fewer, larger ops: a loaded model rebuilt on a lighter layer forward (compute_service.llama_layer), for the
-architectures in ARCHITECTURES.
+architectures in ARCHITECTURES: Llama and the stacks whose layers are Llama's up to what the fused layer does
+as well (Mistral: sliding windows, which the attention reads from the config; Qwen2: QKV biases, carried by
+the fused projection; Qwen3: an RMSNorm over each query and key head).
 
 q/k/v become one linear (their weights stacked, the output split after), gate/up another; the residual
 stream is one tensor updated in place and the RMSNorms work on their temporaries in place; the per-layer
@@ -25,6 +27,9 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaModel
+from transformers.models.mistral.modeling_mistral import MistralDecoderLayer, MistralModel
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2Model
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3Model
 
 from compute_service.llama_layer import FusedLlamaLayer, FusedLlamaModel
 
@@ -42,9 +47,8 @@ def misfit(config: PretrainedConfig, dtype: torch.dtype) -> str | None:
     """Why a model of `config` in `dtype` keeps transformers' layers, or None if `fuse` rebuilds it."""
     architecture = ARCHITECTURES.get(config.model_type)
     if architecture is None:
-        return (
-            f"architecture {config.model_type!r}: the fused forward supports {', '.join(ARCHITECTURES)} only"
-        )
+        layers = UNFUSED_LAYERS.get(config.model_type, f"{config.model_type} layers")
+        return f"{layers}: the fused forward supports {', '.join(ARCHITECTURES)} only"
     if dtype != torch.float32:
         return "the fused forward runs float32 only (bfloat16 parity rounds RMSNorm as transformers does)"
     return architecture.misfit(config)
@@ -72,7 +76,8 @@ def _rebuild_llama(model: PreTrainedModel) -> None:
     """`model.model` replaced by a FusedLlamaModel over the same weights; the embedding stays shared with a
     tied output head."""
     base = model.model
-    assert type(base) is LlamaModel and all(type(layer) is LlamaDecoderLayer for layer in base.layers)
+    layer_class = LLAMA_SHAPED[type(base)]
+    assert all(type(layer) is layer_class for layer in base.layers)
     attention = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
     layers = [fused_layer(layer, attention) for layer in base.layers]
     model.model = FusedLlamaModel(base.embed_tokens, layers, base.norm, base.rotary_emb)
@@ -89,7 +94,8 @@ def fused_layer(layer: LlamaDecoderLayer, attention) -> FusedLlamaLayer:
         mlp.down_proj,
     )
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    return FusedLlamaLayer(attn.layer_idx, shape, norms, linears, attention, attn.scaling)
+    head_norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None
+    return FusedLlamaLayer(attn.layer_idx, shape, norms, linears, attention, attn.scaling, head_norms)
 
 
 def stacked(*linears: nn.Linear) -> nn.Linear:
@@ -106,5 +112,25 @@ def stacked(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
+# The base model classes `_rebuild_llama` rebuilds: their decoder layer class.
+LLAMA_SHAPED = {
+    LlamaModel: LlamaDecoderLayer,
+    MistralModel: MistralDecoderLayer,
+    Qwen2Model: Qwen2DecoderLayer,
+    Qwen3Model: Qwen3DecoderLayer,
+}
 # The fused forwards by transformers model_type.
-ARCHITECTURES: dict[str, Architecture] = {"llama": Architecture(_llama_misfit, _rebuild_llama)}
+ARCHITECTURES: dict[str, Architecture] = {
+    name: Architecture(_llama_misfit, _rebuild_llama) for name in ("llama", "mistral", "qwen2", "qwen3")
+}
+# What sets the layers of the other served architectures (compute_service.architectures) apart, for the
+# plan's reason.
+UNFUSED_LAYERS: dict[str, str] = {
+    "gemma2": "Gemma 2 layers (four norms, GELU, soft-capping)",
+    "gemma3_text": "Gemma 3 layers (four norms, QK-norm, GELU)",
+    "phi3": "Phi-3 layers",
+    "mixtral": "mixture-of-experts layers",
+    "qwen2_moe": "mixture-of-experts layers",
+    "qwen3_moe": "mixture-of-experts layers",
+    "olmoe": "mixture-of-experts layers",
+}

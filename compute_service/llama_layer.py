@@ -1,9 +1,11 @@
-"""A lighter forward for Llama-family decoder stacks: packed [T, hidden] tensors, fused projections, one
+"""A lighter forward for Llama-shaped decoder stacks: packed [T, hidden] tensors, fused projections, one
 residual stream updated in place, the paged attention function called directly.
 
-Guarantees: the same function as transformers' LlamaModel over the same weights (float rounding aside: the
-fused products and the rotary embedding group their operations differently); the attention function is
-the one the model was loaded with (compute_service.attention.registry), called as transformers calls it.
+Guarantees: the same function as transformers' LlamaModel (or Mistral, Qwen2, Qwen3 model: their QKV biases
+ride in the fused projection, their per-head QK RMSNorms are applied here, their sliding windows by the
+attention from the config) over the same weights (float rounding aside: the fused products and the rotary
+embedding group their operations differently); the attention function is the one the model was loaded with
+(compute_service.attention.registry), called as transformers calls it.
 """
 
 import torch
@@ -15,8 +17,9 @@ from compute_service.attention.context import get_context
 
 
 class FusedLlamaLayer(nn.Module):
-    """One decoder layer: RMSNorm -> fused QKV -> rotary -> paged attention -> o_proj, added to the residual;
-    RMSNorm -> fused gate/up -> SiLU·up -> down_proj, added to the residual.
+    """One decoder layer: RMSNorm -> fused QKV (-> RMSNorm of each q and k head, with `head_norms`) -> rotary
+    -> paged attention -> o_proj, added to the residual; RMSNorm -> fused gate/up -> SiLU·up -> down_proj,
+    added to the residual.
 
     Its linears are ordinary nn.Linear modules, so later passes over the model's linears (quantising,
     packing) apply to them."""
@@ -29,6 +32,7 @@ class FusedLlamaLayer(nn.Module):
         linears: tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear],
         attention,
         scaling: float,
+        head_norms: tuple[nn.Module, nn.Module] | None = None,
     ) -> None:
         super().__init__()
         # what a transformers attention function may read from its module
@@ -38,6 +42,7 @@ class FusedLlamaLayer(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = norms
         self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj = linears
         self.attention = attention
+        self.q_norm, self.k_norm = head_norms or (None, None)
 
     def forward(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Adds this layer's attention and MLP outputs to `residual` [T, hidden], in place."""
@@ -47,8 +52,12 @@ class FusedLlamaLayer(nn.Module):
     def _attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens, heads, kv_heads = len(x), self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)
+        qk = qkv[:, : (heads + kv_heads) * self.head_dim].reshape(tokens, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = rms_norm(qk[:, :heads], self.q_norm), rms_norm(qk[:, heads:], self.k_norm)
+            qk = torch.cat((q, k), dim=1)
         # NOTE: q and k rotated together, [T, H + Hkv, D] in one pass of elementwise ops.
-        qk = rotate(qkv[:, : (heads + kv_heads) * self.head_dim].reshape(tokens, -1, self.head_dim), *rope)
+        qk = rotate(qk, *rope)
         v = qkv[:, (heads + kv_heads) * self.head_dim :].reshape(tokens, kv_heads, self.head_dim)
         # transformers' layout: [1, heads, T, D] (views, no copy)
         q, k = qk[:, :heads].transpose(0, 1)[None], qk[:, heads:].transpose(0, 1)[None]

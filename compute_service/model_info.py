@@ -21,6 +21,7 @@ def model_info(spec: ModelSpec) -> compute_pb2.ModelInfo:
         kv_scales_id=spec.kv_scales.identity,
         weights=spec.weights,
         execution_plan=plan_message(spec.plan),
+        sliding_windows=spec.sliding_windows,
     )
 
 

@@ -3,12 +3,13 @@ it to its execution plan (compute_service.plan): fused layers, linear kernels, t
 
 from dataclasses import dataclass, replace
 
+import structlog
 import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from common.model_files import ModelFiles, local_copy
 from common.shared_pool import dtype_from_name, dtype_name
-from compute_service import planning
+from compute_service import architectures, planning
 from compute_service.attention.context import timed
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend
@@ -38,6 +39,8 @@ class ModelSpec:
     # What the pool stores K/V as (the weights' dtype unless --kv-dtype), and its fp8 scales.
     kv_dtype: torch.dtype
     kv_scales: KVScales = NO_SCALES
+    # Each layer's sliding window (0: full attention), the groups of layers a KV cache can keep apart.
+    sliding_windows: tuple[int, ...] = ()
 
     @property
     def attention_backend(self) -> str:
@@ -73,12 +76,15 @@ def load(
     device: str = "cpu",
     fused: bool = True,
     weights: str = "auto",
+    max_model_len: int = 0,
 ) -> tuple[PreTrainedModel, ModelSpec]:
     """The model with paged attention on `device` (a torch device name), built to the plan of these flags on
     this machine (compute_service.planning); K/V stored as `kv_dtype` (default: `dtype`), an fp8 one
-    calibrated here (compute_service.kv_calibration). ValueError, before the weights load, for flags that
-    cannot run together or here; FileNotFoundError for a model that is not there."""
-    flags = Flags(dtype, weights, kv_dtype, device, backend, plain_linear, fused)
+    calibrated here (compute_service.kv_calibration); sequences served up to `max_model_len` tokens (0: the
+    model's own length). ValueError, before the weights load, for flags that cannot run together or here
+    and for a checkpoint compute does not serve (compute_service.architectures); FileNotFoundError for a
+    model that is not there."""
+    flags = Flags(dtype, weights, kv_dtype, device, backend, plain_linear, fused, max_model_len)
     return load_planned(*plan_for(model, flags))
 
 
@@ -107,8 +113,26 @@ def load_planned(files: ModelFiles, plan: ExecutionPlan) -> tuple[PreTrainedMode
         fuse(hf_model)
     replace_linears(hf_model, plan.decoder_linears, plan.head_linear)
     if plan.native_decode:
-        hf_model.model.native_decode = NativeDecode(list(hf_model.model.layers))
+        hf_model.model.native_decode = NativeDecode(list(hf_model.model.layers), spec.sliding_windows)
+    structlog.get_logger().info(
+        "model_architecture",
+        architecture=plan.architecture,
+        sliding_windows=_runs(spec.sliding_windows),
+        rope=",".join(architectures.rope_types(hf_model.config)),
+        max_model_len=spec.max_model_len,
+    )
     return hf_model, spec
+
+
+def _runs(windows: tuple[int, ...]) -> str:
+    """Layer windows as runs, e.g. '4x4096,1xfull' (for the log)."""
+    runs: list[list] = []
+    for window in windows:
+        if runs and runs[-1][1] == window:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, window])
+    return ",".join(f"{count}x{window or 'full'}" for count, window in runs)
 
 
 def model_spec(
@@ -116,9 +140,17 @@ def model_spec(
 ) -> ModelSpec:
     config = model.config
     num_heads = config.num_attention_heads
-    vocab_size = model.get_input_embeddings().num_embeddings
-    assert vocab_size == model.get_output_embeddings().out_features, "input and output vocabularies differ"
+    vocab_size, outputs = (
+        model.get_input_embeddings().num_embeddings,
+        model.get_output_embeddings().out_features,
+    )
+    if vocab_size != outputs:
+        raise architectures.UnsupportedModel(
+            f"{config.model_type}: the input vocabulary ({vocab_size}) and the output head ({outputs}) "
+            "differ; pagedserve serves models whose logits cover their input tokens"
+        )
     return ModelSpec(
+        sliding_windows=architectures.sliding_windows(config),
         name=name,
         num_layers=config.num_hidden_layers,
         num_attention_heads=num_heads,
@@ -126,7 +158,7 @@ def model_spec(
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
         dtype=model.dtype,
         vocab_size=vocab_size,
-        max_model_len=config.max_position_embeddings,
+        max_model_len=plan.max_model_len,
         eos_token_ids=_eos_token_ids(config.eos_token_id, model.generation_config.eos_token_id),
         plan=plan,
         kv_dtype=model.dtype if kv_dtype is None else kv_dtype,

@@ -9,9 +9,9 @@ the rest plain loops. It pays at every batch size measured, float32, int8 and bf
 (docs/internals/execution-plan.md; `python -m tests.step_bench --compare decode-stack` measures it again).
 
 Where it runs is the execution plan's choice (compute_service.planning: fused layers of an architecture in
-ARCHITECTURES, the cpu-native attention, panel or oneDNN linears without bias, a float32 or bfloat16 pool);
-in a step where every sequence decodes one token. Any other step (a prompt or a chunk in the batch) runs the
-Python layers.
+ARCHITECTURES, each layer over its own sliding window, the cpu-native attention, panel or oneDNN linears
+without bias, a float32 or bfloat16 pool); in a step where every sequence decodes one token. Any other step
+(a prompt or a chunk in the batch) runs the Python layers.
 """
 
 import torch
@@ -23,8 +23,9 @@ from compute_service.linear import Linear
 from compute_service.linear_kernels import OneDnn, Panels
 from compute_service.llama_layer import FusedLlamaLayer
 
-# The architectures (transformers model_type) whose fused layers decode_layers.cpp computes.
-ARCHITECTURES = ("llama",)
+# The architectures (transformers model_type) whose fused layers decode_layers.cpp computes: no QKV bias
+# (Qwen2), no per-head QK RMSNorm (Qwen3).
+ARCHITECTURES = ("llama", "mistral")
 
 
 def _linears(layer: FusedLlamaLayer) -> tuple:
@@ -41,7 +42,8 @@ class NativeDecode:
     """The weights of a fused stack as the native decode_layers call takes them (six tensors per layer), and
     the scales of its four products per layer when they are int8 panels (else none)."""
 
-    def __init__(self, layers: list[FusedLlamaLayer]) -> None:
+    def __init__(self, layers: list[FusedLlamaLayer], windows: tuple[int, ...]) -> None:
+        self.windows = list(windows)
         first = layers[0]
         self.num_heads, self.num_kv_heads, self.scale = first.num_heads, first.num_kv_heads, first.scaling
         self.eps = first.input_layernorm.variance_epsilon
@@ -87,4 +89,5 @@ class NativeDecode:
             self.num_kv_heads,
             self.eps,
             self.scale,
+            self.windows,
         )

@@ -8,6 +8,13 @@ from compute_service.attention.registry import BACKENDS
 from compute_service.quantized import INT4_GROUP_SIZE, WEIGHTS_CHOICES
 
 
+def _length(text: str) -> int:
+    """--max-model-len: a token count >= 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (an integer >= 0)")
+    return int(text)
+
+
 def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention-backend",
@@ -30,6 +37,13 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep nn.Linear as is (default: float32 CPU linears on weights packed once, native panels where "
         "the kernels build, else oneDNN; the start-up line execution_plan names them)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=_length,
+        default=0,
+        help="the longest sequence (prompt + output tokens) served; 0 (default): the model's own length "
+        "(its max_position_embeddings, or the original length of a dynamic or longrope rotary embedding)",
     )
     parser.add_argument(
         "--unfused",

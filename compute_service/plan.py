@@ -88,9 +88,11 @@ class Machine:
 
 @dataclass(frozen=True)
 class ExecutionPlan:
-    """One loaded model's plan (see the module docstring); `architecture` is the config's model_type."""
+    """One loaded model's plan (see the module docstring); `architecture` is the config's model_type,
+    `max_model_len` the longest sequence served (--max-model-len, else the model's own length)."""
 
     architecture: str
+    max_model_len: int
     device: str
     dtype: str
     weights: str

@@ -9,7 +9,7 @@ from transformers import PretrainedConfig
 
 from common import cpu
 from common.shared_pool import dtype_name
-from compute_service import fused, kernels, native_decode
+from compute_service import architectures, fused, kernels, native_decode
 from compute_service.attention import registry
 from compute_service.plan import (
     DENSE,
@@ -41,7 +41,7 @@ NATIVE_STACK_POOLS = ("float32", "bfloat16")
 @dataclass(frozen=True)
 class Flags:
     """What compute was asked to run: --dtype (resolved), --weights, --kv-dtype (None: the dtype), the torch
-    device, --attention-backend, --plain-linear and not --unfused."""
+    device, --attention-backend, --plain-linear, not --unfused, and --max-model-len (0: the model's own)."""
 
     dtype: torch.dtype = torch.float32
     weights: str = "auto"
@@ -50,6 +50,7 @@ class Flags:
     attention_backend: str = "auto"
     plain_linear: bool = False
     fused: bool = True
+    max_model_len: int = 0
 
     @property
     def device_type(self) -> str:
@@ -102,14 +103,19 @@ def check(flags: Flags, machine: Machine) -> tuple[str, Choice]:
 
 
 def resolve(config: PretrainedConfig, flags: Flags, machine: Machine) -> ExecutionPlan:
-    """The plan of a model of `config` under `flags` on `machine`; ValueError as `check`."""
+    """The plan of a model of `config` under `flags` on `machine`; ValueError as `check`, and for a model
+    compute does not serve (architectures.UnsupportedModel), attention the backend does not do (a soft-cap)
+    or a --max-model-len beyond the model's length."""
+    architectures.check(config)
     weights, attention = check(flags, machine)
     backend = attention.implementation
+    registry.require_attention(backend, architectures.layer_attention(config))
     decoder, head = linears(flags, weights, machine)
     layers = layer_forward(config, flags)
     prefill, decode = registry.PATHS[backend]
     return ExecutionPlan(
         architecture=config.model_type,
+        max_model_len=served_length(config, flags.max_model_len),
         device=flags.device,
         dtype=flags.dtype_name,
         weights=weights,
@@ -125,6 +131,16 @@ def resolve(config: PretrainedConfig, flags: Flags, machine: Machine) -> Executi
         greedy=greedy(flags, machine),
         sampling=Choice(TORCH, "temperature, top-k/top-p, penalties, biases and log-probabilities in torch"),
     )
+
+
+def served_length(config: PretrainedConfig, max_model_len: int) -> int:
+    """--max-model-len checked against the model's own length (architectures.max_model_len); 0: that."""
+    own = architectures.max_model_len(config)
+    if max_model_len > own:
+        raise ValueError(
+            f"--max-model-len {max_model_len} is beyond this model's {own} tokens: pass at most {own}"
+        )
+    return max_model_len or own
 
 
 def attention_backend(flags: Flags, machine: Machine) -> Choice:
@@ -180,7 +196,8 @@ def decode_layers(
     """The forward of all-decode steps: the native stack where it runs this model, else `layers`'."""
     misfit = None
     if layers.implementation != FUSED or config.model_type not in native_decode.ARCHITECTURES:
-        misfit = f"the native decode stack runs fused {', '.join(native_decode.ARCHITECTURES)} layers only"
+        names = ", ".join(native_decode.ARCHITECTURES)
+        misfit = f"the native decode stack runs fused {names} layers only (no QKV bias, no per-head QK-norm)"
     elif backend != "cpu-native" or not machine.kernels:
         misfit = "the native decode stack calls the cpu-native attention and needs the native kernels"
     elif decoder.kernel not in (PANELS, ONEDNN):

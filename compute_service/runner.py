@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from compute_service import kernels
+from compute_service import architectures, kernels
 from compute_service.attention.context import build_context, reset_context, set_context
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.batch import ForwardBatch
@@ -35,6 +35,8 @@ class Runner:
         self.model = model
         self.scales = scales
         self.kernels = kernels.load() if plan is not None and plan.native_greedy else None
+        self.layers = architectures.layer_attention(model.config)
+        self.final_softcap = architectures.final_softcap(model.config)
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
 
@@ -53,7 +55,7 @@ class Runner:
         assert self.k_caches, "no pool attached"
         times = times or StepTimes()
         start = time.perf_counter()
-        context = build_context(self.k_caches, self.v_caches, batch, self.scales)
+        context = build_context(self.k_caches, self.v_caches, batch, self.scales, self.layers)
         set_context(context)
         built = time.perf_counter()
         try:
@@ -67,7 +69,11 @@ class Runner:
             reset_context()
         if batch.logit_tokens is not None:
             hidden = hidden[batch.logit_tokens.to(hidden.device)]
-        logits = self.model.lm_head(hidden).float().cpu()
+        logits = self.model.lm_head(hidden)
+        if self.final_softcap:
+            # as transformers' causal LM heads (Gemma 2) cap them, in the model's dtype
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        logits = logits.float().cpu()
         times.prepare += built - start
         times.model += time.perf_counter() - built
         times.attention += context.attention_s

@@ -1,6 +1,7 @@
 """The Compute gRPC service: model info, attaching the cache service's pool, and packed forward steps."""
 
 import argparse
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from common.devices import CPU, Device
 from common.errors import FailedPrecondition, InvalidArgument
 from common.logging import configure
 from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, serve_metrics
+from common.options import REFUSED
 from common.precision import resolve_dtype, resolve_kv_dtype
 from common.server import serve
 from common.session_fence import SessionFence
@@ -191,11 +193,13 @@ def main(argv: list[str] | None = None) -> None:
         args.attention_backend,
         args.plain_linear,
         fused=not args.unfused,
+        max_model_len=args.max_model_len,
     )
     try:
         model, spec = load_planned(*plan_for(args.model, flags))
     except (FileNotFoundError, ValueError) as exc:
-        raise SystemExit(f"compute_service: {exc}") from exc
+        print(f"compute_service: {exc}", file=sys.stderr)
+        raise SystemExit(REFUSED) from exc
     native = spec.plan.machine.kernels and spec.attention_backend == "cpu-native"
     log.info(
         "model_loaded",
@@ -208,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         threads=threads.threads,
         single_stream_threads=threads.single_stream,
         native_threads=kernels.load().parallel_threads() if native else None,
+        max_model_len=spec.max_model_len,
     )
     log.info("execution_plan", **spec.plan.summary())
     COMPUTE_INFO.info(

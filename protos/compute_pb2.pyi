@@ -12,7 +12,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "kv_dtype", "kv_scales_id", "weights", "execution_plan")
+    __slots__ = ("model", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "kv_dtype", "kv_scales_id", "weights", "execution_plan", "sliding_windows")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class ModelInfo(_message.Message):
     KV_SCALES_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_PLAN_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     num_attention_heads: int
@@ -41,7 +42,8 @@ class ModelInfo(_message.Message):
     kv_scales_id: str
     weights: str
     execution_plan: ExecutionPlan
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., weights: _Optional[str] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ...) -> None: ...
+    sliding_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., weights: _Optional[str] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., sliding_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecutionPlan(_message.Message):
     __slots__ = ("architecture", "device", "isa", "native_kernels", "stages")

@@ -21,18 +21,9 @@ from compute_service.model_loader import register_attention
 from compute_service.runner import Runner
 from compute_service.validation import Limits
 from tests.forward import forward_request
+from tests.tiny_model import SMOLLM2_SHAPE
 
-SMOLLM2_135M = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-)
+SMOLLM2_135M = dict(SMOLLM2_SHAPE, tie_word_embeddings=True)
 CONTEXT, PREFILL = 256, 2048
 # BENCH_DEVICE=cpu BENCH_REPEATS=1 checks the script itself where no GPU is.
 DEVICE, REPEATS = os.environ.get("BENCH_DEVICE", "cuda"), int(os.environ.get("BENCH_REPEATS", "10"))

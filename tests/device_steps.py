@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
+from compute_service.architectures import FULL, LayerAttention
 from compute_service.attention.context import build_context, reset_context, set_context
 from compute_service.batch import ForwardBatch
 from compute_service.validation import Limits
@@ -20,6 +21,13 @@ SCENARIOS = {
     "chunks": ([4, 7, 3], [6, 13, 1]),
     "decodes": ([1, 1, 1, 1], [7, 12, 3, 12]),
     "mixed": ([1, 6, 3, 1], [9, 0, 5, 2]),
+}
+# Sliding windows shorter and longer than the scenarios' contexts and a block, and soft-caps.
+PATTERNS = {
+    "window3": LayerAttention(3),
+    "window7": LayerAttention(7),
+    "window5-softcap2": LayerAttention(5, 2.0),
+    "softcap4": LayerAttention(0, 4.0),
 }
 
 
@@ -40,9 +48,15 @@ class Step:
 
 
 def make_step(
-    new: list[int], cached: list[int], block_size: int, dtype: torch.dtype = torch.float32, seed: int = 0
+    new: list[int],
+    cached: list[int],
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    attends: LayerAttention = FULL,
 ) -> Step:
-    """A step over shuffled blocks in a pool of finite garbage (its cached K/V), run by the cpu backend."""
+    """A step over shuffled blocks in a pool of finite garbage (its cached K/V), run by the cpu backend for a
+    layer that attends as `attends` says."""
     from compute_service.attention.cpu import paged_attention
 
     gen = torch.Generator().manual_seed(seed)
@@ -62,15 +76,22 @@ def make_step(
     request = forward_request([[0] * n for n in new], cached, tables, block_size=block_size)
     batch = ForwardBatch.from_request(request, limits)
     k_after, v_after = k_pool.clone(), v_pool.clone()
-    out = run_backend(paged_attention, q, k, v, batch, k_after, v_after)
+    out = run_backend(paged_attention, q, k, v, batch, k_after, v_after, attends)
     return Step(q, k, v, batch, k_pool, v_pool, out, k_after, v_after)
 
 
 def run_backend(
-    backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, k_pool, v_pool
+    backend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: ForwardBatch,
+    k_pool,
+    v_pool,
+    attends: LayerAttention = FULL,
 ) -> torch.Tensor:
-    """One layer of the backend over the pool (written in place) -> [T, H, D]."""
-    set_context(build_context([k_pool], [v_pool], batch))
+    """One layer of the backend attending as `attends` says, over the pool (written in place): [T, H, D]."""
+    set_context(build_context([k_pool], [v_pool], batch, layers=(attends,)))
     try:
         out, _ = backend(
             SimpleNamespace(layer_idx=0),
@@ -79,6 +100,8 @@ def run_backend(
             v.transpose(0, 1)[None],
             None,
             scaling=SCALE,
+            sliding_window=attends.window or None,
+            softcap=attends.softcap or None,
         )
     finally:
         reset_context()

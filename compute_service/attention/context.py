@@ -7,8 +7,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.errors import Unimplemented
+from compute_service.architectures import FULL, LayerAttention
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.batch import ForwardBatch
+
+# What transformers passes an attention function besides the tensors, that paged attention reads or may
+# ignore (the step's positions are in the context; dropout is 0 in eval mode).
+KNOWN_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "softcap", "position_ids", "use_cache"})
 
 
 @dataclass(slots=True)
@@ -22,6 +28,8 @@ class Context:
     prompt_rows: list[int]  # the sequences with more than one new token; the others decode
     # The pool's fp8 scales per layer (none for other dtypes).
     scales: KVScales = NO_SCALES
+    # How each layer attends (compute_service.architectures.layer_attention); none: every layer FULL.
+    layers: tuple[LayerAttention, ...] = ()
     # Seconds spent in the attention function this step, summed over layers (see `timed`).
     attention_s: float = 0.0
     # Per-backend data derived from the step once, by the first layer that needs it (the cpu backend's
@@ -40,13 +48,29 @@ def get_context() -> Context:
 
 def layer_call(
     module: torch.nn.Module, attention_mask: torch.Tensor | None, kwargs: dict
-) -> tuple[Context, torch.Tensor, torch.Tensor]:
-    """For a backend's transformers attention function: the step's context and the layer's K and V caches.
-    Asserts the call is one paged attention serves (no mask of the model's, no sliding window, no softcap)."""
-    assert attention_mask is None, "paged attention builds its own masks; the model must not pass one"
-    assert kwargs.get("sliding_window") is None and kwargs.get("softcap") is None, "not supported yet"
+) -> tuple[Context, torch.Tensor, torch.Tensor, LayerAttention]:
+    """For a backend's transformers attention function: the step's context, the layer's K and V caches and
+    how it attends. Unimplemented if the call asks for what paged attention does not do: a mask of the
+    model's own, a window or soft-cap other than the model's config gives (the pattern the cache keeps
+    blocks by), or an argument it does not know (attention sinks, say)."""
     ctx = get_context()
-    return ctx, ctx.k_caches[module.layer_idx], ctx.v_caches[module.layer_idx]
+    layer = module.layer_idx
+    attends = ctx.layers[layer] if ctx.layers else FULL
+    unknown = sorted(set(kwargs) - KNOWN_KWARGS)
+    window, softcap = kwargs.get("sliding_window") or 0, kwargs.get("softcap") or 0.0
+    asked = ""
+    if attention_mask is not None:
+        asked = "a mask of its own"
+    elif unknown:
+        asked = f"arguments it does not know ({', '.join(unknown)})"
+    elif window not in (0, attends.window) or softcap != attends.softcap:
+        asked = f"sliding_window={window}, softcap={softcap}"
+    if asked:
+        raise Unimplemented(
+            f"layer {layer} calls paged attention with {asked}, where the model's config gives window "
+            f"{attends.window}, softcap {attends.softcap}: this attention is not implemented"
+        )
+    return ctx, ctx.k_caches[layer], ctx.v_caches[layer], attends
 
 
 def set_context(context: Context) -> None:
@@ -78,8 +102,10 @@ def build_context(
     v_caches: list[torch.Tensor],
     batch: ForwardBatch,
     scales: KVScales = NO_SCALES,
+    layers: tuple[LayerAttention, ...] = (),
 ) -> Context:
-    """What the layers share, from a checked batch (see compute_service.batch)."""
+    """What the layers share, from a checked batch (see compute_service.batch), for layers that attend as
+    `layers` says (none: all FULL)."""
     cu_seqlens_q, context_lens, block_tables = batch.cu_seqlens_q, batch.context_lens, batch.block_tables
     assert block_tables.dim() == 2 and len(block_tables) == len(context_lens) == len(cu_seqlens_q) - 1
     return Context(
@@ -91,4 +117,5 @@ def build_context(
         block_tables,
         prompt_rows=batch.prompt_rows,
         scales=scales,
+        layers=layers,
     )

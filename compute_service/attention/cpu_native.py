@@ -2,7 +2,7 @@
 
 Every sequence of a step, decodes and prompt chunks alike, goes to the native kernel in one call per layer,
 with an online softmax in float32 over the pool's own dtype (fp8 scales folded into the query and the
-output).
+output), the layer's sliding window and soft-cap applied in the kernel.
 
 NOTE: prompts and chunks go to the kernel too, not to the pure-torch backend's gather + SDPA
 (compute_service.attention.cpu): since it scores four query rows per key vector, weighs values two rows at a
@@ -49,7 +49,7 @@ def paged_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
-    ctx, k_cache, v_cache = layer_call(module, attention_mask, kwargs)
+    ctx, k_cache, v_cache, attends = layer_call(module, attention_mask, kwargs)
     scales = ctx.scales.of_layer(module.layer_idx)
     cpu.write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping, scales)
     inputs = kernel_inputs(ctx)
@@ -65,6 +65,8 @@ def paged_attention(
         inputs.context_lens,
         query.shape[3] ** -0.5 if scaling is None else scaling,
         *scales,
+        attends.window,
+        attends.softcap,
     )
     return out.unsqueeze(0), None
 

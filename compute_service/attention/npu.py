@@ -36,7 +36,7 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """The transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
     torch_npu = require_torch_npu()
-    ctx, k_cache, v_cache = layer_call(module, attention_mask, kwargs)
+    ctx, k_cache, v_cache, attends = layer_call(module, attention_mask, kwargs)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     args = ctx.derived.get("npu")
     if args is None:
@@ -57,6 +57,6 @@ def paged_attention(
         query[0].transpose(0, 1).contiguous(),
         k_cache.view(num_blocks, block_size, -1),
         v_cache.view(num_blocks, block_size, -1),
-        **args.attention_kwargs(),
+        **args.attention_kwargs(attends.window),
     )
     return out.unsqueeze(0), None

@@ -6,7 +6,10 @@ CPU (they must reproduce the cpu backend on the same batch):
   input_layout="TND", scale, block_table, block_size, actual_seq_lengths, actual_seq_lengths_kv,
   sparse_mode=3, atten_mask)`: query packed as TND [T, N, D]; caches [blocks, block_size, KV_N * D];
   `block_table` int32 [B, W]; `actual_seq_lengths` the cumulative query ends (TND); `actual_seq_lengths_kv`
-  each sequence's key count; sparse_mode 3 (rightDownCausal) with the 2048 x 2048 upper-triangular mask.
+  each sequence's key count; sparse_mode 3 (rightDownCausal) with the 2048 x 2048 upper-triangular mask, or
+  for a sliding-window layer sparse_mode 4 (band) with pre_tokens = window - 1 (the keys before a query's
+  own that it sees) and next_tokens = 0, the band aligned to the bottom right as mode 3's diagonal is. The op
+  has no logit soft-capping: a soft-capped model is refused on this backend (registry.require_attention).
 - `_npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices)`: K/V [T, KV_N, D] written to
   caches [blocks, block_size, KV_N, D] at int32 slots.
 """
@@ -22,6 +25,7 @@ DECODE_BLOCK_MULTIPLE = 16
 # sparse_mode 3 takes this fixed causal mask (True: masked) whatever the sequence lengths.
 MASK_SIZE = 2048
 RIGHT_DOWN_CAUSAL = 3
+BAND = 4
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,10 @@ class FiasArgs:
     input_layout: str = "TND"
     sparse_mode: int = RIGHT_DOWN_CAUSAL
 
-    def attention_kwargs(self) -> dict:
-        """The keywords of npu_fused_infer_attention_score (all but query, key and value)."""
+    def attention_kwargs(self, window: int = 0) -> dict:
+        """The keywords of npu_fused_infer_attention_score (all but query, key and value) for a layer of this
+        sliding window (0: full attention)."""
+        band = {"sparse_mode": BAND, "pre_tokens": window - 1, "next_tokens": 0} if window else {}
         return {
             "num_heads": self.num_heads,
             "num_key_value_heads": self.num_key_value_heads,
@@ -53,6 +59,7 @@ class FiasArgs:
             "actual_seq_lengths_kv": self.actual_seq_lengths_kv,
             "sparse_mode": self.sparse_mode,
             "atten_mask": self.atten_mask,
+            **band,
         }
 
 
@@ -100,8 +107,9 @@ def fused_infer_attention_reference(
     """npu_fused_infer_attention_score's attention output for TND paged inputs (float32 math): query
     [T, N, D]; key/value [blocks, block_size, KV_N * D]. Sequence b's queries end at
     actual_seq_lengths[b] (cumulative), its keys are the first actual_seq_lengths_kv[b] tokens of the
-    blocks block_table[b]; sparse_mode 3 masks what atten_mask masks, aligned to the bottom right."""
-    assert kwargs["input_layout"] == "TND" and kwargs["sparse_mode"] == RIGHT_DOWN_CAUSAL
+    blocks block_table[b]; sparse_mode 3 masks what atten_mask masks, aligned to the bottom right; sparse_mode
+    4 keeps the keys from pre_tokens before a query's diagonal to next_tokens after it, the same diagonal."""
+    assert kwargs["input_layout"] == "TND" and kwargs["sparse_mode"] in (RIGHT_DOWN_CAUSAL, BAND)
     table, mask = kwargs["block_table"], kwargs["atten_mask"]
     assert table.dtype == torch.int32 and mask.dtype == torch.bool, (table.dtype, mask.dtype)
     n, kv_n, block_size = kwargs["num_heads"], kwargs["num_key_value_heads"], kwargs["block_size"]
@@ -120,7 +128,10 @@ def fused_infer_attention_reference(
         # NOTE: the mask's entry (r, c) depends on c - r only; key k's diagonal offset from query j,
         # aligned to the bottom right, picks it whatever the lengths (also beyond MASK_SIZE).
         diagonal = torch.arange(kv_len)[None, :] - torch.arange(end - start)[:, None] - (kv_len - end + start)
-        masked = mask[(-diagonal).clamp(0, MASK_SIZE - 1), diagonal.clamp(0, MASK_SIZE - 1)]
+        if kwargs["sparse_mode"] == BAND:
+            masked = (diagonal > kwargs["next_tokens"]) | (diagonal < -kwargs["pre_tokens"])
+        else:
+            masked = mask[(-diagonal).clamp(0, MASK_SIZE - 1), diagonal.clamp(0, MASK_SIZE - 1)]
         scores = scores.masked_fill(masked, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", F.softmax(scores, -1), v).to(query.dtype)
         start = end

@@ -4,6 +4,7 @@ devices it runs on and how it attends. Which one runs is the execution plan's ch
 
 from collections.abc import Callable
 
+from compute_service.architectures import LayerAttention
 from compute_service.attention import cpu, cpu_native, cuda, npu, npu_args
 
 BACKENDS: dict[str, Callable] = {
@@ -24,6 +25,8 @@ DEVICES: dict[str, tuple[str, ...]] = {"cpu": ("cpu",), "cuda": cuda.DEVICES, "n
 # The block sizes each backend pages by are multiples of these (checked when a pool is attached); a
 # backend not listed pages by any.
 BLOCK_MULTIPLES: dict[str, int] = {"cpu": 1, "cuda": 1, "npu": npu_args.PREFILL_BLOCK_MULTIPLE}
+# The backends that soft-cap attention scores (Gemma 2); every backend serves sliding windows.
+SOFTCAP = ("cpu", "cpu-native", "cuda")
 # --attention-backend auto off the cpu: the device's own backend (on the cpu: compute_service.planning).
 DEVICE_DEFAULTS: dict[str, str] = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}
 # How each backend attends (prompts and chunks, decodes), as the execution plan reports it.
@@ -71,3 +74,14 @@ def require_block_size(backend: str, block_size: int) -> None:
     """ValueError unless the backend pages K/V by blocks of `block_size` tokens."""
     if block_size % BLOCK_MULTIPLES.get(backend, 1):
         npu_args.require_block_size(block_size)
+
+
+def require_attention(backend: str, layers: tuple[LayerAttention, ...]) -> None:
+    """ValueError unless the backend attends as the model's layers do: windows everywhere, soft-capped
+    scores only where SOFTCAP says (the npu's fused op has no soft-cap)."""
+    caps = sorted({layer.softcap for layer in layers if layer.softcap})
+    if caps and backend not in SOFTCAP:
+        raise ValueError(
+            f"attention backend {backend!r} cannot soft-cap attention scores, which this model does (softcap "
+            f"{caps[0]}): choose --attention-backend {' or '.join(SOFTCAP)}"
+        )

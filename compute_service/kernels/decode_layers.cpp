@@ -7,7 +7,7 @@
 //
 // Per layer, on residual [T, hidden] in place:
 //   x = rms_norm(residual) -> qkv = x Wqkv^T -> rotary on q, k -> k, v stored at slot_mapping ->
-//   attention -> residual += out Wo^T -> x = rms_norm(residual) -> gate, up = x Wgu^T ->
+//   attention (over the layer's sliding window, if it has one) -> residual += out Wo^T -> x = rms_norm(residual) -> gate, up = x Wgu^T ->
 //   residual += (silu(gate) * up) Wdown^T
 #include "kernels.h"
 
@@ -150,8 +150,9 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
                      const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& q_starts,
                      const at::Tensor& q_lens, const at::Tensor& context_lens, int64_t num_heads,
-                     int64_t num_kv_heads, double eps, double scale) {
+                     int64_t num_kv_heads, double eps, double scale, const std::vector<int64_t>& windows) {
   check_step(residual, cos, signed_sin, weights, scales, k_caches, v_caches, slot_mapping, q_lens);
+  TORCH_CHECK(windows.size() == k_caches.size(), "one sliding window (0: none) per layer");
   const int64_t rows = residual.size(0), hidden = residual.size(1), d = cos.size(1);
   const int64_t q_width = num_heads * d, kv_width = num_kv_heads * d, qkv_width = q_width + 2 * kv_width;
   const float feps = static_cast<float>(eps);
@@ -183,7 +184,7 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
     store(k_caches[layer], q + q_width, rows, qkv_width, kv_width, slots);
     store(v_caches[layer], q + q_width + kv_width, rows, qkv_width, kv_width, slots);
     paged_attention(qkv.narrow(1, 0, q_width).view({rows, num_heads, d}), out, k_caches[layer], v_caches[layer],
-                    block_tables, q_starts, q_lens, context_lens, scale, 1.0, 1.0);
+                    block_tables, q_starts, q_lens, context_lens, scale, 1.0, 1.0, windows[layer]);
     attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     residual.add_(linear(out.view({rows, q_width}), w[2], scale_of(1), hidden));
     rms_norm(residual.data_ptr<float>(), w[3].data_ptr<float>(), x.data_ptr<float>(), rows, hidden, feps);

@@ -13,7 +13,8 @@
 // See paged_attention.cpp.
 void paged_attention(const at::Tensor& query_in, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
-                     const at::Tensor& context_lens, double scale, double k_scale, double v_scale);
+                     const at::Tensor& context_lens, double scale, double k_scale, double v_scale,
+                     int64_t window = 0, double softcap = 0.0);
 
 // See greedy.cpp: per row of logits [rows, vocab] float32, its first most likely token and log-probability.
 std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits);
@@ -24,7 +25,7 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
                      const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& q_starts,
                      const at::Tensor& q_lens, const at::Tensor& context_lens, int64_t num_heads,
-                     int64_t num_kv_heads, double eps, double scale);
+                     int64_t num_kv_heads, double eps, double scale, const std::vector<int64_t>& windows);
 
 // See panel_linear.cpp: float32 or int8 weights [out, in] packed into panels, and x [rows, in] times them
 // (* scales, for int8) (+ bias).

@@ -33,13 +33,17 @@ namespace {
 constexpr int64_t kQueryChunk = 32;
 constexpr int64_t kDecodeGroup = 8;
 
+// The pool's shape, the query heads per KV head, and how the layer attends: a query at position p sees keys
+// (p - window, p] (window 0: all up to p), its scores s soft-capped to softcap * tanh(s / softcap) (0: not).
 struct Geometry {
-  int64_t num_blocks, block_size, num_kv_heads, head_dim, group;
+  int64_t num_blocks, block_size, num_kv_heads, head_dim, group, window;
+  float softcap;
 };
 
 struct Scratch {
   std::vector<float> q, acc, max, sum, scores, keys_t;
-  std::vector<int64_t> visible, active;
+  // per row, the keys of the current block it sees: [first, visible)
+  std::vector<int64_t> visible, first, active;
   // rows: a prompt chunk's for one KV head, or a decode group's for every KV head
   Scratch(const Geometry& g) : Scratch(g, std::max(kQueryChunk * g.group, kDecodeGroup * g.group * g.num_kv_heads)) {}
   Scratch(const Geometry& g, int64_t rows)
@@ -50,6 +54,7 @@ struct Scratch {
         scores(max.size() * g.block_size),
         keys_t(g.head_dim * g.block_size),
         visible(max.size()),
+        first(max.size()),
         active(max.size()) {}
 };
 
@@ -240,16 +245,18 @@ inline void in_fours(int64_t n, const Fn& fn) {
 }
 
 // Folds one block of keys [k, k + n rows) into the running max, sum and accumulator of scratch rows
-// [r0, r0 + rows); row r0 + r sees the block's first visible[r] keys (visible[r] <= n, 0: none).
+// [r0, r0 + rows); row r0 + r sees the block's keys [s.first[r], visible[r]) (visible[r] <= n; none when
+// visible[r] <= s.first[r]; s.first stays 0 but in a sliding window).
 template <int64_t D, typename kv_t>
 void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const int64_t* visible, int64_t rows,
                   int64_t r0, const Geometry& g, Scratch& s) {
   const int64_t stride = g.num_kv_heads * g.head_dim, hd = g.head_dim;
   // the rows that see any key of the block
   int64_t* const active = s.active.data();
+  const int64_t* const lo = s.first.data();
   int64_t count = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    if (visible[r] > 0) active[count++] = r;
+    if (visible[r] > lo[r]) active[count++] = r;
   }
   // NOTE: float keys of head dim 64 in blocks of 16 go through scores64/values64: explicit vectors, up to four
   // rows per key or value load, a block's 16 scores summed together (faster than row_scores/pair_values at
@@ -288,12 +295,17 @@ void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const 
   float* const row_maxes = &s.max[r0];
   float* const sums = &s.sum[r0];
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t m = visible[r];
-    if (m <= 0) continue;
+    const int64_t m = visible[r], first = lo[r];
+    if (m <= first) continue;
     float* __restrict__ scores = &s.scores[(r0 + r) * g.block_size];
-    if (!transposed && !vec64) row_scores<D>(&s.q[(r0 + r) * hd], k, stride, m, hd, scores);
+    if (!transposed && !vec64) {
+      row_scores<D>(&s.q[(r0 + r) * hd], k + first * stride, stride, m - first, hd, scores + first);
+    }
+    if (g.softcap > 0.0f) {
+      for (int64_t t = first; t < m; ++t) scores[t] = g.softcap * std::tanh(scores[t] / g.softcap);
+    }
     float block_max = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < m; ++t) block_max = std::max(block_max, scores[t]);
+    for (int64_t t = first; t < m; ++t) block_max = std::max(block_max, scores[t]);
     float* __restrict__ acc = &s.acc[(r0 + r) * hd];
     if (block_max > row_maxes[r]) {
       const float rescale = std::exp(row_maxes[r] - block_max);  // 0 for the first block (max = -inf)
@@ -305,12 +317,14 @@ void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const 
     const float row_max = row_maxes[r];
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < m; ++t) {
+    for (int64_t t = first; t < m; ++t) {
       scores[t] = vec::fast_exp(scores[t] - row_max);
       sum += scores[t];
     }
     sums[r] += sum;
-    std::fill(scores + m, scores + g.block_size, 0.0f);  // a pair's values run to the longer of its two rows
+    // the values run over the block's first keys up to the longest row's
+    std::fill(scores, scores + first, 0.0f);
+    std::fill(scores + m, scores + g.block_size, 0.0f);
   }
   // then the values: four rows at a time through values64, else two at a time where the head dim is a
   // compile-time size
@@ -332,9 +346,9 @@ void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const 
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t m = visible[r];
-    if (m <= 0) continue;
+    if (m <= lo[r]) continue;
     int64_t next = r + 1;
-    while (next < rows && visible[next] <= 0) ++next;
+    while (next < rows && visible[next] <= lo[next]) ++next;
     if constexpr (D > 0) {
       if (next < rows) {
         pair_values<D>(&s.acc[(r0 + r) * hd], &s.acc[(r0 + next) * hd], &s.scores[(r0 + r) * g.block_size],
@@ -493,12 +507,19 @@ void attend_item(const Item& item, Heads heads, const at::Tensor& query, at::Ten
     }
   }
   reset_rows(rows * heads.count, g, s);
-  int64_t* visible = s.visible.data();
-  attend_blocks(tables + item.seq * table_width, 0, first_pos + item.count, heads, rows, k_cache, v_cache, g, s,
-                [&](int64_t start) {
+  int64_t *visible = s.visible.data(), *lo = s.first.data();
+  // a sliding window's blocks before the earliest query's window are not read
+  const int64_t first_block = g.window > 0 ? std::max<int64_t>(0, first_pos - g.window + 1) / g.block_size : 0;
+  attend_blocks(tables + item.seq * table_width, first_block, first_pos + item.count, heads, rows, k_cache, v_cache,
+                g, s, [&](int64_t start) {
                   for (int64_t i = 0; i < item.count; ++i) {
-                    const int64_t seen = std::max<int64_t>(0, std::min(g.block_size, first_pos + i + 1 - start));
+                    const int64_t pos = first_pos + i;
+                    const int64_t seen = std::clamp<int64_t>(pos + 1 - start, 0, g.block_size);
                     std::fill(visible + i * g.group, visible + (i + 1) * g.group, seen);
+                    if (g.window > 0) {
+                      const int64_t from = std::clamp<int64_t>(pos - g.window + 1 - start, 0, g.block_size);
+                      std::fill(lo + i * g.group, lo + (i + 1) * g.group, from);
+                    }
                   }
                 });
   for (int64_t h = 0; h < heads.count; ++h) {
@@ -516,12 +537,13 @@ inline int64_t shared_blocks(const int64_t* a, const int64_t* b, int64_t full_bl
 }
 
 // The step's work: decodes whose tables share leading blocks go in Groups of up to kDecodeGroup (in the order
-// of their tables, so that sharers meet), every other sequence in Items of up to kQueryChunk queries.
+// of their tables, so that sharers meet), every other sequence in Items of up to kQueryChunk queries. Under a
+// sliding window every decode is an Item (each sees its own last keys, not a shared prefix).
 void plan_work(const int64_t* tables, int64_t width, const int64_t* q_lens, const int64_t* context_lens, int64_t n,
-               int64_t block_size, std::vector<Item>& items, std::vector<Group>& groups) {
+               int64_t block_size, bool group_decodes, std::vector<Item>& items, std::vector<Group>& groups) {
   std::vector<int64_t> decodes;
   for (int64_t seq = 0; seq < n; ++seq) {
-    if (q_lens[seq] == 1 && context_lens[seq] > block_size) {
+    if (group_decodes && q_lens[seq] == 1 && context_lens[seq] > block_size) {
       decodes.push_back(seq);
       continue;
     }
@@ -563,7 +585,8 @@ void attend_all(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_ca
   const int64_t* lens = q_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t width = block_tables.size(1);
-  plan_work(tables, width, lens, context_lens.data_ptr<int64_t>(), q_lens.size(0), g.block_size, items, groups);
+  plan_work(tables, width, lens, context_lens.data_ptr<int64_t>(), q_lens.size(0), g.block_size, g.window == 0, items,
+            groups);
   const auto* k = reinterpret_cast<const kv_t*>(k_cache.data_ptr());
   const auto* v = reinterpret_cast<const kv_t*>(v_cache.data_ptr());
   const int64_t* contexts = context_lens.data_ptr<int64_t>();
@@ -601,7 +624,8 @@ void attend_all(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_ca
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& item = items[i];
     const int64_t last = contexts[item.seq] - lens[item.seq] + item.first + item.count;
-    add(item.count * last, static_cast<int64_t>(groups.size() + i), whole_decodes && lens[item.seq] == 1);
+    const int64_t keys = g.window > 0 ? std::min(last, g.window + item.count) : last;
+    add(item.count * keys, static_cast<int64_t>(groups.size() + i), whole_decodes && lens[item.seq] == 1);
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
   const int64_t total = static_cast<int64_t>(tasks.size());
@@ -644,10 +668,12 @@ void dispatch_query(const at::Tensor& query, at::Tensor& out, const at::Tensor& 
 
 // out[q_starts[s] + i] = attention of query[q_starts[s] + i] ([T, H, D]) over the context of sequence s, for
 // i < q_lens[s], the keys read from k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim] through
-// block_tables [N, W]. Stored keys are multiplied by k_scale and values by v_scale (fp8 pools).
+// block_tables [N, W]. Stored keys are multiplied by k_scale and values by v_scale (fp8 pools). With a window,
+// query p sees keys (p - window, p] only; with a softcap, scores s (scaled) become softcap * tanh(s / softcap).
 void paged_attention(const at::Tensor& query_in, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
-                     const at::Tensor& context_lens, double scale, double k_scale, double v_scale) {
+                     const at::Tensor& context_lens, double scale, double k_scale, double v_scale, int64_t window,
+                     double softcap) {
   TORCH_CHECK(query_in.dim() == 3, "query must be [T, H, D]");
   // NOTE: queries strided in D (a transposed product's layout) are copied once, so that every row is read with
   // unit stride; other strides (a view into the fused qkv output) are read as they are.
@@ -660,8 +686,9 @@ void paged_attention(const at::Tensor& query_in, at::Tensor& out, const at::Tens
   for (const auto* t : {&block_tables, &q_starts, &q_lens, &context_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "step metadata must be contiguous int64");
   }
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: none)");
   const Geometry g{k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3),
-                   query.size(1) / k_cache.size(2)};
+                   query.size(1) / k_cache.size(2), window, static_cast<float>(softcap)};
   TORCH_CHECK(query.size(2) == g.head_dim && g.group * g.num_kv_heads == query.size(1),
               "query heads must be a multiple of the KV heads, with the same head dim");
   const float q_scale = static_cast<float>(scale * k_scale), vs = static_cast<float>(v_scale);

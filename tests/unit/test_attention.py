@@ -1,5 +1,5 @@
-"""The CPU paged attention backends (cpu, cpu-native) against the dense reference and plain dense SDPA of the
-full sequences."""
+"""The CPU paged attention backends (cpu, cpu-native) against the dense reference and plain dense attention
+of the full sequences: full layers, sliding windows and soft-capped scores."""
 
 from types import SimpleNamespace
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compute_service.architectures import FULL, LayerAttention
 from compute_service.attention import cpu, cpu_native
 from compute_service.attention.context import build_context, reset_context, set_context
 from compute_service.attention.reference import reference_attention
@@ -68,8 +69,15 @@ def batch(new: list[int], cached: list[int], tables: list[list[int]]) -> Forward
     return ForwardBatch.from_request(request, LIMITS)
 
 
-def step(seqs: list[Sequence], new: list[int], k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """Runs one packed step of `new[i]` tokens per sequence through the backend; checks it on the way."""
+def step(
+    seqs: list[Sequence],
+    new: list[int],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attends: LayerAttention = FULL,
+) -> torch.Tensor:
+    """Runs one packed step of `new[i]` tokens per sequence through the backend, for a layer that attends as
+    `attends` says; checks it on the way."""
     spans = [range(s.cached, s.cached + n) for s, n in zip(seqs, new, strict=True)]
     q = torch.cat([s.q[span] for s, span in zip(seqs, spans, strict=True)])
     k = torch.cat([s.k[span] for s, span in zip(seqs, spans, strict=True)])
@@ -78,7 +86,7 @@ def step(seqs: list[Sequence], new: list[int], k_cache: torch.Tensor, v_cache: t
     forward = batch(new, [s.cached for s in seqs], [s.blocks for s in seqs])
     assert torch.equal(forward.slot_mapping, slots)
 
-    set_context(build_context([k_cache], [v_cache], forward))
+    set_context(build_context([k_cache], [v_cache], forward, layers=(attends,)))
     try:
         out = BACKEND["attend"](
             SimpleNamespace(layer_idx=0),
@@ -87,6 +95,8 @@ def step(seqs: list[Sequence], new: list[int], k_cache: torch.Tensor, v_cache: t
             v.transpose(0, 1)[None],
             None,
             scaling=SCALE,
+            sliding_window=attends.window or None,
+            softcap=attends.softcap or None,
         )[0]
     finally:
         reset_context()
@@ -100,21 +110,32 @@ def step(seqs: list[Sequence], new: list[int], k_cache: torch.Tensor, v_cache: t
 
     tol = dict(atol=1e-5, rtol=1e-4) if q.dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     reference = reference_attention(
-        q, k_cache, v_cache, forward.cu_seqlens_q, forward.context_lens, forward.block_tables, SCALE
-    )
+        q, k_cache, v_cache, forward.cu_seqlens_q, forward.context_lens, forward.block_tables, SCALE,
+        attends.window, attends.softcap,
+    )  # fmt: skip
     torch.testing.assert_close(out, reference, **tol)
-    torch.testing.assert_close(out, dense(seqs, spans), **tol)
+    torch.testing.assert_close(out, dense(seqs, spans, attends), **tol)
     for s, n in zip(seqs, new, strict=True):
         s.cached += n
     return out
 
 
-def dense(seqs: list[Sequence], spans: list[range]) -> torch.Tensor:
-    """Causal SDPA over each whole sequence so far, rows of the new tokens only."""
+def dense(seqs: list[Sequence], spans: list[range], attends: LayerAttention = FULL) -> torch.Tensor:
+    """Causal attention over each whole sequence so far, rows of the new tokens only: SDPA with its mask
+    (causal, within the window), scores soft-capped by hand as transformers' eager attention does."""
     rows = []
     for s, span in zip(seqs, spans, strict=True):
         q, k, v = (t[: span.stop].transpose(0, 1)[None].float() for t in (s.q, s.k, s.v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE, enable_gqa=True)
+        positions = torch.arange(span.stop)
+        mask = positions[None, :] <= positions[:, None]
+        if attends.window:
+            mask &= positions[None, :] > positions[:, None] - attends.window
+        if attends.softcap:
+            k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
+            scores = torch.tanh(q @ k.transpose(2, 3) * SCALE / attends.softcap) * attends.softcap
+            o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE, enable_gqa=True)
         rows.append(o[0].transpose(0, 1)[span.start :])
     return torch.cat(rows).to(seqs[0].q.dtype)
 
@@ -159,3 +180,25 @@ def test_decode_groups_split_to_bound_each_gather(monkeypatch):
     ).decode_groups
     assert [(g.first, g.count) for g in groups] == [(0, 2), (2, 2), (4, 1)], "at most 20 // 9 per gather"
     step(seqs, [1, 1, 1, 1, 1, 1], k_cache, v_cache)
+
+
+# windows of one key, under a block, over one and several blocks; caps that bind and that barely do
+PATTERNS = [LayerAttention(1), LayerAttention(3), LayerAttention(6), LayerAttention(9),
+            LayerAttention(0, 2.0), LayerAttention(5, 1.5), LayerAttention(7, 30.0)]  # fmt: skip
+
+
+@pytest.mark.parametrize("attends", PATTERNS, ids=lambda a: f"window{a.window}-softcap{a.softcap}")
+def test_sliding_windows_and_softcaps_in_prompts_chunks_and_decodes(attends):
+    seqs, k_cache, v_cache = make([21, 14, 6, 3, 17])
+    step(seqs, [13, 9, 6, 2, 1], k_cache, v_cache, attends)
+    a, b, _, d, e = seqs
+    step([a, b, d, e], [1, 5, 1, 11], k_cache, v_cache, attends)
+    for _ in range(3):
+        step([a, e], [1, 1], k_cache, v_cache, attends)
+    step([a, e], [4, 1], k_cache, v_cache, attends)
+
+
+def test_a_window_in_bfloat16_within_tolerance():
+    seqs, k_cache, v_cache = make([19, 12], dtype=torch.bfloat16)
+    step(seqs, [11, 12], k_cache, v_cache, LayerAttention(5, 4.0))
+    step(seqs[:1], [8], k_cache, v_cache, LayerAttention(5, 4.0))

@@ -13,12 +13,13 @@ from transformers import AutoModelForCausalLM
 from cache_service.kv_pool import KVPool
 from common.devices import Device
 from common.shared_pool import PoolSpec
+from compute_service.architectures import FULL
 from compute_service.attention import cuda
 from compute_service.batch import ForwardBatch
 from compute_service.model_loader import register_attention
 from compute_service.runner import Runner
 from compute_service.validation import Limits
-from tests.device_steps import SCENARIOS, make_step, run_backend
+from tests.device_steps import PATTERNS, SCENARIOS, make_step, run_backend
 from tests.forward import forward_request
 from tests.helpers import ROOT
 from tests.tiny_model import tiny_llama_config
@@ -32,14 +33,17 @@ pytestmark = [
 GPU = Device("cuda", 0)
 
 
+@pytest.mark.parametrize("pattern", ["full", *PATTERNS])
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_the_cuda_kernel_matches_the_cpu_backend(scenario, block_size):
-    """Pages of 256 tokens take flash_attn where it is installed; 16 takes the torch path."""
-    step = make_step(*SCENARIOS[scenario], block_size=block_size, dtype=torch.bfloat16)
+def test_the_cuda_kernel_matches_the_cpu_backend(scenario, block_size, pattern):
+    """Pages of 256 tokens take flash_attn where it is installed (with the layer's window_size and softcap);
+    16 takes the torch path."""
+    attends = PATTERNS.get(pattern, FULL)
+    step = make_step(*SCENARIOS[scenario], block_size=block_size, dtype=torch.bfloat16, attends=attends)
     on_gpu = [t.to("cuda") for t in (step.q, step.k, step.v, step.k_before, step.v_before)]
     k_pool, v_pool = on_gpu[3].clone(), on_gpu[4].clone()
-    out = run_backend(cuda.paged_attention, *on_gpu[:3], step.batch, k_pool, v_pool)
+    out = run_backend(cuda.paged_attention, *on_gpu[:3], step.batch, k_pool, v_pool, attends)
     assert torch.equal(k_pool.cpu(), step.k_after) and torch.equal(v_pool.cpu(), step.v_after)
     torch.testing.assert_close(out.cpu(), step.out, atol=2e-2, rtol=2e-2)
 

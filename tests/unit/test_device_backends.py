@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from compute_service import kernels, planning
+from compute_service.architectures import LayerAttention
 from compute_service.attention import cuda, cuda_args, npu_args, registry
 from compute_service.attention.reference import reference_attention
-from tests.device_steps import HEADS, KV_HEADS, SCALE, SCENARIOS, make_step, run_backend
+from tests.device_steps import HEADS, KV_HEADS, PATTERNS, SCALE, SCENARIOS, make_step, run_backend
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
 
@@ -40,6 +41,33 @@ def test_the_cuda_arguments_reproduce_the_cpu_backend(scenario):
         step.q, step.k_after, step.v_after, b.cu_seqlens_q, b.context_lens, b.block_tables, SCALE
     )
     torch.testing.assert_close(out, dense, **TOLERANCE)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_cuda_window_and_softcap_arguments_reproduce_the_cpu_backend(scenario, pattern):
+    attends = PATTERNS[pattern]
+    step = make_step(*SCENARIOS[scenario], block_size=4, attends=attends)
+    b = step.batch
+    window_size = cuda_args.flash_window(attends.window)
+    out = cuda_args.paged_varlen_attention(
+        step.q, step.k_after, step.v_after, varlen_args(step), SCALE, window_size, attends.softcap
+    )
+    torch.testing.assert_close(out, step.out, **TOLERANCE)
+    dense = reference_attention(
+        step.q, step.k_after, step.v_after, b.cu_seqlens_q, b.context_lens, b.block_tables, SCALE,
+        attends.window, attends.softcap,
+    )  # fmt: skip
+    torch.testing.assert_close(out, dense, **TOLERANCE)
+    k_pool, v_pool = step.k_before.clone(), step.v_before.clone()
+    through = run_backend(cuda.paged_attention, step.q, step.k, step.v, b, k_pool, v_pool, attends)
+    torch.testing.assert_close(through, step.out, **TOLERANCE)
+
+
+def test_flash_windows_count_the_keys_left_of_the_diagonal():
+    assert cuda_args.flash_window(0) == (-1, -1), "no window"
+    assert cuda_args.flash_window(1) == (0, 0), "a query's own key only"
+    assert cuda_args.flash_window(4096) == (4095, 0)
 
 
 def test_the_cuda_arguments_are_what_flash_attn_varlen_takes():
@@ -87,6 +115,32 @@ def test_the_npu_arguments_reproduce_the_cpu_backend(scenario, block_size):
         **args.attention_kwargs(),
     )
     torch.testing.assert_close(out, step.out, **TOLERANCE)
+
+
+@pytest.mark.parametrize("window", [3, 7, 40])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_npu_band_arguments_reproduce_the_cpu_backend_under_a_window(scenario, window):
+    new, cached = SCENARIOS[scenario]
+    step = make_step(new, [c * 23 for c in cached], block_size=128, attends=LayerAttention(window))
+    args = fias_args(step, 128)
+    kwargs = args.attention_kwargs(window)
+    assert (kwargs["sparse_mode"], kwargs["pre_tokens"], kwargs["next_tokens"]) == (4, window - 1, 0)
+    blocks = step.k_after.shape[0]
+    out = npu_args.fused_infer_attention_reference(
+        step.q, step.k_after.view(blocks, 128, -1), step.v_after.view(blocks, 128, -1), **kwargs
+    )
+    torch.testing.assert_close(out, step.out, **TOLERANCE)
+
+
+def test_a_soft_capped_model_is_refused_on_the_npu_backend_only():
+    capped = (PATTERNS["softcap4"], PATTERNS["window3"])
+    with pytest.raises(
+        ValueError, match="'npu' cannot soft-cap attention scores.*softcap 4.0.*cpu or cpu-native or cuda"
+    ):
+        registry.require_attention("npu", capped)
+    for backend in registry.SOFTCAP:
+        registry.require_attention(backend, capped)
+    registry.require_attention("npu", (PATTERNS["window3"],))
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, MistralConfig
+from transformers import AutoModelForCausalLM
 
 from compute_service import planning
 from compute_service.batch import ForwardBatch
@@ -13,6 +13,7 @@ from compute_service.llama_layer import FusedLlamaModel
 from compute_service.model_loader import register_attention
 from compute_service.runner import Runner, StepTimes
 from compute_service.validation import Limits
+from tests.architectures import tiny_config
 from tests.forward import forward_request
 from tests.tiny_model import tiny_llama_config
 
@@ -90,8 +91,12 @@ def test_other_models_dtypes_and_activations_keep_transformers_layers():
     assert misfit(llama, torch.float32) is None
     assert "float32 only" in misfit(llama, torch.bfloat16)
     assert "SiLU-gated" in misfit(tiny_llama_config(hidden_act="gelu"), torch.float32)
-    mistral = MistralConfig(**{k: v for k, v in llama.to_dict().items() if k != "model_type"})
-    assert misfit(mistral, torch.float32) == "architecture 'mistral': the fused forward supports llama only"
+    for name in ("mistral", "qwen2", "qwen3"):
+        assert misfit(tiny_config(name), torch.float32) is None, f"{name}: Llama-shaped layers"
+    for name in ("gemma2", "mixtral"):
+        assert misfit(tiny_config(name), torch.float32).endswith(
+            ": the fused forward supports llama, mistral, qwen2, qwen3 only"
+        ), name
 
 
 def test_the_fused_stack_needs_a_paged_attention():

@@ -42,25 +42,29 @@ def tables(context_lens: list[int], block_size: int, shared: int = 0) -> torch.T
     return torch.tensor(rows)
 
 
-def attend(q, k_cache, v_cache, q_lens, context_lens, table, scale, kv_scales=(1.0, 1.0)):
+def attend(
+    q, k_cache, v_cache, q_lens, context_lens, table, scale, kv_scales=(1.0, 1.0), window=0, softcap=0.0
+):
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     starts = torch.tensor([0, *q_lens]).cumsum(0)
     cpu_native.kernel().paged_attention(
         q, out, k_cache, v_cache, table, starts[:-1], torch.tensor(q_lens), torch.tensor(context_lens), scale,
-        *kv_scales,
+        *kv_scales, window, softcap,
     )  # fmt: skip
     return out, starts
 
 
 def check(q_lens, context_lens, block_size=16, heads=9, kv_heads=3, head_dim=64, kv_dtype=torch.float32,
-          q_dtype=torch.float32, shared=0, kv_scales=(1.0, 1.0)):  # fmt: skip
+          q_dtype=torch.float32, shared=0, kv_scales=(1.0, 1.0), window=0, softcap=0.0):  # fmt: skip
     k_cache, v_cache = pool(block_size, kv_heads, head_dim, kv_dtype, kv_scales[0])
     table = tables(context_lens, block_size, shared)
     q = torch.randn(sum(q_lens), heads, head_dim).to(q_dtype)
     scale = head_dim**-0.5
-    out, starts = attend(q, k_cache, v_cache, q_lens, context_lens, table, scale, kv_scales)
+    out, starts = attend(q, k_cache, v_cache, q_lens, context_lens, table, scale, kv_scales, window, softcap)
     keys, values = k_cache.float() * kv_scales[0], v_cache.float() * kv_scales[1]
-    expected = reference_attention(q, keys, values, starts, torch.tensor(context_lens), table, scale)
+    expected = reference_attention(
+        q, keys, values, starts, torch.tensor(context_lens), table, scale, window, softcap
+    )
     exact = q_dtype == torch.float32
     torch.testing.assert_close(out, expected, **(dict(atol=2e-5, rtol=1e-4) if exact else {}))
 
@@ -87,6 +91,30 @@ def test_prompt_chunks_over_a_cached_prefix_are_causal():
 def test_prompt_chunks_longer_than_a_work_item():
     # a chunk is attended in items of up to 32 queries: 70 is three of them, 64 two, 33 two
     check([70, 64, 33, 5], [200, 600, 33, 21])
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 17, 40])
+@pytest.mark.parametrize(
+    ("block_size", "kv_dtype"), [(16, torch.float32), (16, torch.bfloat16), (5, torch.float32)]
+)
+def test_sliding_windows_over_decodes_and_chunks(window, block_size, kv_dtype):
+    """Windows inside a block, of a block, across blocks; decodes and chunks (their earliest query's window
+    starting inside a block), contexts shorter than the window; the float keys of 64 in blocks of 16 scored
+    by the 16-float vectors on AVX-512, bfloat16 ones of a 13-query chunk through the transposed keys."""
+    check(
+        [1, 1, 13, 1, 40, 3], [300, 5, 61, 33, 80, 3], block_size=block_size, kv_dtype=kv_dtype, window=window
+    )
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(0, 5.0), (0, 50.0), (9, 2.0)])
+def test_soft_capped_scores(window, softcap):
+    check([1, 6, 1, 35], [70, 20, 1, 35], window=window, softcap=softcap)
+    check([1, 4], [50, 9], block_size=4, head_dim=16, heads=4, kv_heads=2, window=window, softcap=softcap)
+
+
+def test_decodes_sharing_prefix_blocks_under_a_window_read_their_own_last_keys():
+    lens = [512 + 16 * i + 3 for i in range(8)]
+    check([1] * 8, lens, shared=32, window=20)
 
 
 def test_decodes_sharing_prefix_blocks():
@@ -176,7 +204,7 @@ def test_writes_only_the_rows_of_its_sequences():
     # rows 0-3 and 6-9 belong to other sequences (fresh prompts attended elsewhere)
     cpu_native.kernel().paged_attention(
         q, out, k_cache, v_cache, table, torch.tensor([4, 5]), torch.tensor([1, 1]), torch.tensor([20, 30]),
-        0.125, 1.0, 1.0,
+        0.125, 1.0, 1.0, 0, 0.0,
     )  # fmt: skip
     assert out[4:6].isfinite().all()
     assert out[:4].isnan().all() and out[6:].isnan().all()

@@ -206,5 +206,5 @@ def test_refuses_slots_outside_the_pool_and_stray_scales(model, slot, scales, me
         kernels.load().decode_layers(
             torch.zeros(1, config.hidden_size), torch.ones(1, dim), torch.zeros(1, dim), stack.weights,
             scales, caches, caches, torch.tensor([slot]), torch.zeros(1, 1, dtype=torch.long),
-            torch.zeros(1, dtype=torch.long), one, one, heads, kv_heads, 1e-5, dim**-0.5,
+            torch.zeros(1, dtype=torch.long), one, one, heads, kv_heads, 1e-5, dim**-0.5, stack.windows,
         )  # fmt: skip

@@ -6,13 +6,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import MistralConfig, Qwen2Config
+from transformers import BertConfig
 
 from common import cpu
-from compute_service import planning
+from compute_service import fused, planning
 from compute_service.model_info import plan_message
 from compute_service.plan import STAGES
 from compute_service.planning import Flags
+from tests.architectures import tiny_config
 from tests.tiny_model import tiny_llama_config
 
 LLAMA = tiny_llama_config()
@@ -127,13 +128,33 @@ def test_biased_projections_keep_the_python_layers_for_decodes():
     assert got["layers.decode"] == "fused" and "bias" in why["layers.decode"]
 
 
-@pytest.mark.parametrize("config_class", [MistralConfig, Qwen2Config])
-def test_other_architectures_run_transformers_layers_and_the_plan_says_why(config_class):
-    config = config_class(**{k: v for k, v in LLAMA.to_dict().items() if k != "model_type"})
+@pytest.mark.parametrize(
+    ("name", "layers", "decode"),
+    [("mistral", "fused", "native-stack"),
+     ("qwen2", "fused", "fused"),
+     ("qwen3", "fused", "fused"),
+     ("gemma2", "transformers", "transformers"),
+     ("mixtral", "transformers", "transformers")],
+)  # fmt: skip
+def test_each_architecture_runs_the_layers_it_fits_and_the_plan_says_why(name, layers, decode):
+    config = tiny_config(name)
     got, why = implementations(config), reasons(config)
-    assert (got["layers"], got["layers.decode"]) == ("transformers", "transformers")
-    assert why["layers"] == f"architecture {config.model_type!r}: the fused forward supports llama only"
+    assert (got["layers"], got["layers.decode"]) == (layers, decode)
+    if layers == "transformers":
+        assert why["layers"] == (
+            f"{fused.UNFUSED_LAYERS[name]}: the fused forward supports llama, mistral, qwen2, qwen3 only"
+        )
+    if decode == "fused":
+        assert "no QKV bias, no per-head QK-norm" in why["layers.decode"]
     assert got["linears.decoder"] == "panels float32", "the linears and attention do not depend on it"
+
+
+def test_a_model_compute_does_not_serve_or_attend_is_refused_by_the_plan():
+    with pytest.raises(ValueError, match="model_type 'bert' is an encoder-only model"):
+        planning.resolve(BertConfig(), Flags(), BUILT)
+    with pytest.raises(ValueError, match="--max-model-len 9999 is beyond this model's"):
+        planning.resolve(LLAMA, Flags(max_model_len=9999), BUILT)
+    assert planning.resolve(LLAMA, Flags(max_model_len=64), BUILT).max_model_len == 64
 
 
 def test_an_accelerator_runs_its_backend_and_transformers_linears():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from cli.processes import gone
 from cli.supervisor import RestartPolicy, Restarts, Supervisor, describe_exit
+from common.options import REFUSED
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 FAILING = [sys.executable, "-c", "raise SystemExit(3)"]
@@ -101,6 +102,19 @@ def test_a_service_that_keeps_exiting_stops_the_stack(capsys):
         assert failed[-1] == "a"
         assert supervisor.services["a"].restarts.count == 2
         assert "a exited (exit code 3) more than 2 times within 60s" in capsys.readouterr().err
+    finally:
+        supervisor.stop({})
+
+
+def test_a_service_that_refuses_its_settings_stops_the_stack_without_a_restart(capsys):
+    refusing = [sys.executable, "-c", f"raise SystemExit({REFUSED})"]
+    supervisor = Supervisor({"a": refusing}, RestartPolicy(first_delay_s=0.0))
+    supervisor.start()
+    try:
+        failed = []
+        assert wait_until(lambda: failed.append(supervisor.check()) or failed[-1] is not None)
+        assert failed[-1] == "a" and supervisor.services["a"].restarts.count == 0
+        assert "a refused its settings or model (exit code 2); stopping the stack" in capsys.readouterr().err
     finally:
         supervisor.stop({})
 

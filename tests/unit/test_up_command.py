@@ -173,6 +173,15 @@ def test_up_passes_the_unfused_switch_to_compute():
         assert args.unfused is unfused
 
 
+def test_up_passes_max_model_len_to_compute_and_refuses_a_non_count(capsys):
+    for argv, length in (((), 0), (("--max-model-len", "2048"), 2048)):
+        compute = up.service_commands(up_args(*argv))["compute"]
+        assert compute_args(compute[compute.index("compute_service") + 1 :]).max_model_len == length
+    with pytest.raises(SystemExit):
+        up_args("--max-model-len", "-5")
+    assert "'-5' is not a token count" in capsys.readouterr().err
+
+
 def test_up_parses_sizes_as_the_cache_service_does(capsys):
     cache = up.service_commands(up_args("--kv-memory", "1.5 GiB"))["cache"]
     assert parse_args(cache[cache.index("cache_service") + 1 :]).kv_memory == 3 * 2**29

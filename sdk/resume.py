@@ -85,8 +85,9 @@ class Call:
 
     @property
     def done(self) -> bool:
-        """Every sample's last response was received."""
-        return len(self._finished) == self._n
+        """Every sample's last response was received (an `n` of 0 is never done: the gateway refuses it,
+        and the refusal is the answer)."""
+        return len(self._finished) >= max(self._n, 1)
 
     def attempt(self) -> tuple[int, generation_pb2.GenerateRequest, float | None]:
         """The next attempt: the target's index, the request, its timeout (what is left of the call's)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from cli.launch import Stack
-from tests.processes import services_of
+from cli.processes import services_of
 
 ROOT = Path(__file__).resolve().parent.parent
 STREAMS = 4

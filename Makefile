@@ -63,12 +63,12 @@ gpu-check:
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-# docs/performance.md and the plot beside the bench's JSON files, made from those files: each figure lives in
-# one place (a unit test fails when the page and the JSON disagree).
+# docs/performance.md, the README's performance table and the plot beside the bench's JSON files, made from
+# those files: each figure lives in one place (a unit test fails when the pages and the JSON disagree).
 BENCH_JSON := $(filter-out %/provenance.json,$(wildcard docs/bench/*.json))
 
 docs: setup
-	$(PY) -m cli.bench.page docs/bench --out docs/performance.md
+	$(PY) -m cli.bench.page docs/bench --out docs/performance.md --readme README.md
 	$(PY) -m cli.bench.plot $(BENCH_JSON) --output docs/bench/performance.png
 
 protos: setup

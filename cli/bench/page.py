@@ -2,21 +2,19 @@
 from the files `pagedserve bench --json` wrote, so that each figure lives in one place, its JSON file.
 
 Each directory of results is a section, each workload a table: one file gives pagedserve's figures beside its
-peers' and the ratios (cli.bench.report's rows and ratios); several files of one workload (e.g. one per
-`--weights` mode) give one column per file. A file's date, machine and vLLM CPU binding come from its own
-`date`, `machine` and `vllm_binding` keys, else from `provenance.json` in its directory (what was recorded
-beside files that lack them), else the page says they are not recorded."""
+peers' and the ratios (cli.bench.report's rows and ratios); several files of one workload without peers
+(e.g. one per `--weights` mode) give one column per file. Each file's date, machine and vLLM CPU binding are
+what was recorded (cli.bench.results), else the page says they are not recorded.
+
+`--readme README.md` also rewrites the README's performance table from the same files (cli.bench.summary)."""
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
-from cli.bench import report
-from cli.bench.workloads import WORKLOADS
+from cli.bench import report, results, summary
 
-PROVENANCE = "provenance.json"
 PLOT = "performance.png"
 COMMAND = "python -m cli.bench.page docs/bench --out docs/performance.md"
 INTRO = f"""# Performance
@@ -29,61 +27,33 @@ for times, so above 1 pagedserve is ahead; `-` is a figure that run did not meas
 the machine's load; ratios come from one run on one machine."""
 
 
-def load(root: Path) -> dict[Path, list[tuple[str, dict]]]:
-    """Per directory under `root` (itself first, then its subdirectories in name order), its results as
-    (path relative to `root`, result), in the bench's workload order and then by file name."""
-    order = list(WORKLOADS)
-    groups: dict[Path, list[tuple[str, dict]]] = {}
-    for path in sorted(root.rglob("*.json"), key=lambda p: (p.parent != root, p.parent, p.name)):
-        if path.name == PROVENANCE:
-            continue
-        result = json.loads(path.read_text())
-        groups.setdefault(path.parent, []).append((path.relative_to(root).as_posix(), result))
-    if not groups:
-        raise ValueError(f"no bench JSON files under {root}")
-    for results in groups.values():
-        results.sort(key=lambda item: (_rank(item[1]["workload"], order), item[0]))
-    return groups
-
-
-def _rank(workload: str, order: list[str]) -> int:
-    return order.index(workload) if workload in order else len(order)
-
-
 def render(root: Path, out: Path) -> str:
     """The whole page for the results under `root`, its paths and links relative to `out`'s directory."""
     sections = [INTRO]
-    for directory, results in load(root).items():
-        provenance = _provenance(directory)
+    for directory, files in results.load(root).items():
+        provenance = results.provenance(directory)
         sections.append(f"## `{_relative(directory, out)}/`")
         if (directory / PLOT).exists():
             sections.append(
                 f"![tokens/s and inter-token latency per workload]({_relative(directory / PLOT, out)})"
             )
         by_workload: dict[str, list[tuple[str, dict, dict]]] = {}
-        for path, result in results:
-            recorded = _recorded(result, provenance.get(Path(path).name, {}))
+        for path, result in files:
+            recorded = results.recorded(result, provenance.get(Path(path).name, {}))
             by_workload.setdefault(result["workload"], []).append(
                 (_relative(root / path, out), result, recorded)
             )
-        for files in by_workload.values():
-            sections.append(_one(*files[0]) if len(files) == 1 else _several(files))
+        for runs in by_workload.values():
+            # NOTE: runs with peers keep a table each, so that every peer figure stays beside its run's.
+            if len(runs) == 1 or any(result.get("peers") for _, result, _ in runs):
+                sections.extend(_one(*run, named=len(runs) > 1) for run in runs)
+            else:
+                sections.append(_several(runs))
     return "\n\n".join(sections) + "\n"
 
 
 def _relative(path: Path, out: Path) -> str:
     return Path(os.path.relpath(path, out.parent)).as_posix()
-
-
-def _provenance(directory: Path) -> dict[str, dict]:
-    path = directory / PROVENANCE
-    return json.loads(path.read_text())["files"] if path.exists() else {}
-
-
-def _recorded(result: dict, provenance: dict) -> dict:
-    """The file's date, machine, vLLM binding and any superseding note: its own keys, else its provenance."""
-    keys = ("date", "machine", "vllm_binding", "superseded")
-    return {key: result.get(key) or provenance.get(key) for key in keys}
 
 
 def _facts(path: str, result: dict, recorded: dict) -> list[str]:
@@ -98,8 +68,9 @@ def _facts(path: str, result: dict, recorded: dict) -> list[str]:
     return lines
 
 
-def _one(path: str, result: dict, recorded: dict) -> str:
-    """One run: pagedserve, then each peer that has figures, then the ratios against each."""
+def _one(path: str, result: dict, recorded: dict, named: bool = False) -> str:
+    """One run: pagedserve, then each peer that has figures, then the ratios against each; `named`: the
+    title names the file (one of several runs of the workload)."""
     ours, peers = result["pagedserve"], result.get("peers", {})
     names = [name for name in report.peer_names(peers) if name in peers]
     rows = [
@@ -111,6 +82,7 @@ def _one(path: str, result: dict, recorded: dict) -> str:
     ]
     header = ["figure", "pagedserve", *names, *(f"vs {p}" for p in names)]
     title = f"### {result['workload']}: {result['description']}"
+    title += f" (`{Path(path).stem}`)" if named else ""
     return "\n".join([title, "", *_facts(path, result, recorded), "", *_table(header, rows)])
 
 
@@ -147,13 +119,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cli.bench.page", description=__doc__)
     parser.add_argument("root", type=Path, help="the directory of bench JSON files (docs/bench)")
     parser.add_argument("--out", type=Path, required=True, help="the page to write (docs/performance.md)")
+    parser.add_argument("--readme", type=Path, help="also rewrite this README's performance table")
     args = parser.parse_args(argv)
     try:
         page = render(args.root, args.out)
+        readme = (
+            summary.with_table(args.readme.read_text(), summary.table(args.root)) if args.readme else None
+        )
     except (OSError, ValueError, KeyError) as error:
         raise SystemExit(f"python -m cli.bench.page: {error}") from error
     args.out.write_text(page)
     print(args.out)
+    if readme is not None:
+        args.readme.write_text(readme)
+        print(args.readme)
     return 0
 
 

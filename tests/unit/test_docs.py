@@ -1,12 +1,13 @@
 """The README stays a short newcomer's page that shows what CI runs, every link of the docs resolves, no page
-dates a figure by the work that produced it, and docs/performance.md is what its bench JSON files make."""
+dates a figure by the work that produced it, and docs/performance.md and the README's performance table are
+what the bench JSON files make."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-from cli.bench import page
+from cli.bench import page, summary
 from tests.helpers import ROOT
 
 README = ROOT / "README.md"
@@ -88,4 +89,11 @@ def test_the_performance_page_is_made_from_the_bench_files():
     out = ROOT / "docs" / "performance.md"
     assert out.read_text() == page.render(ROOT / "docs" / "bench", out), (
         "docs/performance.md and docs/bench/*.json disagree: run `make docs`"
+    )
+
+
+def test_the_readme_performance_table_is_made_from_the_bench_files():
+    text = README.read_text()
+    assert summary.with_table(text, summary.table(ROOT / "docs" / "bench")) == text, (
+        "README.md's performance table and docs/bench/*.json disagree: run `make docs`"
     )

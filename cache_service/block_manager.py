@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from cache_service.allocators.base import BlockAllocator
 from cache_service.block_pool import BlockPool
 from cache_service.invariants import check_tables
-from cache_service.prefix_cache import block_tokens, chain, root_hash
+from cache_service.prefix_cache import root_hash
 from cache_service.prefix_match import Hit, Partial, StepBlocks, lookup
 from cache_service.sequence import (
     SeqRequest,
@@ -20,6 +20,7 @@ from cache_service.sequence import (
     check_running,
 )
 from cache_service.stats import BlockStats, Counters
+from cache_service.tables import Tables
 from common.paging import blocks_for
 
 
@@ -28,6 +29,7 @@ class BlockManager:
 
     Every block is free (in the allocator), used (refcount > 0) or cached (indexed, refcount 0, evictable).
     NOTE: `copy_block(src, dst)` copies a block's K/V; it runs inside `reserve`, before compute writes.
+    What changes one table (hits shared, blocks indexed, copied on write, grown) is cache_service.tables.
     """
 
     def __init__(
@@ -43,10 +45,10 @@ class BlockManager:
         self.block_pool = BlockPool(allocator)
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self._copy_block = copy_block
         self._model = model
         self._seqs: dict[str, SeqState] = {}
         self._counters = Counters()
+        self._tables = Tables(self.block_pool, block_size, copy_block, self._counters)
 
     @property
     def num_available(self) -> int:
@@ -121,7 +123,7 @@ class BlockManager:
         check_progress(num_computed, self._seqs)
         for seq_id, computed in num_computed.items():
             seq = self._seqs[seq_id]
-            self._register(seq, min(computed, seq.num_tokens))
+            self._tables.register(seq, min(computed, seq.num_tokens))
 
     def fit(self, new: Sequence[SeqRequest]) -> list[SeqRequest]:
         """Valid new requests, each with max_compute trimmed to its prefix hits plus max_compute tokens."""
@@ -161,7 +163,7 @@ class BlockManager:
         for request in requests:
             seq = self._seqs[request.seq_id] = self._new_state(request)
             hits, part = self._lookup(seq, request.num_tokens, use_partials)
-            self._share(seq, hits)
+            self._tables.share(seq, hits)
             if part is not None:
                 self.block_pool.reference(part[0])
                 partials[request.seq_id] = part
@@ -173,14 +175,14 @@ class BlockManager:
         step = StepBlocks(self.block_size)
         for request in requests:
             seq = self._seqs[request.seq_id]
-            if self._share(seq, step.match(seq, request.num_tokens)):
+            if self._tables.share(seq, step.match(seq, request.num_tokens)):
                 part = partials.pop(request.seq_id, None)
                 if part is not None:
                     self.block_pool.release(part[0])
             if request.seq_id in partials:
-                self._copy_partial(seq, *partials[request.seq_id])
+                self._tables.copy_partial(seq, *partials[request.seq_id])
             self._counters.prefix_hit_tokens += seq.cached_tokens
-            self._grow(seq, self.blocks_needed(request.num_tokens) - len(seq.block_table))
+            self._tables.grow(seq, self.blocks_needed(request.num_tokens) - len(seq.block_table))
             self._counters.account(request.num_tokens, len(seq.block_table))
             step.add(seq, request.num_tokens)
 
@@ -192,9 +194,9 @@ class BlockManager:
             seq.num_tokens = request.num_tokens
             if seq.token_ids is not None:
                 seq.token_ids.extend(request.token_ids)
-            self._register(seq, request.num_computed)
-            self._copy_on_write(seq, request.num_computed // self.block_size)
-            self._grow(seq, grow)
+            self._tables.register(seq, request.num_computed)
+            self._tables.copy_on_write(seq, request.num_computed // self.block_size)
+            self._tables.grow(seq, grow)
 
     # fork
 
@@ -241,7 +243,7 @@ class BlockManager:
             seq = self._seqs.pop(seq_id)
             self._counters.account(-seq.num_tokens, -len(seq.block_table))
             seq.append(appended.get(seq_id, ()))
-            self._register(seq, num_computed.get(seq_id, 0))
+            self._tables.register(seq, num_computed.get(seq_id, 0))
             # NOTE: tail blocks first, so they are evicted before the prefix blocks others may share.
             released += sum(self.block_pool.release(block_id) for block_id in reversed(seq.block_table))
         return released
@@ -269,53 +271,9 @@ class BlockManager:
         """Asserts the tables' and the pool's invariants (cache_service.invariants.check_tables)."""
         check_tables(self._seqs, self._counters, self.block_pool, self.block_size)
 
-    # tables
-
     def _new_state(self, request: SeqRequest) -> SeqState:
         tokens = list(request.token_ids) if self.prefix_caching and request.token_ids else None
         return SeqState(request.num_tokens, root_hash(self._model, request.cache_salt), tokens)
 
     def _lookup(self, seq: SeqState, num_tokens: int, partials: bool) -> tuple[list[Hit], Partial | None]:
         return lookup(self.block_pool.prefix, seq, num_tokens, self.block_size, partials)
-
-    def _share(self, seq: SeqState, hits: list[Hit]) -> int:
-        """Appends the hit blocks to the table (one more reference each); returns how many."""
-        for block_id, hash_ in hits:
-            self.block_pool.reference(block_id)
-            seq.block_table.append(block_id)
-            seq.hashes.append(hash_)
-        seq.cached_tokens += len(hits) * self.block_size
-        return len(hits)
-
-    def _copy_partial(self, seq: SeqState, source: int, shared: int) -> None:
-        """The prefix ends `shared` tokens into `source`: the table gets a copy, since the rest is written."""
-        (new,) = self.block_pool.take(1, seq.block_table)
-        self._copy_block(source, new)
-        seq.block_table.append(new)
-        self.block_pool.release(source)
-        seq.cached_tokens += shared
-        self._counters.copy_on_writes += 1
-
-    def _register(self, seq: SeqState, num_computed: int) -> None:
-        """Indexes the sequence's full blocks whose K/V is now written."""
-        if seq.token_ids is None:
-            return
-        bs = self.block_size
-        for index, hash_ in chain(seq.last_hash, seq.token_ids, bs, len(seq.hashes), num_computed // bs):
-            tokens = block_tokens(seq.token_ids, index, bs)
-            self.block_pool.register(seq.block_table[index], hash_, seq.last_hash, tokens, first=index == 0)
-            seq.hashes.append(hash_)
-
-    def _copy_on_write(self, seq: SeqState, first_written: int) -> None:
-        for index in range(first_written, len(seq.block_table)):
-            old = seq.block_table[index]
-            if self.block_pool.must_copy(old):
-                (new,) = self.block_pool.take(1, seq.block_table[:index])
-                self._copy_block(old, new)
-                seq.block_table[index] = new
-                self.block_pool.release(old)
-                self._counters.copy_on_writes += 1
-
-    def _grow(self, seq: SeqState, n: int) -> None:
-        assert n >= 0, n
-        seq.block_table.extend(self.block_pool.take(n, seq.block_table))

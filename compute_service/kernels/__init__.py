@@ -34,7 +34,7 @@ SOURCES = (
     HERE / "greedy.cpp",
     HERE / "panel_linear.cpp",
 )
-HEADERS = (HERE / "kernels.h", HERE / "vec.h")
+HEADERS = (HERE / "kernels.h", HERE / "vec.h", HERE / "attention_rows.h", HERE / "attention_block.h")
 # NOTE: -march=native (common.cpu.march(); x86-64-v3 under PAGEDSERVE_CPU_ISA=avx2) tunes the build to this
 # machine's vector units; the cache key includes the compiler flags and the CPU's flags as common.cpu sees
 # them, so a build is never loaded on a CPU that lacks an instruction it uses.

@@ -8,6 +8,7 @@ import sdk
 from tests.helpers import ROOT
 
 TOOLS = ("cli", "sdk")
+MAX_LINES = 320
 
 
 def _imported(path: Path) -> set[str]:
@@ -47,3 +48,15 @@ def test_no_service_imports_another_and_no_test_module_imports_another():
                 assert not node.module.split(".")[-1].startswith("test_"), (
                     f"{path.relative_to(ROOT)} imports {node.module}: move what it shares to a helper module"
                 )
+
+
+def test_no_service_source_file_is_long():
+    """A service's files hold one concept each: none much over 300 lines (C++ kernels and headers too)."""
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for package in ("gateway", "cache_service", "compute_service", "common")
+        for pattern in ("*.py", "*.cpp", "*.h")
+        for path in (ROOT / package).rglob(pattern)
+        if "_pb2" not in path.name and (lines := path.read_text().count("\n")) > MAX_LINES
+    }
+    assert not long, f"split these (over {MAX_LINES} lines): {long}"

@@ -34,6 +34,7 @@ class Sent:
     block_table_width: int
     sample: torch.Tensor
     sampling: SamplingBatch
+    cached_prefix: torch.Tensor  # bool, one per sequence or none
 
     @classmethod
     def from_request(cls, request: compute_pb2.ForwardRequest) -> "Sent":
@@ -48,6 +49,7 @@ class Sent:
             block_table_width=request.block_table_width,
             sample=torch.tensor(request.sample, dtype=torch.bool),
             sampling=SamplingBatch.from_request(request),
+            cached_prefix=torch.tensor(request.cached_prefix, dtype=torch.bool),
         )
 
     def context_lens(self) -> torch.Tensor:
@@ -118,6 +120,11 @@ def _check_counts(sent: Sent) -> None:
             raise InvalidArgument(
                 f"{field} has {len(getattr(sent, field))} entries for {num_seqs} sequences in cu_seqlens_q"
             )
+    if len(sent.cached_prefix) not in (0, num_seqs):
+        raise InvalidArgument(
+            f"cached_prefix has {len(sent.cached_prefix)} entries for {num_seqs} sequences in cu_seqlens_q: "
+            "send one per sequence, or none"
+        )
     width = sent.block_table_width
     if width < 1 or len(sent.block_tables) != num_seqs * width:
         raise InvalidArgument(

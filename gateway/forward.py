@@ -36,6 +36,7 @@ def forward_request(
         block_tables=rows.ravel().tolist(),
         block_table_width=width,
         sample=[seq.samples_now for seq in seqs],
+        cached_prefix=[seq.cached_prefix for seq in seqs] if any(seq.cached_prefix for seq in seqs) else [],
         **forward_sampling([seq for seq in seqs if seq.samples_now], eos_ids),
     )
 

@@ -40,7 +40,10 @@ class SparseAttention:
         return self.sink + self.recent + self.topk
 
     def describe(self) -> str:
+        """The flag's value that gives this config (`pagedserve up` forwards it so)."""
         return f"sink={self.sink},recent={self.recent},topk={self.topk}"
+
+    __str__ = describe
 
 
 def parse(text: str) -> SparseAttention | None:

@@ -169,6 +169,7 @@ def test_written_blocks_are_no_longer_current():
 )
 def test_the_flag_parses(text, expected):
     assert parse(text) == expected
+    assert expected is None or parse(str(expected)) == expected, "forwarded by `up` as str()"
 
 
 @pytest.mark.parametrize("text", ["sink=1,sink=2", "window=4", "topk=-1", "topk=0", "recent=0", "topk"])

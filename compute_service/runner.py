@@ -100,7 +100,7 @@ class Runner:
         for row in batch.cached_prefix_rows:
             computed = int(batch.context_lens[row]) - int(batch.cu_seqlens_q.diff()[row])
             summaries.forget(batch.block_tables[row, : -(-computed // summaries.block_size)])
-        return SparseDecode(self.sparse, summaries)
+        return SparseDecode(self.sparse, summaries, batch.prompt_chunks)
 
     def forward(self, batch: ForwardBatch, times: StepTimes | None = None) -> Sampled:
         """The sampled token (and log-probabilities) of each sequence with `sample` set, in order; `times`

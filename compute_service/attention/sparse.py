@@ -12,8 +12,8 @@ block.
 The chosen blocks, in table order, are the sequence's table for the kernel: its last block stays last, so
 the kernel's causal mask over a compacted context of (blocks - 1) * block_size + the last block's tokens
 lets the query see every key of every chosen block. A decode whose table holds no more blocks than
-sink + recent + topk attends densely, as do prompts and chunks (prefill stays dense) and layers with a
-sliding window.
+sink + recent + topk attends densely, as do prompts and chunks however short (prefill stays dense: the
+gateway marks a one-token chunk of a prompt, ForwardRequest.prompt_chunk) and layers with a sliding window.
 """
 
 from dataclasses import dataclass
@@ -90,10 +90,15 @@ def selecting(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     block_size: int,
+    prompt_chunks: torch.Tensor | None = None,
 ) -> Selecting | None:
-    """The step's sparse decodes (one new token, more blocks than the budget), or None when there are none."""
+    """The step's sparse decodes (one new token that is not a prompt's, `prompt_chunks` [N] bool; more
+    blocks than the budget), or None when there are none."""
     num_blocks = (context_lens + block_size - 1) // block_size
-    rows = ((q_lens == 1) & (num_blocks > sparse.budget)).nonzero().squeeze(1)
+    decodes = (q_lens == 1) & (num_blocks > sparse.budget)
+    if prompt_chunks is not None:
+        decodes &= ~prompt_chunks
+    rows = decodes.nonzero().squeeze(1)
     if not len(rows):
         return None
     num_blocks = num_blocks[rows]
@@ -153,6 +158,8 @@ class SparseDecode:
 
     sparse: SparseAttention
     summaries: BlockSummaries
+    # [N] bool: the rows whose one new token is a prompt's (the last after a prefix hit, say): dense
+    prompt_chunks: torch.Tensor | None = None
     derived: Selecting | None = None
     ready: bool = False
 
@@ -171,7 +178,9 @@ class SparseDecode:
         summaries = self.summaries
         if not self.ready:
             self.ready = True
-            self.derived = selecting(self.sparse, q_lens, context_lens, block_tables, summaries.block_size)
+            self.derived = selecting(
+                self.sparse, q_lens, context_lens, block_tables, summaries.block_size, self.prompt_chunks
+            )
             if self.derived is not None:
                 summaries.refresh(self.derived.blocks[self.derived.valid])
         sel = self.derived

@@ -62,6 +62,19 @@ def test_a_covering_budget_is_exactly_dense_and_a_smaller_one_selects(model):
     assert not torch.allclose(selecting[1], dense[1], atol=1e-5), "a decode of 11 blocks attends to 4"
 
 
+def test_a_prompts_last_token_alone_stays_dense(model):
+    # after a prefix hit of all but the prompt's last token, that token is a one-token step of the prompt
+    dense, sparse = runner(model, None), runner(model, SparseAttention(sink=1, recent=1, topk=2))
+    table, prompt = list(range(20)), list(range(3, 3 + PROMPT))
+    last = []
+    for paged in (dense, sparse):
+        paged.logits(batch(model, forward_request([prompt[:-1]], [0], [table], block_size=BLOCK)))
+        request = forward_request([prompt[-1:]], [PROMPT - 1], [table], block_size=BLOCK)
+        request.prompt_chunk.append(True)
+        last.append(paged.logits(batch(model, request)))
+    assert torch.equal(*last)
+
+
 def test_written_blocks_and_a_cached_prefix_are_rebuilt_from_the_pool(model):
     paged = runner(model, SparseAttention(sink=1, recent=1, topk=2))
     table = list(range(20))

@@ -4,16 +4,16 @@ each --contexts length.
 
 The text is the Python language reference's topics as the interpreter ships them (pydoc_data.topics, every
 topic in key order), tokenized by the model's tokenizer: no download. At a context of n tokens the first
-n - 512 are prefilled densely once; then each mode, on blocks of its own after that shared prefix, decodes
-the remaining tokens one step each, fed the text's own tokens (teacher-forced: the perplexity of the last 511
-tokens of the n, each predicted by a decode step over all tokens before it, and how often its argmax is
-dense attention's), and generates 64 tokens greedily after the prefix (how many of them match dense's, and
-how many before the first that does not). Decode speed: the mean step time of the teacher-forced steps, the
-attention's share, and dense attention on the native decode stack (the plan's default for dense) beside it.
-Compute's own forward, in this process, block size 16, float32.
+n - S are prefilled densely once (S: --scored, 512); then each mode, on blocks of its own after that shared
+prefix, decodes the remaining tokens one step each, fed the text's own tokens (teacher-forced: the perplexity
+of the last S - 1 tokens of the n, each predicted by a decode step over all tokens before it, and how often
+its argmax is dense attention's), and generates G tokens greedily after the prefix (G: --generated, 64; how
+many of them match dense's, and how many before the first that does not). Decode speed: the mean step time
+of the teacher-forced steps, the attention's share, and dense attention on the native decode stack (the
+plan's default for dense) beside it. Compute's own forward, in this process, block size 16, float32.
 
     PYTHONPATH=$PWD .venv/bin/python tools/sparse_attention.py [--contexts 2048 8192] \
-        [--modes sink=1,recent=4,topk=8 sink=1,recent=4,topk=32] [--json OUT]
+        [--modes sink=1,recent=4,topk=8 sink=1,recent=4,topk=32] [--scored 512] [--generated 64] [--json OUT]
 """
 
 import argparse
@@ -35,7 +35,7 @@ from compute_service.runner import Runner, StepTimes
 from compute_service.validation import Limits
 from tests.forward import forward_request
 
-BLOCK, SCORED, GENERATED, CHUNK = 16, 512, 64, 1024
+BLOCK, CHUNK = 16, 1024
 
 
 def text_tokens(path) -> list[int]:
@@ -46,8 +46,9 @@ def text_tokens(path) -> list[int]:
 class Bench:
     """One pool, its blocks handed out in order; runners of the loaded model(s) over it."""
 
-    def __init__(self, model, native_model, num_blocks: int) -> None:
+    def __init__(self, model, native_model, num_blocks: int, scored: int, generated: int) -> None:
         self.model, self.native_model, self.next_block = model, native_model, 0
+        self.scored, self.generated = scored, generated
         config = model.config
         kv_heads = config.num_key_value_heads
         self.pool = torch.zeros(config.num_hidden_layers, 2, num_blocks, BLOCK, kv_heads, config.head_dim)
@@ -69,7 +70,7 @@ class Bench:
 
 
 def measure(bench: Bench, plan, native_plan, tokens: list[int], n: int, modes: list[str]) -> dict:
-    prefix = n - SCORED
+    prefix = n - bench.scored
     shared = bench.blocks(prefix)
     dense = bench.runner(bench.model, replace(plan, sparse_attention=None))
     start = time.perf_counter()
@@ -83,7 +84,9 @@ def measure(bench: Bench, plan, native_plan, tokens: list[int], n: int, modes: l
         runs[mode] = teacher_forced(bench, runner, tokens, n, shared, last)
         runs[mode]["greedy"] = greedy(bench, runner, n, shared, last)
     native = bench.runner(bench.native_model, native_plan)
-    runs["dense, native stack"] = teacher_forced(bench, native, tokens, n, shared, last, steps=GENERATED)
+    runs["dense, native stack"] = teacher_forced(
+        bench, native, tokens, n, shared, last, steps=bench.generated
+    )
     dense_argmax, dense_greedy = runs["dense"]["argmax"], runs["dense"]["greedy"]
     for run in runs.values():
         argmax = run.pop("argmax")
@@ -96,14 +99,20 @@ def measure(bench: Bench, plan, native_plan, tokens: list[int], n: int, modes: l
             run["greedy_prefix"] = next(
                 (i for i, (a, b) in enumerate(zip(ours, dense_greedy, strict=True)) if a != b), len(ours)
             )
-    return {"context": n, "prefill_s": round(prefill_s, 2), "runs": runs}
+    return {
+        "context": n,
+        "scored": bench.scored - 1,
+        "generated": bench.generated,
+        "prefill_s": round(prefill_s, 2),
+        "runs": runs,
+    }
 
 
-def teacher_forced(bench, runner, tokens, n, shared, last, steps: int = SCORED - 1) -> dict:
+def teacher_forced(bench, runner, tokens, n, shared, last, steps: int = 0) -> dict:
     """Decode steps fed tokens prefix .. prefix + steps - 1, on blocks of their own after the shared
     prefix."""
-    prefix = n - SCORED
-    table = shared + bench.blocks(SCORED)
+    prefix = n - bench.scored
+    table, steps = shared + bench.blocks(bench.scored), steps or bench.scored - 1
     times, nll, argmax, step_s = StepTimes(), 0.0, [], []
     logits = last
     for i in range(prefix, prefix + steps):
@@ -119,7 +128,7 @@ def teacher_forced(bench, runner, tokens, n, shared, last, steps: int = SCORED -
     # the first steps rebuild the block summaries of the whole prefix: the steady state is after them
     steady = step_s[2:]
     return {
-        "perplexity": round(math.exp(nll / steps), 3) if steps == SCORED - 1 else None,
+        "perplexity": round(math.exp(nll / steps), 3) if steps == bench.scored - 1 else None,
         "decode_ms": round(1e3 * sum(steady) / len(steady), 2),
         "attention_ms": round(1e3 * times.attention / steps, 2),
         "argmax": argmax[1:],
@@ -127,9 +136,9 @@ def teacher_forced(bench, runner, tokens, n, shared, last, steps: int = SCORED -
 
 
 def greedy(bench, runner, n, shared, last) -> list[int]:
-    prefix, table = n - SCORED, shared + bench.blocks(GENERATED + 1)
+    prefix, table = n - bench.scored, shared + bench.blocks(bench.generated + 1)
     ids, logits = [], last
-    for i in range(GENERATED):
+    for i in range(bench.generated):
         ids.append(int(logits.argmax()))
         logits = bench.step(runner, [ids[-1]], prefix + i, table, StepTimes())
     return ids
@@ -140,6 +149,8 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--modes", nargs="+", default=["sink=1,recent=4,topk=8", "sink=1,recent=4,topk=32"])
+    parser.add_argument("--scored", type=int, default=512, help="tokens after the prefix (a multiple of 16)")
+    parser.add_argument("--generated", type=int, default=64, help="greedy tokens after the prefix")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     model, spec = load(args.model, torch.float32, backend="cpu-native", sparse_attention=parse(args.modes[0]))
@@ -148,10 +159,12 @@ def main() -> None:
     longest = max(args.contexts)
     if longest > spec.max_model_len or longest > len(tokens):
         raise SystemExit(f"a context of {longest} is beyond the model ({spec.max_model_len}) or the text")
-    per_context = -(-longest // BLOCK) + (2 + len(args.modes) * 2) * -(-(SCORED + GENERATED) // BLOCK)
+    per_context = -(-longest // BLOCK) + (2 + len(args.modes) * 2) * -(
+        -(args.scored + args.generated) // BLOCK
+    )
     results = []
     for n in args.contexts:
-        bench = Bench(model, native_model, per_context)
+        bench = Bench(model, native_model, per_context, args.scored, args.generated)
         results.append(measure(bench, spec.plan, native_spec.plan, tokens, n, args.modes))
         print(json.dumps(results[-1], indent=1), flush=True)
     report = {

@@ -26,6 +26,10 @@ class ForwardBatch:
     sample: torch.Tensor  # [N] bool
     sampling: SamplingBatch
     prompt_rows: list[int]  # the sequences with more than one new token (a prompt or a chunk of one)
+    # the sequences whose computed tokens' K/V the cache found rather than this compute wrote (cached_prefix)
+    cached_prefix_rows: list[int]
+    # [N] bool: the sequences whose new tokens are prompt tokens, however few (prompt_chunk); None: no row
+    prompt_chunks: torch.Tensor | None
     # [S] the token whose logits each sampling sequence samples from (its last new one); None when that is
     # every token (a step of decodes that all sample)
     logit_tokens: torch.Tensor | None
@@ -63,6 +67,8 @@ class ForwardBatch:
             sample=sent.sample,
             sampling=sent.sampling,
             prompt_rows=(cu.diff() > 1).nonzero().squeeze(1).tolist(),
+            cached_prefix_rows=sent.cached_prefix.nonzero().squeeze(1).tolist(),
+            prompt_chunks=sent.prompt_chunk if sent.prompt_chunk.any() else None,
             logit_tokens=None if len(last) == num_tokens else last,
         )
 
@@ -87,5 +93,7 @@ class ForwardBatch:
             sample=pick(self.sample),
             sampling=self.sampling.following(tokens, rows),
             prompt_rows=[],
+            cached_prefix_rows=[],
+            prompt_chunks=None,
             logit_tokens=None,
         )

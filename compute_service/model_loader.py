@@ -13,6 +13,7 @@ from compute_service import architectures, planning
 from compute_service.attention.context import timed
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend
+from compute_service.attention.sparse import SparseAttention
 from compute_service.fused import fuse
 from compute_service.kv_calibration import calibrate
 from compute_service.linear import replace_linears
@@ -77,14 +78,17 @@ def load(
     fused: bool = True,
     weights: str = "auto",
     max_model_len: int = 0,
+    sparse_attention: SparseAttention | None = None,
 ) -> tuple[PreTrainedModel, ModelSpec]:
     """The model with paged attention on `device` (a torch device name), built to the plan of these flags on
     this machine (compute_service.planning); K/V stored as `kv_dtype` (default: `dtype`), an fp8 one
     calibrated here (compute_service.kv_calibration); sequences served up to `max_model_len` tokens (0: the
-    model's own length). ValueError, before the weights load, for flags that cannot run together or here
-    and for a checkpoint compute does not serve (compute_service.architectures); FileNotFoundError for a
-    model that is not there."""
-    flags = Flags(dtype, weights, kv_dtype, device, backend, plain_linear, fused, max_model_len)
+    model's own length), decodes block-sparse under `sparse_attention`. ValueError, before the weights
+    load, for flags that cannot run together or here and for a checkpoint compute does not serve
+    (compute_service.architectures); FileNotFoundError for a model that is not there."""
+    flags = Flags(
+        dtype, weights, kv_dtype, device, backend, plain_linear, fused, max_model_len, sparse_attention
+    )
     return load_planned(*plan_for(model, flags))
 
 

@@ -4,7 +4,8 @@ import argparse
 
 from common.options import ServiceOptions, add_dtype, add_kv_device, add_kv_dtype, add_logging, add_model
 from common.transport import add_listen
-from compute_service.attention.registry import BACKENDS
+from compute_service.attention import sparse
+from compute_service.attention.registry import BACKENDS, SPARSE
 from compute_service.quantized import INT4_GROUP_SIZE, WEIGHTS_CHOICES
 
 
@@ -13,6 +14,14 @@ def _length(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} is not a token count (an integer >= 0)")
     return int(text)
+
+
+def _sparse(text: str) -> sparse.SparseAttention | None:
+    """--sparse-attention: off, on, or sink=S,recent=R,topk=K."""
+    try:
+        return sparse.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def add_settings(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +53,16 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="the longest sequence (prompt + output tokens) served; 0 (default): the model's own length "
         "(its max_position_embeddings, or the original length of a dynamic or longrope rotary embedding)",
+    )
+    parser.add_argument(
+        "--sparse-attention",
+        type=_sparse,
+        default=None,
+        metavar="off|on|sink=S,recent=R,topk=K",
+        help="block-sparse decode: a decode of a full-attention layer attends only to its first S blocks, "
+        "its last R and the K between whose keys' min/max bounds score highest (on: sink=1,recent=4,topk=8; "
+        f"default off); prompts stay dense; attention backend {' or '.join(SPARSE)} only "
+        "(docs/sparse-attention.md)",
     )
     parser.add_argument(
         "--unfused",

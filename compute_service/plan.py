@@ -10,10 +10,13 @@ The stages (STAGES): the decoder layers' forward on steps with a prompt in them 
 which every sequence decodes one token (`layers.decode`); the linear layers by shape class, the decoder
 layers' projections (`linears.decoder`) and the vocabulary-wide output head (`linears.head`), which hold
 their weights apart; attention over prompts and chunks (`attention.prefill`) and over decodes
-(`attention.decode`); a batch of plain greedy rows (`sampling.greedy`) and any other batch (`sampling`).
+(`attention.decode`, block-sparse under --sparse-attention); a batch of plain greedy rows
+(`sampling.greedy`) and any other batch (`sampling`).
 """
 
 from dataclasses import dataclass
+
+from compute_service.attention.sparse import SparseAttention
 
 # Implementations of the layers' forward.
 TRANSFORMERS = "transformers"  # transformers' own modules, as loaded
@@ -107,6 +110,8 @@ class ExecutionPlan:
     attention_decode: Choice
     greedy: Choice
     sampling: Choice
+    # --sparse-attention: decodes of the full-attention layers attend to these blocks only (None: dense).
+    sparse_attention: SparseAttention | None = None
 
     @property
     def fused(self) -> bool:

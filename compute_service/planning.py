@@ -11,6 +11,7 @@ from common import cpu
 from common.shared_pool import dtype_name
 from compute_service import architectures, fused, kernels, native_decode
 from compute_service.attention import registry
+from compute_service.attention.sparse import SparseAttention
 from compute_service.plan import (
     DENSE,
     FUSED,
@@ -41,7 +42,8 @@ NATIVE_STACK_POOLS = ("float32", "bfloat16")
 @dataclass(frozen=True)
 class Flags:
     """What compute was asked to run: --dtype (resolved), --weights, --kv-dtype (None: the dtype), the torch
-    device, --attention-backend, --plain-linear, not --unfused, and --max-model-len (0: the model's own)."""
+    device, --attention-backend, --plain-linear, not --unfused, --max-model-len (0: the model's own) and
+    --sparse-attention (None: off)."""
 
     dtype: torch.dtype = torch.float32
     weights: str = "auto"
@@ -51,6 +53,7 @@ class Flags:
     plain_linear: bool = False
     fused: bool = True
     max_model_len: int = 0
+    sparse_attention: SparseAttention | None = None
 
     @property
     def device_type(self) -> str:
@@ -99,6 +102,12 @@ def check(flags: Flags, machine: Machine) -> tuple[str, Choice]:
         )
     attention = attention_backend(flags, machine)
     registry.require_kv_dtype(attention.implementation, flags.kv_dtype_name)
+    if flags.sparse_attention is not None and attention.implementation not in registry.SPARSE:
+        raise ValueError(
+            f"--sparse-attention runs in the {' or '.join(registry.SPARSE)} attention backend, not in "
+            f"{attention.implementation}: pass --attention-backend cpu-native or "
+            "leave --sparse-attention off"
+        )
     return weights, attention
 
 
@@ -110,9 +119,22 @@ def resolve(config: PretrainedConfig, flags: Flags, machine: Machine) -> Executi
     weights, attention = check(flags, machine)
     backend = attention.implementation
     registry.require_attention(backend, architectures.layer_attention(config))
+    sparse = flags.sparse_attention
+    if sparse is not None and all(layer.window for layer in architectures.layer_attention(config)):
+        raise ValueError(
+            f"--sparse-attention: every layer of this {config.model_type} model attends within a sliding "
+            "window; block-sparse decode applies to full-attention layers only: leave it off"
+        )
     decoder, head = linears(flags, weights, machine)
     layers = layer_forward(config, flags)
     prefill, decode = registry.PATHS[backend]
+    decode_reason = _attention_reason(attention, machine)
+    if sparse is not None:
+        decode = (
+            f"block-sparse ({sparse.describe()}, blocks chosen by key min/max bounds; prompts, sliding "
+            f"layers and tables of up to {sparse.budget} blocks dense), then {decode}"
+        )
+        decode_reason = f"--sparse-attention {sparse.describe()}; {decode_reason}"
     return ExecutionPlan(
         architecture=config.model_type,
         max_model_len=served_length(config, flags.max_model_len),
@@ -123,13 +145,14 @@ def resolve(config: PretrainedConfig, flags: Flags, machine: Machine) -> Executi
         machine=machine,
         attention_backend=backend,
         layers=layers,
-        decode_layers=decode_layers(config, layers, backend, decoder, flags.kv_dtype_name, machine),
+        decode_layers=decode_layers(config, layers, backend, decoder, flags, machine),
         decoder_linears=decoder,
         head_linear=head,
         attention_prefill=Choice(f"{backend}: {prefill}", _attention_reason(attention, machine)),
-        attention_decode=Choice(f"{backend}: {decode}", _attention_reason(attention, machine)),
+        attention_decode=Choice(f"{backend}: {decode}", decode_reason),
         greedy=greedy(flags, machine),
         sampling=Choice(TORCH, "temperature, top-k/top-p, penalties, biases and log-probabilities in torch"),
+        sparse_attention=sparse,
     )
 
 
@@ -190,10 +213,11 @@ def decode_layers(
     layers: Choice,
     backend: str,
     decoder: LinearChoice,
-    kv_dtype: str,
+    flags: Flags,
     machine: Machine,
 ) -> Choice:
     """The forward of all-decode steps: the native stack where it runs this model, else `layers`'."""
+    kv_dtype = flags.kv_dtype_name
     misfit = None
     if layers.implementation != FUSED or config.model_type not in native_decode.ARCHITECTURES:
         names = ", ".join(native_decode.ARCHITECTURES)
@@ -206,6 +230,8 @@ def decode_layers(
         misfit = "biased projections: the native decode stack's products take no bias"
     elif kv_dtype not in NATIVE_STACK_POOLS:
         misfit = f"a {kv_dtype} pool: the native decode stack stores K/V as float32 or bfloat16 only"
+    elif flags.sparse_attention is not None:
+        misfit = "--sparse-attention chooses each layer's blocks in Python; the native decode stack is dense"
     if misfit is not None:
         return Choice(layers.implementation, misfit)
     return Choice(NATIVE_STACK, "every layer of an all-decode step in C++, no Python between the small ops")

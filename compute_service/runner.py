@@ -7,8 +7,10 @@ import torch
 from transformers import PreTrainedModel
 
 from compute_service import architectures, kernels
+from compute_service.attention.block_summaries import BlockSummaries
 from compute_service.attention.context import build_context, reset_context, set_context
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
+from compute_service.attention.sparse import SparseDecode
 from compute_service.batch import ForwardBatch
 from compute_service.greedy import greedy, is_plain_greedy
 from compute_service.plan import ExecutionPlan
@@ -37,17 +39,24 @@ class Runner:
         self.kernels = kernels.load() if plan is not None and plan.native_greedy else None
         self.layers = architectures.layer_attention(model.config)
         self.final_softcap = architectures.final_softcap(model.config)
+        self.sparse = None if plan is None else plan.sparse_attention
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
+        # the attached pool's block summaries, under --sparse-attention (compute_service.attention.sparse)
+        self.summaries: BlockSummaries | None = None
 
     def attach(self, pool: torch.Tensor) -> None:
-        """pool [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], geometry already checked."""
+        """pool [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], geometry already checked;
+        under --sparse-attention its block summaries start anew, none current."""
         self.k_caches = list(pool[:, 0].unbind(0))
         self.v_caches = list(pool[:, 1].unbind(0))
+        if self.sparse is not None:
+            full = tuple(i for i, layer in enumerate(self.layers) if not layer.window)
+            self.summaries = BlockSummaries(self.k_caches, full)
 
     def detach(self) -> None:
         """Drops the per-layer views: the pool is unmapped once the caller holds no tensor of it either."""
-        self.k_caches, self.v_caches = [], []
+        self.k_caches, self.v_caches, self.summaries = [], [], None
 
     @torch.inference_mode()
     def logits(self, batch: ForwardBatch, times: StepTimes | None = None) -> torch.Tensor:
@@ -55,7 +64,9 @@ class Runner:
         assert self.k_caches, "no pool attached"
         times = times or StepTimes()
         start = time.perf_counter()
-        context = build_context(self.k_caches, self.v_caches, batch, self.scales, self.layers)
+        context = build_context(
+            self.k_caches, self.v_caches, batch, self.scales, self.layers, self._sparse(batch)
+        )
         set_context(context)
         built = time.perf_counter()
         try:
@@ -78,6 +89,18 @@ class Runner:
         times.model += time.perf_counter() - built
         times.attention += context.attention_s
         return logits
+
+    def _sparse(self, batch: ForwardBatch) -> SparseDecode | None:
+        """The step's block-sparse decode (None: dense); the summaries of the blocks the step writes, and of a
+        cached prefix the cache found for a row, are no longer current."""
+        summaries = self.summaries
+        if summaries is None:
+            return None
+        summaries.written(batch.slot_mapping)
+        for row in batch.cached_prefix_rows:
+            computed = int(batch.context_lens[row]) - int(batch.cu_seqlens_q.diff()[row])
+            summaries.forget(batch.block_tables[row, : -(-computed // summaries.block_size)])
+        return SparseDecode(self.sparse, summaries, batch.prompt_chunks)
 
     def forward(self, batch: ForwardBatch, times: StepTimes | None = None) -> Sampled:
         """The sampled token (and log-probabilities) of each sequence with `sample` set, in order; `times`

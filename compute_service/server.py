@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         args.plain_linear,
         fused=not args.unfused,
         max_model_len=args.max_model_len,
+        sparse_attention=args.sparse_attention,
     )
     try:
         model, spec = load_planned(*plan_for(args.model, flags))

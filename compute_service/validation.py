@@ -34,6 +34,8 @@ class Sent:
     block_table_width: int
     sample: torch.Tensor
     sampling: SamplingBatch
+    cached_prefix: torch.Tensor  # bool, one per sequence or none
+    prompt_chunk: torch.Tensor  # bool, one per sequence or none
 
     @classmethod
     def from_request(cls, request: compute_pb2.ForwardRequest) -> "Sent":
@@ -48,6 +50,8 @@ class Sent:
             block_table_width=request.block_table_width,
             sample=torch.tensor(request.sample, dtype=torch.bool),
             sampling=SamplingBatch.from_request(request),
+            cached_prefix=torch.tensor(request.cached_prefix, dtype=torch.bool),
+            prompt_chunk=torch.tensor(request.prompt_chunk, dtype=torch.bool),
         )
 
     def context_lens(self) -> torch.Tensor:
@@ -117,6 +121,12 @@ def _check_counts(sent: Sent) -> None:
         if len(getattr(sent, field)) != num_seqs:
             raise InvalidArgument(
                 f"{field} has {len(getattr(sent, field))} entries for {num_seqs} sequences in cu_seqlens_q"
+            )
+    for field in ("cached_prefix", "prompt_chunk"):
+        if len(getattr(sent, field)) not in (0, num_seqs):
+            raise InvalidArgument(
+                f"{field} has {len(getattr(sent, field))} entries for {num_seqs} sequences in cu_seqlens_q: "
+                "send one per sequence, or none"
             )
     width = sent.block_table_width
     if width < 1 or len(sent.block_tables) != num_seqs * width:

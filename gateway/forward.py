@@ -36,8 +36,15 @@ def forward_request(
         block_tables=rows.ravel().tolist(),
         block_table_width=width,
         sample=[seq.samples_now for seq in seqs],
+        cached_prefix=_flags([seq.cached_prefix for seq in seqs]),
+        prompt_chunk=_flags([seq.chunk_end <= len(seq.prompt_ids) for seq in seqs]),
         **forward_sampling([seq for seq in seqs if seq.samples_now], eos_ids),
     )
+
+
+def _flags(flags: list[bool]) -> list[bool]:
+    """A per-sequence flag as sent: none when no sequence sets it."""
+    return flags if any(flags) else []
 
 
 # refuse(rows' sequences, compute's error): ends their requests; returns the seq ids it ended.

@@ -132,8 +132,9 @@ class KVView:
         `start`), and for every other one its new tokens and progress, its table grown to hold its chunk
         (the reply carries only the part of a table that may change).
 
-        Prefix hits move num_computed on, and a new table's size sets chunk_end; a sequence's first
-        reservation sets scheduled_at and cached_tokens and drops its prefix_hit. `lookahead` (running
+        Prefix hits move num_computed on (a new table's hits set cached_prefix), and a new table's size sets
+        chunk_end; a sequence's first reservation sets scheduled_at and cached_tokens and drops its
+        prefix_hit. `lookahead` (running
         sequences only): the tables also hold that many slots after the chunk, for the later steps of a
         multi-step call.
         """
@@ -142,6 +143,7 @@ class KVView:
         now = time.monotonic()
         new = [seq for seq in seqs if seq.seq_id not in self._seqs]
         running = [seq for seq in seqs if seq.seq_id in self._seqs]
+        new_ids = {seq.seq_id for seq in new}
         request = cache_pb2.ReserveRequest(
             new_seqs=[self._new_request(seq) for seq in new],
             running_seqs=[self._running_request(seq, lookahead) for seq in running],
@@ -156,6 +158,7 @@ class KVView:
             seq.chunk_end = table.num_tokens or seq.chunk_end
             kv.num_synced, kv.shares_tail = seq.chunk_end, False
             seq.num_computed = max(seq.num_computed, table.cached_tokens)
+            seq.cached_prefix = seq.cached_prefix or (seq.seq_id in new_ids and table.cached_tokens > 0)
             seq.prefix_hit = None  # the table holds the hits now
             if seq.scheduled_at is None:
                 seq.scheduled_at, seq.cached_tokens = now, table.cached_tokens

@@ -33,7 +33,7 @@ def advance(
     """The step's chunks are computed; each sequence that sampled gets its token, and its Output."""
     sampled = [seq for seq in seqs if seq.samples_now]
     for seq in seqs:
-        seq.num_computed = seq.chunk_end
+        seq.num_computed, seq.cached_prefix = seq.chunk_end, False
     outputs = []
     logprobs = token_logprobs(reply, sampled)
     for seq, token, token_logprob in zip(sampled, reply.token_ids, logprobs, strict=True):

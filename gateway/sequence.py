@@ -112,6 +112,9 @@ class Sequence:
     chunk_end: int = 0
     prefix_hit: PrefixHit | None = None
     cached_tokens: int = 0
+    # Its num_computed tokens were found in the cache when its table was made, and no step has completed
+    # since (ForwardRequest.cached_prefix).
+    cached_prefix: bool = False
     num_preemptions: int = 0
     cache_salt: str = ""
     # The name of the API key that sent the request ("" without keys): the dashboard shows a key its own.

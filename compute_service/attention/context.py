@@ -10,6 +10,7 @@ import torch
 from common.errors import Unimplemented
 from compute_service.architectures import FULL, LayerAttention
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
+from compute_service.attention.sparse import SparseDecode
 from compute_service.batch import ForwardBatch
 
 # What transformers passes an attention function besides the tensors, that paged attention reads or may
@@ -30,6 +31,8 @@ class Context:
     scales: KVScales = NO_SCALES
     # How each layer attends (compute_service.architectures.layer_attention); none: every layer FULL.
     layers: tuple[LayerAttention, ...] = ()
+    # Block-sparse decode (--sparse-attention), for the layers without a sliding window; None: dense.
+    sparse: SparseDecode | None = None
     # Seconds spent in the attention function this step, summed over layers (see `timed`).
     attention_s: float = 0.0
     # Per-backend data derived from the step once, by the first layer that needs it (the cpu backend's
@@ -103,9 +106,10 @@ def build_context(
     batch: ForwardBatch,
     scales: KVScales = NO_SCALES,
     layers: tuple[LayerAttention, ...] = (),
+    sparse: SparseDecode | None = None,
 ) -> Context:
     """What the layers share, from a checked batch (see compute_service.batch), for layers that attend as
-    `layers` says (none: all FULL)."""
+    `layers` says (none: all FULL), their decodes block-sparse when `sparse` is given."""
     cu_seqlens_q, context_lens, block_tables = batch.cu_seqlens_q, batch.context_lens, batch.block_tables
     assert block_tables.dim() == 2 and len(block_tables) == len(context_lens) == len(cu_seqlens_q) - 1
     return Context(
@@ -118,4 +122,5 @@ def build_context(
         prompt_rows=batch.prompt_rows,
         scales=scales,
         layers=layers,
+        sparse=sparse,
     )

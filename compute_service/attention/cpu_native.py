@@ -2,7 +2,8 @@
 
 Every sequence of a step, decodes and prompt chunks alike, goes to the native kernel in one call per layer,
 with an online softmax in float32 over the pool's own dtype (fp8 scales folded into the query and the
-output), the layer's sliding window and soft-cap applied in the kernel.
+output), the layer's sliding window and soft-cap applied in the kernel. Under --sparse-attention a long
+decode's table is first cut down to the blocks it attends to (compute_service.attention.sparse).
 
 NOTE: prompts and chunks go to the kernel too, not to the pure-torch backend's gather + SDPA
 (compute_service.attention.cpu): since it scores four query rows per key vector, weighs values two rows at a
@@ -53,17 +54,24 @@ def paged_attention(
     scales = ctx.scales.of_layer(module.layer_idx)
     cpu.write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping, scales)
     inputs = kernel_inputs(ctx)
+    queries, scale = query[0].transpose(0, 1), query.shape[3] ** -0.5 if scaling is None else scaling
+    tables, context_lens = inputs.block_tables, inputs.context_lens
+    if ctx.sparse is not None and not attends.window:
+        # the stored keys' scores, as the kernel takes them: q . k * scale * k_scale
+        tables, context_lens = ctx.sparse.tables(
+            module.layer_idx, queries, scale * scales[0], inputs.q_starts, inputs.q_lens, context_lens, tables
+        )
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
     kernel().paged_attention(
-        query[0].transpose(0, 1),
+        queries,
         out,
         k_cache,
         v_cache,
-        inputs.block_tables,
+        tables,
         inputs.q_starts,
         inputs.q_lens,
-        inputs.context_lens,
-        query.shape[3] ** -0.5 if scaling is None else scaling,
+        context_lens,
+        scale,
         *scales,
         attends.window,
         attends.softcap,

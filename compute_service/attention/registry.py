@@ -27,6 +27,8 @@ DEVICES: dict[str, tuple[str, ...]] = {"cpu": ("cpu",), "cuda": cuda.DEVICES, "n
 BLOCK_MULTIPLES: dict[str, int] = {"cpu": 1, "cuda": 1, "npu": npu_args.PREFILL_BLOCK_MULTIPLE}
 # The backends that soft-cap attention scores (Gemma 2); every backend serves sliding windows.
 SOFTCAP = ("cpu", "cpu-native", "cuda")
+# The backends that attend block-sparse under --sparse-attention (compute_service.attention.sparse).
+SPARSE = ("cpu-native",)
 # --attention-backend auto off the cpu: the device's own backend (on the cpu: compute_service.planning).
 DEVICE_DEFAULTS: dict[str, str] = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}
 # How each backend attends (prompts and chunks, decodes), as the execution plan reports it.

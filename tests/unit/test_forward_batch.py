@@ -107,6 +107,11 @@ BAD_REQUESTS = {
         "block_tables[1][0] = 40 is outside the pool",
     ),
     "shared block written": (_set("block_tables", 2, 21), "slot 84 is written by two new tokens"),
+    "cached_prefix count": (_replace("cached_prefix", [True]), "cached_prefix has 1 entries for 2 sequences"),
+    "prompt_chunk count": (
+        _replace("prompt_chunk", [True] * 3),
+        "prompt_chunk has 3 entries for 2 sequences",
+    ),
 }
 
 
@@ -157,3 +162,13 @@ def test_the_gateway_sends_each_chunk_and_compute_derives_its_positions_and_slot
     assert batch.positions.tolist() == positions
     assert batch.slot_mapping.tolist() == slots
     assert batch.context_lens.tolist() == context_lens == [6, 7, 9]
+    assert list(request.cached_prefix) == [] and batch.cached_prefix_rows == []
+    seqs[1].cached_prefix = True
+    request = gateway_request(seqs, tables, "epoch", frozenset({2}))
+    assert list(request.cached_prefix) == [False, True, False]
+    assert ForwardBatch.from_request(request, LIMITS).cached_prefix_rows == [1]
+    # every chunk lies in its prompt (the third is a prompt's last token); a generated token's does not
+    assert list(request.prompt_chunk) == [True, True, True]
+    seqs[2].output_ids.append(40)
+    seqs[2].num_computed, seqs[2].chunk_end = 9, 10
+    assert list(gateway_request(seqs, tables, "epoch", frozenset({2})).prompt_chunk) == [True, True, False]

@@ -68,6 +68,11 @@ def test_a_prefix_hit_moves_progress_on_and_is_recorded_once():
     a.chunk_end = 6
     kv.reserve([a])
     assert (a.num_computed, a.cached_tokens) == (4, 4) and a.scheduled_at is not None
+    assert a.cached_prefix, "compute is told the prefix came from the cache"
+    b = seq("b", 6)
+    b.chunk_end = 6
+    KVView(Recording(16), BS, 16).reserve([b])
+    assert not b.cached_prefix
 
 
 def test_fork_shares_the_table_and_counts_the_copy_of_the_tail():

@@ -10,6 +10,7 @@ from transformers import BertConfig
 
 from common import cpu
 from compute_service import fused, planning
+from compute_service.attention.sparse import SparseAttention
 from compute_service.model_info import plan_message
 from compute_service.plan import STAGES
 from compute_service.planning import Flags
@@ -191,3 +192,28 @@ def test_the_report_names_every_stage_in_order():
         True,
     )
     assert message.stages[2].implementation == summary["linears.decoder"]
+
+
+def test_block_sparse_decode_runs_in_cpu_native_on_the_python_layers():
+    sparse = SparseAttention(sink=1, recent=4, topk=8)
+    plan = planning.resolve(LLAMA, Flags(sparse_attention=sparse), BUILT)
+    assert plan.sparse_attention == sparse and plan.decode_layers.implementation == "fused"
+    assert "--sparse-attention" in plan.decode_layers.reason
+    decode = plan.attention_decode
+    assert decode.implementation.startswith("cpu-native: block-sparse (sink=1,recent=4,topk=8")
+    assert decode.reason.startswith("--sparse-attention sink=1,recent=4,topk=8")
+    assert "block-sparse" not in plan.attention_prefill.implementation
+
+
+@pytest.mark.parametrize("flags", [{"attention_backend": "cpu"}, {"dtype": torch.bfloat16}])
+def test_block_sparse_decode_elsewhere_than_cpu_native_is_refused(flags):
+    with pytest.raises(
+        ValueError, match="--sparse-attention runs in the cpu-native attention backend, not in cpu"
+    ):
+        planning.resolve(LLAMA, Flags(sparse_attention=SparseAttention(), **flags), BUILT)
+
+
+def test_block_sparse_decode_of_a_model_without_full_attention_layers_is_refused():
+    mistral = tiny_config("mistral")
+    with pytest.raises(ValueError, match="every layer of this mistral model attends within a sliding window"):
+        planning.resolve(mistral, Flags(sparse_attention=SparseAttention()), BUILT)

@@ -119,15 +119,22 @@ def logprobs(replies) -> list[generation_pb2.TokenLogprobs]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_resume_from_any_point_continues_the_fault_free_run(stack, references, case):
-    """The resume goes to the other gateway (gateway 0): only what the request says carries over."""
+    """The resume goes to the other gateway (gateway 0): only what the request says carries over. The
+    resumes from the four cut points are sent at once."""
     reference = references[case]
     assert all(len(reply.token_ids) == 1 for sample in reference for reply in sample), "a token a response"
     shortest = min(map(len, reference))
-    for cut in sorted({0, 1, shortest // 2, shortest - 1}):
+    cuts = sorted({0, 1, shortest // 2, shortest - 1})
+
+    def resume_after(cut: int):
         resume = [
             generation_pb2.ResumedSample(index=i, token_ids=tokens(s[:cut])) for i, s in enumerate(reference)
         ]
-        resumed = responses(stack.gateways[0], CASES[case], resume)
+        return responses(stack.gateways[0], CASES[case], resume)
+
+    with ThreadPoolExecutor(len(cuts)) as pool:
+        resumed_after = list(pool.map(resume_after, cuts))
+    for cut, resumed in zip(cuts, resumed_after, strict=True):
         for index, (full, rest) in enumerate(zip(reference, resumed, strict=True)):
             where = f"sample {index} resumed after {cut} tokens"
             assert tokens(full[:cut]) + tokens(rest) == tokens(full), where

@@ -15,7 +15,7 @@ from compute_service.attention.block_summaries import BlockSummaries
 from compute_service.attention.context import Context, reset_context, set_context
 from compute_service.attention.reference import reference_attention
 from compute_service.attention.sparse import SparseAttention, SparseDecode, parse
-from tests.unit.test_native_attention import pool, tables
+from tests.paged_pools import pool, tables
 
 BLOCK = 16
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64

@@ -30,6 +30,7 @@ VALUES |= {
     "--config": str(ROOT / "examples" / "pagedserve.yaml"),
     "--kv-tier": "rocksdb",
     "--kv-tier-hot": "0.5",
+    "--sparse-attention": "sink=1,recent=2,topk=4",
 }
 
 

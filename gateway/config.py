@@ -7,9 +7,8 @@ import grpc
 HANDSHAKE_TIMEOUT_S = 900.0
 # Each call of a handshake retried after a peer was lost: short, so that a hung peer is retried too.
 RETRY_TIMEOUT_S = 5.0
-# TEST HOOK, off unless set when the engine starts: a step holding a row of this request id raises
-# RuntimeError in the run stage (tests/e2e/test_peer_restart.py checks that only that request fails, its
-# neighbours run on with their tokens).
+# TEST HOOK, off unless set: `[STAGE:]REQUEST_ID` makes a stage of the steps holding a row of that request
+# raise RuntimeError (gateway/fault_injection.py).
 FAIL_STEP_ENV = "PAGEDSERVE_TEST_FAIL_STEP"
 # TEST HOOK, off unless set when the engine starts: the Forward rows of this request id carry a token id
 # compute refuses (tests/e2e/test_bad_rows.py checks that only that request fails, by compute's naming).

@@ -31,7 +31,7 @@ from gateway.reservation import look_up_prefixes, reserve_step
 from gateway.scheduler import Scheduler
 from gateway.sequence import Sequence
 from gateway.step import ScheduledStep, StepResult
-from gateway.step_faults import run_isolated
+from gateway.step_faults import fail_faulty, run_isolated
 from gateway.step_timer import StepTimer
 from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 
@@ -204,13 +204,18 @@ class Engine:
                 self._step(step, timer)
 
     def _schedule(self) -> ScheduledStep | None:
-        """The next step; if scheduling raises, the requests it chose from fail (INTERNAL) instead."""
+        """The next step. A sequence whose scheduling raised fails its request (INTERNAL) alone; if
+        scheduling itself raises, every request it chose from fails instead."""
         look_up_prefixes(self.scheduler)
         try:
-            return self.scheduler.schedule()
+            step = self.scheduler.schedule()
         except Exception as exc:  # noqa: BLE001
             self.live.fail_internal([*self.scheduler.running, *self.scheduler.waiting], exc)
             return None
+        if step is not None and step.faulty:
+            fail_faulty(self.live, step.faulty)
+            step.seqs[:] = [seq for seq in step.seqs if self.live.holds(seq)]
+        return step
 
     # one step
     def _step(self, step: ScheduledStep, timer: StepTimer) -> None:
@@ -218,9 +223,13 @@ class Engine:
         stops the loop's stepping until it is back (see _recover); another failed call ends the step's
         sequences with the error, and any other exception with INTERNAL."""
         seqs = step.seqs or step.preempted
+        if not seqs:
+            return
         try:
             with timer.phase("cache_rpc"):
-                reserve_step(step, self.scheduler, self.config.decode_steps, news=bool(self.inbox.intake))
+                reserve_step(
+                    step, self.scheduler, self.live, self.config.decode_steps, bool(self.inbox.intake)
+                )
             if not step.seqs:
                 return
             log.debug("step", chunks=[[s.request_id, s.index, s.chunk_len] for s in step.seqs])
@@ -240,25 +249,33 @@ class Engine:
         """The run stage's results, each updated as it comes; the outputs held while compute ran their rows on
         are handed over once the call is over."""
         held: list[tuple[Sequence, Output]] = []
+        deferred: list[tuple[Sequence, Exception]] = []
         try:
             with closing(run_isolated(self.executor, self.live, step, timer)) as results:
                 for result in results:
-                    held += self._update(result)
+                    held += self._update(result, deferred)
         finally:
             self.live.release([seq for seq, _ in held])
             for seq, output in held:
                 seq.outbox.put(output)
+            fail_faulty(self.live, deferred)
 
-    def _update(self, result: StepResult) -> list[tuple[Sequence, Output]]:
+    def _update(
+        self, result: StepResult, deferred: list[tuple[Sequence, Exception]]
+    ) -> list[tuple[Sequence, Output]]:
         """One step's result into its sequences: samples fork at their prompt's end, the sampled tokens are
         appended, finished sequences released, the outputs handed to their requests. A sequence that ended
         while compute runs its row on (a multi-step's stop string) ends the call and is returned, to be
         released once the call is over. (No request waits for the room it frees: a multi-step call starts
         only when none waits, and a new one ends it.)"""
-        with result.timer.phase("cache_rpc"), calling("cache"):
+        faulty: list[tuple[Sequence, Exception]] = []
+        with result.timer.phase("cache_rpc"):
             for seq in [seq for seq in result.seqs if seq.forks_now]:
-                self.live.fork(seq)
-        outputs = advance(result.seqs, result.reply, frozenset(self.model_info.eos_token_ids), self.tokenizer)
+                self._fork(seq, faulty)
+        eos = frozenset(self.model_info.eos_token_ids)
+        outputs = advance(result.seqs, result.reply, eos, self.tokenizer, faulty)
+        if faulty:
+            outputs = self._fail_rows(faulty, outputs, result.running_on, deferred)
         self.view.account(outputs)
         ended = [(seq, output) for seq, output in outputs if output.finish_reason]
         held = [(seq, output) for seq, output in ended if seq.seq_id in result.running_on]
@@ -271,6 +288,40 @@ class Engine:
                 seq.outbox.put(output)
         result.timer.finish(result.kind)
         return held
+
+    def _fork(self, seq: Sequence, faulty: list[tuple[Sequence, Exception]]) -> None:
+        """The samples of `seq`'s request fork from it; if that fails without losing the cache, its request
+        goes to `faulty` (a lost cache is raised: every row waits for it)."""
+        try:
+            with calling("cache"):
+                self.live.fork(seq)
+        except PeerFault as fault:
+            if fault.lost:
+                raise
+            faulty.append((seq, fault))
+        except Exception as exc:  # noqa: BLE001 - that row's fault: its request fails alone
+            faulty.append((seq, exc))
+
+    def _fail_rows(
+        self,
+        faulty: list[tuple[Sequence, Exception]],
+        outputs: list[tuple[Sequence, Output]],
+        running_on: frozenset[str],
+        deferred: list[tuple[Sequence, Exception]],
+    ) -> list[tuple[Sequence, Output]]:
+        """The requests of the update's faulty rows fail alone; returns the other requests' outputs. A row
+        compute still runs on (a multi-step call's) ends the call and goes to `deferred`: its request fails
+        once the call is over, when compute no longer writes its blocks."""
+        now = [(seq, exc) for seq, exc in faulty if seq.seq_id not in running_on]
+        later = [(seq, exc) for seq, exc in faulty if seq.seq_id in running_on]
+        if later:
+            self.executor.end_call()
+            deferred += later
+        fail_faulty(self.live, now)
+        doomed = {seq.group_id for seq, _ in deferred}
+        return [
+            (seq, output) for seq, output in outputs if self.live.holds(seq) and seq.group_id not in doomed
+        ]
 
     # recovery
     def _lose(self, service: str) -> None:

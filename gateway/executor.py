@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 from common.errors import refused_rows
 from common.server import request_metadata
-from gateway.config import BAD_ROW_ENV, FAIL_STEP_ENV
+from gateway.config import BAD_ROW_ENV
+from gateway.fault_injection import injected
 from gateway.forward import Refuse, forward_request, forward_rows
 from gateway.kv_view import KVView
 from gateway.lease import Lease
@@ -51,8 +52,6 @@ class StepExecutor:
         self._call_stop: threading.Event | None = None
         # TEST HOOK (BAD_ROW_ENV): the rows of this request id carry a token id compute refuses.
         self._bad_row = os.environ.get(BAD_ROW_ENV) or None
-        # TEST HOOK (FAIL_STEP_ENV): a step holding a row of this request id raises before it is sent.
-        self._fail_step = os.environ.get(FAIL_STEP_ENV) or None
 
     def attach(self, epoch: str, eos_ids: frozenset[int]) -> None:
         """The pool compute has attached, and the model's EOS ids."""
@@ -74,8 +73,7 @@ class StepExecutor:
         """The step's results, each as compute returns it (PeerFault naming compute if a call fails). A
         multi-step call compute refused before running a step is sent again as a Forward, which handles
         refusals: `refuse` ends the refused rows' requests."""
-        if self._fail_step in {seq.request_id for seq in step.seqs}:
-            raise RuntimeError(f"injected step fault ({FAIL_STEP_ENV})")
+        injected("run", step.seqs)
         if step.num_steps > 1:
             ran = yield from self._multi_step(step.seqs, step.num_steps, timer)
             if ran:

@@ -2,14 +2,20 @@
 blocks reserved (with room for a multi-step's later steps when it may run one), or the preempted
 sequences' blocks freed."""
 
+from functools import partial
+
 import grpc
 import structlog
 
+from gateway.fault_injection import injected
+from gateway.kv_view import KVView
+from gateway.live_seqs import LiveSeqs
 from gateway.multi_step import can_multi_step
 from gateway.recovery import PeerFault, calling
 from gateway.scheduler import Scheduler
 from gateway.sequence import Sequence
 from gateway.step import ScheduledStep
+from gateway.step_faults import fail, isolate
 
 log = structlog.get_logger()
 
@@ -26,7 +32,9 @@ def look_up_prefixes(scheduler: Scheduler) -> None:
             log.warning("lookup_failed", error=fault.err.details())
 
 
-def reserve_step(step: ScheduledStep, scheduler: Scheduler, max_steps: int, news: bool) -> None:
+def reserve_step(
+    step: ScheduledStep, scheduler: Scheduler, live: LiveSeqs, max_steps: int, news: bool
+) -> None:
     """Frees the preempted, or reserves the step's blocks and sets its num_steps: up to `max_steps` when the
     step may run as a multi-step (`news`: requests wait to be admitted, so it may not) and the blocks for
     the later steps were there. PeerFault if a call fails."""
@@ -36,7 +44,7 @@ def reserve_step(step: ScheduledStep, scheduler: Scheduler, max_steps: int, news
         log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
         return
     steps = multi_steps(step, scheduler, max_steps, news)
-    step.num_steps = reserve(step, scheduler, steps - 1) + 1
+    step.num_steps = reserve(step, scheduler, live, steps - 1) + 1
 
 
 def multi_steps(step: ScheduledStep, scheduler: Scheduler, max_steps: int, news: bool) -> int:
@@ -52,26 +60,58 @@ def multi_steps(step: ScheduledStep, scheduler: Scheduler, max_steps: int, news:
     return max_steps if need <= kv.available_blocks - scheduler.watermark else 1
 
 
-def reserve(step: ScheduledStep, scheduler: Scheduler, lookahead: int = 0) -> int:
+def reserve(step: ScheduledStep, scheduler: Scheduler, live: LiveSeqs, lookahead: int = 0) -> int:
     """The step's Reserve, with slots for `lookahead` more tokens per sequence (a multi-step call's);
     returns the lookahead reserved (0 if the blocks for it were short). One refused for want of blocks
     (the admission counted on a stale Lookup) undoes the step's admissions: those sequences wait again,
     and the step runs the others. The cache changed nothing (a Reserve is all or nothing), so no block
-    is leaked."""
+    is leaked. One that fails otherwise (the cache refused it, or the gateway raised while making it)
+    names no row: its rows are reserved again by halves (`_isolate`)."""
     kv = scheduler.kv
     try:
         with calling("cache"):
+            injected("reserve", step.seqs)
             kv.reserve(step.seqs, lookahead)
         return lookahead
     except PeerFault as fault:
-        if lookahead and not fault.lost and fault.err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return reserve(step, scheduler)
-        new = [seq for seq in step.seqs if not kv.holds(seq)]
-        if fault.lost or fault.err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or not new:
+        if fault.lost:
             raise
-        log.warning("admission_undone", seq_ids=[s.seq_id for s in new], error=fault.err.details())
-        _undo_admissions(step, scheduler, new)
-        return 0
+        exhausted = fault.err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        if lookahead and exhausted:
+            return reserve(step, scheduler, live)
+        new = [seq for seq in step.seqs if not kv.holds(seq)]
+        if exhausted and not new:
+            raise
+        if exhausted:
+            log.warning("admission_undone", seq_ids=[s.seq_id for s in new], error=fault.err.details())
+            _undo_admissions(step, scheduler, new)
+            return 0
+        error: Exception = fault
+    except Exception as exc:  # noqa: BLE001 - isolated below
+        error = exc
+    _isolate(step, kv, live, error)
+    return 0
+
+
+def _isolate(step: ScheduledStep, kv: KVView, live: LiveSeqs, error: Exception) -> None:
+    """A failed Reserve's rows reserved again, a half at a time (gateway/step_faults.py: isolate): a row
+    whose Reserve fails alone fails its request, and the step runs the rows that were reserved (the list
+    shrinks in place). A lost cache in a rerun is raised as it came."""
+
+    def reserve_rows(rows: list[Sequence]) -> list[Sequence] | None:
+        rows = [seq for seq in rows if live.holds(seq)]
+        if not rows:
+            return None
+        with calling("cache"):
+            injected("reserve", rows)
+            kv.reserve(rows)
+        return rows
+
+    log.warning("reserve_fault", seq_ids=[s.seq_id for s in step.seqs], error=str(error))
+    reserved = {
+        seq.seq_id for rows in isolate(step.seqs, error, reserve_rows, partial(fail, live)) for seq in rows
+    }
+    step.seqs[:] = [seq for seq in step.seqs if seq.seq_id in reserved and live.holds(seq)]
 
 
 def _undo_admissions(step: ScheduledStep, scheduler: Scheduler, new: list[Sequence]) -> None:

@@ -1,6 +1,7 @@
 """Continuous batching with chunked prefill: which sequences run in the next step, and how many of their
 tokens; who is preempted when blocks run out."""
 
+from gateway.fault_injection import injected
 from gateway.kv_view import KVView
 from gateway.sequence import Sequence, Status
 from gateway.step import ScheduledStep
@@ -53,7 +54,8 @@ class Scheduler:
         return max(0, min(seq.num_tokens - seq.chunk_start, budget, self.kv.room(seq, free)))
 
     def schedule(self) -> ScheduledStep | None:
-        """The next step, or None when there is nothing to run."""
+        """The next step, or None when there is nothing to run. A sequence whose own chunk cannot be sized
+        (the code raises for it) is left out, in the step's `faulty`, and the others are scheduled."""
         budget, free, step = self.max_batched_tokens, self.kv.available_blocks, ScheduledStep()
         # running: decodes first, then the next chunks of partly computed prompts
         running = sorted(self.running, key=lambda s: s.rank)
@@ -61,10 +63,15 @@ class Scheduler:
             budget = self._prompt_budget(step, budget) if _prefills(seq) else budget
             if budget == 0:
                 break
-            n = self._chunk(seq, budget, free)
+            try:
+                n = self._chunk(seq, budget, free)
+                taken = self._take(seq, n) if n else 0
+            except Exception as exc:  # noqa: BLE001 - that sequence's fault: the engine fails it alone
+                step.faulty.append((seq, exc))
+                continue
             if n == 0:
-                return ScheduledStep(preempted=[self._preempt(running[-1])])
-            budget, free = budget - n, free - self._take(seq, n)
+                return ScheduledStep(preempted=[self._preempt(running[-1])], faulty=step.faulty)
+            budget, free = budget - n, free - taken
             step.seqs.append(seq)
         budget = self._prompt_budget(step, budget)
         self._admit(step, budget, free)
@@ -73,7 +80,7 @@ class Scheduler:
             # NOTE: this step's prompt chunks write blocks the waiting prompts may share: look them up again.
             for seq in self.waiting:
                 seq.forget_prefix()
-        return step if step.seqs else None
+        return step if step.seqs or step.faulty else None
 
     def _prompt_budget(self, step: ScheduledStep, budget: int) -> int:
         """What is left of `budget` for prompt tokens: with decodes in the step, at most
@@ -90,16 +97,22 @@ class Scheduler:
         slots = sum(seq.num_slots for seq in self.running)
         held = self.kv.held_blocks() if any(_hit_blocks(seq) for seq in self.waiting) else set()
         for seq in sorted(self.waiting, key=lambda s: s.rank):
-            revived = len(set(_hit_blocks(seq)) - held)
-            room = free - revived - (self.watermark if self.running else 0)
-            n = self._chunk(seq, budget, room)
-            # NOTE: a preempted sequence comes back only once its whole context fits, or it would take the
-            # blocks back a chunk at a time and be preempted again at once (thrashing).
-            refit = seq.num_preemptions == 0 or self.kv.blocks_needed(seq, seq.num_tokens) <= room
-            if n == 0 or not refit or slots + seq.num_slots > self.max_seqs:
+            try:
+                revived = len(set(_hit_blocks(seq)) - held)
+                room = free - revived - (self.watermark if self.running else 0)
+                n = self._chunk(seq, budget, room)
+                # NOTE: a preempted sequence comes back only once its whole context fits, or it would take
+                # the blocks back a chunk at a time and be preempted again at once (thrashing).
+                refit = seq.num_preemptions == 0 or self.kv.blocks_needed(seq, seq.num_tokens) <= room
+                fits = n > 0 and refit and slots + seq.num_slots <= self.max_seqs
+                taken = self._take(seq, n) if fits else 0
+            except Exception as exc:  # noqa: BLE001 - that sequence's fault: the engine fails it alone
+                step.faulty.append((seq, exc))
+                continue
+            if not fits:
                 break
             budget, slots = budget - n, slots + seq.num_slots
-            free -= self._take(seq, n) + revived
+            free -= taken + revived
             held.update(_hit_blocks(seq))
             self.waiting.remove(seq)
             self.running.append(seq)
@@ -108,6 +121,7 @@ class Scheduler:
 
     def _take(self, seq: Sequence, n: int) -> int:
         """Schedules n tokens of the sequence; returns the blocks that takes (at most)."""
+        injected("schedule", [seq])
         seq.chunk_end = seq.chunk_start + n
         return self.kv.blocks_needed(seq, seq.chunk_end)
 

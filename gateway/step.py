@@ -26,6 +26,9 @@ class ScheduledStep:
     # they wait to be recomputed. A step that preempts schedules nothing else: the available blocks are
     # only known again once the cache service has answered the Free.
     preempted: list[Sequence] = field(default_factory=list)
+    # Sequences whose own scheduling raised, with the exception, out of the step: the engine fails their
+    # requests alone (gateway/step_faults.py).
+    faulty: list[tuple[Sequence, Exception]] = field(default_factory=list)
     # The step's label in the step metrics, as scheduled: "decode" or "prefill".
     kind: str = "prefill"
     # Steps the compute call runs: 1, one Forward; more, a multi-step call. Set with the blocks reserved:

@@ -23,12 +23,14 @@ def unreachable(service: str) -> RpcError:
 
 class FakePoolCache(FakeCache):
     """A FakeCache with CreatePool and sessions; `down` refuses every call, `restart()` loses the pool, every
-    table and every session."""
+    table and every session; a Reserve sending a token of `broken` fails with INTERNAL naming no sequence,
+    having changed nothing."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)
         self.num_blocks, self.epoch, self.restarts, self.down = num_blocks, "", 0, False
         self.sessions: set[str] = set()
+        self.broken: set[int] = set()
 
     def restart(self, num_blocks: int | None = None) -> None:
         """A new process at the same address (with another pool size if given): no pool, no tables."""
@@ -58,6 +60,8 @@ class FakePoolCache(FakeCache):
 
     def Reserve(self, request, **kw):
         self._check(pool=True)
+        if any(self.broken & set(seq.token_ids) for seq in (*request.new_seqs, *request.running_seqs)):
+            raise RpcError(grpc.StatusCode.INTERNAL, "a fault in the cache service")
         return super().Reserve(request, **kw)
 
     def Lookup(self, request, **kw):

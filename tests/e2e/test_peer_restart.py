@@ -29,6 +29,12 @@ from tests.processes import segments_of
 pytestmark = pytest.mark.e2e
 GATEWAY_SERVICE = "pagedserve.v1.Generation"
 FAULTY_REQUEST = "inject-a-step-fault"
+# The request that fails in each stage of its steps (gateway/fault_injection.py): in the run stage by default.
+FAULTY = {
+    "run": FAULTY_REQUEST,
+    **{stage: f"{FAULTY_REQUEST}-{stage}" for stage in ("schedule", "reserve", "update")},
+}
+FAULTS = ",".join(f"{stage}:{request_id}" for stage, request_id in FAULTY.items())
 PROMPT = [5, 17, 99, 42, 7, 200, 31, 64, 3, 150]
 GREEDY = dict(token_ids=PROMPT, max_tokens=300, temperature=0.0, ignore_eos=True)
 # Four streams at once: their blocks (with a multi-step's lookahead) fit the cache's 64, so none is preempted.
@@ -85,7 +91,7 @@ def services(tmp_path_factory, tiny_model):
         svc.start("compute")
         # NOTE: a grace that outlasts a compute's start on a loaded machine (the default, 30 s, may not).
         svc.gateway = svc.start(
-            "gateway", "--peer-restart-grace", "120", port=free_port(), env={FAIL_STEP_ENV: FAULTY_REQUEST}
+            "gateway", "--peer-restart-grace", "120", port=free_port(), env={FAIL_STEP_ENV: FAULTS}
         )
         yield svc
     finally:
@@ -243,18 +249,26 @@ def test_a_hung_compute_is_lost_at_the_step_deadline_and_attached_again_once_it_
     assert time.monotonic() - started < 60, "not the 120 s RPC timeout"
 
 
-def test_a_fault_in_one_step_fails_only_its_request(services, four_reference):
+@pytest.mark.parametrize("stage", FAULTY)
+def test_a_fault_in_one_step_fails_only_its_request(services, four_reference, stage):
     def faulty_request():
         with Client(services.gateway, timeout=60) as client, pytest.raises(GenerationError) as info:
-            greedy(client, request_id=FAULTY_REQUEST)
+            greedy(client, request_id=FAULTY[stage])
         return info.value
 
+    bisected = len(gateway_events(services, "step_fault_isolated"))
     outputs, _, error = four_streams(services, faulty_request)
     assert error.code == grpc.StatusCode.INTERNAL
-    assert "RuntimeError" in error.details and f"request {FAULTY_REQUEST}" in error.details
+    assert f"injected {stage} fault" in error.details and f"request {FAULTY[stage]}" in error.details
     assert outputs == four_reference, "the co-running streams kept their tokens"
-    (isolated,) = gateway_events(services, "step_fault_isolated")
-    assert len(isolated["seq_ids"]) > 1 and len(isolated["failed"]) == 1, "it shared a step; only it failed"
+    if stage in ("run", "reserve"):  # a failed Forward or Reserve names no row: bisected
+        (isolated,) = gateway_events(services, "step_fault_isolated")[bisected:]
+        assert len(isolated["seq_ids"]) > 1 and len(isolated["failed"]) == 1, (
+            "it shared a step; only it failed"
+        )
+    else:  # the row's own code raised: it alone was set aside
+        faults = [e for e in gateway_events(services, "row_fault") if e["request_id"] == FAULTY[stage]]
+        assert len(faults) == 1, faults
 
 
 def test_health_is_answered_within_a_second_under_200_streams(services):

@@ -8,7 +8,8 @@ import pytest
 
 from common.errors import PagedServeError
 from gateway import engine as engine_module
-from gateway import step_faults
+from gateway import outputs as outputs_module
+from gateway import reservation, step_faults
 from gateway.config import FAIL_STEP_ENV
 from gateway.sequence import Sequence
 from gateway.step_faults import isolate, max_reruns
@@ -50,6 +51,7 @@ def logs(monkeypatch) -> Logs:
     logs = Logs()
     monkeypatch.setattr(step_faults, "log", logs)
     monkeypatch.setattr(engine_module, "log", logs)
+    monkeypatch.setattr(reservation, "log", logs)
     return logs
 
 
@@ -68,6 +70,70 @@ def test_an_exception_in_a_co_batched_step_fails_only_its_request(start, monkeyp
     assert faults and all(len(f["seq_ids"]) > 1 for f in faults), "the bad request shared its steps"
     assert {seq_id for f in faults for seq_id in f["failed"]} == {f"s{id(BAD_PROMPT)}-bad"}
     assert all(f["reruns"] <= max_reruns(len(f["seq_ids"])) for f in faults)
+    assert_nothing_held(engine, cache)
+
+
+@pytest.mark.parametrize("stage", ["schedule", "reserve", "update"])
+def test_an_exception_in_any_stage_of_a_step_fails_only_its_request(
+    stage, start, monkeypatch, reference, logs
+):
+    monkeypatch.setenv(FAIL_STEP_ENV, f"{stage}:bad")
+    engine, cache, _ = start()
+    *outputs, error = co_batched(engine, [*PROMPTS, BAD_PROMPT], bad="bad")
+    assert isinstance(error, PagedServeError) and error.code == grpc.StatusCode.INTERNAL
+    assert f"injected {stage} fault" in str(error) and "request bad" in str(error)
+    assert outputs == reference[0]
+    bad = f"s{id(BAD_PROMPT)}-bad"
+    if stage == "reserve":  # a Reserve names no row: bisected
+        faults = isolated(logs)
+        assert faults and all(len(f["seq_ids"]) > 1 for f in faults), "the bad request shared its Reserves"
+        assert {seq_id for f in faults for seq_id in f["failed"]} == {bad}
+    else:  # the row's own code raised: it alone is set aside
+        assert [e["seq_id"] for e in logs if e["event"] == "row_fault"] == [bad]
+        assert not isolated(logs), "nothing was bisected"
+    assert_nothing_held(engine, cache)
+
+
+def test_a_reserve_the_cache_fails_naming_no_row_is_bisected_to_the_row_that_fails_alone(
+    start, reference, logs
+):
+    engine, cache, _ = start()
+    cache.broken = {1}
+    *outputs, error = co_batched(engine, [*PROMPTS, BAD_PROMPT])
+    assert isinstance(error, PagedServeError) and error.code == grpc.StatusCode.INTERNAL
+    assert "a fault in the cache service" in str(error)
+    assert outputs == reference[0]
+    assert {seq_id for f in isolated(logs) for seq_id in f["failed"]} == {f"s{id(BAD_PROMPT)}-"}
+    assert_nothing_held(engine, cache)
+
+
+def test_an_update_fault_in_a_multi_step_call_fails_its_request_once_the_call_is_over(
+    start, monkeypatch, reference, logs
+):
+    engine, cache, _ = start()
+    bad = f"s{id(BAD_PROMPT)}-"
+    append_token, free = outputs_module.append_token, cache.Free
+    faults, frees = [], []
+
+    def fault_at_the_fourth_token(seq, token, eos, tokenizer):
+        if seq.seq_id == bad and len(seq.output_ids) == 3:
+            faults.append(engine.executor.in_call)
+            raise ValueError("no room for that token")
+        return append_token(seq, token, eos, tokenizer)
+
+    def recording_free(request, **kw):
+        if bad in request.seq_ids:
+            frees.append(engine.executor.in_call)
+        return free(request, **kw)
+
+    monkeypatch.setattr(outputs_module, "append_token", fault_at_the_fourth_token)
+    monkeypatch.setattr(cache, "Free", recording_free)
+    *outputs, error = co_batched(engine, [*PROMPTS, BAD_PROMPT])
+    assert isinstance(error, PagedServeError) and "ValueError: no room for that token" in str(error)
+    assert outputs == reference[0]
+    assert faults == [True], "the fault came while compute ran the row in a multi-step call"
+    assert frees == [False], "its blocks were freed once, after the call"
+    assert [e["seq_id"] for e in logs if e["event"] == "row_fault"] == [bad]
     assert_nothing_held(engine, cache)
 
 

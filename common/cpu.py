@@ -18,6 +18,7 @@ ISA_ENV = "PAGEDSERVE_CPU_ISA"
 # native: what the CPU has; avx2: as an x86-64-v3 machine (AVX2, FMA, F16C, BMI) without AVX-512 or AMX.
 ISA_PROFILES = {"native": "native", "avx2": "x86-64-v3"}
 CPUINFO = Path("/proc/cpuinfo")
+SYS_CPUS = Path("/sys/devices/system/cpu")
 # Flag prefixes of the extensions beyond x86-64-v3 (AVX-512 and its BF16/VNNI/FP16 parts, AMX, AVX-VNNI,
 # AVX-NE-CONVERT, AVX-IFMA): the ones an AVX2-only CPU lacks.
 _BEYOND_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma")
@@ -72,14 +73,32 @@ def isa_level(flags: frozenset[str]) -> str:
     return "AVX2" if "avx2" in flags else "baseline"
 
 
-def describe(cpuinfo: Path = CPUINFO) -> str:
-    """One line naming the machine: CPU model, the ISA the checks see, the profile and torch's kernels."""
+def physical_cores(cpus: set[int] | None = None, sys_cpus: Path = SYS_CPUS) -> int:
+    """How many physical cores the CPUs this process may run on (its affinity, or `cpus`) belong to: SMT
+    siblings (hyper-threads of one core) count once. Where the topology cannot be read, every CPU counts."""
+    cpus = os.sched_getaffinity(0) if cpus is None else cpus
+    cores = set()
+    for n in cpus:
+        topology = sys_cpus / f"cpu{n}" / "topology"
+        try:
+            cores.add(
+                ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text())
+            )
+        except OSError:
+            cores.add(("cpu", str(n)))
+    return max(1, len(cores))
+
+
+def describe(cpuinfo: Path = CPUINFO, sys_cpus: Path = SYS_CPUS) -> str:
+    """One line naming the machine: CPU model, its CPUs (and the physical cores they are), the ISA the
+    checks see, the profile and torch's kernels."""
     flags = cpu_flags(cpuinfo)
     named = (("avx512_bf16", "AVX512-BF16"), ("avx512_vnni", "VNNI"))
     extras = [name for flag, name in named if flag in flags]
     model = _cpuinfo_field("model name", cpuinfo) or "unknown CPU"
+    cpus = os.sched_getaffinity(0)
     return (
-        f"{model}, {os.cpu_count()} CPUs, {isa_level(flags)}"
+        f"{model}, {len(cpus)} CPUs on {physical_cores(cpus, sys_cpus)} cores, {isa_level(flags)}"
         + "".join(f" + {extra}" for extra in extras)
         + f" (profile {profile()}, torch kernels {torch.backends.cpu.get_cpu_capability()})"
     )

@@ -38,8 +38,8 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "--single-stream-threads",
         type=int,
         default=None,
-        help="torch threads for a step of one new token (default: --threads minus one, at least 1, leaving "
-        "a core to the gateway and its clients)",
+        help="torch threads for a step of one new token (default: one per physical core compute may use, at "
+        "most --threads: SMT siblings count once)",
     )
     parser.add_argument(
         "--plain-linear",

@@ -6,7 +6,8 @@ import torch
 
 from cache_service import host_memory
 from common import device_pool, shared_pool
-from common.devices import Device, ipc_for
+from common.device_ipc import ipc_for
+from common.devices import Device
 from common.errors import FailedPrecondition, ResourceExhausted
 from common.segment_header import HEADER_BYTES
 from common.shared_pool import PoolSpec

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from common.errors import ResourceExhausted
 from common.segment_header import HEADER_BYTES
-from common.shared_pool import SHM_DIR
+from common.shm_files import SHM_DIR
 
 # The share of available memory one pool may take; the rest is left to the host and the other services.
 MEMORY_SHARE = 0.9

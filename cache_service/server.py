@@ -17,7 +17,7 @@ from cache_service.sessions import Sessions
 from cache_service.tiers import manager as tiers
 from cache_service.tiers.base import TierError
 from cache_service.tiers.options import resolve as resolve_tier
-from common import shared_pool, transport
+from common import shm_files, transport
 from common.errors import InvalidArgument
 from common.logging import configure
 from common.metrics import serve_metrics
@@ -60,7 +60,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     log = configure("cache", args.log_format, args.log_level)
-    removed = shared_pool.sweep_stale()
+    removed = shm_files.sweep_stale()
     log.info("swept_stale_segments", count=len(removed), paths=[str(path) for path in removed])
     try:
         tier = tiers.from_args(args, log)

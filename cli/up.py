@@ -17,7 +17,7 @@ from cache_service.tiers.options import setting as tier_setting
 from cli import runtime_dir
 from cli.metrics_ports import SERVICES, metrics_port
 from cli.supervisor import RestartPolicy, Supervisor
-from common import shared_pool
+from common import shm_files
 from common.healthcheck import serving
 from compute_service.options import OPTIONS as COMPUTE
 from gateway.options import OPTIONS as GATEWAY
@@ -120,7 +120,7 @@ def stop_timeouts(args: argparse.Namespace) -> dict[str, float]:
 def _remove_segments(name: str, pid: int) -> None:
     """A cache that exited without unlinking its pool segment (kill -9) leaves it: remove it."""
     if name == "cache":
-        for path in shared_pool.remove_segments_of(pid):
+        for path in shm_files.remove_segments_of(pid):
             print(f"pagedserve: removed {path}, left by the cache (pid {pid})", file=sys.stderr)
 
 

@@ -1,5 +1,5 @@
 """The KV pool in accelerator memory: one allocation the cache service creates and holds for the pool's
-life, exported by the device's IPC (common/devices.py) in a PoolHandle whose payload is `cuda` or `npu`,
+life, exported by the device's IPC (common/device_ipc.py) in a PoolHandle whose payload is `cuda` or `npu`,
 and mapped zero-copy by the compute service. As for a shm segment (common/shared_pool.py), the allocation
 holds the pool data, then a header page (common/segment_header.py) with the epoch, dtype, shape and a secret
 token; compute maps only an allocation whose header matches the handle, on the device with its UUID."""
@@ -9,7 +9,8 @@ import uuid
 import torch
 
 from common import segment_header
-from common.devices import Device, DeviceIpc
+from common.device_ipc import DeviceIpc
+from common.devices import Device
 from common.errors import FailedPrecondition, InvalidArgument
 from common.segment_header import HEADER_BYTES, SegmentHeader
 from common.shared_pool import PoolSpec, dtype_name, spec_of

@@ -4,11 +4,13 @@ The slot of token t of a sequence is `block_table[t // block_size] * block_size 
 into the pool's flattened [num_blocks * block_size] token axis.
 """
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
+# NOTE: torch for type hints only: the gateway and `pagedserve up`'s launcher import no torch.
+if TYPE_CHECKING:
+    import torch
 
-N = TypeVar("N", int, torch.Tensor)
+N = TypeVar("N", int, "torch.Tensor")
 
 # Decode steps one Compute.ForwardSteps call may run per row: compute refuses more, and the gateway's
 # --decode-steps is capped at it (its tables then hold at most that many slots ahead).
@@ -20,7 +22,7 @@ def blocks_for(num_tokens: N, block_size: int) -> N:
     return -(-num_tokens // block_size)
 
 
-def slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+def slots(block_tables: "torch.Tensor", positions: "torch.Tensor", block_size: int) -> "torch.Tensor":
     """Pool slots of the tokens at `positions` ([..., P], int64) of the sequences whose block tables are
     `block_tables` ([..., W]): [..., P]."""
     return block_tables.gather(-1, positions // block_size) * block_size + positions % block_size

@@ -25,7 +25,7 @@ import numpy as np
 
 from common import segment_header, shared_pool
 from common.segment_header import HEADER_BYTES, SegmentHeader
-from common.shared_pool import FENCE_PREFIX, SHM_DIR
+from common.shm_files import FENCE_PREFIX, SHM_DIR
 from protos import common_pb2
 
 SLOTS = 4096

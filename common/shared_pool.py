@@ -1,8 +1,8 @@
 """The segment: the shared memory holding the KV pool tensor, created by the cache service (its owner) and
 mapped zero-copy by the compute service through a PoolHandle. The file is the pool data, then a header page
-(common/segment_header.py) by which the compute service refuses any file the cache did not create. (The KV
-pool is the tensor, see cache_service/kv_pool.py; the block pool is the refcounted block ids, see
-cache_service/block_pool.py.)"""
+(common/segment_header.py) by which the compute service refuses any file the cache did not create; its name
+is common/shm_files.py's. (The KV pool is the tensor, see cache_service/kv_pool.py; the block pool is the
+refcounted block ids, see cache_service/block_pool.py.)"""
 
 import errno
 import math
@@ -18,13 +18,9 @@ import torch
 from common import segment_header
 from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from common.segment_header import HEADER_BYTES, SegmentHeader
+from common.shm_files import SEGMENT_PREFIX, SHM_DIR
 from protos import common_pb2
 
-SHM_DIR = Path(os.environ.get("PAGEDSERVE_SHM_DIR", "/dev/shm"))
-SEGMENT_PREFIX = "pagedserve-kv-"
-# The pool's session fence (common/session_fence.py), a file of its own whatever the pool's device.
-FENCE_PREFIX = "pagedserve-fence-"
-PREFIXES = (SEGMENT_PREFIX, FENCE_PREFIX)
 # The pool's dtypes by the name they travel by (PoolHandle.dtype, --kv-dtype); fp8 ones hold scaled K/V.
 DTYPES = {
     "float32": torch.float32,
@@ -73,43 +69,6 @@ class PoolSpec:
     @property
     def nbytes(self) -> int:
         return self.block_bytes * self.num_blocks
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_stale(shm_dir: Path = SHM_DIR) -> list[Path]:
-    """Removes segments (and session fences) left by owners that died without unlinking them."""
-    removed = []
-    for prefix in PREFIXES:
-        for path in shm_dir.glob(f"{prefix}*"):
-            owner = path.name.removeprefix(prefix).split("-", 1)[0]
-            if owner.isdigit() and not _pid_alive(int(owner)):
-                path.unlink(missing_ok=True)
-                removed.append(path)
-    return removed
-
-
-def files_of(pid: int, shm_dir: Path = SHM_DIR) -> list[Path]:
-    """The segments and session fences that process pid created and that are still there, sorted."""
-    return sorted(path for prefix in PREFIXES for path in shm_dir.glob(f"{prefix}{pid}-*"))
-
-
-def remove_segments_of(pid: int, shm_dir: Path = SHM_DIR) -> list[Path]:
-    """Removes the segments (and session fences) that process pid created; for whoever sees that owner
-    exit."""
-    assert pid != os.getpid(), "an owner releases its own segments"
-    removed = files_of(pid, shm_dir)
-    for path in removed:
-        path.unlink(missing_ok=True)
-    return removed
 
 
 def create(spec: PoolSpec, shm_dir: Path = SHM_DIR) -> tuple[torch.Tensor, common_pb2.PoolHandle]:

@@ -6,7 +6,8 @@ FailedPrecondition naming both devices and the flags that match them."""
 import torch
 
 from common import device_pool, shared_pool
-from common.devices import Device, ipc_for
+from common.device_ipc import ipc_for
+from common.devices import Device
 from common.errors import FailedPrecondition
 from protos import common_pb2
 

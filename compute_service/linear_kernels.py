@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from compute_service import kernels
-from compute_service.quantized import INT4_GROUP_SIZE, KERNEL_DTYPE, Quantized
+from compute_service.quantized import KERNEL_DTYPE, Quantized
+from compute_service.weight_modes import INT4_GROUP_SIZE
 
 # The batch size oneDNN's reordered weight layout is chosen for: 32 was faster than 1 from 1 row to 512.
 PACK_ROWS = 32

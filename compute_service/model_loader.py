@@ -13,7 +13,7 @@ from compute_service import architectures, planning
 from compute_service.attention.context import timed
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend
-from compute_service.attention.sparse import SparseAttention
+from compute_service.attention.sparse_settings import SparseAttention
 from compute_service.fused import fuse
 from compute_service.kv_calibration import calibrate
 from compute_service.linear import replace_linears

@@ -4,9 +4,9 @@ import argparse
 
 from common.options import ServiceOptions, add_dtype, add_kv_device, add_kv_dtype, add_logging, add_model
 from common.transport import add_listen
-from compute_service.attention import sparse
-from compute_service.attention.registry import BACKENDS, SPARSE
-from compute_service.quantized import INT4_GROUP_SIZE, WEIGHTS_CHOICES
+from compute_service.attention import sparse_settings
+from compute_service.attention.backend_names import BACKEND_NAMES, SPARSE
+from compute_service.weight_modes import INT4_GROUP_SIZE, WEIGHTS_CHOICES
 
 
 def _length(text: str) -> int:
@@ -16,10 +16,10 @@ def _length(text: str) -> int:
     return int(text)
 
 
-def _sparse(text: str) -> sparse.SparseAttention | None:
+def _sparse(text: str) -> sparse_settings.SparseAttention | None:
     """--sparse-attention: off, on, or sink=S,recent=R,topk=K."""
     try:
-        return sparse.parse(text)
+        return sparse_settings.parse(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from err
 
@@ -27,7 +27,7 @@ def _sparse(text: str) -> sparse.SparseAttention | None:
 def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention-backend",
-        choices=["auto", *BACKENDS],
+        choices=["auto", *BACKEND_NAMES],
         default="auto",
         help="paged attention backend (default auto: the --kv-device's own; on the cpu, cpu-native for "
         "float32 where the native kernels build, else cpu; cuda also runs on the cpu, its torch path, to "

@@ -16,7 +16,7 @@ their weights apart; attention over prompts and chunks (`attention.prefill`) and
 
 from dataclasses import dataclass
 
-from compute_service.attention.sparse import SparseAttention
+from compute_service.attention.sparse_settings import SparseAttention
 
 # Implementations of the layers' forward.
 TRANSFORMERS = "transformers"  # transformers' own modules, as loaded

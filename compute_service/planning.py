@@ -11,7 +11,8 @@ from common import cpu
 from common.shared_pool import dtype_name
 from compute_service import architectures, fused, kernels, native_decode
 from compute_service.attention import registry
-from compute_service.attention.sparse import SparseAttention
+from compute_service.attention.backend_names import SPARSE
+from compute_service.attention.sparse_settings import SparseAttention
 from compute_service.plan import (
     DENSE,
     FUSED,
@@ -102,9 +103,9 @@ def check(flags: Flags, machine: Machine) -> tuple[str, Choice]:
         )
     attention = attention_backend(flags, machine)
     registry.require_kv_dtype(attention.implementation, flags.kv_dtype_name)
-    if flags.sparse_attention is not None and attention.implementation not in registry.SPARSE:
+    if flags.sparse_attention is not None and attention.implementation not in SPARSE:
         raise ValueError(
-            f"--sparse-attention runs in the {' or '.join(registry.SPARSE)} attention backend, not in "
+            f"--sparse-attention runs in the {' or '.join(SPARSE)} attention backend, not in "
             f"{attention.implementation}: pass --attention-backend cpu-native or "
             "leave --sparse-attention off"
         )

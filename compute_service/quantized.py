@@ -11,12 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-WEIGHTS_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")
+from compute_service.weight_modes import INT4_GROUP_SIZE, WEIGHTS_CHOICES
+
 QUANTIZED_MODES = ("int8", "int4")
 # (--dtype, --weights) of the mixed-precision mode: bfloat16 linears, everything else float32.
 MIXED_PRECISION = ("float32", "bfloat16")
-# Inputs sharing one int4 scale and zero point (the kernel accepts 32, 64, 128, 256; 32 is the most exact).
-INT4_GROUP_SIZE = 32
 # The int4 packing needs whole tiles of output channels.
 INT4_ROW_MULTIPLE = 16
 # The output head's mode under either quantised mode. NOTE: an int4 head costs far more perplexity than int4

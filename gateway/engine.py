@@ -11,9 +11,9 @@ objects of gateway/step.py:
 
 import time
 from contextlib import closing
+from typing import TYPE_CHECKING
 
 import structlog
-from transformers import PreTrainedTokenizerBase
 
 from common.errors import Unavailable, from_rpc_error
 from common.server import channel
@@ -35,11 +35,14 @@ from gateway.step_faults import fail_faulty, run_isolated
 from gateway.step_timer import StepTimer
 from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 log = structlog.get_logger()
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: "PreTrainedTokenizerBase") -> None:
         self.config = config
         self.tokenizer = tokenizer
         self._cache = cache_pb2_grpc.CacheStub(channel(config.cache_target, config.internal_credentials))

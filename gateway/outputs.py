@@ -2,8 +2,7 @@
 released, finish reason set) as Outputs, or an error that ends a request's stream."""
 
 from dataclasses import dataclass
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from common.errors import PagedServeError
 from gateway.fault_injection import injected
@@ -13,6 +12,9 @@ from gateway.structured.matcher import prefetch
 from gateway.text_stream import TextStream
 from gateway.tokenizer import Detokenizer
 from protos import compute_pb2, generation_pb2
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(slots=True)
@@ -29,7 +31,7 @@ def advance(
     seqs: list[Sequence],
     reply: compute_pb2.ForwardResponse,
     eos: frozenset[int],
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: "PreTrainedTokenizerBase",
     faulty: list[tuple[Sequence, Exception]],
 ) -> list[tuple[Sequence, Output]]:
     """The step's chunks are computed; each sequence that sampled gets its token, and its Output. A row
@@ -56,7 +58,7 @@ def advance(
     return outputs
 
 
-def append_token(seq: Sequence, token: int, eos: frozenset[int], tokenizer: PreTrainedTokenizerBase) -> str:
+def append_token(seq: Sequence, token: int, eos: frozenset[int], tokenizer: "PreTrainedTokenizerBase") -> str:
     """Adds the token, sets finish_reason (stop strings first) and returns the text it releases. (A resumed
     sample's received tokens go through here too, one by one, so its text and stop state are the unbroken
     stream's: gateway.resume.)"""

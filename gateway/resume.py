@@ -11,8 +11,7 @@ release dropped: it releases next exactly what the unbroken stream would have, n
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from common.errors import Aborted, InvalidArgument
 from gateway.admission import Admission
@@ -20,6 +19,9 @@ from gateway.outputs import append_token
 from gateway.sequence import Sequence
 from gateway.tokenizer import check_vocabulary
 from protos import generation_pb2
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TAKEN_OVER = "request {} was resumed by another call (GenerateRequest.resume): this stream ends here"
 
@@ -37,7 +39,7 @@ def samples(
     first: Sequence,
     resume: list[generation_pb2.ResumedSample],
     eos: frozenset[int],
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: "PreTrainedTokenizerBase",
     vocab_size: int,
 ) -> Samples:
     """The sequences to run for the request whose sample 0 is `first`: `first` alone without `resume`,
@@ -97,7 +99,7 @@ def _received(
 
 
 def _resumed(
-    first: Sequence, index: int, tokens: list[int], eos: frozenset[int], tokenizer: PreTrainedTokenizerBase
+    first: Sequence, index: int, tokens: list[int], eos: frozenset[int], tokenizer: "PreTrainedTokenizerBase"
 ) -> tuple[Sequence, str]:
     # NOTE: n = 1: the samples are there already, none forks the others.
     seq, text = first.sample(index, sampling=replace(first.sampling.of_sample(index), n=1), text=None), ""

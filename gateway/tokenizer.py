@@ -1,24 +1,63 @@
 """Prompt encoding (text, token ids or chat messages, with tools) and incremental detokenization."""
 
+import contextlib
 import functools
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+import importlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from common.errors import InvalidArgument
 from gateway.tools import prompt
 from gateway.tools.request import ToolUse
 from protos import generation_pb2
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 # The chat roles of OpenAI's API; any other is refused, never rendered as the template sees fit.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def load(path: str) -> PreTrainedTokenizerBase:
+# transformers' environment variable that silences its advice, here that models need torch.
+NO_ADVICE = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+
+
+def load(path: str) -> "PreTrainedTokenizerBase":
+    """transformers' AutoTokenizer for the model directory at `path`.
+
+    NOTE: in a process that has imported neither torch nor transformers yet (the gateway's), transformers is
+    imported with torch hidden from it: it decides once, on import, whether torch is there, and with torch
+    there any model config it reads (AutoTokenizer reads one) imports torch, a second and a half of CPU at
+    every start. Its tokenizers and chat templates need no torch, and render the same without."""
+    if "torch" not in sys.modules and "transformers" not in sys.modules:
+        with _torch_hidden():
+            importlib.import_module("transformers")
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
 
 
+@contextlib.contextmanager
+def _torch_hidden() -> Iterator[None]:
+    """torch reported missing (importlib.util.find_spec gives None) inside the block, transformers' advice
+    about it silenced; both as before after it."""
+    advice = os.environ.get(NO_ADVICE)
+    sys.modules["torch"] = None
+    os.environ[NO_ADVICE] = "1"
+    try:
+        yield
+    finally:
+        del sys.modules["torch"]
+        if advice is None:
+            del os.environ[NO_ADVICE]
+        else:
+            os.environ[NO_ADVICE] = advice
+
+
 def encode(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: "PreTrainedTokenizerBase",
     request: generation_pb2.GenerateRequest,
     vocab_size: int,
     tools: ToolUse | None = None,
@@ -56,7 +95,7 @@ def check_vocabulary(ids: list[int], vocab_size: int, where: str = "") -> None:
         raise InvalidArgument(f"{where}token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
-def _render_chat(tokenizer: PreTrainedTokenizerBase, messages, tools: ToolUse | None) -> list[int]:
+def _render_chat(tokenizer: "PreTrainedTokenizerBase", messages, tools: ToolUse | None) -> list[int]:
     if tokenizer.chat_template is None:
         raise InvalidArgument("this model has no chat template: send prompt or token_ids instead of messages")
     for i, message in enumerate(messages):
@@ -74,7 +113,7 @@ def _render_chat(tokenizer: PreTrainedTokenizerBase, messages, tools: ToolUse | 
 
 
 @functools.lru_cache(maxsize=4)
-def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+def renders_tools(tokenizer: "PreTrainedTokenizerBase") -> bool:
     """Whether the tokenizer's chat template renders tools (asked once per tokenizer)."""
     return prompt.renders_tools(tokenizer)
 
@@ -88,7 +127,7 @@ class Detokenizer:
 
     __slots__ = ("_tokenizer", "_ids", "_prefix_offset", "_read_offset")
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase") -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
         self._prefix_offset = 0

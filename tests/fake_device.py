@@ -1,4 +1,4 @@
-"""A fake accelerator IPC (common/devices.py DeviceIpc) over CPU memory, for testing the cuda/npu pool
+"""A fake accelerator IPC (common/device_ipc.py DeviceIpc) over CPU memory, for testing the cuda/npu pool
 handles' code paths where no such device exists: `open` returns the very storage `allocate` made, so a
 write through one mapping is seen through the other, as with real IPC."""
 

@@ -7,7 +7,7 @@ import signal
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from common.shared_pool import files_of
+from common.shm_files import files_of
 
 SHM = Path("/dev/shm")
 

@@ -20,7 +20,7 @@ from cli.scrape import scrape
 from common.cpu import describe
 from common.model_files import DEFAULT_MODEL
 from common.options import ServiceOptions, add_dtype, add_kv_dtype, add_model
-from compute_service.quantized import WEIGHTS_CHOICES
+from compute_service.weight_modes import WEIGHTS_CHOICES
 from sdk.client import Client
 
 # The cache's KV tier flags, forwarded to the stacks the bench starts (those given only).

@@ -26,7 +26,7 @@ from cli.launch import GATEWAY_SERVICE, Stack
 from cli.processes import rss_bytes, services_of
 from common.cpu import describe
 from common.healthcheck import serving
-from common.shared_pool import files_of
+from common.shm_files import files_of
 from sdk.client import Client, GenerationError
 
 NAME = "soak"

@@ -3,7 +3,7 @@
 import torch
 
 from common import paging
-from compute_service.attention.sparse import SparseAttention
+from compute_service.attention.sparse_settings import SparseAttention
 
 
 def reference_attention(

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from compute_service.architectures import LayerAttention
 from compute_service.attention import cpu, cpu_native, cuda, npu, npu_args
+from compute_service.attention.backend_names import BACKEND_NAMES
 
 BACKENDS: dict[str, Callable] = {
     "cpu": cpu.paged_attention,
@@ -13,6 +14,7 @@ BACKENDS: dict[str, Callable] = {
     "cuda": cuda.paged_attention,
     "npu": npu.paged_attention,
 }
+assert tuple(BACKENDS) == BACKEND_NAMES, "each name the flags accept is a backend"
 KV_DTYPES: dict[str, tuple[str, ...]] = {
     "cpu": cpu.KV_DTYPES,
     "cpu-native": cpu_native.KV_DTYPES,
@@ -27,8 +29,6 @@ DEVICES: dict[str, tuple[str, ...]] = {"cpu": ("cpu",), "cuda": cuda.DEVICES, "n
 BLOCK_MULTIPLES: dict[str, int] = {"cpu": 1, "cuda": 1, "npu": npu_args.PREFILL_BLOCK_MULTIPLE}
 # The backends that soft-cap attention scores (Gemma 2); every backend serves sliding windows.
 SOFTCAP = ("cpu", "cpu-native", "cuda")
-# The backends that attend block-sparse under --sparse-attention (compute_service.attention.sparse).
-SPARSE = ("cpu-native",)
 # --attention-backend auto off the cpu: the device's own backend (on the cpu: compute_service.planning).
 DEVICE_DEFAULTS: dict[str, str] = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}
 # How each backend attends (prompts and chunks, decodes), as the execution plan reports it.

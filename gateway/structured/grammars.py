@@ -8,18 +8,20 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.hf
 import structlog
 from prometheus_client import Histogram
-from transformers import PreTrainedTokenizerBase
 
 from common.errors import InvalidArgument
 from common.metrics import LATENCY_BUCKETS
 from gateway.structured.limits import ConstraintLimits
 from gateway.structured.matcher import Matcher
 from gateway.structured.spec import Spec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = structlog.get_logger()
 COMPILE_SECONDS = Histogram(
@@ -42,7 +44,7 @@ class Grammars:
     """One per gateway: `matcher(spec)` gives a sample its matcher, or raises InvalidArgument naming what is
     wrong with the constraint (invalid, unsupported, over the limits, too slow to compile)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: ConstraintLimits) -> None:
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", limits: ConstraintLimits) -> None:
         self._hf = tokenizer
         self.limits = limits
         self._compile_ms = limits.max_constraint_compile_ms
@@ -56,6 +58,9 @@ class Grammars:
         """The engine's tokenizer for a model of this vocabulary (built once, slowly: call it at start-up)."""
         with self._lock:
             if self._tokenizer is None or self._tokenizer.vocab_size != vocab_size:
+                # NOTE: imported here: it imports transformers, which gateway.tokenizer.load imports first.
+                import llguidance.hf
+
                 start = time.perf_counter()
                 self._tokenizer = llguidance.hf.from_tokenizer(
                     self._hf, n_vocab=vocab_size, eos_token=eos_ids

@@ -2,14 +2,17 @@
 A template that renders tools gets them (transformers' apply_chat_template(tools=...)); one that does not
 (SmolLM2's) gets the tool list in the system prompt and past calls and results in Hermes's format."""
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from gateway.tools import hermes
 from gateway.tools.request import ToolUse, arguments
 from protos import generation_pb2
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+
+def renders_tools(tokenizer: "PreTrainedTokenizerBase") -> bool:
     """Whether the chat template writes the `tools` it is given into the prompt."""
     probe = [{"type": "function", "function": {"name": "probe_function_7f3a", "parameters": {}}}]
     messages = [{"role": "user", "content": "hi"}]

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from common.segment_header import HEADER_BYTES, TOKEN_BYTES
-from common.shared_pool import SEGMENT_PREFIX, SHM_DIR, open_pool
+from common.shared_pool import open_pool
+from common.shm_files import SEGMENT_PREFIX, SHM_DIR
 from protos import cache_pb2
 from tests.e2e.cache_process import BLOCK_SIZE, HEAD_DIM, HEADS, LAYERS, Service, pool_request, refused, seqs
 

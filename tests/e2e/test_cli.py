@@ -14,6 +14,7 @@ import pytest
 
 import cli.main
 from cli import runtime_dir
+from cli.processes import services_of
 from cli.scrape import scrape
 from sdk.client import GenerationError
 from tests import helpers
@@ -134,3 +135,18 @@ def test_up_prints_ready_and_cleans_up_on_sigint(model_dir, logs):
         helpers.stop(proc)
     assert not ours & _segments(), "the pool segment is removed on shutdown"
     assert not runtime_dir.default_path(port).exists(), "the sockets and their directory are removed"
+
+
+def _maps_torch(pid: int) -> bool:
+    """Whether process pid has torch's libraries mapped."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_the_launcher_and_the_gateway_run_without_torch(small_stack):
+    with small_stack.client() as client:
+        reply = client.generate(messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0.0)
+    assert reply.usage.prompt_tokens > 0
+    services = services_of(small_stack.proc.pid)
+    assert not _maps_torch(small_stack.proc.pid), "the launcher"
+    assert not _maps_torch(services["gateway"]), "the gateway, after a chat request"
+    assert _maps_torch(services["compute"]), "compute runs the model on torch"

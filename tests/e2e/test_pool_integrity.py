@@ -15,7 +15,8 @@ import torch
 
 from common.segment_header import SegmentHeader
 from common.server import channel
-from common.shared_pool import SEGMENT_PREFIX, SHM_DIR, PoolSpec, create, release
+from common.shared_pool import PoolSpec, create, release
+from common.shm_files import SEGMENT_PREFIX, SHM_DIR
 from protos import cache_pb2, common_pb2, compute_pb2_grpc
 from tests.e2e.cache_process import HEAD_DIM, HEADS, LAYERS, Service, pool_request, refused
 from tests.forward import forward_request

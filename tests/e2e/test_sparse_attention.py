@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.options import REFUSED
-from compute_service.attention.sparse import parse
+from compute_service.attention.sparse_settings import parse
 from compute_service.batch import ForwardBatch
 from compute_service.model_loader import load
 from compute_service.runner import Runner

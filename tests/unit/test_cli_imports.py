@@ -1,6 +1,7 @@
 """The client commands start like any CLI: `pagedserve --help` and each client command, parsed and run
-(against nothing listening), import no torch, transformers, bench or service code; every command's flags
-still parse."""
+(against nothing listening), import no torch, transformers, bench or service code; `up`'s launcher, which
+declares every service's flags and forwards them, imports no torch or transformers either; every command's
+flags still parse."""
 
 import json
 import subprocess
@@ -21,6 +22,19 @@ try:
 except SystemExit:
     pass
 print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {heavy} or m.startswith('cli.bench'))))
+"""
+
+# What `up`'s launcher runs besides starting the services and probing them: its flags parsed, each service's
+# command line and stop timeout derived, a dead cache's segments removed.
+LAUNCHER = """
+import json, os, sys
+from cli import main, up
+args = main.parser("up").parse_args(["up", "--sparse-attention", "on", "--weights", "int8"])
+commands = up.service_commands(args)
+up.stop_timeouts(args)
+up._remove_segments("cache", os.getpid() + 1)
+print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {"torch", "transformers", "numpy"})))
+print(json.dumps(commands["compute"]))
 """
 
 
@@ -50,6 +64,17 @@ def client_commands(tmp_path) -> dict[str, list[str]]:
 @pytest.mark.parametrize("name", ["help", "generate --help", "generate", "stats", "monitor", "certs"])
 def test_client_commands_load_no_heavy_module(tmp_path, name):
     assert loaded(client_commands(tmp_path)[name]) == []
+
+
+def test_the_up_launcher_loads_no_torch_or_transformers():
+    out = subprocess.run(
+        [sys.executable, "-c", LAUNCHER], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    heavy, compute = map(json.loads, out.stdout.splitlines()[-2:])
+    assert heavy == []
+    assert compute[compute.index("--sparse-attention") + 1] == "sink=1,recent=4,topk=8"
+    assert compute[compute.index("--weights") + 1] == "int8"
 
 
 def test_up_and_bench_still_declare_their_flags():

@@ -9,7 +9,7 @@ import torch
 
 from cache_service import device_room
 from cache_service.kv_pool import KVPool
-from common import device_pool, devices
+from common import device_ipc, device_pool
 from common.devices import CPU, Device, parse_device
 from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from common.shared_pool import PoolSpec
@@ -24,9 +24,9 @@ CUDA0, CUDA1 = Device("cuda", 0), Device("cuda", 1)
 
 @pytest.fixture
 def fake(monkeypatch) -> FakeIpc:
-    """A fake CUDA (two devices) that common.devices.ipc_for hands out."""
+    """A fake CUDA (two devices) that common.device_ipc.ipc_for hands out."""
     ipc = FakeIpc("cuda")
-    monkeypatch.setitem(devices.IPC, "cuda", lambda: ipc)
+    monkeypatch.setitem(device_ipc.IPC, "cuda", lambda: ipc)
     return ipc
 
 
@@ -167,13 +167,13 @@ def test_without_a_gpu_cuda_is_refused_with_the_reason():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible here: the refusal is for hosts without one")
     with pytest.raises(FailedPrecondition, match=r"no CUDA device is visible \(torch.cuda.is_available"):
-        devices.ipc_for(CUDA0)
+        device_ipc.ipc_for(CUDA0)
 
 
 def test_npu_without_torch_npu_is_refused_only_when_selected(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)
     with pytest.raises(FailedPrecondition, match=r"needs torch_npu .*pip install -e '.\[npu\]'"):
-        devices.ipc_for(Device("npu", 0))
+        device_ipc.ipc_for(Device("npu", 0))
     assert device_room.refusal(CPU, 0) is None, "the cpu never imports it"
 
 
@@ -181,4 +181,4 @@ def test_npu_ipc_needs_a_torch_npu_that_shares_memory(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", SimpleNamespace(__version__="2.1.0"))
     monkeypatch.delattr(torch.UntypedStorage, "_share_npu_", raising=False)
     with pytest.raises(FailedPrecondition, match="torch_npu 2.1.0 cannot share NPU memory.*7.2 or later"):
-        devices.ipc_for(Device("npu", 0))
+        device_ipc.ipc_for(Device("npu", 0))

@@ -10,7 +10,7 @@ from transformers import BertConfig
 
 from common import cpu
 from compute_service import fused, planning
-from compute_service.attention.sparse import SparseAttention
+from compute_service.attention.sparse_settings import SparseAttention
 from compute_service.model_info import plan_message
 from compute_service.plan import STAGES
 from compute_service.planning import Flags

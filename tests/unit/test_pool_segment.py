@@ -11,6 +11,7 @@ import torch
 from common import segment_header, shared_pool
 from common.errors import FailedPrecondition, InvalidArgument
 from common.segment_header import HEADER_BYTES, MAGIC, SegmentHeader
+from common.shm_files import SEGMENT_PREFIX
 from protos import common_pb2
 
 SPEC = shared_pool.PoolSpec(
@@ -83,7 +84,7 @@ def test_open_maps_the_same_memory(segment, tmp_path):
 
 def test_a_symlink_to_the_real_segment_is_refused(segment, tmp_path):
     _, handle = segment
-    link = tmp_path / f"{shared_pool.SEGMENT_PREFIX}link"
+    link = tmp_path / f"{SEGMENT_PREFIX}link"
     link.symlink_to(handle.shm.path)
     assert "is a symbolic link" in _refusal(_with(handle, shm__path=str(link)), tmp_path)
 
@@ -102,7 +103,7 @@ def test_a_segment_others_can_read_is_refused(segment, tmp_path):
 
 def test_a_hard_link_is_refused(segment, tmp_path):
     _, handle = segment
-    link = tmp_path / f"{shared_pool.SEGMENT_PREFIX}hard"
+    link = tmp_path / f"{SEGMENT_PREFIX}hard"
     os.link(handle.shm.path, link)
     assert "it has 2 links, not 1" in _refusal(_with(handle, shm__path=str(link)), tmp_path)
 
@@ -136,14 +137,14 @@ def test_a_segment_without_the_magic_is_refused(segment, tmp_path):
 
 def test_a_fifo_under_the_name_is_refused_without_blocking(segment, tmp_path):
     _, handle = segment
-    fifo = tmp_path / f"{shared_pool.SEGMENT_PREFIX}fifo"
+    fifo = tmp_path / f"{SEGMENT_PREFIX}fifo"
     os.mkfifo(fifo, 0o600)
     assert "not a regular file" in _refusal(_with(handle, shm__path=str(fifo)), tmp_path)
 
 
 def test_a_gone_segment_and_a_path_elsewhere_are_refused(segment, tmp_path):
     _, handle = segment
-    gone = _with(handle, shm__path=str(tmp_path / f"{shared_pool.SEGMENT_PREFIX}gone"))
+    gone = _with(handle, shm__path=str(tmp_path / f"{SEGMENT_PREFIX}gone"))
     assert "is gone" in _refusal(gone, tmp_path, FailedPrecondition)
     assert "is not a pagedserve pool segment" in _refusal(handle, tmp_path / "elsewhere")
     nul = _with(handle, shm__path=handle.shm.path + "\0")

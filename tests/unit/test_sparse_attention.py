@@ -14,7 +14,8 @@ from compute_service.attention import cpu_native
 from compute_service.attention.block_summaries import BlockSummaries
 from compute_service.attention.context import Context, reset_context, set_context
 from compute_service.attention.reference import reference_attention
-from compute_service.attention.sparse import SparseAttention, SparseDecode, parse
+from compute_service.attention.sparse import SparseDecode
+from compute_service.attention.sparse_settings import SparseAttention, parse
 from tests.paged_pools import pool, tables
 
 BLOCK = 16

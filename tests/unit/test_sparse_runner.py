@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compute_service import planning
-from compute_service.attention.sparse import SparseAttention
+from compute_service.attention.sparse_settings import SparseAttention
 from compute_service.batch import ForwardBatch
 from compute_service.model_loader import register_attention
 from compute_service.runner import Runner

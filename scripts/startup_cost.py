@@ -1,0 +1,90 @@
+"""What starting the stack costs: `pagedserve up` (with the flags given after `--`) until it prints its ready
+line, and the CPU seconds (user + system, reaped children included) that the launcher and each service spent
+by then; and `pagedserve --help`, its wall and CPU seconds. Each is run --runs times and the median printed:
+CPU seconds hold on a busy machine, wall seconds do not.
+
+    .venv/bin/python scripts/startup_cost.py --runs 3 [-- up flags...]
+"""
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cli.launch import free_port, log_tail, spawn, stop
+from cli.processes import PROC, services_of
+
+ROOT = Path(__file__).resolve().parent.parent
+READY = "pagedserve ready on"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system seconds of process pid and of the children it reaped."""
+    fields = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(value) for value in fields[11:15]) / TICKS
+
+
+def up_once(flags: list[str], timeout: float) -> dict[str, float]:
+    """One `pagedserve up` until ready: CPU seconds of the launcher and of each service, and the wall time."""
+    sockets = Path(tempfile.mkdtemp(prefix="ps-"))
+    log = sockets / "up.log"
+    argv = [sys.executable, "-m", "cli", "up", "--port", str(free_port()), "--http-port", str(free_port()),
+            "--runtime-dir", str(sockets), *flags]  # fmt: skip
+    began = time.monotonic()
+    proc = spawn(argv, log, cwd=ROOT)
+    try:
+        while READY not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() - began > timeout:
+                raise RuntimeError(f"pagedserve up did not get ready:\n{log_tail(proc)}")
+            time.sleep(0.1)
+        wall = time.monotonic() - began
+        cost = {"launcher": cpu_seconds(proc.pid)}
+        cost.update({name: cpu_seconds(pid) for name, pid in sorted(services_of(proc.pid).items())})
+    finally:
+        code = stop(proc, timeout=60)
+        shutil.rmtree(sockets, ignore_errors=True)
+    assert code == 0, f"pagedserve up exited with {code}:\n{log_tail(proc)}"
+    cost["total"] = sum(cost.values())
+    return {**cost, "wall": wall}
+
+
+def help_once() -> dict[str, float]:
+    """`pagedserve --help`: its wall and CPU seconds."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    began = time.monotonic()
+    subprocess.run([sys.executable, "-m", "cli", "--help"], cwd=ROOT, check=True, capture_output=True)
+    wall = time.monotonic() - began
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"wall": wall, "cpu": after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime}
+
+
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one start may take")
+    parser.add_argument("flags", nargs="*", help="flags for pagedserve up (after --)")
+    args = parser.parse_args()
+    helps = [help_once() for _ in range(args.runs)]
+    ups = []
+    for run in range(args.runs):
+        ups.append(up_once(args.flags, args.timeout))
+        print(f"up run {run + 1}: " + ", ".join(f"{key} {value:.2f}s" for key, value in ups[-1].items()))
+    print(f"pagedserve --help (median of {args.runs}): " + ", ".join(
+        f"{key} {value:.2f}s" for key, value in medians(helps).items()))  # fmt: skip
+    print(f"pagedserve up until ready (median of {args.runs}): " + ", ".join(
+        f"{key} {value:.2f}" for key, value in medians(ups).items()))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

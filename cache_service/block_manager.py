@@ -5,7 +5,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from cache_service.allocators.base import BlockAllocator
 from cache_service.block_pool import BlockPool
-from cache_service.invariants import check_tables, table_holders
+from cache_service.invariants import table_holders
 from cache_service.prefix_cache import root_hash
 from cache_service.prefix_match import Hit, Partial, StepBlocks, lookup
 from cache_service.sequence import (
@@ -31,9 +31,10 @@ class BlockManager:
     Every block is free (in the allocator), used (refcount > 0) or cached (indexed, refcount 0, evictable).
     NOTE: `copy_block(src, dst)` copies a block's K/V; it runs inside `reserve`, before compute writes.
     What changes one table (hits shared, blocks indexed, copied on write, grown) is cache_service.tables.
-    A manager of one KV group of a hybrid model (cache_service.kv_groups) shares `block_pool` with the other
-    groups' managers; a sliding group's tables release the blocks out of the window of the step's first
-    query, their entries then holding `null_block` (a block no kernel reads: the window masks it).
+    A manager of one KV group (common/kv_groups.py) may share `block_pool` and `null_block` with the other
+    groups' managers (cache_service/hybrid_blocks.py); a sliding group's tables release the blocks out of
+    the window of the step's first query, their entries then holding `null_block` (a block no kernel reads:
+    the window masks it).
     """
 
     def __init__(
@@ -48,12 +49,13 @@ class BlockManager:
         null_block: int = -1,
     ) -> None:
         assert block_size > 0, block_size
-        assert group is None or not group.window or null_block >= 0, (group, null_block)
         self.allocator = allocator
         self.block_pool = block_pool or BlockPool(allocator)
         self.block_size = block_size
         self.group = group
-        self.null_block = null_block
+        # NOTE: a sliding group's manager alone in its pool holds the null block itself, for good.
+        self._owns_null = group is not None and bool(group.window) and null_block < 0
+        self.null_block = self.block_pool.take(1, []).pop() if self._owns_null else null_block
         self.prefix_caching = prefix_caching
         self._model = model
         self._seqs: dict[str, SeqState] = {}
@@ -297,8 +299,11 @@ class BlockManager:
         return self._counters.snapshot(self.block_pool, len(self._seqs), self.block_size)
 
     def check_invariants(self) -> None:
-        """Asserts the tables' and the pool's invariants (cache_service.invariants.check_tables)."""
-        check_tables(self._seqs, self._counters, self.block_pool, self.block_size)
+        """Asserts the tables' and the pool's invariants (cache_service.invariants)."""
+        holders = self.holders()
+        if self._owns_null:
+            holders[self.null_block] += 1
+        self.block_pool.check_invariants(holders)
 
     def holders(self) -> list[int]:
         """Per block, how many of this manager's table entries hold it (cache_service.invariants)."""

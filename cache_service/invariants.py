@@ -8,14 +8,6 @@ from cache_service.sequence import SeqState
 from cache_service.stats import Counters
 
 
-def check_tables(
-    seqs: Mapping[str, SeqState], counters: Counters, block_pool: BlockPool, block_size: int
-) -> None:
-    """Asserts: refcount == tables holding the block; free + used + cached == total, disjoint; no table
-    holds a block twice or lacks blocks for its tokens; indexed blocks hold the tokens of their hash."""
-    block_pool.check_invariants(table_holders(seqs, counters, block_pool, block_size))
-
-
 def table_holders(
     seqs: Mapping[str, SeqState],
     counters: Counters,
@@ -24,7 +16,9 @@ def table_holders(
     null_block: int = -1,
 ) -> list[int]:
     """Per block, the table entries holding it (entries of null_block, a sliding table's released past, hold
-    nothing), once the tables' own invariants and the counters are asserted."""
+    nothing), once asserted: no table holds a block twice or lacks blocks for its tokens, the counters
+    match the tables, indexed blocks hold the tokens of their hash. BlockPool.check_invariants takes them
+    (refcount == holders; free + used + cached == total, disjoint)."""
     holders = [0] * block_pool.num_total
     states = seqs.values()
     assert counters.stored_tokens == sum(seq.num_tokens for seq in states), counters

@@ -5,9 +5,11 @@ import pytest
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
 from cache_service.hybrid_blocks import HybridBlocks
+from cache_service.kv_pool import table_group
 from cache_service.sequence import SeqRequest
 from common.errors import InvalidArgument, NotFound, ResourceExhausted
 from common.kv_groups import group_layers
+from protos import cache_pb2
 
 BS = 4
 WINDOW = 9  # a query at p reads keys p-8..p: at most three blocks of four, four when it straddles
@@ -18,7 +20,7 @@ def hybrid(windows: list[int], num_blocks: int = 64, prefix_caching: bool = Fals
     return HybridBlocks(registry.create("freelist", num_blocks), groups, BS, prefix_caching=prefix_caching)
 
 
-def grow(blocks: HybridBlocks, seq_id: str, start: int, end: int, chunk: int) -> None:
+def grow(blocks: HybridBlocks | BlockManager, seq_id: str, start: int, end: int, chunk: int) -> None:
     """Runs a sequence from `start` written tokens to `end`, `chunk` tokens a step."""
     for computed in range(start, end, chunk):
         blocks.reserve((), [SeqRequest(seq_id, min(end, computed + chunk), num_computed=computed)])
@@ -126,3 +128,33 @@ def test_one_sliding_group_keeps_prefix_caching():
     assert table[:7] == [blocks.null_block] * 7
     assert blocks.held_blocks() == [3]
     blocks.check_invariants()
+
+
+def test_a_sliding_block_manager_alone_holds_its_null_block():
+    blocks = BlockManager(registry.create("freelist", 16), BS, group=group_layers([WINDOW])[0])
+    assert blocks.num_available == 15
+    blocks.reserve([SeqRequest("a", 4)], ())
+    grow(blocks, "a", 4, 40, 4)
+    assert blocks.block_table("a")[:7] == [blocks.null_block] * 7
+    blocks.free(["a"])
+    assert blocks.num_available == 15
+    blocks.check_invariants()
+
+
+def pool_request(windows: list[int], num_layers: int = 2) -> cache_pb2.CreatePoolRequest:
+    geometry = cache_pb2.PoolGeometry(num_layers=num_layers, num_kv_heads=1, head_dim=4)
+    return cache_pb2.CreatePoolRequest(geometry=geometry, block_size=BS, sliding_windows=windows)
+
+
+@pytest.mark.parametrize(
+    ("windows", "window"), [([], None), ([0, 0], None), ([WINDOW, WINDOW], WINDOW), ([0, WINDOW], None)]
+)
+def test_a_pools_tables_keep_a_window_only_when_every_layer_has_it(windows, window):
+    group = table_group(pool_request(windows))
+    assert (group and group.window) == window
+
+
+@pytest.mark.parametrize("windows", [[WINDOW], [0, -1]])
+def test_bad_sliding_windows_are_refused(windows):
+    with pytest.raises(InvalidArgument):
+        table_group(pool_request(windows))

@@ -5,7 +5,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from cache_service.allocators.base import BlockAllocator
 from cache_service.block_pool import BlockPool
-from cache_service.invariants import check_tables
+from cache_service.invariants import table_holders
 from cache_service.prefix_cache import root_hash
 from cache_service.prefix_match import Hit, Partial, StepBlocks, lookup
 from cache_service.sequence import (
@@ -21,6 +21,7 @@ from cache_service.sequence import (
 )
 from cache_service.stats import BlockStats, Counters
 from cache_service.tables import Tables
+from common.kv_groups import KVGroup
 from common.paging import blocks_for
 
 
@@ -30,6 +31,10 @@ class BlockManager:
     Every block is free (in the allocator), used (refcount > 0) or cached (indexed, refcount 0, evictable).
     NOTE: `copy_block(src, dst)` copies a block's K/V; it runs inside `reserve`, before compute writes.
     What changes one table (hits shared, blocks indexed, copied on write, grown) is cache_service.tables.
+    A manager of one KV group (common/kv_groups.py) may share `block_pool` and `null_block` with the other
+    groups' managers (cache_service/hybrid_blocks.py); a sliding group's tables release the blocks out of
+    the window of the step's first query, their entries then holding `null_block` (a block no kernel reads:
+    the window masks it).
     """
 
     def __init__(
@@ -39,11 +44,18 @@ class BlockManager:
         copy_block: Callable[[int, int], None] = lambda src, dst: None,
         prefix_caching: bool = True,
         model: str = "",
+        group: KVGroup | None = None,
+        block_pool: BlockPool | None = None,
+        null_block: int = -1,
     ) -> None:
         assert block_size > 0, block_size
         self.allocator = allocator
-        self.block_pool = BlockPool(allocator)
+        self.block_pool = block_pool or BlockPool(allocator)
         self.block_size = block_size
+        self.group = group
+        # NOTE: a sliding group's manager alone in its pool holds the null block itself, for good.
+        self._owns_null = group is not None and bool(group.window) and null_block < 0
+        self.null_block = self.block_pool.take(1, []).pop() if self._owns_null else null_block
         self.prefix_caching = prefix_caching
         self._model = model
         self._seqs: dict[str, SeqState] = {}
@@ -95,6 +107,7 @@ class BlockManager:
         self.index_written({r.seq_id: r.num_computed for r in running})
         self._admit(new, use_partials)
         self._grow_running(running)
+        self._release_out_of_window(new, running)
         tails = [
             TableTail(0, self.block_table(r.seq_id), self.cached_tokens(r.seq_id), r.num_tokens) for r in new
         ]
@@ -102,6 +115,12 @@ class BlockManager:
             first = request.num_computed // self.block_size
             tails.append(TableTail(first, self._seqs[request.seq_id].block_table[first:]))
         return tails
+
+    def step_need(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> int:
+        """Blocks a valid `reserve(new, running)` needs available (without copying partly matched blocks),
+        the evictable ones its prefix hits revive included; an upper bound once a sliding table releases."""
+        need, revived = self._need(self.fit(new), partials=False)
+        return need + revived + self._growth(running)
 
     def check(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> None:
         """Raises as `reserve` does when the batch is invalid (before blocks are counted); changes nothing."""
@@ -186,6 +205,16 @@ class BlockManager:
             self._counters.account(request.num_tokens, len(seq.block_table))
             step.add(seq, request.num_tokens)
 
+    def _release_out_of_window(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> None:
+        if self.group is None or not self.group.window:
+            return
+        firsts = [(r.seq_id, self._seqs[r.seq_id].cached_tokens) for r in new]
+        for seq_id, first_written in firsts + [(r.seq_id, r.num_computed) for r in running]:
+            seq = self._seqs[seq_id]
+            first_kept = self.group.first_kept(first_written, self.block_size)
+            released = self._tables.release(seq, first_kept, self.null_block)
+            self._counters.account(0, -released)
+
     def _grow_running(self, requests: Sequence[SeqRequest]) -> None:
         for request in requests:
             seq = self._seqs[request.seq_id]
@@ -210,14 +239,15 @@ class BlockManager:
         check_fork(parent_id, child_ids, self._seqs)
         parent = self._seqs[parent_id]
         shared = parent.block_table[: self.blocks_needed(parent.num_tokens)]
+        held = [block_id for block_id in shared if block_id != self.null_block]
         for child_id in child_ids:
             tokens = list(parent.token_ids) if parent.token_ids is not None else None
             self._seqs[child_id] = SeqState(
                 parent.num_tokens, parent.root, tokens, list(shared), list(parent.hashes)
             )
-            for block_id in shared:
+            for block_id in held:
                 self.block_pool.reference(block_id)
-            self._counters.account(parent.num_tokens, len(shared))
+            self._counters.account(parent.num_tokens, len(held))
         return [self.block_table(child_id) for child_id in child_ids]
 
     # free
@@ -241,11 +271,12 @@ class BlockManager:
         released = 0
         for seq_id in seq_ids:
             seq = self._seqs.pop(seq_id)
-            self._counters.account(-seq.num_tokens, -len(seq.block_table))
+            held = [block_id for block_id in seq.block_table if block_id != self.null_block]
+            self._counters.account(-seq.num_tokens, -len(held))
             seq.append(appended.get(seq_id, ()))
             self._tables.register(seq, num_computed.get(seq_id, 0))
             # NOTE: tail blocks first, so they are evicted before the prefix blocks others may share.
-            released += sum(self.block_pool.release(block_id) for block_id in reversed(seq.block_table))
+            released += sum(self.block_pool.release(block_id) for block_id in reversed(held))
         return released
 
     # queries
@@ -268,8 +299,15 @@ class BlockManager:
         return self._counters.snapshot(self.block_pool, len(self._seqs), self.block_size)
 
     def check_invariants(self) -> None:
-        """Asserts the tables' and the pool's invariants (cache_service.invariants.check_tables)."""
-        check_tables(self._seqs, self._counters, self.block_pool, self.block_size)
+        """Asserts the tables' and the pool's invariants (cache_service.invariants)."""
+        holders = self.holders()
+        if self._owns_null:
+            holders[self.null_block] += 1
+        self.block_pool.check_invariants(holders)
+
+    def holders(self) -> list[int]:
+        """Per block, how many of this manager's table entries hold it (cache_service.invariants)."""
+        return table_holders(self._seqs, self._counters, self.block_pool, self.block_size, self.null_block)
 
     def _new_state(self, request: SeqRequest) -> SeqState:
         tokens = list(request.token_ids) if self.prefix_caching and request.token_ids else None

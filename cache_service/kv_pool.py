@@ -11,6 +11,7 @@ from cache_service.block_manager import BlockManager
 from common import shared_pool
 from common.devices import CPU, Device
 from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from common.kv_groups import KVGroup, group_layers
 from common.session_fence import SessionFence
 from common.shared_pool import PoolSpec
 from protos import cache_pb2, common_pb2
@@ -69,6 +70,21 @@ def spec_from_request(
     return spec
 
 
+def table_group(request: cache_pb2.CreatePoolRequest) -> KVGroup | None:
+    """The KV group the pool's tables keep when every layer has one sliding window (its out-of-window blocks
+    are released), else None (a table keeps every block: full attention, or layers of several patterns).
+    InvalidArgument unless sliding_windows is empty or one window >= 0 per layer."""
+    windows, num_layers = list(request.sliding_windows), request.geometry.num_layers
+    if windows and len(windows) != num_layers:
+        raise InvalidArgument(
+            f"sliding_windows has {len(windows)} entries for {num_layers} layers: send one per layer, or none"
+        )
+    if not windows:
+        return None
+    groups = group_layers(windows)
+    return groups[0] if len(groups) == 1 and groups[0].window else None
+
+
 def _check_scales(dtype: torch.dtype, kv_scales_id: str) -> None:
     if shared_pool.is_fp8(dtype) and not kv_scales_id:
         raise InvalidArgument(
@@ -95,6 +111,7 @@ class KVPool:
     blocks: BlockManager
     fence: SessionFence
     kv_scales_id: str = ""
+    group: KVGroup | None = None
 
     @classmethod
     def create(
@@ -105,10 +122,12 @@ class KVPool:
         prefix_caching: bool,
         kv_scales_id: str = "",
         device: Device = CPU,
+        group: KVGroup | None = None,
     ) -> "KVPool":
         """A new zeroed pool with a new epoch on `device` (a shm segment on the cpu; see
         cache_service/device_room.py otherwise); the caller must `release` it. ResourceExhausted, before
-        anything is allocated (the allocator's state too), unless the host or device can back it."""
+        anything is allocated (the allocator's state too), unless the host or device can back it. `group`
+        (`table_group`): the sliding group whose window the tables keep."""
         host_memory.require_room_here(*_host_share(spec, device))
         allocator_ = registry.create(allocator, spec.num_blocks)
         tensor, handle = device_room.create(spec, device)
@@ -123,24 +142,27 @@ class KVPool:
             tensor[:, :, dst].copy_(tensor[:, :, src])
 
         identity = kv_identity(model, spec.dtype, kv_scales_id)
-        blocks = BlockManager(allocator_, spec.block_size, copy_block, prefix_caching, identity)
-        return cls(spec, model, tensor, handle, blocks, fence, kv_scales_id)
+        blocks = BlockManager(allocator_, spec.block_size, copy_block, prefix_caching, identity, group)
+        return cls(spec, model, tensor, handle, blocks, fence, kv_scales_id, group)
 
     @property
     def identity(self) -> str:
         """The root of its prefix hashes beyond the salt (`kv_identity`): what a tier must hash with too."""
         return kv_identity(self.model, self.spec.dtype, self.kv_scales_id)
 
-    def require_layout(self, spec: PoolSpec, model: str, kv_scales_id: str = "") -> None:
+    def require_layout(
+        self, spec: PoolSpec, model: str, kv_scales_id: str = "", group: KVGroup | None = None
+    ) -> None:
         """FailedPrecondition unless `spec` differs from this pool's at most in its number of blocks, for the
-        same model and scales: a live pool's layout never changes (callers hold its handle and block ids)."""
-        mine = (self.spec, self.model, self.kv_scales_id)
-        if (replace(spec, num_blocks=self.spec.num_blocks), model, kv_scales_id) == mine:
+        same model, scales and sliding group: a live pool's layout never changes (callers hold its handle
+        and block ids)."""
+        mine = (self.spec, self.model, self.kv_scales_id, self.group)
+        if (replace(spec, num_blocks=self.spec.num_blocks), model, kv_scales_id, group) == mine:
             return
         raise FailedPrecondition(
             f"the cache service holds a pool of another layout ({_layout(*mine)}) than asked "
-            f"({_layout(spec, model, kv_scales_id)}): a pool keeps its layout while the cache service runs; "
-            "restart the cache service to change the layout"
+            f"({_layout(spec, model, kv_scales_id, group)}): a pool keeps its layout while the cache service "
+            "runs; restart the cache service to change the layout"
         )
 
     def require_size(self, spec: PoolSpec) -> None:
@@ -186,9 +208,10 @@ def _size(spec: PoolSpec) -> str:
     return f"{spec.num_blocks} blocks ({spec.nbytes / 2**20:.1f} MiB)"
 
 
-def _layout(spec: PoolSpec, model: str, kv_scales_id: str) -> str:
+def _layout(spec: PoolSpec, model: str, kv_scales_id: str, group: KVGroup | None) -> str:
     scales = f", kv scales {kv_scales_id}" if kv_scales_id else ""
+    window = f", tables keep a {group.window}-token window" if group else ""
     return (
         f"{spec.num_layers} layers, {spec.num_kv_heads} kv heads, head_dim {spec.head_dim}, "
-        f"block_size {spec.block_size}, {shared_pool.dtype_name(spec.dtype)}{scales}, model {model!r}"
+        f"block_size {spec.block_size}, {shared_pool.dtype_name(spec.dtype)}{scales}{window}, model {model!r}"
     )

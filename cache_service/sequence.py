@@ -63,11 +63,12 @@ class SeqState:
         """The hash the chain goes on from: the last hashed block's, or the root."""
         return self.hashes[-1] if self.hashes else self.root
 
-    def check_invariants(self, seq_id: str, block_size: int) -> None:
-        """Asserts: the table holds no block twice, the blocks for num_tokens and at most the lookahead
-        limit's more; tokens all kept."""
+    def check_invariants(self, seq_id: str, block_size: int, null_block: int = -1) -> None:
+        """Asserts: the table holds no block twice (null_block, a released entry, aside), the blocks for
+        num_tokens and at most the lookahead limit's more; tokens all kept."""
         table, n = self.block_table, self.num_tokens
-        assert len(set(table)) == len(table), f"sequence {seq_id!r} holds a block twice: {table}"
+        held = [block_id for block_id in table if block_id != null_block]
+        assert len(set(held)) == len(held), f"sequence {seq_id!r} holds a block twice: {table}"
         low, high = blocks_for(n, block_size), blocks_for(n + MAX_LOOKAHEAD_TOKENS, block_size)
         assert low <= len(table) <= high, (seq_id, n, table)
         assert self.token_ids is None or len(self.token_ids) == self.num_tokens, seq_id

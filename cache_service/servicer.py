@@ -7,7 +7,7 @@ import torch
 from cache_service import block_map, messages
 from cache_service.block_manager import BlockManager
 from cache_service.kv_events import publisher as kv_events
-from cache_service.kv_pool import KVPool, spec_from_request
+from cache_service.kv_pool import KVPool, spec_from_request, table_group
 from cache_service.options import DEFAULT_SESSION_TTL_S
 from cache_service.sequence import check_prompt
 from cache_service.sessions import Sessions
@@ -54,8 +54,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def CreatePool(self, request: cache_pb2.CreatePoolRequest, context) -> common_pb2.PoolHandle:
         with self._lock:
             spec = spec_from_request(request, self._default_blocks, self._default_memory)
+            group = table_group(request)
             if self._pool is not None:
-                self._pool.require_layout(spec, request.model, request.kv_scales_id)
+                self._pool.require_layout(spec, request.model, request.kv_scales_id, group)
                 if request.num_blocks or request.memory_bytes:
                     self._pool.require_size(spec)
                 self._attention_backend = request.attention_backend
@@ -67,10 +68,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 self._prefix_caching,
                 request.kv_scales_id,
                 self._device,
+                group,
             )
             self._log.info(
                 "pool_created",
                 shape=list(spec.shape),
+                window=group.window if group else 0,
                 dtype=self._pool.handle.dtype,
                 mib=round(spec.nbytes / 2**20, 1),
                 epoch=self._pool.handle.epoch,
@@ -179,6 +182,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 kv_dtype=self._pool.handle.dtype,
                 device=self._pool.handle.device,
                 attention_backend=self._attention_backend,
+                sliding_window=self._pool.group.window if self._pool.group else 0,
                 prefix_query_tokens=stats.prefix_query_tokens,
                 prefix_hit_tokens=stats.prefix_hit_tokens,
                 copy_on_writes=stats.copy_on_writes,

@@ -65,3 +65,14 @@ class Tables:
     def grow(self, seq: SeqState, n: int) -> None:
         assert n >= 0, n
         seq.block_table.extend(self.block_pool.take(n, seq.block_table))
+
+    def release(self, seq: SeqState, first_kept: int, null_block: int) -> int:
+        """Releases the blocks before index first_kept (a sliding window's past), leaving null_block in their
+        entries; returns how many it released."""
+        released = 0
+        for index in range(min(first_kept, len(seq.block_table))):
+            if seq.block_table[index] != null_block:
+                self.block_pool.release(seq.block_table[index])
+                seq.block_table[index] = null_block
+                released += 1
+        return released

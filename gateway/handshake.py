@@ -32,6 +32,7 @@ def handshake(
         model=info.model,
         kv_scales_id=info.kv_scales_id,
         attention_backend=info.attention_backend,
+        sliding_windows=info.sliding_windows,
     )
     with calling("cache"):
         handle = cache.CreatePool(request, wait_for_ready=wait, timeout=timeout)

@@ -28,7 +28,7 @@ class PoolGeometry(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
-    __slots__ = ("geometry", "block_size", "kv_dtype", "num_blocks", "memory_bytes", "model", "kv_scales_id", "attention_backend")
+    __slots__ = ("geometry", "block_size", "kv_dtype", "num_blocks", "memory_bytes", "model", "kv_scales_id", "attention_backend", "sliding_windows")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class CreatePoolRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_ID_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     geometry: PoolGeometry
     block_size: int
     kv_dtype: str
@@ -45,7 +46,8 @@ class CreatePoolRequest(_message.Message):
     model: str
     kv_scales_id: str
     attention_backend: str
-    def __init__(self, geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    sliding_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., attention_backend: _Optional[str] = ..., sliding_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
     __slots__ = ("seq_id", "num_tokens", "token_ids", "num_computed", "cache_salt", "max_compute_tokens", "lookahead_tokens")
@@ -185,7 +187,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_sequences", "block_size", "usage", "allocator", "pool_epoch", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "copy_on_writes", "evictions", "allocator_stats", "stored_tokens", "table_slots", "num_sessions", "kv_dtype", "device", "attention_backend", "kv_tier")
+    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_sequences", "block_size", "usage", "allocator", "pool_epoch", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "copy_on_writes", "evictions", "allocator_stats", "stored_tokens", "table_slots", "num_sessions", "kv_dtype", "device", "attention_backend", "sliding_window", "kv_tier")
     class AllocatorStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +216,7 @@ class CacheStats(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     used_blocks: int
@@ -236,8 +239,9 @@ class CacheStats(_message.Message):
     kv_dtype: str
     device: str
     attention_backend: str
+    sliding_window: int
     kv_tier: TierStats
-    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., usage: _Optional[float] = ..., allocator: _Optional[str] = ..., pool_epoch: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., copy_on_writes: _Optional[int] = ..., evictions: _Optional[int] = ..., allocator_stats: _Optional[_Mapping[str, float]] = ..., stored_tokens: _Optional[int] = ..., table_slots: _Optional[int] = ..., num_sessions: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_tier: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., usage: _Optional[float] = ..., allocator: _Optional[str] = ..., pool_epoch: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., copy_on_writes: _Optional[int] = ..., evictions: _Optional[int] = ..., allocator_stats: _Optional[_Mapping[str, float]] = ..., stored_tokens: _Optional[int] = ..., table_slots: _Optional[int] = ..., num_sessions: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., sliding_window: _Optional[int] = ..., kv_tier: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("name", "location", "hit_blocks", "loaded_bytes", "load_seconds", "miss_blocks", "skipped_blocks", "corrupt_records", "written_blocks", "written_bytes", "write_drops", "errors", "queued_blocks", "stored_blocks", "stored_bytes", "budget_bytes", "evictions")

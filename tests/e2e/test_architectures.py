@@ -1,7 +1,8 @@
 """Architectures other than Llama served by `pagedserve up` from tiny random-weight checkpoints (Hugging Face
 directories, and a GGUF): concurrent greedy requests (packed, their prompts longer than every sliding window
 and prefilled in chunks) and a prefix hit give transformers' eager greedy tokens through gRPC; chat messages
-take the GGUF's chat template and EOS; GetModelInfo reports each layer's window; an encoder-only checkpoint
+take the GGUF's chat template and EOS; GetModelInfo reports each layer's window, and a model sliding one
+window on every layer has the cache's tables release the blocks before it; an encoder-only checkpoint
 stops `up` at start-up with one line. One stack at a time (memory)."""
 
 import subprocess
@@ -79,6 +80,8 @@ def test_model_info_reports_each_layers_window(served):
     assert info.execution_plan.architecture == reference.config.model_type
     windows = (0,) * reference.config.num_hidden_layers if name == GGUF else SLIDING_WINDOWS[name]
     assert tuple(info.sliding_windows) == windows
+    # one window on every layer: the cache's tables keep only it (Mistral); else every block
+    assert stack.stats().sliding_window == (windows[0] if len(set(windows)) == 1 else 0)
     plan = info.execution_plan
     stages = {stage.stage: stage.implementation for stage in plan.stages}
     assert (stages["layers"], stages["layers.decode"]) == FAST_PATH.get(plan.architecture, UNFUSED)

@@ -389,3 +389,30 @@ def test_reserve_with_lookahead_grows_the_table_ahead_and_refuses_a_bad_value(st
     assert service.stats() == before, "a refused Reserve changes nothing"
     freed = stub.Free(cache_pb2.FreeRequest(seq_ids=["la"]))
     assert (freed.freed_blocks, freed.available_blocks) == (2, NUM_BLOCKS)
+
+
+def test_a_sliding_window_pool_releases_the_blocks_before_the_window(tmp_path):
+    windowed = Service(tmp_path, "--kv-blocks", "16")
+    try:
+        stub = windowed.stub
+        stub.CreatePool(pool_request(sliding_windows=[20, 20]))
+        assert (windowed.stats().sliding_window, windowed.stats().used_blocks) == (20, 1), "the null block"
+        stub.Reserve(cache_pb2.ReserveRequest(new_seqs=seqs(("a", 40))))
+        grown = cache_pb2.SequenceRequest(seq_id="a", num_tokens=100, num_computed=40)
+        stub.Reserve(cache_pb2.ReserveRequest(running_seqs=[grown]))
+        decode = cache_pb2.SequenceRequest(seq_id="a", num_tokens=101, num_computed=100)
+        (tail,) = stub.Reserve(cache_pb2.ReserveRequest(running_seqs=[decode])).tables
+        # token 100 reads keys 81..100: blocks 5 and 6 of 16 tokens; blocks 0..4 are released
+        assert tail.first_block == 6 and len(tail.block_ids) == 1
+        stats = windowed.stats()
+        assert (stats.used_blocks, stats.table_slots, stats.stored_tokens) == (3, 2 * BLOCK_SIZE, 101)
+        details = refused(stub.CreatePool, pool_request(), grpc.StatusCode.FAILED_PRECONDITION)
+        assert "tables keep a 20-token window" in details
+        stub.Free(cache_pb2.FreeRequest(seq_ids=["a"]))
+        assert windowed.stats().used_blocks == 1
+        details = refused(
+            stub.CreatePool, pool_request(sliding_windows=[20]), grpc.StatusCode.INVALID_ARGUMENT
+        )
+        assert "sliding_windows has 1 entries for 2 layers" in details
+    finally:
+        assert windowed.stop() == 0

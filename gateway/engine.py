@@ -27,12 +27,13 @@ from gateway.lease import Lease
 from gateway.live_seqs import LiveSeqs
 from gateway.outputs import Output, advance, tell
 from gateway.recovery import PeerFault, PeerRecovery, calling
-from gateway.reservation import look_up_prefixes, reserve_step
+from gateway.reservation import reserve_step, schedule_step
 from gateway.scheduler import Scheduler
 from gateway.sequence import Sequence
 from gateway.step import ScheduledStep, StepResult
 from gateway.step_faults import fail_faulty, run_isolated
 from gateway.step_timer import StepTimer
+from gateway.update_faults import fail_rows, fork_isolated
 from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 
 if TYPE_CHECKING:
@@ -201,24 +202,10 @@ class Engine:
                 if self.recovery.active:
                     self._recover()
                     continue
-                step = self._schedule()
+                step = schedule_step(self.scheduler, self.live)
             blocked = step is None
             if step is not None:
                 self._step(step, timer)
-
-    def _schedule(self) -> ScheduledStep | None:
-        """The next step. A sequence whose scheduling raised fails its request (INTERNAL) alone; if
-        scheduling itself raises, every request it chose from fails instead."""
-        look_up_prefixes(self.scheduler)
-        try:
-            step = self.scheduler.schedule()
-        except Exception as exc:  # noqa: BLE001
-            self.live.fail_internal([*self.scheduler.running, *self.scheduler.waiting], exc)
-            return None
-        if step is not None and step.faulty:
-            fail_faulty(self.live, step.faulty)
-            step.seqs[:] = [seq for seq in step.seqs if self.live.holds(seq)]
-        return step
 
     # one step
     def _step(self, step: ScheduledStep, timer: StepTimer) -> None:
@@ -274,11 +261,11 @@ class Engine:
         faulty: list[tuple[Sequence, Exception]] = []
         with result.timer.phase("cache_rpc"):
             for seq in [seq for seq in result.seqs if seq.forks_now]:
-                self._fork(seq, faulty)
+                fork_isolated(self.live, seq, faulty)
         eos = frozenset(self.model_info.eos_token_ids)
         outputs = advance(result.seqs, result.reply, eos, self.tokenizer, faulty)
         if faulty:
-            outputs = self._fail_rows(faulty, outputs, result.running_on, deferred)
+            outputs = fail_rows(self.live, self.executor, faulty, outputs, result.running_on, deferred)
         self.view.account(outputs)
         ended = [(seq, output) for seq, output in outputs if output.finish_reason]
         held = [(seq, output) for seq, output in ended if seq.seq_id in result.running_on]
@@ -291,40 +278,6 @@ class Engine:
                 seq.outbox.put(output)
         result.timer.finish(result.kind)
         return held
-
-    def _fork(self, seq: Sequence, faulty: list[tuple[Sequence, Exception]]) -> None:
-        """The samples of `seq`'s request fork from it; if that fails without losing the cache, its request
-        goes to `faulty` (a lost cache is raised: every row waits for it)."""
-        try:
-            with calling("cache"):
-                self.live.fork(seq)
-        except PeerFault as fault:
-            if fault.lost:
-                raise
-            faulty.append((seq, fault))
-        except Exception as exc:  # noqa: BLE001 - that row's fault: its request fails alone
-            faulty.append((seq, exc))
-
-    def _fail_rows(
-        self,
-        faulty: list[tuple[Sequence, Exception]],
-        outputs: list[tuple[Sequence, Output]],
-        running_on: frozenset[str],
-        deferred: list[tuple[Sequence, Exception]],
-    ) -> list[tuple[Sequence, Output]]:
-        """The requests of the update's faulty rows fail alone; returns the other requests' outputs. A row
-        compute still runs on (a multi-step call's) ends the call and goes to `deferred`: its request fails
-        once the call is over, when compute no longer writes its blocks."""
-        now = [(seq, exc) for seq, exc in faulty if seq.seq_id not in running_on]
-        later = [(seq, exc) for seq, exc in faulty if seq.seq_id in running_on]
-        if later:
-            self.executor.end_call()
-            deferred += later
-        fail_faulty(self.live, now)
-        doomed = {seq.group_id for seq, _ in deferred}
-        return [
-            (seq, output) for seq, output in outputs if self.live.holds(seq) and seq.group_id not in doomed
-        ]
 
     # recovery
     def _lose(self, service: str) -> None:

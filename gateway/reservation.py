@@ -1,6 +1,6 @@
-"""The schedule stage's cache calls: the Lookup of the prefixes the next prompts may share, then a step's
-blocks reserved (with room for a multi-step's later steps when it may run one), or the preempted
-sequences' blocks freed."""
+"""The schedule stage: the step scheduled, and its cache calls: the Lookup of the prefixes the next
+prompts may share, then a step's blocks reserved (with room for a multi-step's later steps when it may
+run one), or the preempted sequences' blocks freed."""
 
 from functools import partial
 
@@ -15,7 +15,7 @@ from gateway.recovery import PeerFault, calling
 from gateway.scheduler import Scheduler
 from gateway.sequence import Sequence
 from gateway.step import ScheduledStep
-from gateway.step_faults import fail, isolate
+from gateway.step_faults import fail, fail_faulty, isolate
 
 log = structlog.get_logger()
 
@@ -30,6 +30,21 @@ def look_up_prefixes(scheduler: Scheduler) -> None:
                 scheduler.kv.lookup(seqs, scheduler.running)
         except PeerFault as fault:
             log.warning("lookup_failed", error=fault.err.details())
+
+
+def schedule_step(scheduler: Scheduler, live: LiveSeqs) -> ScheduledStep | None:
+    """The next step, after the Lookup. A sequence whose scheduling raised fails its request (INTERNAL)
+    alone; if scheduling itself raises, every request it chose from fails instead."""
+    look_up_prefixes(scheduler)
+    try:
+        step = scheduler.schedule()
+    except Exception as exc:  # noqa: BLE001
+        live.fail_internal([*scheduler.running, *scheduler.waiting], exc)
+        return None
+    if step is not None and step.faulty:
+        fail_faulty(live, step.faulty)
+        step.seqs[:] = [seq for seq in step.seqs if live.holds(seq)]
+    return step
 
 
 def reserve_step(

@@ -1,7 +1,6 @@
 """Compute's ForwardSteps: several decode steps in one call, each step's reply sent while the next runs."""
 
 import contextlib
-import contextvars
 import queue
 import threading
 import time
@@ -14,19 +13,18 @@ from protos import compute_pb2
 
 
 class ForwardSteps:
-    """The ForwardSteps half of compute_service.server.ComputeServicer, which owns the state it uses (_lock,
-    _limits, _fence) and the one-step path (_checked, _run)."""
+    """The ForwardSteps half of compute_service.server.ComputeServicer, which owns the state it uses (steps,
+    _lock, _limits, _fence) and the one-step path (_checked, _run)."""
 
     def ForwardSteps(self, request_iterator, context) -> Iterator[compute_pb2.ForwardResponse]:
-        """Runs the steps in a worker thread, which holds the lock throughout (no other step runs between
+        """Runs the steps on the step thread, which holds the lock throughout (no other step runs between
         them), while this thread sends each reply: compute starts a step as soon as the last one sampled."""
         first = next(request_iterator, None)
         if first is None:
             raise InvalidArgument("ForwardSteps needs a first message: the first step and its limits")
         stop, replies = threading.Event(), queue.SimpleQueue()
         threading.Thread(target=_stop_on_next, args=(request_iterator, stop), daemon=True).start()
-        worker = contextvars.copy_context().run
-        threading.Thread(target=worker, args=(self._run_steps, first, stop, replies), daemon=True).start()
+        self.steps.submit(self._run_steps, first, stop, replies)
         try:
             while (reply := replies.get()) is not None:
                 if isinstance(reply, Exception):

@@ -30,6 +30,7 @@ from compute_service.model_loader import ModelSpec, load_planned, plan_for
 from compute_service.options import OPTIONS
 from compute_service.planning import Flags
 from compute_service.runner import Runner, StepTimes
+from compute_service.step_thread import StepThread
 from compute_service.threads import ThreadPolicy
 from compute_service.validation import Limits
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
@@ -49,12 +50,20 @@ SEGMENT_CHECK_S = 1.0
 
 
 class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
-    """Holds no scheduling state: one attached pool and the model; steps run one at a time."""
+    """Holds no scheduling state: one attached pool and the model; steps run one at a time, all on `steps`
+    (compute_service.step_thread), whichever gRPC thread serves their call."""
 
     def __init__(
-        self, runner: Runner, spec: ModelSpec, log, device: Device = CPU, threads: ThreadPolicy | None = None
+        self,
+        runner: Runner,
+        spec: ModelSpec,
+        log,
+        device: Device = CPU,
+        threads: ThreadPolicy | None = None,
+        steps: StepThread | None = None,
     ) -> None:
         self.runner = runner
+        self.steps = steps or StepThread()
         self.threads = threads
         self.device = device
         self.spec = spec
@@ -82,6 +91,12 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
         except ValueError as err:
             raise InvalidArgument(str(err)) from err
         fence = SessionFence.open(handle) if handle.HasField("fence") else None
+        self.steps.call(self._attach, handle, pool, fence)
+        self.log.info("pool_attached", epoch=handle.epoch, num_blocks=num_blocks, block_size=block_size)
+        return compute_pb2.AttachPoolResponse(epoch=handle.epoch, num_blocks=num_blocks)
+
+    def _attach(self, handle: common_pb2.PoolHandle, pool: torch.Tensor, fence: SessionFence | None) -> None:
+        num_blocks, block_size = pool.shape[2], pool.shape[3]
         with self._lock:
             self.runner.attach(pool)
             self._fence.close()
@@ -90,10 +105,11 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
             self._limits = Limits(self.spec.vocab_size, self.spec.max_model_len, num_blocks, block_size)
             # NOTE: an accelerator pool has no file to watch; its cache's restart shows as a new epoch.
             self._segment = Path(handle.shm.path) if handle.HasField("shm") else None
-        self.log.info("pool_attached", epoch=handle.epoch, num_blocks=num_blocks, block_size=block_size)
-        return compute_pb2.AttachPoolResponse(epoch=handle.epoch, num_blocks=num_blocks)
 
     def Forward(self, request: compute_pb2.ForwardRequest, context) -> compute_pb2.ForwardResponse:
+        return self.steps.call(self._forward, request)
+
+    def _forward(self, request: compute_pb2.ForwardRequest) -> compute_pb2.ForwardResponse:
         with self._lock:
             start = time.perf_counter()
             batch = self._checked(request)
@@ -182,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     log = configure("compute", args.log_format, args.log_level)
     threads = ThreadPolicy.from_flags(args.threads, args.single_stream_threads)
-    torch.set_num_threads(threads.threads)
+    steps = StepThread()
+    steps.call(torch.set_num_threads, threads.threads)
     dtype = resolve_dtype(args.dtype, device_type=args.kv_device.type)
     kv_dtype = dtype_from_name(resolve_kv_dtype(args.kv_dtype, dtype))
     flags = Flags(
@@ -197,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         sparse_attention=args.sparse_attention,
     )
     try:
-        model, spec = load_planned(*plan_for(args.model, flags))
+        model, spec = steps.call(load_planned, *plan_for(args.model, flags))
     except (FileNotFoundError, ValueError) as exc:
         print(f"compute_service: {exc}", file=sys.stderr)
         raise SystemExit(REFUSED) from exc
@@ -212,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         layers=spec.num_layers,
         threads=threads.threads,
         single_stream_threads=threads.single_stream,
-        native_threads=kernels.load().parallel_threads() if native else None,
+        native_threads=steps.call(kernels.load().parallel_threads) if native else None,
         max_model_len=spec.max_model_len,
     )
     log.info("execution_plan", **spec.plan.summary())
@@ -226,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
             "attention_backend": spec.attention_backend,
         }
     )
-    servicer = ComputeServicer(Runner(model, spec.kv_scales, spec.plan), spec, log, args.kv_device, threads)
+    runner = Runner(model, spec.kv_scales, spec.plan)
+    servicer = ComputeServicer(runner, spec, log, args.kv_device, threads, steps)
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(
         [(compute_pb2_grpc.add_ComputeServicer_to_server, servicer, SERVICE_NAME)],

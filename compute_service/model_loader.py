@@ -14,11 +14,12 @@ from compute_service.attention.context import timed
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend
 from compute_service.attention.sparse_settings import SparseAttention
+from compute_service.experts import pack_experts
 from compute_service.fused import fuse
 from compute_service.kv_calibration import calibrate
 from compute_service.linear import replace_linears
 from compute_service.native_decode import NativeDecode
-from compute_service.plan import ExecutionPlan
+from compute_service.plan import TRANSFORMERS, ExecutionPlan
 from compute_service.planning import Flags
 
 
@@ -116,6 +117,9 @@ def load_planned(files: ModelFiles, plan: ExecutionPlan) -> tuple[PreTrainedMode
         # NOTE: fused before the linears are replaced: fusing stacks the plain weights they hide.
         fuse(hf_model)
     replace_linears(hf_model, plan.decoder_linears, plan.head_linear)
+    experts = 0
+    if plan.decoder_linears.kernel != TRANSFORMERS:
+        experts = pack_experts(hf_model, plan.decoder_linears)
     if plan.native_decode:
         hf_model.model.native_decode = NativeDecode(list(hf_model.model.layers), spec.sliding_windows)
     structlog.get_logger().info(
@@ -124,6 +128,7 @@ def load_planned(files: ModelFiles, plan: ExecutionPlan) -> tuple[PreTrainedMode
         sliding_windows=_runs(spec.sliding_windows),
         rope=",".join(architectures.rope_types(hf_model.config)),
         max_model_len=spec.max_model_len,
+        packed_expert_layers=experts,
     )
     return hf_model, spec
 

@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 
 from common import cpu
 from common.model_files import DEFAULT_MODEL
-from compute_service.attention.sparse_settings import parse
+from common.sparse_settings import parse
 from compute_service.batch import ForwardBatch
 from compute_service.model_loader import load
 from compute_service.runner import Runner, StepTimes

@@ -135,14 +135,18 @@ def test_dense_and_own_settings_requests_in_one_batch_get_their_solo_tokens(stac
     assert sparse_rows(stack) - before >= NEW_TOKENS - 1, "the sparse request's decodes reach compute"
 
 
-def test_the_cli_sends_a_requests_settings(stack, tiny_model):
-    out = subprocess.run(
-        [*PAGEDSERVE, "generate", "hello", "--max-tokens", "2", "--temperature", "0", "--sparse-attention",
-         "topk=0", "--target", stack.target],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert out.returncode == 1 and "INVALID_ARGUMENT" in out.stderr, out.stderr
-    assert "recent and topk >= 1" in out.stderr
+def test_the_cli_sends_a_requests_settings(stack):
+    def generate(value: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*PAGEDSERVE, "generate", "hello", "--max-tokens", "2", "--temperature", "0",
+             "--sparse-attention", value, "--target", stack.target],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    assert generate("sink=0,topk=3").returncode == 0
+    refused = generate("topk=0")
+    assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr, refused.stderr
+    assert "recent and topk >= 1" in refused.stderr
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from common.sampling_controls import CONTROLS, Kind
+from common.sparse_settings import FIELDS
 from sdk.client import API_KEY_ENV, Client, GenerationError, TokenLogprob
 from sdk.resume import RESUME_TIMEOUT_S
 
@@ -56,6 +57,21 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
     return {name: value for name, value in kwargs.items() if value is not None}
 
 
+def _sparse(text: str) -> bool | dict[str, int]:
+    """--sparse-attention: on (True), off (False) or sink=S,recent=R,topk=K (any of them, each once)."""
+    if text in ("on", "off"):
+        return text == "on"
+    settings: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name not in FIELDS or name in settings or not value.lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected on, off or comma-separated sink=S,recent=R,topk=K (integers, each once)"
+            )
+        settings[name] = int(value)
+    return settings
+
+
 def add_parser(commands) -> None:
     p = commands.add_parser(
         "generate",
@@ -67,6 +83,15 @@ def add_parser(commands) -> None:
     _add_sampling_flags(p)
     p.add_argument(
         "--priority", type=int, default=0, help="lower is served first, equal ones by arrival (default 0)"
+    )
+    p.add_argument(
+        "--sparse-attention",
+        type=_sparse,
+        default=None,
+        metavar="off|on|sink=S,recent=R,topk=K",
+        help="block-sparse decode for this request where the stack enables it (compute's --sparse-attention "
+        "allow or on): on (the stack's settings), off (dense), or settings (any of them; the others the "
+        "stack's); default: the stack's default (docs/sparse-attention.md)",
     )
     p.add_argument(
         "--target",
@@ -151,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
                 **sampling_kwargs(args),
                 **constraint,
                 priority=args.priority,
+                sparse_attention=args.sparse_attention,
             ):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()

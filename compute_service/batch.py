@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from common import paging
+from common.sparse_settings import SparseAttention
 from compute_service.sampling import SamplingBatch
 from compute_service.validation import Limits, Sent, check_sent, check_writes, row_of_token
 from protos import compute_pb2
@@ -30,6 +31,8 @@ class ForwardBatch:
     cached_prefix_rows: list[int]
     # [N] bool: the sequences whose new tokens are prompt tokens, however few (prompt_chunk); None: no row
     prompt_chunks: torch.Tensor | None
+    # per sequence, its block-sparse settings (None: dense); None: each as the stack's default (sparse)
+    sparse: list[SparseAttention | None] | None
     # [S] the token whose logits each sampling sequence samples from (its last new one); None when that is
     # every token (a step of decodes that all sample)
     logit_tokens: torch.Tensor | None
@@ -69,6 +72,9 @@ class ForwardBatch:
             prompt_rows=(cu.diff() > 1).nonzero().squeeze(1).tolist(),
             cached_prefix_rows=sent.cached_prefix.nonzero().squeeze(1).tolist(),
             prompt_chunks=sent.prompt_chunk if sent.prompt_chunk.any() else None,
+            sparse=[SparseAttention(*row) if row[2] else None for row in sent.sparse.tolist()]
+            if len(sent.sparse)
+            else None,
             logit_tokens=None if len(last) == num_tokens else last,
         )
 
@@ -95,5 +101,6 @@ class ForwardBatch:
             prompt_rows=[],
             cached_prefix_rows=[],
             prompt_chunks=None,
+            sparse=None if self.sparse is None else [self.sparse[row] for row in keep],
             logit_tokens=None,
         )

@@ -1,5 +1,6 @@
 """GetModelInfo's reply: the model's shape and limits, and its execution plan (compute_service.plan)."""
 
+from common.sparse_settings import SparseMode
 from compute_service.model_loader import ModelSpec
 from compute_service.plan import ExecutionPlan
 from protos import compute_pb2
@@ -22,6 +23,19 @@ def model_info(spec: ModelSpec) -> compute_pb2.ModelInfo:
         weights=spec.weights,
         execution_plan=plan_message(spec.plan),
         sliding_windows=spec.sliding_windows,
+        sparse_attention=sparse_support(spec.plan.sparse_attention),
+    )
+
+
+def sparse_support(mode: SparseMode | None) -> compute_pb2.SparseSupport:
+    """What requests may ask of block-sparse decode under `mode` (None: nothing)."""
+    if mode is None:
+        return compute_pb2.SparseSupport()
+    settings = mode.settings
+    return compute_pb2.SparseSupport(
+        enabled=True,
+        default_sparse=mode.default,
+        settings=compute_pb2.SparseRow(sink=settings.sink, recent=settings.recent, topk=settings.topk),
     )
 
 

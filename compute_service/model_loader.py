@@ -9,11 +9,11 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, P
 
 from common.model_files import ModelFiles, local_copy
 from common.shared_pool import dtype_from_name, dtype_name
+from common.sparse_settings import SparseMode
 from compute_service import architectures, planning
 from compute_service.attention.context import timed
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend
-from compute_service.attention.sparse_settings import SparseAttention
 from compute_service.experts import pack_experts
 from compute_service.fused import fuse
 from compute_service.kv_calibration import calibrate
@@ -79,7 +79,7 @@ def load(
     fused: bool = True,
     weights: str = "auto",
     max_model_len: int = 0,
-    sparse_attention: SparseAttention | None = None,
+    sparse_attention: SparseMode | None = None,
 ) -> tuple[PreTrainedModel, ModelSpec]:
     """The model with paged attention on `device` (a torch device name), built to the plan of these flags on
     this machine (compute_service.planning); K/V stored as `kv_dtype` (default: `dtype`), an fp8 one

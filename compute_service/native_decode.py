@@ -11,7 +11,10 @@ the rest plain loops. It pays at every batch size measured, float32, int8 and bf
 Where it runs is the execution plan's choice (compute_service.planning: fused layers of an architecture in
 ARCHITECTURES, each layer over its own sliding window, the cpu-native attention, panel or oneDNN linears
 without bias, a float32 or bfloat16 pool); in a step where every sequence decodes one token. Any other step
-(a prompt or a chunk in the batch) runs the Python layers.
+(a prompt or a chunk in the batch) runs the Python layers. Block-sparse rows
+(compute_service.attention.sparse) decode inside it too: the step's selecting rows and their summaries are
+derived here once, and each full-attention layer's tables are cut down in C++ (sparse_select.cpp) before its
+attention.
 """
 
 import torch
@@ -72,6 +75,7 @@ class NativeDecode:
         to the step's."""
         cos, signed_sin = (table[:, 0].contiguous() for table in rope)
         inputs = cpu_native.kernel_inputs(ctx)
+        bounds, settings = self._sparse(ctx, inputs)
         ctx.attention_s += kernels.load().decode_layers(
             residual,
             cos,
@@ -90,4 +94,22 @@ class NativeDecode:
             self.eps,
             self.scale,
             self.windows,
+            bounds,
+            settings,
         )
+
+    def _sparse(
+        self, ctx: Context, inputs: cpu_native.KernelInputs
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Each layer's block summaries (empty: dense) and the rows' settings, or none when no row selects."""
+        sparse = ctx.sparse
+        sel = (
+            None
+            if sparse is None
+            else sparse.selection(inputs.q_lens, inputs.context_lens, inputs.block_tables)
+        )
+        if sel is None:
+            return [], None
+        summaries, empty = sparse.summaries, torch.empty(0)
+        layers = range(len(self.windows))
+        return [summaries.of_layer(i) if summaries.has(i) else empty for i in layers], sel.settings

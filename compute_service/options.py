@@ -2,9 +2,9 @@
 
 import argparse
 
+from common import sparse_settings
 from common.options import ServiceOptions, add_dtype, add_kv_device, add_kv_dtype, add_logging, add_model
 from common.transport import add_listen
-from compute_service.attention import sparse_settings
 from compute_service.attention.backend_names import BACKEND_NAMES, SPARSE
 from compute_service.weight_modes import INT4_GROUP_SIZE, WEIGHTS_CHOICES
 
@@ -16,8 +16,8 @@ def _length(text: str) -> int:
     return int(text)
 
 
-def _sparse(text: str) -> sparse_settings.SparseAttention | None:
-    """--sparse-attention: off, on, or sink=S,recent=R,topk=K."""
+def _sparse(text: str) -> sparse_settings.SparseMode | None:
+    """--sparse-attention: off, allow, on, or sink=S,recent=R,topk=K after allow or on or alone."""
     try:
         return sparse_settings.parse(text)
     except ValueError as err:
@@ -58,11 +58,12 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "--sparse-attention",
         type=_sparse,
         default=None,
-        metavar="off|on|sink=S,recent=R,topk=K",
+        metavar="off|allow|on[,sink=S,recent=R,topk=K]",
         help="block-sparse decode: a decode of a full-attention layer attends only to its first S blocks, "
-        "its last R and the K between whose keys' min/max bounds score highest (on: sink=1,recent=4,topk=8; "
-        f"default off); prompts stay dense; attention backend {' or '.join(SPARSE)} only "
-        "(docs/sparse-attention.md)",
+        "its last R and the K between whose keys' min/max bounds score highest (default sink=1,recent=4,"
+        "topk=8); allow: requests may ask for it (GenerateRequest.sparse_attention), dense otherwise; on or "
+        "settings alone: every decode unless its request asks for dense; off (default): requests may not "
+        f"ask; prompts stay dense; attention backend {' or '.join(SPARSE)} only (docs/sparse-attention.md)",
     )
     parser.add_argument(
         "--unfused",

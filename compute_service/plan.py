@@ -16,7 +16,7 @@ their weights apart; attention over prompts and chunks (`attention.prefill`) and
 
 from dataclasses import dataclass
 
-from compute_service.attention.sparse_settings import SparseAttention
+from common.sparse_settings import SparseMode
 
 # Implementations of the layers' forward.
 TRANSFORMERS = "transformers"  # transformers' own modules, as loaded
@@ -110,8 +110,9 @@ class ExecutionPlan:
     attention_decode: Choice
     greedy: Choice
     sampling: Choice
-    # --sparse-attention: decodes of the full-attention layers attend to these blocks only (None: dense).
-    sparse_attention: SparseAttention | None = None
+    # --sparse-attention: which decodes of the full-attention layers may attend to some blocks only, and which
+    # do by default (None: every decode dense, requests may not ask).
+    sparse_attention: SparseMode | None = None
 
     @property
     def fused(self) -> bool:

@@ -9,10 +9,10 @@ from transformers import PretrainedConfig
 
 from common import cpu
 from common.shared_pool import dtype_name
+from common.sparse_settings import SparseMode
 from compute_service import architectures, fused, kernels, native_decode
 from compute_service.attention import registry
 from compute_service.attention.backend_names import SPARSE
-from compute_service.attention.sparse_settings import SparseAttention
 from compute_service.plan import (
     DENSE,
     FUSED,
@@ -54,7 +54,7 @@ class Flags:
     plain_linear: bool = False
     fused: bool = True
     max_model_len: int = 0
-    sparse_attention: SparseAttention | None = None
+    sparse_attention: SparseMode | None = None
 
     @property
     def device_type(self) -> str:
@@ -131,9 +131,10 @@ def resolve(config: PretrainedConfig, flags: Flags, machine: Machine) -> Executi
     prefill, decode = registry.PATHS[backend]
     decode_reason = _attention_reason(attention, machine)
     if sparse is not None:
+        rows = "every decode by default" if sparse.default else "decodes of requests asking for it"
         decode = (
-            f"block-sparse ({sparse.describe()}, blocks chosen by key min/max bounds; prompts, sliding "
-            f"layers and tables of up to {sparse.budget} blocks dense), then {decode}"
+            f"block-sparse for {rows} ({sparse.describe()}, blocks chosen by key min/max bounds; prompts, "
+            f"sliding layers and tables within a row's budget dense), then {decode}"
         )
         decode_reason = f"--sparse-attention {sparse.describe()}; {decode_reason}"
     return ExecutionPlan(
@@ -231,8 +232,6 @@ def decode_layers(
         misfit = "biased projections: the native decode stack's products take no bias"
     elif kv_dtype not in NATIVE_STACK_POOLS:
         misfit = f"a {kv_dtype} pool: the native decode stack stores K/V as float32 or bfloat16 only"
-    elif flags.sparse_attention is not None:
-        misfit = "--sparse-attention chooses each layer's blocks in Python; the native decode stack is dense"
     if misfit is not None:
         return Choice(layers.implementation, misfit)
     return Choice(NATIVE_STACK, "every layer of an all-decode step in C++, no Python between the small ops")

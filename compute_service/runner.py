@@ -25,6 +25,8 @@ class StepTimes:
     model: float = 0.0  # the model's forward and output projection, attention included
     attention: float = 0.0  # the attention function, summed over layers
     sample: float = 0.0
+    # decodes that attended block-sparse (not a time: counted with them, for the step's reply)
+    sparse_rows: int = 0
 
 
 class Runner:
@@ -88,19 +90,25 @@ class Runner:
         times.prepare += built - start
         times.model += time.perf_counter() - built
         times.attention += context.attention_s
+        if context.sparse is not None and context.sparse.derived is not None:
+            times.sparse_rows += context.sparse.derived.rows
         return logits
 
     def _sparse(self, batch: ForwardBatch) -> SparseDecode | None:
-        """The step's block-sparse decode (None: dense); the summaries of the blocks the step writes, and of a
-        cached prefix the cache found for a row, are no longer current."""
+        """The step's block-sparse decode (None: every row dense); the summaries of the blocks the step
+        writes, and of a cached prefix the cache found for a row, are no longer current. Rows the request
+        says nothing of decode as --sparse-attention's default."""
         summaries = self.summaries
-        if summaries is None:
+        if summaries is None or self.sparse is None:
             return None
         summaries.written(batch.slot_mapping)
         for row in batch.cached_prefix_rows:
             computed = int(batch.context_lens[row]) - int(batch.cu_seqlens_q.diff()[row])
             summaries.forget(batch.block_tables[row, : -(-computed // summaries.block_size)])
-        return SparseDecode(self.sparse, summaries, batch.prompt_chunks)
+        rows = batch.sparse or [self.sparse.for_request(None)] * len(batch.context_lens)
+        if not any(rows):
+            return None
+        return SparseDecode(rows, summaries, batch.prompt_chunks)
 
     def forward(self, batch: ForwardBatch, times: StepTimes | None = None) -> Sampled:
         """The sampled token (and log-probabilities) of each sequence with `sample` set, in order; `times`

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import torch
-from prometheus_client import Histogram, Info
+from prometheus_client import Counter, Histogram, Info
 
 from common import transport
 from common.devices import CPU, Device
@@ -38,6 +38,10 @@ from protos import common_pb2, compute_pb2, compute_pb2_grpc
 SERVICE_NAME = compute_pb2.DESCRIPTOR.services_by_name["Compute"].full_name
 FORWARD_SECONDS = Histogram(
     "pagedserve_forward_step_duration_seconds", "Duration of one Forward step.", buckets=LATENCY_BUCKETS
+)
+SPARSE_ROWS = Counter(
+    "pagedserve_forward_sparse_rows",
+    "Decodes that attended block-sparse (--sparse-attention), one per row and step.",
 )
 STEP_TOKENS = Histogram("pagedserve_forward_step_tokens", "Tokens in one step.", buckets=TOKEN_BUCKETS)
 COMPUTE_INFO = Info(
@@ -102,7 +106,13 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
             self._fence.close()
             self._fence = StepFence(fence)
             self._epoch = handle.epoch
-            self._limits = Limits(self.spec.vocab_size, self.spec.max_model_len, num_blocks, block_size)
+            self._limits = Limits(
+                self.spec.vocab_size,
+                self.spec.max_model_len,
+                num_blocks,
+                block_size,
+                self.spec.plan.sparse_attention,
+            )
             # NOTE: an accelerator pool has no file to watch; its cache's restart shows as a new epoch.
             self._segment = Path(handle.shm.path) if handle.HasField("shm") else None
 
@@ -138,6 +148,7 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
         elapsed_ms = (time.perf_counter() - start) * 1e3
         FORWARD_SECONDS.observe(elapsed_ms / 1e3)
         STEP_TOKENS.observe(len(batch.token_ids))
+        SPARSE_ROWS.inc(times.sparse_rows)
         self.log.debug(
             "forward", tokens=len(batch.token_ids), seqs=len(batch.context_lens), ms=round(elapsed_ms, 2)
         )
@@ -152,6 +163,7 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
             model_ms=times.model * 1e3,
             attention_ms=times.attention * 1e3,
             sample_ms=times.sample * 1e3,
+            sparse_rows=times.sparse_rows,
         )
         return reply, sampled.tokens
 

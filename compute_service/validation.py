@@ -8,6 +8,7 @@ import torch
 
 from common import paging
 from common.errors import InvalidArgument, RowsRefused
+from common.sparse_settings import SparseMode
 from compute_service.sampling import SamplingBatch
 from compute_service.sampling_checks import check_sampling
 from protos import compute_pb2
@@ -21,6 +22,8 @@ class Limits:
     max_model_len: int
     num_blocks: int
     block_size: int
+    # --sparse-attention (None: off, no row may ask for block-sparse decode)
+    sparse: SparseMode | None = None
 
 
 @dataclass(slots=True)
@@ -36,6 +39,7 @@ class Sent:
     sampling: SamplingBatch
     cached_prefix: torch.Tensor  # bool, one per sequence or none
     prompt_chunk: torch.Tensor  # bool, one per sequence or none
+    sparse: torch.Tensor  # [N or 0, 3] (sink, recent, topk) per sequence or none
 
     @classmethod
     def from_request(cls, request: compute_pb2.ForwardRequest) -> "Sent":
@@ -52,6 +56,9 @@ class Sent:
             sampling=SamplingBatch.from_request(request),
             cached_prefix=torch.tensor(request.cached_prefix, dtype=torch.bool),
             prompt_chunk=torch.tensor(request.prompt_chunk, dtype=torch.bool),
+            sparse=torch.tensor([(r.sink, r.recent, r.topk) for r in request.sparse], dtype=torch.int64).view(
+                -1, 3
+            ),
         )
 
     def context_lens(self) -> torch.Tensor:
@@ -66,6 +73,7 @@ def check_sent(sent: Sent, limits: Limits) -> None:
     context_lens = sent.context_lens()
     _check_sequences(sent, context_lens, limits)
     _check_blocks(sent, context_lens, limits)
+    _check_sparse(sent.sparse, limits.sparse)
     check_sampling(sent.sampling, limits.vocab_size, sent.sample.nonzero()[:, 0])
 
 
@@ -122,7 +130,7 @@ def _check_counts(sent: Sent) -> None:
             raise InvalidArgument(
                 f"{field} has {len(getattr(sent, field))} entries for {num_seqs} sequences in cu_seqlens_q"
             )
-    for field in ("cached_prefix", "prompt_chunk"):
+    for field in ("cached_prefix", "prompt_chunk", "sparse"):
         if len(getattr(sent, field)) not in (0, num_seqs):
             raise InvalidArgument(
                 f"{field} has {len(getattr(sent, field))} entries for {num_seqs} sequences in cu_seqlens_q: "
@@ -188,4 +196,24 @@ def _check_blocks(sent: Sent, context_lens: torch.Tensor, limits: Limits) -> Non
             f"{limits.num_blocks - 1}), and sequence {seq} needs its first {int(needed_blocks[seq])} blocks "
             f"for {int(context_lens[seq])} tokens: use the tables the cache service returned for this pool",
             _rows(bad.any(dim=1)),
+        )
+
+
+def _check_sparse(rows: torch.Tensor, mode: SparseMode | None) -> None:
+    """RowsRefused for rows asking for block-sparse decode (topk >= 1) where compute does not enable it, or
+    with settings that cannot run."""
+    sink, recent, topk = rows.unbind(1)
+    if mode is None and (topk > 0).any():
+        raise RowsRefused(
+            "these rows ask for block-sparse decode (ForwardRequest.sparse topk >= 1) but compute runs "
+            "without it: start compute with --sparse-attention allow (attention backend cpu-native), or "
+            "send topk 0",
+            _rows(topk > 0),
+        )
+    bad = (sink < 0) | (recent < 0) | (topk < 0) | ((topk > 0) & (recent < 1))
+    if (seq := _first(bad)) is not None:
+        raise RowsRefused(
+            f"sparse[{seq}] = sink {int(sink[seq])}, recent {int(recent[seq])}, topk {int(topk[seq])}: sink "
+            "must be >= 0, topk >= 0 (0: dense) and recent >= 1 where topk is not 0",
+            _rows(bad),
         )

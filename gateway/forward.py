@@ -38,6 +38,7 @@ def forward_request(
         sample=[seq.samples_now for seq in seqs],
         cached_prefix=_flags([seq.cached_prefix for seq in seqs]),
         prompt_chunk=_flags([seq.chunk_end <= len(seq.prompt_ids) for seq in seqs]),
+        sparse=_sparse_rows(seqs),
         **forward_sampling([seq for seq in seqs if seq.samples_now], eos_ids),
     )
 
@@ -45,6 +46,14 @@ def forward_request(
 def _flags(flags: list[bool]) -> list[bool]:
     """A per-sequence flag as sent: none when no sequence sets it."""
     return flags if any(flags) else []
+
+
+def _sparse_rows(seqs: list[Sequence]) -> list[compute_pb2.SparseRow]:
+    """Each sequence's block-sparse settings as sent: none where compute has no block-sparse decode."""
+    if all(seq.sparse is None for seq in seqs):
+        return []
+    rows = [seq.sparse or (0, 0, 0) for seq in seqs]
+    return [compute_pb2.SparseRow(sink=sink, recent=recent, topk=topk) for sink, recent, topk in rows]
 
 
 # refuse(rows' sequences, compute's error): ends their requests; returns the seq ids it ended.

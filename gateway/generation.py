@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import structlog
 
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from gateway import metrics, resume
+from gateway import metrics, resume, sparse_request
 from gateway import tokenizer as tok
 from gateway.admission import Admission
 from gateway.auth import Tenant, salted
@@ -117,6 +117,7 @@ class Generation:
         limits = self.grammars.limits
         check_queue(self.engine.queued(), self.edge.limits)
         sampling = resolve_sampling(request.sampling, info.vocab_size)
+        sparse = sparse_request.resolve(request, info)
         tools = tool_request.from_request(
             request, limits.max_tools, limits.max_constraint_bytes, limits.max_constraint_depth
         )
@@ -156,6 +157,7 @@ class Generation:
             tenant=tenant.name,
             priority=request.priority,
             constraint=self._matcher(spec, info),
+            sparse=sparse,
         )
         return seq, tools
 

@@ -130,6 +130,9 @@ class Sequence:
     text: TextStream | None = None
     # Constrained decoding: the sample's grammar matcher (None: unconstrained).
     constraint: Matcher | None = None
+    # Its ForwardRequest.sparse entry, (sink, recent, topk) with topk 0 dense (gateway.sparse_request); None:
+    # compute has no block-sparse decode.
+    sparse: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.seq_id

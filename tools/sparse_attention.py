@@ -9,18 +9,21 @@ prefix, decodes the remaining tokens one step each, fed the text's own tokens (t
 of the last S - 1 tokens of the n, each predicted by a decode step over all tokens before it, and how often
 its argmax is dense attention's), and generates G tokens greedily after the prefix (G: --generated, 64; how
 many of them match dense's, and how many before the first that does not). Decode speed: the mean step time
-of the teacher-forced steps, the attention's share, and dense attention on the native decode stack (the
-plan's default for dense) beside it. Compute's own forward, in this process, block size 16, float32.
+of the teacher-forced steps and the attention's share, every mode on the native decode stack (the plan's
+choice for all-decode steps, dense and block-sparse alike), and the first sparse mode once more on the
+Python layers beside it. Compute's own forward, in this process, block size 16, float32.
 
     PYTHONPATH=$PWD .venv/bin/python tools/sparse_attention.py [--contexts 2048 8192] \
         [--modes sink=1,recent=4,topk=8 sink=1,recent=4,topk=32] [--scored 512] [--generated 64] [--json OUT]
 """
 
 import argparse
+import contextlib
 import json
 import math
 import pydoc_data.topics
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
@@ -28,7 +31,7 @@ from transformers import AutoTokenizer
 
 from common import cpu
 from common.model_files import DEFAULT_MODEL
-from compute_service.attention.sparse_settings import parse
+from common.sparse_settings import parse
 from compute_service.batch import ForwardBatch
 from compute_service.model_loader import load
 from compute_service.runner import Runner, StepTimes
@@ -46,8 +49,8 @@ def text_tokens(path) -> list[int]:
 class Bench:
     """One pool, its blocks handed out in order; runners of the loaded model(s) over it."""
 
-    def __init__(self, model, native_model, num_blocks: int, scored: int, generated: int) -> None:
-        self.model, self.native_model, self.next_block = model, native_model, 0
+    def __init__(self, model, num_blocks: int, scored: int, generated: int) -> None:
+        self.model, self.next_block = model, 0
         self.scored, self.generated = scored, generated
         config = model.config
         kv_heads = config.num_key_value_heads
@@ -59,8 +62,8 @@ class Bench:
         self.next_block += count
         return list(range(self.next_block - count, self.next_block))
 
-    def runner(self, model, plan) -> Runner:
-        runner = Runner(model, plan=plan)
+    def runner(self, plan) -> Runner:
+        runner = Runner(self.model, plan=plan)
         runner.attach(self.pool)
         return runner
 
@@ -69,10 +72,20 @@ class Bench:
         return runner.logits(ForwardBatch.from_request(request, self.limits), times)[-1]
 
 
-def measure(bench: Bench, plan, native_plan, tokens: list[int], n: int, modes: list[str]) -> dict:
+@contextlib.contextmanager
+def python_layers(model) -> Iterator[None]:
+    """All-decode steps on the Python layers instead of the native decode stack, while the block runs."""
+    stack, model.model.native_decode = model.model.native_decode, None
+    try:
+        yield
+    finally:
+        model.model.native_decode = stack
+
+
+def measure(bench: Bench, plan, tokens: list[int], n: int, modes: list[str]) -> dict:
     prefix = n - bench.scored
     shared = bench.blocks(prefix)
-    dense = bench.runner(bench.model, replace(plan, sparse_attention=None))
+    dense = bench.runner(replace(plan, sparse_attention=None))
     start = time.perf_counter()
     for first in range(0, prefix, CHUNK):
         last = bench.step(dense, tokens[first : min(first + CHUNK, prefix)], first, shared, StepTimes())
@@ -80,13 +93,14 @@ def measure(bench: Bench, plan, native_plan, tokens: list[int], n: int, modes: l
     runs = {"dense": teacher_forced(bench, dense, tokens, n, shared, last)}
     runs["dense"]["greedy"] = greedy(bench, dense, n, shared, last)
     for mode in modes:
-        runner = bench.runner(bench.model, replace(plan, sparse_attention=parse(mode)))
+        runner = bench.runner(replace(plan, sparse_attention=parse(mode)))
         runs[mode] = teacher_forced(bench, runner, tokens, n, shared, last)
         runs[mode]["greedy"] = greedy(bench, runner, n, shared, last)
-    native = bench.runner(bench.native_model, native_plan)
-    runs["dense, native stack"] = teacher_forced(
-        bench, native, tokens, n, shared, last, steps=bench.generated
-    )
+    with python_layers(bench.model):
+        runner = bench.runner(replace(plan, sparse_attention=parse(modes[0])))
+        runs[f"{modes[0]}, Python layers"] = teacher_forced(
+            bench, runner, tokens, n, shared, last, steps=bench.generated
+        )
     dense_argmax, dense_greedy = runs["dense"]["argmax"], runs["dense"]["greedy"]
     for run in runs.values():
         argmax = run.pop("argmax")
@@ -154,18 +168,17 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     model, spec = load(args.model, torch.float32, backend="cpu-native", sparse_attention=parse(args.modes[0]))
-    native_model, native_spec = load(args.model, torch.float32, backend="cpu-native")
     tokens = text_tokens(model.name_or_path)
     longest = max(args.contexts)
     if longest > spec.max_model_len or longest > len(tokens):
         raise SystemExit(f"a context of {longest} is beyond the model ({spec.max_model_len}) or the text")
-    per_context = -(-longest // BLOCK) + (2 + len(args.modes) * 2) * -(
+    per_context = -(-longest // BLOCK) + (3 + len(args.modes) * 2) * -(
         -(args.scored + args.generated) // BLOCK
     )
     results = []
     for n in args.contexts:
-        bench = Bench(model, native_model, per_context, args.scored, args.generated)
-        results.append(measure(bench, spec.plan, native_spec.plan, tokens, n, args.modes))
+        bench = Bench(model, per_context, args.scored, args.generated)
+        results.append(measure(bench, spec.plan, tokens, n, args.modes))
         print(json.dumps(results[-1], indent=1), flush=True)
     report = {
         "date": time.strftime("%Y-%m-%d"),

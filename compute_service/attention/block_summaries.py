@@ -49,3 +49,11 @@ class BlockSummaries:
         """Key minima and maxima of `blocks` (any shape S) in layer `layer`: two [*S, Hkv, D] tensors."""
         bounds = self.bounds[self.slot[layer]][blocks]
         return bounds[..., 0, :, :], bounds[..., 1, :, :]
+
+    def of_layer(self, layer: int) -> torch.Tensor:
+        """Every block's summary in layer `layer`, as the native kernel reads it: [blocks, 2, Hkv, D]."""
+        return self.bounds[self.slot[layer]]
+
+    def has(self, layer: int) -> bool:
+        """Whether layer `layer` attends sparsely (has summaries)."""
+        return layer in self.slot

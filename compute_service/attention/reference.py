@@ -3,7 +3,7 @@
 import torch
 
 from common import paging
-from compute_service.attention.sparse_settings import SparseAttention
+from common.sparse_settings import SparseAttention
 
 
 def reference_attention(
@@ -16,17 +16,20 @@ def reference_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
-    sparse: SparseAttention | None = None,
+    sparse: SparseAttention | list[SparseAttention | None] | None = None,
 ) -> torch.Tensor:
     """query [T, H, D] of new tokens whose K/V are already in the pool -> [T, H, D], computed in float32;
     a query at position p sees keys (p - window, p] (window 0: all up to p), its scores s soft-capped to
-    softcap * tanh(s / softcap) when softcap is not 0; with `sparse` (and no window), a decode of more
-    blocks than its budget sees only the keys of the blocks `sparse_blocks` chooses."""
+    softcap * tanh(s / softcap) when softcap is not 0; with `sparse` (and no window; one for every sequence,
+    or a list of one per sequence, None: dense), a decode of more blocks than its budget sees only the keys
+    of the blocks `sparse_blocks` chooses."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     groups = query.shape[1] // num_kv_heads
     keys, values = k_cache.reshape(-1, num_kv_heads, head_dim), v_cache.reshape(-1, num_kv_heads, head_dim)
     out = torch.empty_like(query)
+    rows = sparse if isinstance(sparse, list) else [sparse] * len(context_lens)
     for i, context_len in enumerate(context_lens.tolist()):
+        sparse = rows[i]
         start, end = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
         slots = paging.slots(block_tables[i], torch.arange(context_len), block_size)
         k = keys[slots].float().repeat_interleave(groups, dim=1)

@@ -1,5 +1,6 @@
 """The native kernels, C++ compiled from source once per machine into one module: paged attention
-(paged_attention.cpp, the cpu-native attention backend), the float32 Llama decoder stack of all-decode steps
+(paged_attention.cpp, the cpu-native attention backend) and block-sparse decode's choice of blocks
+(sparse_select.cpp, compute_service.attention.sparse), the float32 Llama decoder stack of all-decode steps
 (decode_layers.cpp, compute_service.native_decode), the plain-greedy choice of a step's tokens (greedy.cpp,
 compute_service.greedy) and linear layers on weights packed in panels (panel_linear.cpp,
 compute_service.linear); vec.h holds the vector types they share, module.cpp binds them.
@@ -30,6 +31,7 @@ HERE = Path(__file__).parent
 SOURCES = (
     HERE / "module.cpp",
     HERE / "paged_attention.cpp",
+    HERE / "sparse_select.cpp",
     HERE / "decode_layers.cpp",
     HERE / "greedy.cpp",
     HERE / "panel_linear.cpp",

@@ -7,7 +7,8 @@
 //
 // Per layer, on residual [T, hidden] in place:
 //   x = rms_norm(residual) -> qkv = x Wqkv^T -> rotary on q, k -> k, v stored at slot_mapping ->
-//   attention (over the layer's sliding window, if it has one) -> residual += out Wo^T -> x = rms_norm(residual) -> gate, up = x Wgu^T ->
+//   attention (over the layer's sliding window, if it has one; block-sparse where the step gives the layer
+//   block summaries: sparse_select.cpp cuts the tables down first) -> residual += out Wo^T -> x = rms_norm(residual) -> gate, up = x Wgu^T ->
 //   residual += (silu(gate) * up) Wdown^T
 #include "kernels.h"
 
@@ -150,9 +151,12 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
                      const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& q_starts,
                      const at::Tensor& q_lens, const at::Tensor& context_lens, int64_t num_heads,
-                     int64_t num_kv_heads, double eps, double scale, const std::vector<int64_t>& windows) {
+                     int64_t num_kv_heads, double eps, double scale, const std::vector<int64_t>& windows,
+                     const std::vector<at::Tensor>& sparse_bounds, const std::optional<at::Tensor>& sparse_settings) {
   check_step(residual, cos, signed_sin, weights, scales, k_caches, v_caches, slot_mapping, q_lens);
   TORCH_CHECK(windows.size() == k_caches.size(), "one sliding window (0: none) per layer");
+  TORCH_CHECK(!sparse_settings || sparse_bounds.size() == k_caches.size(),
+              "with sparse settings, one block summary tensor (empty: dense) per layer");
   const int64_t rows = residual.size(0), hidden = residual.size(1), d = cos.size(1);
   const int64_t q_width = num_heads * d, kv_width = num_kv_heads * d, qkv_width = q_width + 2 * kv_width;
   const float feps = static_cast<float>(eps);
@@ -183,8 +187,16 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
     const auto start = std::chrono::steady_clock::now();
     store(k_caches[layer], q + q_width, rows, qkv_width, kv_width, slots);
     store(v_caches[layer], q + q_width + kv_width, rows, qkv_width, kv_width, slots);
-    paged_attention(qkv.narrow(1, 0, q_width).view({rows, num_heads, d}), out, k_caches[layer], v_caches[layer],
-                    block_tables, q_starts, q_lens, context_lens, scale, 1.0, 1.0, windows[layer]);
+    const at::Tensor query = qkv.narrow(1, 0, q_width).view({rows, num_heads, d});
+    if (sparse_settings && sparse_bounds[layer].numel() > 0) {
+      const auto [tables, lens] = sparse_tables(query, sparse_bounds[layer], block_tables, q_starts, context_lens,
+                                                *sparse_settings, k_caches[layer].size(1), scale);
+      paged_attention(query, out, k_caches[layer], v_caches[layer], tables, q_starts, q_lens, lens, scale, 1.0, 1.0,
+                      windows[layer]);
+    } else {
+      paged_attention(query, out, k_caches[layer], v_caches[layer], block_tables, q_starts, q_lens, context_lens,
+                      scale, 1.0, 1.0, windows[layer]);
+    }
     attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     residual.add_(linear(out.view({rows, q_width}), w[2], scale_of(1), hidden));
     rms_norm(residual.data_ptr<float>(), w[3].data_ptr<float>(), x.data_ptr<float>(), rows, hidden, feps);

@@ -1,10 +1,11 @@
-// The kernels' entry points (paged_attention.cpp, decode_layers.cpp, greedy.cpp, panel_linear.cpp), bound to
-// Python in module.cpp.
+// The kernels' entry points (paged_attention.cpp, sparse_select.cpp, decode_layers.cpp, greedy.cpp,
+// panel_linear.cpp), bound to Python in module.cpp.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -16,6 +17,12 @@ void paged_attention(const at::Tensor& query_in, at::Tensor& out, const at::Tens
                      const at::Tensor& context_lens, double scale, double k_scale, double v_scale,
                      int64_t window = 0, double softcap = 0.0);
 
+// See sparse_select.cpp: the block tables and context lengths of a step's block-sparse decodes.
+std::tuple<at::Tensor, at::Tensor> sparse_tables(const at::Tensor& query, const at::Tensor& bounds,
+                                                 const at::Tensor& block_tables, const at::Tensor& q_starts,
+                                                 const at::Tensor& context_lens, const at::Tensor& settings,
+                                                 int64_t block_size, double scale);
+
 // See greedy.cpp: per row of logits [rows, vocab] float32, its first most likely token and log-probability.
 std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits);
 
@@ -25,7 +32,8 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
                      const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& q_starts,
                      const at::Tensor& q_lens, const at::Tensor& context_lens, int64_t num_heads,
-                     int64_t num_kv_heads, double eps, double scale, const std::vector<int64_t>& windows);
+                     int64_t num_kv_heads, double eps, double scale, const std::vector<int64_t>& windows,
+                     const std::vector<at::Tensor>& sparse_bounds, const std::optional<at::Tensor>& sparse_settings);
 
 // See panel_linear.cpp: float32 or int8 weights [out, in] packed into panels, and x [rows, in] times them
 // (* scales, for int8) (+ bias).

@@ -48,6 +48,15 @@ class ResumedSample(_Body):
     finished: bool = False
 
 
+class SparseAttention(_Body):
+    """pagedserve's: block-sparse decode (GenerateRequest.sparse_attention); unset settings: the stack's."""
+
+    enabled: bool = True
+    sink: Int32 | None = None
+    recent: Int32 | None = None
+    topk: Int32 | None = None
+
+
 class _Request(Constrained):
     model: str | None = None
     max_tokens: Int32 | None = None
@@ -74,6 +83,8 @@ class _Request(Constrained):
     # pagedserve's: each choice's token ids in its chunks, and resuming a broken stream (docs/api.md)
     return_token_ids: bool = False
     resume: list[ResumedSample] | None = None
+    # pagedserve's: block-sparse decode, true / false or its settings (docs/sparse-attention.md)
+    sparse_attention: bool | SparseAttention | None = None
 
 
 Body = TypeVar("Body", bound=_Request)
@@ -212,6 +223,12 @@ def _request(
         resume=[generation_pb2.ResumedSample(**sample.model_dump()) for sample in body.resume or ()],
     )
     set_constraint(body, request)
+    sparse = body.sparse_attention
+    if sparse is not None:
+        sparse = SparseAttention(enabled=sparse) if isinstance(sparse, bool) else sparse
+        request.sparse_attention.CopyFrom(
+            generation_pb2.SparseAttention(**sparse.model_dump(exclude_none=True))
+        )
     return request
 
 

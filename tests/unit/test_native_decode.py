@@ -192,11 +192,12 @@ def test_fp8_pools_take_the_python_layers(tiny):
 
 
 @pytest.mark.parametrize(
-    ("slot", "scales", "message"),
-    [(NUM_BLOCKS * BLOCK_SIZE, [], "slot_mapping must lie inside the pool"),
-     (0, [torch.ones(8)], "scales must be empty or hold 4 tensors per layer")],
+    ("slot", "scales", "sparse", "message"),
+    [(NUM_BLOCKS * BLOCK_SIZE, [], None, "slot_mapping must lie inside the pool"),
+     (0, [torch.ones(8)], None, "scales must be empty or hold 4 tensors per layer"),
+     (0, [], torch.zeros(1, 3, dtype=torch.long), "one block summary tensor \\(empty: dense\\) per layer")],
 )  # fmt: skip
-def test_refuses_slots_outside_the_pool_and_stray_scales(model, slot, scales, message):
+def test_refuses_slots_outside_the_pool_stray_scales_and_summaries(model, slot, scales, sparse, message):
     config = model.config
     stack = model.model.native_decode
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -206,5 +207,6 @@ def test_refuses_slots_outside_the_pool_and_stray_scales(model, slot, scales, me
         kernels.load().decode_layers(
             torch.zeros(1, config.hidden_size), torch.ones(1, dim), torch.zeros(1, dim), stack.weights,
             scales, caches, caches, torch.tensor([slot]), torch.zeros(1, 1, dtype=torch.long),
-            torch.zeros(1, dtype=torch.long), one, one, heads, kv_heads, 1e-5, dim**-0.5, stack.windows,
+            torch.zeros(1, dtype=torch.long), one, one, heads, kv_heads, 1e-5, dim**-0.5, stack.windows, [],
+            sparse,
         )  # fmt: skip

@@ -9,8 +9,8 @@ import torch
 from transformers import BertConfig
 
 from common import cpu
+from common.sparse_settings import SparseMode
 from compute_service import fused, planning
-from compute_service.attention.sparse_settings import SparseAttention
 from compute_service.model_info import plan_message
 from compute_service.plan import STAGES
 from compute_service.planning import Flags
@@ -194,15 +194,20 @@ def test_the_report_names_every_stage_in_order():
     assert message.stages[2].implementation == summary["linears.decoder"]
 
 
-def test_block_sparse_decode_runs_in_cpu_native_on_the_python_layers():
-    sparse = SparseAttention(sink=1, recent=4, topk=8)
+def test_block_sparse_decode_runs_in_cpu_native_and_its_native_decode_stack():
+    sparse = SparseMode()
     plan = planning.resolve(LLAMA, Flags(sparse_attention=sparse), BUILT)
-    assert plan.sparse_attention == sparse and plan.decode_layers.implementation == "fused"
-    assert "--sparse-attention" in plan.decode_layers.reason
+    assert plan.sparse_attention == sparse and plan.decode_layers.implementation == "native-stack"
     decode = plan.attention_decode
-    assert decode.implementation.startswith("cpu-native: block-sparse (sink=1,recent=4,topk=8")
+    assert decode.implementation.startswith(
+        "cpu-native: block-sparse for every decode by default (sink=1,recent=4,topk=8"
+    )
     assert decode.reason.startswith("--sparse-attention sink=1,recent=4,topk=8")
     assert "block-sparse" not in plan.attention_prefill.implementation
+    allowed = planning.resolve(LLAMA, Flags(sparse_attention=SparseMode(default=False)), BUILT)
+    assert allowed.attention_decode.implementation.startswith(
+        "cpu-native: block-sparse for decodes of requests asking for it (allow,sink=1,recent=4,topk=8"
+    )
 
 
 @pytest.mark.parametrize("flags", [{"attention_backend": "cpu"}, {"dtype": torch.bfloat16}])
@@ -210,10 +215,10 @@ def test_block_sparse_decode_elsewhere_than_cpu_native_is_refused(flags):
     with pytest.raises(
         ValueError, match="--sparse-attention runs in the cpu-native attention backend, not in cpu"
     ):
-        planning.resolve(LLAMA, Flags(sparse_attention=SparseAttention(), **flags), BUILT)
+        planning.resolve(LLAMA, Flags(sparse_attention=SparseMode(), **flags), BUILT)
 
 
 def test_block_sparse_decode_of_a_model_without_full_attention_layers_is_refused():
     mistral = tiny_config("mistral")
     with pytest.raises(ValueError, match="every layer of this mistral model attends within a sliding window"):
-        planning.resolve(mistral, Flags(sparse_attention=SparseAttention()), BUILT)
+        planning.resolve(mistral, Flags(sparse_attention=SparseMode()), BUILT)

@@ -3,88 +3,18 @@ reference's sparse mode, float32: exactly dense when the budget covers every tab
 of blocks otherwise (GQA, soft-capped and sliding-window layers, prompts in the same step), block summaries
 rebuilt from the pool when they may be stale; the flag's parsing and the plan's refusals."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from common import paging
+from common.sparse_settings import SparseAttention, SparseMode, parse
 from compute_service.architectures import FULL, LayerAttention
-from compute_service.attention import cpu_native
 from compute_service.attention.block_summaries import BlockSummaries
-from compute_service.attention.context import Context, reset_context, set_context
-from compute_service.attention.reference import reference_attention
-from compute_service.attention.sparse import SparseDecode
-from compute_service.attention.sparse_settings import SparseAttention, parse
-from tests.paged_pools import pool, tables
-
-BLOCK = 16
-HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
-SPARSE = SparseAttention(sink=1, recent=2, topk=3)
+from tests.sparse_steps import BLOCK, HEAD_DIM, KV_HEADS, SPARSE, native, reference, run_native, step
 
 
 @pytest.fixture(autouse=True)
 def seeded():
     torch.manual_seed(0)
-
-
-def step(q_lens: list[int], context_lens: list[int], shared: int = 0):
-    """A step's pool (K, V), tables, cu_seqlens_q, context lengths, slots and queries [T, H, D]."""
-    k_cache, v_cache = pool(BLOCK, KV_HEADS, HEAD_DIM, torch.float32)
-    table = tables(context_lens, BLOCK, shared)
-    cu = torch.tensor([0, *q_lens]).cumsum(0)
-    positions = torch.cat([torch.arange(n - q, n) for q, n in zip(q_lens, context_lens, strict=True)])
-    rows = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
-    slots = paging.slots(table.view(-1), rows * table.shape[1] * BLOCK + positions, BLOCK)
-    query = torch.randn(int(cu[-1]), HEADS, HEAD_DIM)
-    return k_cache, v_cache, table, cu, torch.tensor(context_lens), slots, query
-
-
-def native(k_cache, v_cache, table, cu, context_lens, slots, query, sparse=None, attends=FULL):
-    """cpu-native's attention function on layer 0, the new tokens' K/V those already in the pool."""
-    summaries = None if sparse is None else BlockSummaries([k_cache], (0,))
-    return run_native(k_cache, v_cache, table, cu, context_lens, slots, query, sparse, summaries, attends)
-
-
-def run_native(k_cache, v_cache, table, cu, context_lens, slots, query, sparse, summaries, attends):
-    prompts = (cu.diff() > 1).nonzero().squeeze(1).tolist()
-    decode = None if sparse is None else SparseDecode(sparse, summaries)
-    if summaries is not None:
-        summaries.written(slots)
-    ctx = Context(
-        [k_cache], [v_cache], slots, cu, context_lens, table, prompts, layers=(attends,), sparse=decode
-    )
-    flat_k, flat_v = (cache.view(-1, KV_HEADS, HEAD_DIM)[slots] for cache in (k_cache, v_cache))
-    set_context(ctx)
-    try:
-        out, _ = cpu_native.paged_attention(
-            SimpleNamespace(layer_idx=0),
-            query.transpose(0, 1)[None],
-            flat_k.transpose(0, 1)[None],
-            flat_v.transpose(0, 1)[None],
-            None,
-            scaling=HEAD_DIM**-0.5,
-            sliding_window=attends.window or None,
-            softcap=attends.softcap or None,
-        )
-    finally:
-        reset_context()
-    return out[0]
-
-
-def reference(k_cache, v_cache, table, cu, context_lens, query, sparse=None, attends=FULL):
-    return reference_attention(
-        query,
-        k_cache,
-        v_cache,
-        cu,
-        context_lens,
-        table,
-        HEAD_DIM**-0.5,
-        attends.window,
-        attends.softcap,
-        sparse,
-    )
 
 
 @pytest.mark.parametrize("budget_blocks", [3, 6, 20])
@@ -163,9 +93,12 @@ def test_written_blocks_are_no_longer_current():
     [
         ("off", None),
         ("", None),
-        ("on", SparseAttention()),
-        ("topk=16", SparseAttention(topk=16)),
-        ("sink=0,recent=2,topk=4", SparseAttention(0, 2, 4)),
+        ("on", SparseMode()),
+        ("allow", SparseMode(default=False)),
+        ("topk=16", SparseMode(SparseAttention(topk=16))),
+        ("on,topk=16", SparseMode(SparseAttention(topk=16))),
+        ("allow,sink=0,recent=2,topk=4", SparseMode(SparseAttention(0, 2, 4), default=False)),
+        ("sink=0,recent=2,topk=4", SparseMode(SparseAttention(0, 2, 4))),
     ],
 )
 def test_the_flag_parses(text, expected):
@@ -173,7 +106,9 @@ def test_the_flag_parses(text, expected):
     assert expected is None or parse(str(expected)) == expected, "forwarded by `up` as str()"
 
 
-@pytest.mark.parametrize("text", ["sink=1,sink=2", "window=4", "topk=-1", "topk=0", "recent=0", "topk"])
+@pytest.mark.parametrize(
+    "text", ["sink=1,sink=2", "window=4", "topk=-1", "topk=0", "recent=0", "topk", "allow,on", "topk=2,allow"]
+)
 def test_a_bad_flag_says_what_is_accepted(text):
     with pytest.raises(ValueError, match="--sparse-attention"):
         parse(text)

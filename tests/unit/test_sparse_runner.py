@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.sparse_settings import SparseAttention, SparseMode
 from compute_service import planning
-from compute_service.attention.sparse_settings import SparseAttention
 from compute_service.batch import ForwardBatch
 from compute_service.model_loader import register_attention
 from compute_service.runner import Runner
@@ -28,7 +28,8 @@ def model():
 
 
 def runner(model, sparse: SparseAttention | None) -> Runner:
-    plan = planning.resolve(model.config, planning.Flags(sparse_attention=sparse), planning.this_machine())
+    mode = None if sparse is None else SparseMode(sparse)
+    plan = planning.resolve(model.config, planning.Flags(sparse_attention=mode), planning.this_machine())
     config = model.config
     paged = Runner(model, plan=plan)
     paged.attach(torch.zeros(config.num_hidden_layers, 2, NUM_BLOCKS, BLOCK, 2, config.head_dim))

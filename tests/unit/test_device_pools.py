@@ -126,6 +126,7 @@ def test_the_cache_creates_a_device_pool_and_compute_attaches_it(fake):
             head_dim=8,
             kv_dtype_name="bfloat16",
             kv_scales=SimpleNamespace(identity=""),
+            plan=SimpleNamespace(sparse_attention=None),
         )
         spec.vocab_size, spec.max_model_len, spec.attention_backend = 10, 64, "cuda"
         runner = SimpleNamespace(attach=lambda pool: setattr(runner, "pool", pool))

@@ -8,9 +8,11 @@ transformers' continuous batching (generate_batch) is left out: it sizes its cac
 memory.
 
     PYTHONPATH=$PWD .venv/bin/python tools/architecture_speed.py DIR [DIR ...] [--repeat 3] [--json OUT]
+    PYTHONPATH=$PWD .venv/bin/python tools/architecture_speed.py --table OUT   # the docs' table of OUT
 """
 
 import argparse
+import datetime
 import json
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from transformers import AutoConfig
 from cli.bench import driver, peers
 from cli.bench.workloads import build
 from cli.launch import Stack
+from common import cpu
 from protos import compute_pb2
 
 WORKLOADS = ("latency", "throughput")
@@ -64,16 +67,44 @@ def _pick(figures: dict) -> dict:
     return {key: round(figures[key], 2) for key in FIGURES if figures.get(key) is not None}
 
 
+def table(recorded: dict) -> str:
+    """The markdown table of a --json file: one row per architecture and workload."""
+    rows = [
+        f"{recorded['date']}, {recorded['machine']}, repeat {recorded['repeat']}.",
+        "",
+        "| architecture | workload | layers (prompt / decode) | tokens/s pagedserve / transformers | ratio "
+        "| TTFT p50 ms | inter-token p50 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, result in recorded["results"].items():
+        for workload in WORKLOADS:
+            if workload not in result:
+                continue
+            ours, theirs = result[workload]["pagedserve"], result[workload]["transformers"]
+            rows.append(
+                f"| {name} | {workload} | {result['layers']} / {result['layers.decode']} "
+                f"| {ours['tokens_per_s']:.1f} / {theirs['tokens_per_s']:.1f} ({theirs['threads']} threads) "
+                f"| {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x "
+                f"| {ours['ttft_p50_ms']:.0f} / {theirs['ttft_p50_ms']:.0f} "
+                f"| {ours['itl_p50_ms']:.1f} / {theirs['itl_p50_ms']:.1f} |"
+            )
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("models", nargs="+", type=Path)
+    parser.add_argument("models", nargs="*", type=Path)
+    parser.add_argument("--table", type=Path, help="print the markdown table of a --json file and exit")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--peer-threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return
     results = {}
     for model in args.models:
         results[model.name] = result = measure(model, args.repeat, args.peer_threads, args.workloads)
@@ -82,7 +113,13 @@ def main() -> None:
             ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
             print(f"{model.name} {name}: {ours} vs transformers {theirs}: {ratio:.2f}x tokens/s", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        recorded = {
+            "date": datetime.date.today().isoformat(),
+            "machine": cpu.describe(),
+            "repeat": args.repeat,
+            "results": results,
+        }
+        args.json.write_text(json.dumps(recorded, indent=1))
 
 
 if __name__ == "__main__":

@@ -75,8 +75,8 @@ class StepCost:
 
 class StepCostFit:
     """Exponentially weighted least squares of step times on their shapes, with each step's error clipped
-    (see CLIP). `cost` is None until WARMUP steps are seen, or while the fit is not physical (a token that
-    costs nothing)."""
+    (see CLIP) once WARMUP steps are seen. `cost` is None while the fit is not physical (a token that costs
+    nothing)."""
 
     def __init__(self) -> None:
         self._xtx = np.zeros((3, 3))

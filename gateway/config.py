@@ -13,6 +13,8 @@ FAIL_STEP_ENV = "PAGEDSERVE_TEST_FAIL_STEP"
 # TEST HOOK, off unless set when the engine starts: the Forward rows of this request id carry a token id
 # compute refuses (tests/e2e/test_bad_rows.py checks that only that request fails, by compute's naming).
 BAD_ROW_ENV = "PAGEDSERVE_TEST_BAD_ROW"
+# --decode-step-target-ms: see docs/configuration.md, Scheduling.
+DEFAULT_DECODE_STEP_TARGET_MS = 500.0
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class EngineConfig:
     max_seqs: int = 64
     # Prompt tokens of a step that also runs decodes (0: no cap below max_batched_tokens).
     prefill_tokens_with_decodes: int = 512
+    # Milliseconds a step with decodes aims at: its prompt tokens are sized by the fitted step times, within
+    # prefill_tokens_with_decodes (0: off, the token cap alone; gateway/step_pace.py).
+    decode_step_target_ms: float = DEFAULT_DECODE_STEP_TARGET_MS
     # Decode steps one Compute call may run (ForwardSteps; 1: one Forward per step).
     decode_steps: int = 8
     rpc_timeout_s: float = 120.0

@@ -32,6 +32,7 @@ from gateway.scheduler import Scheduler
 from gateway.sequence import Sequence
 from gateway.step import ScheduledStep, StepResult
 from gateway.step_faults import fail_faulty, run_isolated
+from gateway.step_pace import StepPace, StepShape
 from gateway.step_timer import StepTimer
 from gateway.update_faults import fail_rows, fork_isolated
 from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
@@ -99,8 +100,9 @@ class Engine:
                 self._cache, self.config.block_size, num_blocks, self.config.rpc_timeout_s, self.lease
             )
             config = self.config
+            pace = StepPace(config.decode_step_target_ms / 1e3) if config.decode_step_target_ms else None
             self.scheduler = Scheduler(
-                self.kv, config.max_batched_tokens, config.max_seqs, config.prefill_tokens_with_decodes
+                self.kv, config.max_batched_tokens, config.max_seqs, config.prefill_tokens_with_decodes, pace
             )
             self.executor = StepExecutor(
                 self._compute, self.kv, self.lease, config.step_timeout_s, config.rpc_timeout_s
@@ -259,6 +261,7 @@ class Engine:
         released once the call is over. (No request waits for the room it frees: a multi-step call starts
         only when none waits, and a new one ends it.)"""
         faulty: list[tuple[Sequence, Exception]] = []
+        shape = StepShape.of(result.seqs)
         with result.timer.phase("cache_rpc"):
             for seq in [seq for seq in result.seqs if seq.forks_now]:
                 fork_isolated(self.live, seq, faulty)
@@ -276,7 +279,9 @@ class Engine:
         for seq, output in outputs:
             if seq.seq_id not in result.running_on or not output.finish_reason:
                 seq.outbox.put(output)
-        result.timer.finish(result.kind)
+        seconds = result.timer.finish(result.kind)
+        if self.scheduler.pace is not None:
+            self.scheduler.pace.observe(shape, seconds)
         return held
 
     # recovery

@@ -1,11 +1,13 @@
 """The gateway's flags, for `python -m gateway` and `pagedserve up`."""
 
 import argparse
+import math
 from pathlib import Path
 
 from common.options import ServiceOptions, add_logging, add_model, positive_seconds
 from common.paging import MAX_DECODE_STEPS
 from common.transport import add_client_certs
+from gateway.config import DEFAULT_DECODE_STEP_TARGET_MS
 from gateway.limits import add_limits
 from gateway.structured.limits import add_constraint_limits
 from gateway.tools.stream import PARSERS as TOOL_PARSERS
@@ -43,6 +45,17 @@ def _tokens(text: str) -> int:
     return int(text)
 
 
+def _target_ms(text: str) -> float:
+    """--decode-step-target-ms: a finite number of milliseconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give milliseconds, a number >= 0 (0: off)")
+    return value
+
+
 def _decode_steps(text: str) -> int:
     """--decode-steps: an integer in [1, MAX_DECODE_STEPS]."""
     if not text.isdigit() or not 1 <= int(text) <= MAX_DECODE_STEPS:
@@ -50,11 +63,8 @@ def _decode_steps(text: str) -> int:
     return int(text)
 
 
-def add_settings(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument(
-        "--max-batched-tokens", type=int, default=4096, help="tokens of one step: decodes, then prompt chunks"
-    )
+def add_step_sizing(parser: argparse.ArgumentParser) -> None:
+    """How much prompt a step that runs decodes takes (`pagedserve bench` forwards them too)."""
     parser.add_argument(
         "--prefill-tokens-with-decodes",
         type=_tokens,
@@ -62,6 +72,22 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens of a step that also runs decodes, so streams do not stall behind a long "
         "prefill (0: no cap below --max-batched-tokens)",
     )
+    parser.add_argument(
+        "--decode-step-target-ms",
+        type=_target_ms,
+        default=DEFAULT_DECODE_STEP_TARGET_MS,
+        help="milliseconds a step that runs decodes aims at: its prompt tokens are sized from the measured "
+        "step times (at least 64, at most --prefill-tokens-with-decodes), so streams wait about this long "
+        "at worst; 0: off, the token cap alone",
+    )
+
+
+def add_settings(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--max-batched-tokens", type=int, default=4096, help="tokens of one step: decodes, then prompt chunks"
+    )
+    add_step_sizing(parser)
     parser.add_argument(
         "--decode-steps",
         type=_decode_steps,

@@ -5,13 +5,15 @@ from gateway.fault_injection import injected
 from gateway.kv_view import KVView
 from gateway.sequence import Sequence, Status
 from gateway.step import ScheduledStep
+from gateway.step_pace import StepPace, StepShape
 
 
 class Scheduler:
     """Every step packs, under `max_batched_tokens` and `max_seqs`: the running decodes, then the next chunks
     of running prompts, then first chunks of waiting ones (admitted in rank order while the blocks of their
     chunk are free). Rank: lower priority value first, then arrival. A step with decodes takes at most
-    `prefill_tokens_with_decodes` prompt tokens, so that running streams do not wait behind a long prefill.
+    `prefill_tokens_with_decodes` prompt tokens, so that running streams do not wait behind a long prefill;
+    with a `pace`, fewer when its fit of the step times says more would take the step past its target.
 
     Blocks (available, needed, room in a table) are the KV view's answers; the scheduler writes none of it.
     A waiting prompt's prefix hits on blocks a table holds (or a prompt admitted before it in the step
@@ -19,7 +21,12 @@ class Scheduler:
     """
 
     def __init__(
-        self, kv: KVView, max_batched_tokens: int, max_seqs: int, prefill_tokens_with_decodes: int = 0
+        self,
+        kv: KVView,
+        max_batched_tokens: int,
+        max_seqs: int,
+        prefill_tokens_with_decodes: int = 0,
+        pace: StepPace | None = None,
     ) -> None:
         assert max_batched_tokens > 0 and max_seqs > 0 and prefill_tokens_with_decodes >= 0
         self.kv = kv
@@ -27,6 +34,7 @@ class Scheduler:
         self.max_seqs = max_seqs
         # 0: no separate cap (a step's prompt tokens take what its decodes leave of max_batched_tokens).
         self.prefill_tokens_with_decodes = prefill_tokens_with_decodes or max_batched_tokens
+        self.pace = pace
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -60,7 +68,7 @@ class Scheduler:
         # running: decodes first, then the next chunks of partly computed prompts
         running = sorted(self.running, key=lambda s: s.rank)
         for seq in sorted(running, key=_prefills):
-            budget = self._prompt_budget(step, budget) if _prefills(seq) else budget
+            budget = self._prompt_budget(step, budget, seq.chunk_start) if _prefills(seq) else budget
             if budget == 0:
                 break
             try:
@@ -73,7 +81,8 @@ class Scheduler:
                 return ScheduledStep(preempted=[self._preempt(running[-1])], faulty=step.faulty)
             budget, free = budget - n, free - taken
             step.seqs.append(seq)
-        budget = self._prompt_budget(step, budget)
+        first = min(self.waiting, key=lambda s: s.rank, default=None)
+        budget = self._prompt_budget(step, budget, first.chunk_start if first else 0)
         self._admit(step, budget, free)
         step.kind = "decode" if step.is_decode else "prefill"
         if step.kind == "prefill":
@@ -82,14 +91,18 @@ class Scheduler:
                 seq.forget_prefix()
         return step if step.seqs or step.faulty else None
 
-    def _prompt_budget(self, step: ScheduledStep, budget: int) -> int:
-        """What is left of `budget` for prompt tokens: with decodes in the step, at most
-        prefill_tokens_with_decodes of prompt tokens in all."""
+    def _prompt_budget(self, step: ScheduledStep, budget: int, start: int) -> int:
+        """What is left of `budget` for prompt tokens (the next from context position `start`): with decodes
+        in the step, at most prefill_tokens_with_decodes of prompt tokens in all, and at most what the pace
+        gives beside those decodes."""
         decodes = [seq for seq in step.seqs if seq.is_decode]
         if not decodes:
             return budget
+        cap = self.prefill_tokens_with_decodes
+        paced = self.pace.prompt_tokens(StepShape.of(decodes), start) if self.pace is not None else None
+        cap = cap if paced is None else min(cap, paced)
         prompt_tokens = sum(seq.chunk_len for seq in step.seqs) - len(decodes)
-        return max(0, min(budget, self.prefill_tokens_with_decodes - prompt_tokens))
+        return max(0, min(budget, cap - prompt_tokens))
 
     def _admit(self, step: ScheduledStep, budget: int, free: int) -> None:
         """First chunks of waiting sequences, in rank order; nobody overtakes a request that does not fit.

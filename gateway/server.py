@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
             max_batched_tokens=args.max_batched_tokens,
             max_seqs=args.max_seqs,
             prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
+            decode_step_target_ms=args.decode_step_target_ms,
             decode_steps=args.decode_steps,
             session_ttl_s=args.session_ttl,
             peer_restart_grace_s=args.peer_restart_grace,

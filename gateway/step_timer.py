@@ -42,12 +42,14 @@ class StepTimer:
         finally:
             self.phases[name] += time.perf_counter() - start
 
-    def finish(self, kind: str) -> None:
-        """kind: 'prefill' or 'decode'."""
-        STEP_SECONDS.labels(kind).observe(time.perf_counter() - self.start)
+    def finish(self, kind: str) -> float:
+        """kind: 'prefill' or 'decode'. Returns the step's wall time in seconds."""
+        seconds = time.perf_counter() - self.start
+        STEP_SECONDS.labels(kind).observe(seconds)
         for name, seconds in self.phases.items():
             PHASE_SECONDS.labels(kind, name).observe(seconds)
         if self.compute is not None:
             for name in COMPUTE_PHASES:
                 ms = getattr(self.compute, f"{name}_ms")
                 PHASE_SECONDS.labels(kind, f"compute_{name}").observe(ms / 1e3)
+        return seconds

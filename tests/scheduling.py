@@ -7,6 +7,7 @@ from gateway.kv_view import KVView
 from gateway.scheduler import Scheduler
 from gateway.sequence import Sampling, Sequence
 from gateway.step import ScheduledStep
+from gateway.step_pace import StepPace
 from tests.fake_cache import FakeCache
 
 GREEDY = Sampling(max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=None, ignore_eos=False,
@@ -25,9 +26,10 @@ def make(
     max_batched_tokens: int,
     max_seqs: int,
     prefill_tokens_with_decodes: int = 0,
+    pace: StepPace | None = None,
 ) -> Scheduler:
     kv = KVView(FakeCache(num_blocks, block_size), block_size, num_blocks)
-    return Scheduler(kv, max_batched_tokens, max_seqs, prefill_tokens_with_decodes)
+    return Scheduler(kv, max_batched_tokens, max_seqs, prefill_tokens_with_decodes, pace)
 
 
 def run(scheduler: Scheduler, step: ScheduledStep) -> dict[str, int]:

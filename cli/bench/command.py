@@ -21,10 +21,13 @@ from common.cpu import describe
 from common.model_files import DEFAULT_MODEL
 from common.options import ServiceOptions, add_dtype, add_kv_dtype, add_model
 from compute_service.weight_modes import WEIGHTS_CHOICES
+from gateway.options import add_step_sizing
 from sdk.client import Client
 
 # The cache's KV tier flags, forwarded to the stacks the bench starts (those given only).
 TIER = ServiceOptions("cache_service", 0, settings=(add_tier_settings,))
+# The gateway's step sizing flags, likewise (to compare a stack's scheduling settings).
+STEP_SIZING = ServiceOptions("gateway", 0, settings=(add_step_sizing,))
 
 
 def add_parser(commands) -> None:
@@ -68,6 +71,7 @@ def add_parser(commands) -> None:
     p.add_argument("--json", type=Path, help="also write the figures here")
     soak.add_flags(p)
     add_tier_settings(p)
+    add_step_sizing(p)
     p.add_argument(
         "--cold-restart",
         action="store_true",
@@ -110,7 +114,7 @@ def _start(args, *flags: str) -> Stack:
     return Stack.start(
         "--model", args.model, "--dtype", args.dtype, "--kv-dtype", args.kv_dtype,
         "--block-size", str(args.block_size), "--weights", args.weights, *linear, *TIER.command_line(args),
-        *flags,
+        *STEP_SIZING.command_line(args), *flags,
     )  # fmt: skip
 
 
@@ -132,6 +136,11 @@ def _cold_passes(args, workload: Workload, stack: Stack) -> dict:
 
 def _shape_label(args) -> str:
     return f" (model shape {args.model_shape}, random weights)" if args.model_shape else ""
+
+
+def _sizing_label(args) -> str:
+    flags = STEP_SIZING.command_line(args)
+    return f", {' '.join(flags)}" if flags else ""
 
 
 def _tiered(args) -> bool:
@@ -157,6 +166,7 @@ def _check(args) -> None:
         ("--weights", args.weights != "auto"),
         ("--cold-restart", args.cold_restart),
         ("--kv-tier/--config", TIER.command_line(args)),
+        ("--prefill-tokens-with-decodes/--decode-step-target-ms", STEP_SIZING.command_line(args)),
         ("--model-shape", args.model_shape),
     ):
         if given and args.target:
@@ -215,7 +225,7 @@ def _run(args: argparse.Namespace) -> int:
             "setup": f"{info.model}{_shape_label(args)}, {info.dtype}, weights {info.weights or info.dtype}, "
             f"KV {info.kv_dtype}"
             f"{', plain nn.Linear' if args.plain_linear else ''}, "
-            f"block size {info.block_size}, {_tier_label(args)}"
+            f"block size {info.block_size}, {_tier_label(args)}{_sizing_label(args)}"
             f"{', cold restarts' if args.cold_restart else ''}, median of {args.repeat}",
             "block_size": info.block_size,
             **(

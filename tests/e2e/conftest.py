@@ -48,7 +48,15 @@ def stack_bf16(model_dir, logs):
     # beside running decodes (--prefill-tokens-with-decodes) may leave transformers' one-pass greedy at a
     # near-tie wider than TIES allows, so the parity stack prefills each prompt in one step, as before.
     stack = start_stack(
-        logs, "--dtype", "bfloat16", "--kv-blocks", "512", "--prefill-tokens-with-decodes", "0"
+        logs,
+        "--dtype",
+        "bfloat16",
+        "--kv-blocks",
+        "512",
+        "--prefill-tokens-with-decodes",
+        "0",
+        "--decode-step-target-ms",
+        "0",
     )
     yield stack
     stack.stop()

@@ -75,6 +75,14 @@ def test_the_bench_forwards_only_the_tier_flags_given_to_the_stacks_it_starts():
     assert command._tier_label(_bench_args("--kv-tier", "none")) == "no KV tier"
 
 
+def test_the_bench_forwards_the_step_sizing_flags_given_and_names_them():
+    assert command.STEP_SIZING.command_line(_bench_args()) == []
+    args = _bench_args("--decode-step-target-ms", "0", "--prefill-tokens-with-decodes", "256")
+    assert command.STEP_SIZING.command_line(args) == ["--prefill-tokens-with-decodes", "256",
+                                                      "--decode-step-target-ms", "0.0"]  # fmt: skip
+    assert command._sizing_label(args) == ", --prefill-tokens-with-decodes 256 --decode-step-target-ms 0.0"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

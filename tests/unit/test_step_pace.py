@@ -1,0 +1,158 @@
+"""Prompt chunks sized by time beside decodes: the fit of step times (fed synthetic steps) and the chunk
+the scheduler gives a step that runs decodes."""
+
+import random
+
+import pytest
+
+from gateway.step_pace import MIN_PROMPT_TOKENS, WARMUP, StepCost, StepPace, StepShape, chunk_pairs
+from tests.scheduling import make, run, seq
+
+# A 16-sequence decode batch at 256 tokens of context.
+DECODES = StepShape(16, 16 * 257)
+# A machine: 20 ms a step, 1 ms a token, 20 ns an attention pair.
+MACHINE = StepCost(fixed=0.020, per_token=1e-3, per_pair=2e-8)
+
+
+def mixed(chunk: int, start: int = 0) -> StepShape:
+    """DECODES plus a prompt chunk of `chunk` tokens from `start`."""
+    return StepShape(DECODES.tokens + chunk, DECODES.pairs + chunk_pairs(start, chunk))
+
+
+def feed(pace: StepPace, machine: StepCost, steps: int, seed: int = 0, jitter: float = 0.05) -> None:
+    """`steps` steps timed on `machine` (±jitter): decode-only steps and mixed ones of the chunk the pace
+    gives (the cap of 512 until it gives one), as a scheduler would run them."""
+    rng = random.Random(seed)
+    for i in range(steps):
+        chunk = 0 if i % 3 == 0 else min(512, pace.prompt_tokens(DECODES, 0) or 512)
+        shape = mixed(chunk, start=rng.choice((0, 512, 1024)) if chunk else 0)
+        pace.observe(shape, machine.seconds(shape) * (1 + rng.uniform(-jitter, jitter)))
+
+
+def largest_within(machine: StepCost, target_s: float, start: int = 0) -> int:
+    """The largest chunk the machine runs beside DECODES within target_s."""
+    n = 0
+    while machine.seconds(mixed(n + 1, start)) <= target_s:
+        n += 1
+    return n
+
+
+def test_the_fit_learns_the_machine_from_its_steps():
+    pace = StepPace(0.2)
+    feed(pace, MACHINE, 60)
+    cost = pace.fit.cost
+    assert cost.fixed == pytest.approx(MACHINE.fixed, rel=0.3)
+    assert cost.per_token == pytest.approx(MACHINE.per_token, rel=0.1)
+    assert cost.seconds(mixed(300, 1024)) == pytest.approx(MACHINE.seconds(mixed(300, 1024)), rel=0.05)
+
+
+def test_the_chunk_keeps_the_step_within_its_target():
+    pace = StepPace(0.2)
+    feed(pace, MACHINE, 60)
+    best = largest_within(MACHINE, 0.2)
+    assert 100 < best < 512, "the target binds below the cap, above the minimum"
+    assert 0.9 * best <= pace.prompt_tokens(DECODES, 0) <= 1.05 * best
+
+
+def test_context_the_chunk_attends_over_shrinks_it():
+    pace = StepPace(0.2)
+    machine = StepCost(fixed=0.020, per_token=4e-4, per_pair=1e-7)
+    feed(pace, machine, 90)
+    near, far = pace.prompt_tokens(DECODES, 0), pace.prompt_tokens(DECODES, 4096)
+    assert far < 0.8 * near
+    assert 0.85 * largest_within(machine, 0.2, 4096) <= far <= 1.1 * largest_within(machine, 0.2, 4096)
+
+
+def test_until_warm_the_pace_leaves_the_token_cap_alone():
+    pace = StepPace(0.2)
+    for _ in range(WARMUP - 1):
+        pace.observe(mixed(256), MACHINE.seconds(mixed(256)))
+        assert pace.prompt_tokens(DECODES, 0) is None
+
+
+def test_decodes_slower_than_the_target_still_let_the_minimum_chunk_in():
+    pace = StepPace(0.010)
+    feed(pace, MACHINE, 60)
+    assert MACHINE.seconds(DECODES) > 0.010
+    assert pace.prompt_tokens(DECODES, 0) == MIN_PROMPT_TOKENS
+
+
+def test_a_machine_that_slows_down_is_followed():
+    pace = StepPace(0.2)
+    feed(pace, MACHINE, 60)
+    before = pace.prompt_tokens(DECODES, 0)
+    slow = StepCost(fixed=0.040, per_token=2e-3, per_pair=4e-8)
+    feed(pace, slow, 60, seed=1)
+    after = pace.prompt_tokens(DECODES, 0)
+    assert after < 0.6 * before
+    assert 0.85 * largest_within(slow, 0.2) <= after <= 1.1 * largest_within(slow, 0.2)
+
+
+def test_one_slow_step_moves_the_chunk_a_little_and_is_forgotten():
+    pace = StepPace(0.2)
+    feed(pace, MACHINE, 60)
+    before = pace.prompt_tokens(DECODES, 0)
+    pace.observe(mixed(before), 100 * MACHINE.seconds(mixed(before)))
+    assert pace.prompt_tokens(DECODES, 0) >= 0.6 * before, "one outlier is clipped"
+    feed(pace, MACHINE, 60, seed=2)
+    assert pace.prompt_tokens(DECODES, 0) == pytest.approx(before, rel=0.05)
+
+
+def test_decodes_only_cannot_mislead_the_chunk_below_its_cap():
+    """Steps that never vary tell nothing of a prompt token's cost: the pace's chunk is then large (the
+    cap holds), and the first mixed steps correct it."""
+    pace = StepPace(0.2)
+    for _ in range(30):
+        pace.observe(DECODES, MACHINE.seconds(DECODES))
+    assert pace.prompt_tokens(DECODES, 0) is None or pace.prompt_tokens(DECODES, 0) >= 512
+    feed(pace, MACHINE, 30)
+    assert pace.prompt_tokens(DECODES, 0) <= 1.1 * largest_within(MACHINE, 0.2)
+
+
+def trained(target_s: float) -> StepPace:
+    pace = StepPace(target_s)
+    rng = random.Random(3)
+    for i in range(40):
+        decodes, chunk = rng.randint(1, 4), 0 if i % 2 else rng.randint(16, 400)
+        shape = StepShape(decodes + chunk, decodes * 40 + chunk_pairs(0, chunk))
+        pace.observe(shape, MACHINE.seconds(shape))
+    return pace
+
+
+def decoding_scheduler(pace: StepPace | None, cap: int):
+    """Two sequences decoding, a long prompt waiting."""
+    scheduler = make(16, 200, max_batched_tokens=2048, max_seqs=8, prefill_tokens_with_decodes=cap, pace=pace)
+    for name in ("a", "b"):
+        scheduler.add(seq(name, 20))
+    run(scheduler, scheduler.schedule())
+    scheduler.add(seq("long", 1500))
+    return scheduler
+
+
+def test_the_scheduler_gives_a_step_with_decodes_the_paced_chunk():
+    pace = trained(0.2)
+    scheduler = decoding_scheduler(pace, cap=512)
+    chunks = run(scheduler, scheduler.schedule())
+    assert chunks["a"] == chunks["b"] == 1
+    paced = pace.prompt_tokens(StepShape(2, 2 * 21), 0)
+    assert chunks["long"] == paced < 512
+    assert MACHINE.seconds(StepShape(2 + paced, 42 + chunk_pairs(0, paced))) <= 0.2 * 1.05
+    chunks = run(scheduler, scheduler.schedule())
+    assert chunks["long"] == pace.prompt_tokens(StepShape(2, 2 * 22), paced), "the next chunk, from where"
+
+
+def test_the_token_cap_bounds_the_paced_chunk():
+    scheduler = decoding_scheduler(trained(5.0), cap=128)
+    assert run(scheduler, scheduler.schedule())["long"] == 128
+
+
+def test_a_step_without_decodes_takes_the_whole_budget():
+    scheduler = make(16, 200, max_batched_tokens=1024, max_seqs=8, prefill_tokens_with_decodes=512,
+                     pace=trained(0.05))  # fmt: skip
+    scheduler.add(seq("long", 1500))
+    assert run(scheduler, scheduler.schedule()) == {"long": 1024}
+
+
+def test_without_a_pace_the_token_cap_alone_sizes_the_chunk():
+    scheduler = decoding_scheduler(None, cap=300)
+    assert run(scheduler, scheduler.schedule())["long"] == 300

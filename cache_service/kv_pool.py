@@ -59,7 +59,7 @@ def spec_from_request(
     if num_blocks < 1:
         raise ResourceExhausted(
             f"{source} of {memory} bytes holds no block: one block takes {one_block.block_bytes} bytes "
-            f"({slots} layer slots x K,V x {request.block_size} tokens x "
+            f"({slots} layers x K,V x {request.block_size} tokens x "
             f"{geometry.num_kv_heads} heads x {geometry.head_dim} x {dtype.itemsize} bytes); "
             "give more memory or a smaller block_size"
         )
@@ -213,9 +213,12 @@ class KVPool:
         """K then V of one block in one layer slot (a pool of several KV groups has group_size of them),
         [2, block_size, num_kv_heads, head_dim], a view of the pool."""
         if not 0 <= layer < self.spec.num_layers:
-            raise InvalidArgument(
-                f"layer {layer} does not exist: the pool has {self.spec.num_layers} layer slots"
+            slots = (
+                f"{self.spec.num_layers} layer slots"
+                if len(self.groups) > 1
+                else f"{self.spec.num_layers} layers"
             )
+            raise InvalidArgument(f"layer {layer} does not exist: the pool has {slots}")
         if not 0 <= block_id < self.spec.num_blocks:
             raise InvalidArgument(
                 f"block {block_id} does not exist: the pool has {self.spec.num_blocks} blocks"
@@ -248,8 +251,12 @@ def _layout(spec: PoolSpec, model: str, kv_scales_id: str, groups: tuple[KVGroup
     scales = f", kv scales {kv_scales_id}" if kv_scales_id else ""
     windows = ", ".join(f"a {group.window}-token window" for group in groups if group.window)
     window = f", tables keep {windows}" if windows else ""
-    kinds = f", {len(groups)} KV groups" if len(groups) > 1 else ""
+    slots = (
+        f"{spec.num_layers} layer slots, {len(groups)} KV groups"
+        if len(groups) > 1
+        else f"{spec.num_layers} layers"
+    )
     return (
-        f"{spec.num_layers} layer slots{kinds}, {spec.num_kv_heads} kv heads, head_dim {spec.head_dim}, "
+        f"{slots}, {spec.num_kv_heads} kv heads, head_dim {spec.head_dim}, "
         f"block_size {spec.block_size}, {shared_pool.dtype_name(spec.dtype)}{scales}{window}, model {model!r}"
     )

@@ -165,3 +165,23 @@ def test_a_pools_groups_follow_the_windows_and_prefix_caching_keeps_one(windows,
 def test_bad_sliding_windows_are_refused(windows):
     with pytest.raises(InvalidArgument):
         pool_groups(pool_request(windows), False)
+
+
+def test_the_service_facing_calls_span_every_group():
+    blocks = hybrid([0, WINDOW])
+    blocks.reserve([SeqRequest("a", 4)], ())
+    grow(blocks, "a", 4, 40, 4)
+    stats = blocks.stats()
+    # one count of sequences and tokens; every group's table slots (full: 10 blocks, sliding: 3 of them)
+    assert (stats.num_sequences, stats.stored_tokens, stats.table_slots) == (1, 40, (10 + 3) * BS)
+    assert stats.used_blocks == 10 + 3 + 1, "and the null block"
+    full, sliding = blocks.block_tables("a")
+    assert blocks.refcount(full[0]) == 1 and blocks.refcount(sliding[-1]) == 1
+    assert blocks.prefix_blocks(SeqRequest("b", 8, list(range(8)))) == [], "no prefix caching"
+    with pytest.raises(InvalidArgument):
+        blocks.check([], [SeqRequest("a", 30, num_computed=40)])
+    with pytest.raises(NotFound):
+        blocks.index_written({"nobody": 4})
+    blocks.free(["a"])
+    assert blocks.stats().used_blocks == 1
+    blocks.check_invariants()

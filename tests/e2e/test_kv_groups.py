@@ -3,18 +3,20 @@ checkpoints: Gemma 2 (one full and one sliding layer: two groups of one layer) a
 layers to one full: six groups of one layer) each keep a table per group over a pool of one layer slot.
 Concurrent greedy requests (packed, their prompts longer than the sliding window and prefilled in chunks)
 give transformers' eager greedy tokens through gRPC, the sliding groups' tables releasing the blocks before
-the window; GetStats reports each group, and every block comes back once the requests end. One stack at a
-time (memory)."""
+the window; GetStats and `pagedserve stats` report each group, every block comes back once the requests
+end, and compute refuses a pool whose groups do not match its model. One stack at a time (memory)."""
 
 import json
 import subprocess
 import sys
 
+import grpc
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from protos import compute_pb2
+from gateway.handshake import handshake
+from protos import common_pb2, compute_pb2
 from tests.architectures import SLIDING_WINDOWS, save_tiny
 from tests.e2e.greedy import concurrent_greedy, hf_greedy
 from tests.e2e.stack import start_stack
@@ -83,3 +85,28 @@ def test_one_request_at_a_time_gives_transformers_greedy_tokens(served):
     with stack.client() as client:
         result = client.generate(token_ids=prompt, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert result.token_ids == hf_greedy(reference, prompt, NEW_TOKENS)
+
+
+def test_compute_refuses_groups_that_do_not_match_its_model_and_keeps_its_pool(served):
+    name, stack, reference = served
+    # the handshake again: the cache returns its pool, compute attaches it again
+    _, handle = handshake(stack.cache(), stack.compute(), 4, 30.0, wait=False)
+    assert len(handle.kv_groups) == len(SLIDING_WINDOWS[name]) and handle.shape[0] == 1
+    other_window, merged = common_pb2.PoolHandle(), common_pb2.PoolHandle()
+    other_window.CopyFrom(handle)
+    other_window.kv_groups[-1].window += 1
+    merged.CopyFrom(handle)
+    del merged.kv_groups[1:]
+    merged.kv_groups[0].layers[:] = range(len(SLIDING_WINDOWS[name]))
+    # a sliding group keeping another window; one group of every layer over the pool's one slot
+    for wrong, message in [(other_window, "group keeps a"), (merged, "layers for [1] layer slots")]:
+        with pytest.raises(grpc.RpcError) as refused:
+            stack.compute().AttachPool(wrong, timeout=30)
+        details = refused.value.details()
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the pool's KV groups do not match the model" in details and message in details
+        assert "\n" not in details
+    prompt = PROMPTS[1]
+    with stack.client() as client:
+        result = client.generate(token_ids=prompt, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert result.token_ids == hf_greedy(reference, prompt, NEW_TOKENS), "the attached pool stays"

@@ -4,11 +4,13 @@ while the full-attention groups keep theirs. Block ids come from one free list: 
 of group_size layers of whichever group's table holds it."""
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from cache_service.allocators.base import BlockAllocator
 from cache_service.block_manager import BlockManager
 from cache_service.block_pool import BlockPool
 from cache_service.sequence import SeqRequest, TableTail
+from cache_service.stats import BlockStats
 from common.errors import InvalidArgument
 from common.kv_groups import KVGroup
 
@@ -36,8 +38,10 @@ class HybridBlocks:
                 "--no-prefix-cache for a model with both full and sliding-window layers"
             )
         self.groups = tuple(groups)
+        self.allocator = allocator
         self.block_pool = BlockPool(allocator)
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         windowed = any(group.window for group in groups)
         self.null_block = self.block_pool.take(1, [])[0] if windowed else -1
         self.managers = [
@@ -59,11 +63,15 @@ class HybridBlocks:
         """Blocks a reservation can take: free plus cached (evictable)."""
         return self.block_pool.num_available
 
+    def check(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> None:
+        """Raises as `reserve` does when the batch is invalid; changes nothing."""
+        for manager in self.managers:
+            manager.check(new, running)
+
     def reserve(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> list[list[TableTail]]:
         """BlockManager.reserve in every group: per group, the tails of `new` then `running`. Raises as it
         does, ResourceExhausted when the groups together lack blocks; on any error nothing changed."""
-        for manager in self.managers:
-            manager.check(new, running)
+        self.check(new, running)
         need = sum(manager.step_need(new, running) for manager in self.managers)
         self.block_pool.ensure_available(need, 0, self.block_size)
         return [manager.reserve(new, running) for manager in self.managers]
@@ -81,6 +89,29 @@ class HybridBlocks:
     ) -> int:
         """BlockManager.free in every group; returns the blocks that left use, all groups together."""
         return sum(manager.free(seq_ids, num_computed, appended) for manager in self.managers)
+
+    def index_written(self, num_computed: Mapping[str, int]) -> None:
+        """BlockManager.index_written in every group (without prefix caching it only checks the counts)."""
+        for manager in self.managers:
+            manager.index_written(num_computed)
+
+    def prefix_blocks(self, request: SeqRequest) -> list[int]:
+        """No blocks: prefix caching is off over several groups."""
+        return self.managers[0].prefix_blocks(request)
+
+    def refcount(self, block_id: int) -> int:
+        """How many block tables of all groups hold the block; InvalidArgument if it is out of range."""
+        return self.block_pool.refcount(block_id)
+
+    def stats(self) -> BlockStats:
+        """One group's counts of sequences and tokens, the pool's of blocks, every group's table slots and
+        copies on write summed."""
+        each = [manager.stats() for manager in self.managers]
+        return replace(
+            each[0],
+            table_slots=sum(stats.table_slots for stats in each),
+            copy_on_writes=sum(stats.copy_on_writes for stats in each),
+        )
 
     def block_tables(self, seq_id: str) -> list[list[int]]:
         """The sequence's table in each group (a sliding one's released entries hold null_block)."""

@@ -1,5 +1,7 @@
-"""The KV pool the service owns: the [layers, K/V, blocks, block_size, heads, head_dim] tensor in a segment
-(common/shared_pool.py), its spec from a CreatePool request, and the block manager over its blocks."""
+"""The KV pool the service owns: the [layer slots, K/V, blocks, block_size, heads, head_dim] tensor in a
+segment (common/shared_pool.py), its spec and KV groups from a CreatePool request, and the block manager over
+its blocks (one per group: cache_service/hybrid_blocks.py). A pool of several groups has group_size layer
+slots, each block id holding K/V for the layers of whichever group's table holds it."""
 
 from dataclasses import dataclass, replace
 
@@ -8,10 +10,11 @@ import torch
 from cache_service import device_room, host_memory
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
+from cache_service.hybrid_blocks import HybridBlocks
 from common import shared_pool
 from common.devices import CPU, Device
 from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from common.kv_groups import KVGroup, group_layers
+from common.kv_groups import KVGroup, group_layers, group_size
 from common.session_fence import SessionFence
 from common.shared_pool import PoolSpec
 from protos import cache_pb2, common_pb2
@@ -22,9 +25,10 @@ MAX_POOL_BYTES = 2**63 - 1  # a handle's sizes travel as int64
 
 
 def spec_from_request(
-    request: cache_pb2.CreatePoolRequest, default_blocks: int, default_memory: int
+    request: cache_pb2.CreatePoolRequest, default_blocks: int, default_memory: int, slots: int = 0
 ) -> PoolSpec:
-    """The pool a CreatePool asks for; its budget is the request's if set, else the service's defaults.
+    """The pool a CreatePool asks for, of `slots` layer slots (0: every layer's; a pool of KV groups has
+    group_size); its budget is the request's if set, else the service's defaults.
 
     Raises InvalidArgument for a bad geometry, block size, dtype (or an fp8 one without its scales'
     identity, another with one) or budget (also one beyond int32 block ids or int64 bytes), and
@@ -45,9 +49,8 @@ def spec_from_request(
         )
     if request.num_blocks and request.memory_bytes:
         raise InvalidArgument("set num_blocks or memory_bytes, not both")
-    one_block = PoolSpec(
-        geometry.num_layers, 1, request.block_size, geometry.num_kv_heads, geometry.head_dim, dtype
-    )
+    slots = slots or geometry.num_layers
+    one_block = PoolSpec(slots, 1, request.block_size, geometry.num_kv_heads, geometry.head_dim, dtype)
     if request.num_blocks or request.memory_bytes:
         blocks, memory, source = request.num_blocks, request.memory_bytes, "memory_bytes"
     else:
@@ -56,7 +59,7 @@ def spec_from_request(
     if num_blocks < 1:
         raise ResourceExhausted(
             f"{source} of {memory} bytes holds no block: one block takes {one_block.block_bytes} bytes "
-            f"({geometry.num_layers} layers x K,V x {request.block_size} tokens x "
+            f"({slots} layers x K,V x {request.block_size} tokens x "
             f"{geometry.num_kv_heads} heads x {geometry.head_dim} x {dtype.itemsize} bytes); "
             "give more memory or a smaller block_size"
         )
@@ -70,19 +73,25 @@ def spec_from_request(
     return spec
 
 
-def table_group(request: cache_pb2.CreatePoolRequest) -> KVGroup | None:
-    """The KV group the pool's tables keep when every layer has one sliding window (its out-of-window blocks
-    are released), else None (a table keeps every block: full attention, or layers of several patterns).
-    InvalidArgument unless sliding_windows is empty or one window >= 0 per layer."""
+def pool_groups(request: cache_pb2.CreatePoolRequest, prefix_caching: bool) -> tuple[KVGroup, ...]:
+    """The pool's KV groups (common/kv_groups.py) by the layers' sliding windows: one group of every layer
+    without windows, and under prefix caching for layers of several patterns (one table keeps every block:
+    prefix hits across groups are not implemented). InvalidArgument unless sliding_windows is empty or one
+    window >= 0 per layer."""
     windows, num_layers = list(request.sliding_windows), request.geometry.num_layers
     if windows and len(windows) != num_layers:
         raise InvalidArgument(
             f"sliding_windows has {len(windows)} entries for {num_layers} layers: send one per layer, or none"
         )
-    if not windows:
-        return None
-    groups = group_layers(windows)
-    return groups[0] if len(groups) == 1 and groups[0].window else None
+    groups = group_layers(windows) if windows else ()
+    if not groups or (len(groups) > 1 and prefix_caching):
+        return (KVGroup(tuple(range(num_layers))),)
+    return groups
+
+
+def group_layouts(groups: tuple[KVGroup, ...]) -> list[common_pb2.KVGroupLayout]:
+    """The groups as a PoolHandle carries them."""
+    return [common_pb2.KVGroupLayout(layers=group.layers, window=group.window) for group in groups]
 
 
 def _check_scales(dtype: torch.dtype, kv_scales_id: str) -> None:
@@ -108,10 +117,10 @@ class KVPool:
     model: str
     tensor: torch.Tensor
     handle: common_pb2.PoolHandle
-    blocks: BlockManager
+    blocks: BlockManager | HybridBlocks
     fence: SessionFence
     kv_scales_id: str = ""
-    group: KVGroup | None = None
+    groups: tuple[KVGroup, ...] = ()
 
     @classmethod
     def create(
@@ -122,16 +131,20 @@ class KVPool:
         prefix_caching: bool,
         kv_scales_id: str = "",
         device: Device = CPU,
-        group: KVGroup | None = None,
+        groups: tuple[KVGroup, ...] = (),
     ) -> "KVPool":
         """A new zeroed pool with a new epoch on `device` (a shm segment on the cpu; see
         cache_service/device_room.py otherwise); the caller must `release` it. ResourceExhausted, before
-        anything is allocated (the allocator's state too), unless the host or device can back it. `group`
-        (`table_group`): the sliding group whose window the tables keep."""
+        anything is allocated (the allocator's state too), unless the host or device can back it. `groups`
+        (`pool_groups`, of spec.num_layers layers each; none: one full group): the tables each sequence
+        holds, and the windows they keep."""
+        groups = groups or (KVGroup(tuple(range(spec.num_layers))),)
+        assert group_size(groups) == spec.num_layers, (groups, spec)
         host_memory.require_room_here(*_host_share(spec, device))
         allocator_ = registry.create(allocator, spec.num_blocks)
         tensor, handle = device_room.create(spec, device)
         handle.kv_scales_id = kv_scales_id
+        handle.kv_groups.extend(group_layouts(groups))
         try:
             fence = SessionFence.create(handle)
         except BaseException:
@@ -142,27 +155,47 @@ class KVPool:
             tensor[:, :, dst].copy_(tensor[:, :, src])
 
         identity = kv_identity(model, spec.dtype, kv_scales_id)
-        blocks = BlockManager(allocator_, spec.block_size, copy_block, prefix_caching, identity, group)
-        return cls(spec, model, tensor, handle, blocks, fence, kv_scales_id, group)
+        if len(groups) > 1:
+            blocks = HybridBlocks(allocator_, groups, spec.block_size, copy_block, prefix_caching, identity)
+        else:
+            group = groups[0] if groups[0].window else None
+            blocks = BlockManager(allocator_, spec.block_size, copy_block, prefix_caching, identity, group)
+        return cls(spec, model, tensor, handle, blocks, fence, kv_scales_id, groups)
 
     @property
     def identity(self) -> str:
         """The root of its prefix hashes beyond the salt (`kv_identity`): what a tier must hash with too."""
         return kv_identity(self.model, self.spec.dtype, self.kv_scales_id)
 
+    def grouped(self, per_group: list) -> list:
+        """What the block manager returned per sequence (reserve's tails, fork's tables), per KV group."""
+        return per_group if isinstance(self.blocks, HybridBlocks) else [per_group]
+
+    def held_blocks(self) -> list[int]:
+        """Per KV group, the blocks its tables hold, summed over sequences."""
+        if isinstance(self.blocks, HybridBlocks):
+            return self.blocks.held_blocks()
+        return [self.blocks.stats().table_slots // self.spec.block_size]
+
+    @property
+    def window(self) -> int:
+        """The window the tables keep when every layer slides it (one sliding group), else 0."""
+        return self.groups[0].window if len(self.groups) == 1 else 0
+
     def require_layout(
-        self, spec: PoolSpec, model: str, kv_scales_id: str = "", group: KVGroup | None = None
+        self, spec: PoolSpec, model: str, kv_scales_id: str = "", groups: tuple[KVGroup, ...] = ()
     ) -> None:
         """FailedPrecondition unless `spec` differs from this pool's at most in its number of blocks, for the
-        same model, scales and sliding group: a live pool's layout never changes (callers hold its handle
-        and block ids)."""
-        mine = (self.spec, self.model, self.kv_scales_id, self.group)
-        if (replace(spec, num_blocks=self.spec.num_blocks), model, kv_scales_id, group) == mine:
+        same model, scales and KV groups: a live pool's layout never changes (callers hold its handle and
+        block ids)."""
+        groups = groups or (KVGroup(tuple(range(spec.num_layers))),)
+        mine = (self.spec, self.model, self.kv_scales_id, self.groups)
+        if (replace(spec, num_blocks=self.spec.num_blocks), model, kv_scales_id, groups) == mine:
             return
         raise FailedPrecondition(
             f"the cache service holds a pool of another layout ({_layout(*mine)}) than asked "
-            f"({_layout(spec, model, kv_scales_id, group)}): a pool keeps its layout while the cache service "
-            "runs; restart the cache service to change the layout"
+            f"({_layout(spec, model, kv_scales_id, groups)}): a pool keeps its layout while the cache "
+            "service runs; restart the cache service to change the layout"
         )
 
     def require_size(self, spec: PoolSpec) -> None:
@@ -177,9 +210,15 @@ class KVPool:
         )
 
     def read_block(self, layer: int, block_id: int) -> torch.Tensor:
-        """K then V of one block in one layer, [2, block_size, num_kv_heads, head_dim], a view of the pool."""
+        """K then V of one block in one layer slot (a pool of several KV groups has group_size of them),
+        [2, block_size, num_kv_heads, head_dim], a view of the pool."""
         if not 0 <= layer < self.spec.num_layers:
-            raise InvalidArgument(f"layer {layer} does not exist: the pool has {self.spec.num_layers} layers")
+            slots = (
+                f"{self.spec.num_layers} layer slots"
+                if len(self.groups) > 1
+                else f"{self.spec.num_layers} layers"
+            )
+            raise InvalidArgument(f"layer {layer} does not exist: the pool has {slots}")
         if not 0 <= block_id < self.spec.num_blocks:
             raise InvalidArgument(
                 f"block {block_id} does not exist: the pool has {self.spec.num_blocks} blocks"
@@ -208,10 +247,16 @@ def _size(spec: PoolSpec) -> str:
     return f"{spec.num_blocks} blocks ({spec.nbytes / 2**20:.1f} MiB)"
 
 
-def _layout(spec: PoolSpec, model: str, kv_scales_id: str, group: KVGroup | None) -> str:
+def _layout(spec: PoolSpec, model: str, kv_scales_id: str, groups: tuple[KVGroup, ...]) -> str:
     scales = f", kv scales {kv_scales_id}" if kv_scales_id else ""
-    window = f", tables keep a {group.window}-token window" if group else ""
+    windows = ", ".join(f"a {group.window}-token window" for group in groups if group.window)
+    window = f", tables keep {windows}" if windows else ""
+    slots = (
+        f"{spec.num_layers} layer slots, {len(groups)} KV groups"
+        if len(groups) > 1
+        else f"{spec.num_layers} layers"
+    )
     return (
-        f"{spec.num_layers} layers, {spec.num_kv_heads} kv heads, head_dim {spec.head_dim}, "
+        f"{slots}, {spec.num_kv_heads} kv heads, head_dim {spec.head_dim}, "
         f"block_size {spec.block_size}, {shared_pool.dtype_name(spec.dtype)}{scales}{window}, model {model!r}"
     )

@@ -20,8 +20,11 @@ def seq_request(seq: cache_pb2.SequenceRequest) -> SeqRequest:
     )
 
 
-def block_tables(seq_ids: Sequence[str], tails: Sequence[TableTail], available: int) -> cache_pb2.BlockTables:
-    """Reserve's reply: each table's tail, in the request's order (new, then running)."""
+def block_tables(
+    seq_ids: Sequence[str], tails: Sequence[Sequence[TableTail]], available: int
+) -> cache_pb2.BlockTables:
+    """Reserve's reply: per KV group (`tails[g]`), each table's tail, in the request's order (new, then
+    running); group 0's in the table's own fields, the others' in its `groups`."""
     return cache_pb2.BlockTables(
         tables=[
             cache_pb2.BlockTable(
@@ -30,8 +33,29 @@ def block_tables(seq_ids: Sequence[str], tails: Sequence[TableTail], available: 
                 cached_tokens=tail.cached_tokens,
                 first_block=tail.first,
                 num_tokens=tail.num_tokens,
+                groups=[
+                    cache_pb2.GroupTable(block_ids=t[i].block_ids, first_block=t[i].first) for t in tails[1:]
+                ],
             )
-            for seq_id, tail in zip(seq_ids, tails, strict=True)
+            for i, (seq_id, tail) in enumerate(zip(seq_ids, tails[0], strict=True))
+        ],
+        available_blocks=available,
+    )
+
+
+def forked_tables(
+    child_ids: Sequence[str], tables: Sequence[Sequence[list[int]]], available: int
+) -> cache_pb2.BlockTables:
+    """Fork's reply: each child's whole table per KV group (`tables[g]`), group 0's in the table's own
+    fields."""
+    return cache_pb2.BlockTables(
+        tables=[
+            cache_pb2.BlockTable(
+                seq_id=seq_id,
+                block_ids=table,
+                groups=[cache_pb2.GroupTable(block_ids=t[i]) for t in tables[1:]],
+            )
+            for i, (seq_id, table) in enumerate(zip(child_ids, tables[0], strict=True))
         ],
         available_blocks=available,
     )

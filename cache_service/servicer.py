@@ -6,14 +6,16 @@ import torch
 
 from cache_service import block_map, messages
 from cache_service.block_manager import BlockManager
+from cache_service.hybrid_blocks import HybridBlocks
 from cache_service.kv_events import publisher as kv_events
-from cache_service.kv_pool import KVPool, spec_from_request, table_group
+from cache_service.kv_pool import KVPool, pool_groups, spec_from_request
 from cache_service.options import DEFAULT_SESSION_TTL_S
 from cache_service.sequence import check_prompt
 from cache_service.sessions import Sessions
 from cache_service.tiers import manager as tiers
 from common.devices import CPU, Device
 from common.errors import FailedPrecondition
+from common.kv_groups import group_size
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
 
 
@@ -53,10 +55,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
     def CreatePool(self, request: cache_pb2.CreatePoolRequest, context) -> common_pb2.PoolHandle:
         with self._lock:
-            spec = spec_from_request(request, self._default_blocks, self._default_memory)
-            group = table_group(request)
+            groups = pool_groups(request, self._prefix_caching)
+            slots = group_size(groups)
+            spec = spec_from_request(request, self._default_blocks, self._default_memory, slots)
             if self._pool is not None:
-                self._pool.require_layout(spec, request.model, request.kv_scales_id, group)
+                self._pool.require_layout(spec, request.model, request.kv_scales_id, groups)
                 if request.num_blocks or request.memory_bytes:
                     self._pool.require_size(spec)
                 self._attention_backend = request.attention_backend
@@ -68,12 +71,13 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 self._prefix_caching,
                 request.kv_scales_id,
                 self._device,
-                group,
+                groups,
             )
             self._log.info(
                 "pool_created",
                 shape=list(spec.shape),
-                window=group.window if group else 0,
+                window=self._pool.window,
+                kv_groups=[[len(group.layers), group.window] for group in groups],
                 dtype=self._pool.handle.dtype,
                 mib=round(spec.nbytes / 2**20, 1),
                 epoch=self._pool.handle.epoch,
@@ -94,9 +98,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             running = [messages.seq_request(seq) for seq in request.running_seqs]
             blocks.check(new, running)
             self._tier.load_prefixes(blocks, new)
-            tails = blocks.reserve(new, running)
+            tails = self._pool.grouped(blocks.reserve(new, running))
             seq_ids = [seq.seq_id for seq in (*request.new_seqs, *request.running_seqs)]
-            written = [tail.cached_tokens for tail in tails[: len(new)]]
+            written = [tail.cached_tokens for tail in tails[0][: len(new)]]
             written += [seq.num_computed for seq in request.running_seqs]
             self._sessions.reserved(request.session_id, list(zip(seq_ids, written, strict=True)))
             return messages.block_tables(seq_ids, tails, blocks.num_available)
@@ -115,15 +119,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def Fork(self, request: cache_pb2.ForkRequest, context) -> cache_pb2.BlockTables:
         with self._lock:
             blocks = self._owning(request.session_id, [request.parent_id])
-            tables = blocks.fork(request.parent_id, list(request.child_ids))
+            tables = self._pool.grouped(blocks.fork(request.parent_id, list(request.child_ids)))
             self._sessions.forked(request.session_id, request.parent_id, list(request.child_ids))
-            return cache_pb2.BlockTables(
-                tables=[
-                    cache_pb2.BlockTable(seq_id=seq_id, block_ids=table)
-                    for seq_id, table in zip(request.child_ids, tables, strict=True)
-                ],
-                available_blocks=blocks.num_available,
-            )
+            return messages.forked_tables(list(request.child_ids), tables, blocks.num_available)
 
     def Free(self, request: cache_pb2.FreeRequest, context) -> cache_pb2.FreeResponse:
         with self._lock:
@@ -182,7 +180,13 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 kv_dtype=self._pool.handle.dtype,
                 device=self._pool.handle.device,
                 attention_backend=self._attention_backend,
-                sliding_window=self._pool.group.window if self._pool.group else 0,
+                sliding_window=self._pool.window,
+                kv_groups=[
+                    cache_pb2.KVGroupStats(
+                        num_layers=len(group.layers), window=group.window, held_blocks=held
+                    )
+                    for group, held in zip(self._pool.groups, self._pool.held_blocks(), strict=True)
+                ],
                 prefix_query_tokens=stats.prefix_query_tokens,
                 prefix_hit_tokens=stats.prefix_hit_tokens,
                 copy_on_writes=stats.copy_on_writes,
@@ -237,10 +241,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             raise FailedPrecondition("no pool: call CreatePool first")
         return self._pool
 
-    def _blocks(self) -> BlockManager:
+    def _blocks(self) -> BlockManager | HybridBlocks:
         return self._require_pool().blocks
 
-    def _owning(self, session_id: str, seq_ids) -> BlockManager:
+    def _owning(self, session_id: str, seq_ids) -> BlockManager | HybridBlocks:
         """The block manager, once lapsed sessions are swept and the session is checked to hold seq_ids."""
         self._sweep()
         blocks = self._blocks()

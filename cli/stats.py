@@ -1,4 +1,5 @@
-"""`pagedserve stats`: the cache service's GetStats as a table, or JSON with --json; with --compute-target,
+"""`pagedserve stats`: the cache service's GetStats as a table (a row per KV group: its layers, window and
+blocks held), or JSON with --json; with --compute-target,
 compute's model, dtype, weights mode, KV dtype and attention backend too (rows `compute.*`), and its execution
 plan: what runs each stage of a step, and why (rows `compute.plan.*`)."""
 
@@ -53,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     for name, value in fields.items():
         if name in ("kv_tier", "compute"):
             rows.update({f"{name}.{inner}": inner_value for inner, inner_value in value.items()})
+        elif name == "kv_groups":
+            rows.update({f"kv_groups.{i}": _group_row(group) for i, group in enumerate(value)})
         else:
             rows[name] = value
     if "compute.execution_plan" in rows:
@@ -93,14 +96,21 @@ def _plan_rows(plan: dict) -> dict:
     return rows
 
 
+def _group_row(group: dict) -> str:
+    window = f"a {group['window']}-token window" if group["window"] else "full attention"
+    return f"{group['num_layers']} layers, {window}, {group['held_blocks']} blocks held"
+
+
 def _plain(message) -> dict:
     """The message's fields as plain values: map fields (allocator_stats) as dicts, message fields
-    (kv_tier) as dicts of their fields, left out when unset."""
+    (kv_tier) as dicts of their fields, left out when unset, repeated ones (kv_groups) as lists of them."""
     fields = {}
     for field in message.DESCRIPTOR.fields:
         value = getattr(message, field.name)
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
             fields[field.name] = dict(value)
+        elif field.message_type is not None and field.is_repeated:
+            fields[field.name] = [_plain(item) for item in value]
         elif field.message_type is not None:
             if message.HasField(field.name):
                 fields[field.name] = _plain(value)

@@ -1,6 +1,6 @@
 """The forward batch: a checked ForwardRequest and everything compute derives from it, once per step."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,7 +16,8 @@ class ForwardBatch:
     """Every tensor a step needs (int64 unless noted), read by the attention context, the runner and sampling.
 
     T new tokens of N sequences; `positions`, `context_lens` and `slot_mapping` are derived here and nowhere
-    else."""
+    else. On a pool of several KV groups `block_tables` and `slot_mapping` are group 0's, and `group_tables`,
+    `group_slots` every group's (`by_group` gives the batch each group's layers see)."""
 
     token_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T] position of each new token in its sequence
@@ -36,6 +37,9 @@ class ForwardBatch:
     # [S] the token whose logits each sampling sequence samples from (its last new one); None when that is
     # every token (a step of decodes that all sample)
     logit_tokens: torch.Tensor | None
+    # per KV group of the pool: its tables [N, W], the slots of the new tokens in them [T]; empty: one group
+    group_tables: tuple[torch.Tensor, ...] = ()
+    group_slots: tuple[torch.Tensor, ...] = ()
 
     @classmethod
     def from_request(cls, request: compute_pb2.ForwardRequest, limits: Limits) -> "ForwardBatch":
@@ -44,7 +48,8 @@ class ForwardBatch:
         sent = Sent.from_request(request)
         check_sent(sent, limits)
         batch = cls.derive(sent, limits.block_size)
-        check_writes(batch.slot_mapping, batch.cu_seqlens_q)
+        for slots in batch.group_slots or (batch.slot_mapping,):
+            check_writes(slots, batch.cu_seqlens_q)
         return batch
 
     @classmethod
@@ -54,19 +59,21 @@ class ForwardBatch:
         num_tokens, seq_of_token = len(sent.token_ids), row_of_token(cu)
         # new tokens follow the computed ones: token cu[i] + j of sequence i sits at num_computed[i] + j
         positions = torch.arange(num_tokens) + (sent.num_computed - cu[:-1])[seq_of_token]
-        # NOTE: the tables laid end to end are one table in which position p of sequence i is at
+        # NOTE: a group's tables laid end to end are one table in which position p of sequence i is at
         # i * width * block_size + p, so one gather finds the slots of the packed tokens of all sequences.
-        slot_mapping = paging.slots(
-            sent.block_tables, seq_of_token * (width * block_size) + positions, block_size
-        )
+        flat = sent.block_tables.view(sent.num_kv_groups, -1)
+        at = seq_of_token * (width * block_size) + positions
+        slots = tuple(paging.slots(tables, at, block_size) for tables in flat)
+        tables = tuple(group.view(-1, width) for group in flat)
+        several = len(tables) > 1
         last = cu[1:][sent.sample] - 1
         return cls(
             token_ids=sent.token_ids,
             positions=positions,
-            slot_mapping=slot_mapping,
+            slot_mapping=slots[0],
             cu_seqlens_q=cu,
             context_lens=sent.context_lens(),
-            block_tables=sent.block_tables.view(-1, width),
+            block_tables=tables[0],
             sample=sent.sample,
             sampling=sent.sampling,
             prompt_rows=(cu.diff() > 1).nonzero().squeeze(1).tolist(),
@@ -76,7 +83,18 @@ class ForwardBatch:
             if len(sent.sparse)
             else None,
             logit_tokens=None if len(last) == num_tokens else last,
+            group_tables=tables if several else (),
+            group_slots=slots if several else (),
         )
+
+    def by_group(self) -> list["ForwardBatch"]:
+        """The batch each KV group's layers see: its tables and slots in block_tables and slot_mapping."""
+        if not self.group_tables:
+            return [self]
+        return [
+            replace(self, block_tables=tables, slot_mapping=slots, group_tables=(), group_slots=())
+            for tables, slots in zip(self.group_tables, self.group_slots, strict=True)
+        ]
 
     def following(self, tokens: torch.Tensor, keep: list[int], block_size: int) -> "ForwardBatch":
         """The decode step after this one, an all-decode step of sampling rows, for its rows `keep` (indices,
@@ -88,14 +106,17 @@ class ForwardBatch:
         def pick(values: torch.Tensor) -> torch.Tensor:
             return values if rows is None else values[rows]
 
-        positions, tables = pick(self.positions) + 1, pick(self.block_tables)
+        positions = pick(self.positions) + 1
+        groups = tuple(pick(tables) for tables in self.group_tables or (self.block_tables,))
+        slots = tuple(paging.slots(tables, positions[:, None], block_size)[:, 0] for tables in groups)
+        several = len(groups) > 1
         return ForwardBatch(
             token_ids=pick(tokens),
             positions=positions,
-            slot_mapping=paging.slots(tables, positions[:, None], block_size)[:, 0],
+            slot_mapping=slots[0],
             cu_seqlens_q=self.cu_seqlens_q if rows is None else torch.arange(len(keep) + 1),
             context_lens=pick(self.context_lens) + 1,
-            block_tables=tables,
+            block_tables=groups[0],
             sample=pick(self.sample),
             sampling=self.sampling.following(tokens, rows),
             prompt_rows=[],
@@ -103,4 +124,6 @@ class ForwardBatch:
             prompt_chunks=None,
             sparse=None if self.sparse is None else [self.sparse[row] for row in keep],
             logit_tokens=None,
+            group_tables=groups if several else (),
+            group_slots=slots if several else (),
         )

@@ -67,8 +67,9 @@ class NativeDecode:
 
     @staticmethod
     def serves(ctx: Context) -> bool:
-        """Whether this step runs natively: every sequence decodes one token."""
-        return not ctx.prompt_rows
+        """Whether this step runs natively: every sequence decodes one token, on a pool of one KV group (the
+        stack reads one block table for every layer; the plan keeps it off for models of several)."""
+        return not ctx.prompt_rows and not ctx.groups
 
     def run(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: Context) -> None:
         """Every layer over residual [T, hidden] in place (see decode_layers.cpp); attention's time is added

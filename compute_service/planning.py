@@ -232,6 +232,8 @@ def decode_layers(
         misfit = "biased projections: the native decode stack's products take no bias"
     elif kv_dtype not in NATIVE_STACK_POOLS:
         misfit = f"a {kv_dtype} pool: the native decode stack stores K/V as float32 or bfloat16 only"
+    elif len(set(architectures.sliding_windows(config))) > 1:
+        misfit = "layers of several windows (KV groups): the native decode stack reads one table for all"
     if misfit is not None:
         return Choice(layers.implementation, misfit)
     return Choice(NATIVE_STACK, "every layer of an all-decode step in C++, no Python between the small ops")

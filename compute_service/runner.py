@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from common.errors import FailedPrecondition
 from compute_service import architectures, kernels
 from compute_service.attention.block_summaries import BlockSummaries
 from compute_service.attention.context import build_context, reset_context, set_context
@@ -14,6 +15,7 @@ from compute_service.attention.sparse import SparseDecode
 from compute_service.batch import ForwardBatch
 from compute_service.greedy import greedy, is_plain_greedy
 from compute_service.plan import ExecutionPlan
+from compute_service.pool_layout import PoolLayout
 from compute_service.sampling import Sampled, sample
 
 
@@ -44,21 +46,31 @@ class Runner:
         self.sparse = None if plan is None else plan.sparse_attention
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
+        # each layer's KV group on a pool of several (compute_service.pool_layout); empty: one group
+        self.layer_groups: tuple[int, ...] = ()
         # the attached pool's block summaries, under --sparse-attention (compute_service.attention.sparse)
         self.summaries: BlockSummaries | None = None
 
-    def attach(self, pool: torch.Tensor) -> None:
-        """pool [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], geometry already checked;
-        under --sparse-attention its block summaries start anew, none current."""
-        self.k_caches = list(pool[:, 0].unbind(0))
-        self.v_caches = list(pool[:, 1].unbind(0))
+    def attach(self, pool: torch.Tensor, layout: PoolLayout | None = None) -> None:
+        """pool [layer slots, 2, num_blocks, block_size, num_kv_heads, head_dim], geometry and `layout` (its
+        KV groups; None: one group, a slot per layer) already checked; under --sparse-attention its block
+        summaries start anew, none current. FailedPrecondition for block-sparse decode over several groups."""
+        if layout is not None and layout.num_groups > 1 and self.sparse is not None:
+            raise FailedPrecondition(
+                f"--sparse-attention over a pool of {layout.num_groups} KV groups is not implemented: start "
+                "compute without it, or the cache with prefix caching on (one group of every layer)"
+            )
+        slots = layout.slots if layout is not None else range(len(pool))
+        self.k_caches = [pool[slot, 0] for slot in slots]
+        self.v_caches = [pool[slot, 1] for slot in slots]
+        self.layer_groups = layout.groups if layout is not None and layout.num_groups > 1 else ()
         if self.sparse is not None:
             full = tuple(i for i, layer in enumerate(self.layers) if not layer.window)
             self.summaries = BlockSummaries(self.k_caches, full)
 
     def detach(self) -> None:
         """Drops the per-layer views: the pool is unmapped once the caller holds no tensor of it either."""
-        self.k_caches, self.v_caches, self.summaries = [], [], None
+        self.k_caches, self.v_caches, self.summaries, self.layer_groups = [], [], None, ()
 
     @torch.inference_mode()
     def logits(self, batch: ForwardBatch, times: StepTimes | None = None) -> torch.Tensor:
@@ -67,7 +79,13 @@ class Runner:
         times = times or StepTimes()
         start = time.perf_counter()
         context = build_context(
-            self.k_caches, self.v_caches, batch, self.scales, self.layers, self._sparse(batch)
+            self.k_caches,
+            self.v_caches,
+            batch,
+            self.scales,
+            self.layers,
+            self._sparse(batch),
+            self.layer_groups,
         )
         set_context(context)
         built = time.perf_counter()

@@ -29,6 +29,7 @@ from compute_service.model_info import model_info
 from compute_service.model_loader import ModelSpec, load_planned, plan_for
 from compute_service.options import OPTIONS
 from compute_service.planning import Flags
+from compute_service.pool_layout import PoolLayout, pool_layout
 from compute_service.runner import Runner, StepTimes
 from compute_service.step_thread import StepThread
 from compute_service.threads import ThreadPolicy
@@ -88,21 +89,33 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
         if not handle.epoch:
             raise InvalidArgument("pool handle has no epoch: pass the handle CreatePool returned")
         pool = kv_pool.map_kv_pool(handle, self.device)
-        self._check_geometry(handle)
+        layout = self._check_geometry(handle)
         num_blocks, block_size = pool.shape[2], pool.shape[3]
         try:
             require_block_size(self.spec.attention_backend, block_size)
         except ValueError as err:
             raise InvalidArgument(str(err)) from err
         fence = SessionFence.open(handle) if handle.HasField("fence") else None
-        self.steps.call(self._attach, handle, pool, fence)
-        self.log.info("pool_attached", epoch=handle.epoch, num_blocks=num_blocks, block_size=block_size)
+        self.steps.call(self._attach, handle, pool, layout, fence)
+        self.log.info(
+            "pool_attached",
+            epoch=handle.epoch,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            kv_groups=layout.num_groups,
+        )
         return compute_pb2.AttachPoolResponse(epoch=handle.epoch, num_blocks=num_blocks)
 
-    def _attach(self, handle: common_pb2.PoolHandle, pool: torch.Tensor, fence: SessionFence | None) -> None:
+    def _attach(
+        self,
+        handle: common_pb2.PoolHandle,
+        pool: torch.Tensor,
+        layout: PoolLayout,
+        fence: SessionFence | None,
+    ) -> None:
         num_blocks, block_size = pool.shape[2], pool.shape[3]
         with self._lock:
-            self.runner.attach(pool)
+            self.runner.attach(pool, layout)
             self._fence.close()
             self._fence = StepFence(fence)
             self._epoch = handle.epoch
@@ -112,6 +125,7 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
                 num_blocks,
                 block_size,
                 self.spec.plan.sparse_attention,
+                layout.num_groups,
             )
             # NOTE: an accelerator pool has no file to watch; its cache's restart shows as a new epoch.
             self._segment = Path(handle.shm.path) if handle.HasField("shm") else None
@@ -182,12 +196,13 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
         self._epoch, self._limits, self._segment, self._no_pool = None, None, None, SEGMENT_REMOVED
         return True
 
-    def _check_geometry(self, handle: common_pb2.PoolHandle) -> None:
+    def _check_geometry(self, handle: common_pb2.PoolHandle) -> PoolLayout:
         spec, shape = self.spec, list(handle.shape)
-        expected = [spec.num_layers, 2, shape[2], shape[3], spec.num_kv_heads, spec.head_dim]
+        layout = pool_layout(handle, spec.sliding_windows or (0,) * spec.num_layers)
+        expected = [layout.group_size, 2, shape[2], shape[3], spec.num_kv_heads, spec.head_dim]
         if shape != expected or min(shape) < 1 or handle.dtype != spec.kv_dtype_name:
             raise InvalidArgument(
-                f"pool does not fit the model: expected shape [layers, 2, blocks, block_size, kv_heads, "
+                f"pool does not fit the model: expected shape [layer slots, 2, blocks, block_size, kv_heads, "
                 f"head_dim] = {expected} and KV dtype {spec.kv_dtype_name}, got {shape} and {handle.dtype}; "
                 "create the pool with the geometry and kv_dtype GetModelInfo reports"
             )
@@ -197,6 +212,7 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
                 f"this compute service's ({spec.kv_scales.identity!r}): create the pool with the "
                 "kv_scales_id GetModelInfo reports (a cache holding the old pool must be restarted)"
             )
+        return layout
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -16,7 +16,8 @@ from protos import compute_pb2
 
 @dataclass(frozen=True)
 class Limits:
-    """What every step must stay within: the model's vocabulary and length, the attached KV pool's blocks."""
+    """What every step must stay within: the model's vocabulary and length, the attached KV pool's blocks and
+    KV groups (a table per group and sequence)."""
 
     vocab_size: int
     max_model_len: int
@@ -24,6 +25,7 @@ class Limits:
     block_size: int
     # --sparse-attention (None: off, no row may ask for block-sparse decode)
     sparse: SparseMode | None = None
+    num_groups: int = 1
 
 
 @dataclass(slots=True)
@@ -33,8 +35,9 @@ class Sent:
     token_ids: torch.Tensor
     cu_seqlens_q: torch.Tensor
     num_computed: torch.Tensor
-    block_tables: torch.Tensor  # flat, row-major [num_seqs * block_table_width]
+    block_tables: torch.Tensor  # flat, row-major [num_kv_groups * num_seqs * block_table_width]
     block_table_width: int
+    num_kv_groups: int
     sample: torch.Tensor
     sampling: SamplingBatch
     cached_prefix: torch.Tensor  # bool, one per sequence or none
@@ -52,6 +55,7 @@ class Sent:
             num_computed=ints(request.num_computed),
             block_tables=ints(request.block_tables),
             block_table_width=request.block_table_width,
+            num_kv_groups=request.num_kv_groups or 1,
             sample=torch.tensor(request.sample, dtype=torch.bool),
             sampling=SamplingBatch.from_request(request),
             cached_prefix=torch.tensor(request.cached_prefix, dtype=torch.bool),
@@ -68,7 +72,12 @@ class Sent:
 
 def check_sent(sent: Sent, limits: Limits) -> None:
     """Raises InvalidArgument unless the counts fit together, the token ids are in the vocabulary and every
-    context fits the model and has its blocks in its table, inside the pool."""
+    context fits the model and has its blocks in its table (in every KV group's), inside the pool."""
+    if sent.num_kv_groups != limits.num_groups:
+        raise InvalidArgument(
+            f"num_kv_groups is {sent.num_kv_groups}, the attached pool has {limits.num_groups} KV groups: "
+            "send each sequence's table in every group (the pool handle's kv_groups), group after group"
+        )
     _check_counts(sent)
     context_lens = sent.context_lens()
     _check_sequences(sent, context_lens, limits)
@@ -136,10 +145,11 @@ def _check_counts(sent: Sent) -> None:
                 f"{field} has {len(getattr(sent, field))} entries for {num_seqs} sequences in cu_seqlens_q: "
                 "send one per sequence, or none"
             )
-    width = sent.block_table_width
-    if width < 1 or len(sent.block_tables) != num_seqs * width:
+    width, groups = sent.block_table_width, sent.num_kv_groups
+    if width < 1 or len(sent.block_tables) != groups * num_seqs * width:
+        of_groups = f"num_kv_groups ({groups}) * " if groups > 1 else ""
         raise InvalidArgument(
-            f"block_tables has {len(sent.block_tables)} entries, expected num_seqs ({num_seqs}) * "
+            f"block_tables has {len(sent.block_tables)} entries, expected {of_groups}num_seqs ({num_seqs}) * "
             f"block_table_width ({width}) with block_table_width >= 1"
         )
     if len(sent.sampling.seeds) != int(sent.sample.sum()):
@@ -186,16 +196,19 @@ def _check_blocks(sent: Sent, context_lens: torch.Tensor, limits: Limits) -> Non
             f"(block size {limits.block_size}) but block_table_width is {width}",
             _rows(needed_blocks > width),
         )
-    tables = sent.block_tables.view(-1, width)
+    tables = sent.block_tables.view(sent.num_kv_groups, -1, width)
     outside = (tables < 0) | (tables >= limits.num_blocks)
     bad = outside & (torch.arange(width) < needed_blocks[:, None])
     if (entry := _first(bad.flatten())) is not None:
-        seq, col = divmod(entry, width)
+        group, at = divmod(entry, bad[0].numel())
+        seq, col = divmod(at, width)
+        named = f"group {group}'s " if sent.num_kv_groups > 1 else ""
         raise RowsRefused(
-            f"block_tables[{seq}][{col}] = {int(tables[seq, col])} is outside the pool (block ids 0 .. "
-            f"{limits.num_blocks - 1}), and sequence {seq} needs its first {int(needed_blocks[seq])} blocks "
-            f"for {int(context_lens[seq])} tokens: use the tables the cache service returned for this pool",
-            _rows(bad.any(dim=1)),
+            f"{named}block_tables[{seq}][{col}] = {int(tables[group, seq, col])} is outside the pool (block "
+            f"ids 0 .. {limits.num_blocks - 1}), and sequence {seq} needs its first "
+            f"{int(needed_blocks[seq])} blocks for {int(context_lens[seq])} tokens: use the tables the cache "
+            "service returned for this pool",
+            _rows(bad.any(dim=2).any(dim=0)),
         )
 
 

@@ -83,7 +83,7 @@ class Engine:
         kept = same_pool and self._keep_tables and self.lease.held()
         self.model_info, self.handle = info, handle
         if not kept:
-            self._attach(handle.shape[2], same_pool)
+            self._attach(handle.shape[2], same_pool, tuple(g.window for g in handle.kv_groups) or (0,))
         self.executor.attach(handle.epoch, frozenset(info.eos_token_ids))
         if not kept:
             with calling("cache"):
@@ -94,12 +94,12 @@ class Engine:
         log.info("attached", model=info.model, num_blocks=handle.shape[2], epoch=handle.epoch,
                  again=same_pool, kept_running=kept_running)  # fmt: skip
 
-    def _attach(self, num_blocks: int, same_pool: bool) -> None:
+    def _attach(self, num_blocks: int, same_pool: bool, windows: tuple[int, ...]) -> None:
         if self.kv is None:  # the first handshake
-            self.kv = KVView(
-                self._cache, self.config.block_size, num_blocks, self.config.rpc_timeout_s, self.lease
-            )
             config = self.config
+            self.kv = KVView(
+                self._cache, config.block_size, num_blocks, config.rpc_timeout_s, self.lease, windows
+            )
             pace = StepPace(config.decode_step_target_ms / 1e3) if config.decode_step_target_ms else None
             self.scheduler = Scheduler(
                 self.kv, config.max_batched_tokens, config.max_seqs, config.prefill_tokens_with_decodes, pace
@@ -111,7 +111,8 @@ class Engine:
             self.live = LiveSeqs(self.scheduler, self.kv)
             return
         self.scheduler.requeue_running()
-        self.kv.reattach([seq for seq in self.live.all() if self.kv.holds(seq)], num_blocks, same_pool)
+        held = [seq for seq in self.live.all() if self.kv.holds(seq)]
+        self.kv.reattach(held, num_blocks, same_pool, windows)
 
     def attached_epoch(self) -> str | None:
         """The epoch of the pool the engine steps on; None while a peer is lost or the loop is dead."""

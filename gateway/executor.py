@@ -86,7 +86,7 @@ class StepExecutor:
 
     def _forward(self, seqs: list[Sequence]) -> compute_pb2.ForwardResponse:
         """One Forward of the chunks of `seqs` (PeerFault naming compute if it fails)."""
-        tables = [self._kv.block_table(seq) for seq in seqs]
+        tables = self._kv.step_tables(seqs)
         request = forward_request(seqs, tables, self._epoch, self._eos, self._lease.epoch)
         self._marked(seqs, request)
         tokens, metadata = len(request.token_ids), request_metadata(seq.request_id for seq in seqs)
@@ -100,7 +100,7 @@ class StepExecutor:
         """The decode step of `seqs` and up to steps - 1 more in one ForwardSteps call, a StepResult (and
         StepTimer) each. Returns False if compute refused the call before running a step."""
         limits = [row_limit(seq, steps, self._eos) for seq in seqs]
-        tables = [self._kv.block_table(seq) for seq in seqs]
+        tables = self._kv.step_tables(seqs)
         request = multi_step_request(seqs, tables, self._epoch, self._eos, limits, self._lease.epoch)
         self._marked(seqs, request.first)
         stop = self._call_stop = threading.Event()

@@ -16,17 +16,18 @@ from protos import compute_pb2
 
 def forward_request(
     seqs: list[Sequence],
-    tables: list[list[int]],
+    tables: list[list[list[int]]],
     epoch: str,
     eos_ids: frozenset[int],
     session_epoch: int = 0,
 ) -> compute_pb2.ForwardRequest:
-    """The step's chunks [num_computed, chunk_end) of `seqs`, whose block tables are `tables`, packed, on the
-    pool of `epoch`, for the session opened with `session_epoch` (0: none)."""
-    width = max(map(len, tables))
-    rows = np.full((len(seqs), width), -1, dtype=np.int64)
-    for row, table in zip(rows, tables, strict=True):
-        row[: len(table)] = table
+    """The step's chunks [num_computed, chunk_end) of `seqs`, whose block tables in KV group g are
+    `tables[g]`, packed, on the pool of `epoch`, for the session opened with `session_epoch` (0: none)."""
+    width = max(len(table) for group in tables for table in group)
+    rows = np.full((len(tables), len(seqs), width), -1, dtype=np.int64)
+    for group_rows, group in zip(rows, tables, strict=True):
+        for row, table in zip(group_rows, group, strict=True):
+            row[: len(table)] = table
     return compute_pb2.ForwardRequest(
         pool_epoch=epoch,
         session_epoch=session_epoch,
@@ -35,6 +36,7 @@ def forward_request(
         num_computed=[seq.num_computed for seq in seqs],
         block_tables=rows.ravel().tolist(),
         block_table_width=width,
+        num_kv_groups=len(tables) if len(tables) > 1 else 0,
         sample=[seq.samples_now for seq in seqs],
         cached_prefix=_flags([seq.cached_prefix for seq in seqs]),
         prompt_chunk=_flags([seq.chunk_end <= len(seq.prompt_ids) for seq in seqs]),

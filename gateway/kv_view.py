@@ -23,6 +23,8 @@ class SeqBlocks:
     """What the cache service holds for one sequence, as the gateway knows it."""
 
     block_table: list[int] = field(default_factory=list)
+    # A pool of several KV groups: the tables of groups 1.. (block_table is group 0's).
+    group_tables: list[list[int]] = field(default_factory=list)
     # Tokens the cache service holds (the rest go with the next Reserve).
     num_synced: int = 0
     # Forked and not reserved since: the next write may copy a shared block, which takes one more block.
@@ -42,6 +44,12 @@ class KVView:
     costs one of them, which the scheduler counts (`held_blocks`).
     NOTE: a hint may be stale; the Reserve's max_compute_tokens keeps the new blocks of a table as planned,
     and a Reserve refused all the same undoes the admissions (gateway.reservation).
+
+    On a pool of several KV groups (`windows`: each group's, 0 for full attention) a sequence holds a table
+    in each, all of one length (a sliding group's released entries name the null block): a step takes a
+    block per group for each block a table lacks (the cache releases a sliding group's old blocks after
+    growing it; the replies' available_blocks count what it gave back), and a sliding group's table holds
+    at most its window's blocks plus one once the sequence decodes (`blocks_to_hold`).
     """
 
     def __init__(
@@ -51,8 +59,10 @@ class KVView:
         num_blocks: int,
         rpc_timeout_s: float = 120.0,
         lease: Lease | None = None,
+        windows: tuple[int, ...] = (0,),
     ) -> None:
         self.block_size = block_size
+        self.windows = windows
         self._lease = lease
         self.num_blocks = num_blocks
         self.available_blocks = num_blocks
@@ -71,20 +81,46 @@ class KVView:
         kv = self._seqs.get(seq.seq_id)
         return kv.block_table if kv else []
 
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def step_tables(self, seqs: Seqs[Sequence]) -> list[list[list[int]]]:
+        """Per KV group, the sequences' tables (read only): what a Forward of them sends."""
+        kvs = [self._seqs[seq.seq_id] for seq in seqs]
+        return [[kv.block_table for kv in kvs]] + [
+            [kv.group_tables[group] for kv in kvs] for group in range(self.num_groups - 1)
+        ]
+
     def blocks_needed(self, seq: Sequence, end: int) -> int:
-        """Blocks the sequence lacks to hold `end` tokens (plus one to copy a shared block into); a new
-        one's prefix hits are not among them."""
+        """Blocks the sequence lacks to hold `end` tokens (plus one to copy a shared block into), in every
+        KV group; a new one's prefix hits are not among them."""
         shares_tail = self._seqs[seq.seq_id].shares_tail if seq.seq_id in self._seqs else False
-        return max(0, blocks_for(end, self.block_size) - self._table_len(seq)) + shares_tail
+        lacks = max(0, blocks_for(end, self.block_size) - self._table_len(seq)) + shares_tail
+        return lacks * self.num_groups
+
+    def blocks_to_hold(self, seq: Sequence, end: int) -> int:
+        """Blocks the sequence lacks to hold `end` tokens once it decodes there: `blocks_needed`, a sliding
+        group's capped at its window's blocks plus one (a window straddles one more block)."""
+        lacks = self.blocks_needed(seq, end) // self.num_groups
+        caps = [blocks_for(window, self.block_size) + 1 if window else lacks for window in self.windows]
+        return sum(min(lacks, cap) for cap in caps)
 
     def room(self, seq: Sequence, free: int) -> int:
-        """Tokens past its chunk_start the sequence can hold if it takes up to `free` more blocks."""
+        """Tokens past its chunk_start the sequence can hold if it takes up to `free` more blocks (in every
+        KV group: each group's table grows by a block per block_size tokens)."""
         shares_tail = self._seqs[seq.seq_id].shares_tail if seq.seq_id in self._seqs else False
-        return (self._table_len(seq) + free - shares_tail) * self.block_size - seq.chunk_start
+        per_group = free // self.num_groups
+        return (self._table_len(seq) + per_group - shares_tail) * self.block_size - seq.chunk_start
 
     def held_blocks(self) -> set[int]:
         """Every block some table of the view holds: a prefix hit on one of them takes no block."""
-        return {block_id for kv in self._seqs.values() for block_id in kv.block_table}
+        return {
+            block_id
+            for kv in self._seqs.values()
+            for table in (kv.block_table, *kv.group_tables)
+            for block_id in table
+        }
 
     def _table_len(self, seq: Sequence) -> int:
         """Blocks of its table: those it holds, or without a table its prefix hits (the Lookup's)."""
@@ -155,6 +191,9 @@ class KVView:
             kv = self._seqs.setdefault(seq.seq_id, SeqBlocks())
             assert table.first_block <= len(kv.block_table), (seq.seq_id, table.first_block)
             kv.block_table[table.first_block :] = table.block_ids
+            kv.group_tables = kv.group_tables or [[] for _ in table.groups]
+            for held, group in zip(kv.group_tables, table.groups, strict=True):
+                held[group.first_block :] = group.block_ids
             seq.chunk_end = table.num_tokens or seq.chunk_end
             kv.num_synced, kv.shares_tail = seq.chunk_end, False
             seq.num_computed = max(seq.num_computed, table.cached_tokens)
@@ -187,7 +226,8 @@ class KVView:
         self._seqs[parent.seq_id].shares_tail = True
         for child, table in zip(children, reply.tables, strict=True):
             assert child.seq_id == table.seq_id, (child.seq_id, table.seq_id)
-            self._seqs[child.seq_id] = SeqBlocks(list(table.block_ids), parent.num_tokens, shares_tail=True)
+            groups = [list(group.block_ids) for group in table.groups]
+            self._seqs[child.seq_id] = SeqBlocks(list(table.block_ids), groups, parent.num_tokens, True)
         self.available_blocks = reply.available_blocks
 
     def free(self, seqs: Seqs[Sequence]) -> None:
@@ -210,17 +250,21 @@ class KVView:
         self.available_blocks = reply.available_blocks
         self.forget(seqs)
 
-    def reset(self, num_blocks: int) -> None:
-        """For a newly attached pool (its size may differ): every table forgotten, every block available."""
+    def reset(self, num_blocks: int, windows: tuple[int, ...] = (0,)) -> None:
+        """For a newly attached pool (its size and KV groups may differ): every table forgotten, every block
+        available."""
         assert not self._seqs, f"{len(self._seqs)} sequences still held: free or forget them first"
         self.num_blocks = self.available_blocks = num_blocks
+        self.windows = windows
 
-    def reattach(self, held: Seqs[Sequence], num_blocks: int, same_pool: bool) -> None:
+    def reattach(
+        self, held: Seqs[Sequence], num_blocks: int, same_pool: bool, windows: tuple[int, ...] = (0,)
+    ) -> None:
         """After a new handshake: the sequences the view holds are freed in the cache if it kept its pool,
-        else forgotten; then the view starts afresh on a pool of `num_blocks`."""
+        else forgotten; then the view starts afresh on a pool of `num_blocks` in KV groups of `windows`."""
         # NOTE: num_computed counts only steps that completed, so the blocks it keeps cached were written.
         (self.release if same_pool else self.forget)(held)
-        self.reset(num_blocks)
+        self.reset(num_blocks, windows)
 
     def release(self, seqs: Seqs[Sequence]) -> None:
         """For sequences that ended: frees those the cache holds. A failed Free is logged and they are

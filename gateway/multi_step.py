@@ -44,7 +44,7 @@ def row_limit(seq: Sequence, steps: int, eos_ids: frozenset[int]) -> RowLimit:
 
 def multi_step_request(
     seqs: list[Sequence],
-    tables: list[list[int]],
+    tables: list[list[list[int]]],
     epoch: str,
     eos_ids: frozenset[int],
     limits: list[RowLimit],

@@ -116,7 +116,7 @@ class Scheduler:
                 n = self._chunk(seq, budget, room)
                 # NOTE: a preempted sequence comes back only once its whole context fits, or it would take
                 # the blocks back a chunk at a time and be preempted again at once (thrashing).
-                refit = seq.num_preemptions == 0 or self.kv.blocks_needed(seq, seq.num_tokens) <= room
+                refit = seq.num_preemptions == 0 or self.kv.blocks_to_hold(seq, seq.num_tokens) <= room
                 fits = n > 0 and refit and slots + seq.num_slots <= self.max_seqs
                 taken = self._take(seq, n) if fits else 0
             except Exception as exc:  # noqa: BLE001 - that sequence's fault: the engine fails it alone

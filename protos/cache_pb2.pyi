@@ -88,18 +88,28 @@ class ForkRequest(_message.Message):
     def __init__(self, parent_id: _Optional[str] = ..., child_ids: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class BlockTable(_message.Message):
-    __slots__ = ("seq_id", "block_ids", "cached_tokens", "first_block", "num_tokens")
+    __slots__ = ("seq_id", "block_ids", "cached_tokens", "first_block", "num_tokens", "groups")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_tokens: int
     first_block: int
     num_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., first_block: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[GroupTable]
+    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., first_block: _Optional[int] = ..., num_tokens: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupTable, _Mapping]]] = ...) -> None: ...
+
+class GroupTable(_message.Message):
+    __slots__ = ("block_ids", "first_block")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_block: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("seqs", "num_computed", "session_id")
@@ -187,7 +197,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_sequences", "block_size", "usage", "allocator", "pool_epoch", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "copy_on_writes", "evictions", "allocator_stats", "stored_tokens", "table_slots", "num_sessions", "kv_dtype", "device", "attention_backend", "sliding_window", "kv_tier")
+    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_sequences", "block_size", "usage", "allocator", "pool_epoch", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "copy_on_writes", "evictions", "allocator_stats", "stored_tokens", "table_slots", "num_sessions", "kv_dtype", "device", "attention_backend", "sliding_window", "kv_groups", "kv_tier")
     class AllocatorStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +227,7 @@ class CacheStats(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     used_blocks: int
@@ -240,8 +251,19 @@ class CacheStats(_message.Message):
     device: str
     attention_backend: str
     sliding_window: int
+    kv_groups: _containers.RepeatedCompositeFieldContainer[KVGroupStats]
     kv_tier: TierStats
-    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., usage: _Optional[float] = ..., allocator: _Optional[str] = ..., pool_epoch: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., copy_on_writes: _Optional[int] = ..., evictions: _Optional[int] = ..., allocator_stats: _Optional[_Mapping[str, float]] = ..., stored_tokens: _Optional[int] = ..., table_slots: _Optional[int] = ..., num_sessions: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., sliding_window: _Optional[int] = ..., kv_tier: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., usage: _Optional[float] = ..., allocator: _Optional[str] = ..., pool_epoch: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., copy_on_writes: _Optional[int] = ..., evictions: _Optional[int] = ..., allocator_stats: _Optional[_Mapping[str, float]] = ..., stored_tokens: _Optional[int] = ..., table_slots: _Optional[int] = ..., num_sessions: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., sliding_window: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroupStats, _Mapping]]] = ..., kv_tier: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+
+class KVGroupStats(_message.Message):
+    __slots__ = ("num_layers", "window", "held_blocks")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    window: int
+    held_blocks: int
+    def __init__(self, num_layers: _Optional[int] = ..., window: _Optional[int] = ..., held_blocks: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("name", "location", "hit_blocks", "loaded_bytes", "load_seconds", "miss_blocks", "skipped_blocks", "corrupt_records", "written_blocks", "written_bytes", "write_drops", "errors", "queued_blocks", "stored_blocks", "stored_bytes", "budget_bytes", "evictions")

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PoolHandle(_message.Message):
-    __slots__ = ("device", "shape", "dtype", "strides", "epoch", "shm", "cuda", "npu", "kv_scales_id", "fence")
+    __slots__ = ("device", "shape", "dtype", "strides", "epoch", "shm", "cuda", "npu", "kv_scales_id", "fence", "kv_groups")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class PoolHandle(_message.Message):
     NPU_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_ID_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     device: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
@@ -28,7 +29,16 @@ class PoolHandle(_message.Message):
     npu: DeviceIpcHandle
     kv_scales_id: str
     fence: SharedMemoryHandle
-    def __init__(self, device: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., epoch: _Optional[str] = ..., shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda: _Optional[_Union[DeviceIpcHandle, _Mapping]] = ..., npu: _Optional[_Union[DeviceIpcHandle, _Mapping]] = ..., kv_scales_id: _Optional[str] = ..., fence: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ...) -> None: ...
+    kv_groups: _containers.RepeatedCompositeFieldContainer[KVGroupLayout]
+    def __init__(self, device: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., epoch: _Optional[str] = ..., shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda: _Optional[_Union[DeviceIpcHandle, _Mapping]] = ..., npu: _Optional[_Union[DeviceIpcHandle, _Mapping]] = ..., kv_scales_id: _Optional[str] = ..., fence: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroupLayout, _Mapping]]] = ...) -> None: ...
+
+class KVGroupLayout(_message.Message):
+    __slots__ = ("layers", "window")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    window: int
+    def __init__(self, layers: _Optional[_Iterable[int]] = ..., window: _Optional[int] = ...) -> None: ...
 
 class SharedMemoryHandle(_message.Message):
     __slots__ = ("path", "nbytes", "token")

@@ -100,13 +100,14 @@ class AttachPoolResponse(_message.Message):
     def __init__(self, epoch: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("pool_epoch", "token_ids", "cu_seqlens_q", "num_computed", "block_tables", "block_table_width", "sample", "sampling", "history_token_ids", "cu_history", "history_prompt_lens", "output_lens", "session_epoch", "cached_prefix", "prompt_chunk", "sparse", "constraint_rows", "constraint_bitmask")
+    __slots__ = ("pool_epoch", "token_ids", "cu_seqlens_q", "num_computed", "block_tables", "block_table_width", "num_kv_groups", "sample", "sampling", "history_token_ids", "cu_history", "history_prompt_lens", "output_lens", "session_epoch", "cached_prefix", "prompt_chunk", "sparse", "constraint_rows", "constraint_bitmask")
     POOL_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CU_SEQLENS_Q_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +126,7 @@ class ForwardRequest(_message.Message):
     num_computed: _containers.RepeatedScalarFieldContainer[int]
     block_tables: _containers.RepeatedScalarFieldContainer[int]
     block_table_width: int
+    num_kv_groups: int
     sample: _containers.RepeatedScalarFieldContainer[bool]
     sampling: _containers.RepeatedCompositeFieldContainer[RowSampling]
     history_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -137,7 +139,7 @@ class ForwardRequest(_message.Message):
     sparse: _containers.RepeatedCompositeFieldContainer[SparseRow]
     constraint_rows: _containers.RepeatedScalarFieldContainer[int]
     constraint_bitmask: bytes
-    def __init__(self, pool_epoch: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., block_table_width: _Optional[int] = ..., sample: _Optional[_Iterable[bool]] = ..., sampling: _Optional[_Iterable[_Union[RowSampling, _Mapping]]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., cu_history: _Optional[_Iterable[int]] = ..., history_prompt_lens: _Optional[_Iterable[int]] = ..., output_lens: _Optional[_Iterable[int]] = ..., session_epoch: _Optional[int] = ..., cached_prefix: _Optional[_Iterable[bool]] = ..., prompt_chunk: _Optional[_Iterable[bool]] = ..., sparse: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., constraint_rows: _Optional[_Iterable[int]] = ..., constraint_bitmask: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, pool_epoch: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., block_table_width: _Optional[int] = ..., num_kv_groups: _Optional[int] = ..., sample: _Optional[_Iterable[bool]] = ..., sampling: _Optional[_Iterable[_Union[RowSampling, _Mapping]]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., cu_history: _Optional[_Iterable[int]] = ..., history_prompt_lens: _Optional[_Iterable[int]] = ..., output_lens: _Optional[_Iterable[int]] = ..., session_epoch: _Optional[int] = ..., cached_prefix: _Optional[_Iterable[bool]] = ..., prompt_chunk: _Optional[_Iterable[bool]] = ..., sparse: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., constraint_rows: _Optional[_Iterable[int]] = ..., constraint_bitmask: _Optional[bytes] = ...) -> None: ...
 
 class RowSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "min_tokens", "suppress_token_ids")

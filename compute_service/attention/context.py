@@ -39,6 +39,10 @@ class Context:
     # decode groups and prompt masks, cpu-native's kernel inputs, a device backend's kernel arguments), by
     # backend name.
     derived: dict[str, object] = field(default_factory=dict)
+    # A pool of several KV groups: each group's context (its tables and slots; this one is group 0's), and
+    # each layer's group. Empty: one group.
+    groups: tuple["Context", ...] = ()
+    layer_groups: tuple[int, ...] = ()
 
 
 _CONTEXT: Context | None = None
@@ -52,10 +56,11 @@ def get_context() -> Context:
 def layer_call(
     module: torch.nn.Module, attention_mask: torch.Tensor | None, kwargs: dict
 ) -> tuple[Context, torch.Tensor, torch.Tensor, LayerAttention]:
-    """For a backend's transformers attention function: the step's context, the layer's K and V caches and
-    how it attends. Unimplemented if the call asks for what paged attention does not do: a mask of the
-    model's own, a window or soft-cap other than the model's config gives (the pattern the cache keeps
-    blocks by), or an argument it does not know (attention sinks, say)."""
+    """For a backend's transformers attention function: the step's context as the layer's KV group sees it
+    (its tables and slots), the layer's K and V caches and how it attends. Unimplemented if the call asks
+    for what paged attention does not do: a mask of the model's own, a window or soft-cap other than the
+    model's config gives (the pattern the cache keeps blocks by), or an argument it does not know
+    (attention sinks, say)."""
     ctx = get_context()
     layer = module.layer_idx
     attends = ctx.layers[layer] if ctx.layers else FULL
@@ -73,7 +78,8 @@ def layer_call(
             f"layer {layer} calls paged attention with {asked}, where the model's config gives window "
             f"{attends.window}, softcap {attends.softcap}: this attention is not implemented"
         )
-    return ctx, ctx.k_caches[layer], ctx.v_caches[layer], attends
+    group = ctx.groups[ctx.layer_groups[layer]] if ctx.groups else ctx
+    return group, ctx.k_caches[layer], ctx.v_caches[layer], attends
 
 
 def set_context(context: Context) -> None:
@@ -107,9 +113,25 @@ def build_context(
     scales: KVScales = NO_SCALES,
     layers: tuple[LayerAttention, ...] = (),
     sparse: SparseDecode | None = None,
+    layer_groups: tuple[int, ...] = (),
 ) -> Context:
     """What the layers share, from a checked batch (see compute_service.batch), for layers that attend as
-    `layers` says (none: all FULL), their decodes block-sparse when `sparse` is given."""
+    `layers` says (none: all FULL), their decodes block-sparse when `sparse` is given. On a pool of several
+    KV groups (the batch's group_tables), layer i reads and writes by group layer_groups[i]'s tables."""
+    each = [_context(k_caches, v_caches, part, scales, layers, sparse) for part in batch.by_group()]
+    if len(each) > 1:
+        each[0].groups, each[0].layer_groups = tuple(each), layer_groups
+    return each[0]
+
+
+def _context(
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    batch: ForwardBatch,
+    scales: KVScales,
+    layers: tuple[LayerAttention, ...],
+    sparse: SparseDecode | None,
+) -> Context:
     cu_seqlens_q, context_lens, block_tables = batch.cu_seqlens_q, batch.context_lens, batch.block_tables
     assert block_tables.dim() == 2 and len(block_tables) == len(context_lens) == len(cu_seqlens_q) - 1
     return Context(

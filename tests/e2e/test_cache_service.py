@@ -416,3 +416,41 @@ def test_a_sliding_window_pool_releases_the_blocks_before_the_window(tmp_path):
         assert "sliding_windows has 1 entries for 2 layers" in details
     finally:
         assert windowed.stop() == 0
+
+
+def test_kv_groups_keep_a_table_each_and_the_sliding_one_releases_before_its_window(tmp_path):
+    grouped = Service(tmp_path, "--kv-blocks", "32", "--no-prefix-cache")
+    try:
+        stub = grouped.stub
+        handle = stub.CreatePool(pool_request(sliding_windows=[0, 20]))
+        # one full and one sliding layer: two groups of one layer, a pool of one layer slot
+        assert [(list(g.layers), g.window) for g in handle.kv_groups] == [([0], 0), ([1], 20)]
+        assert list(handle.shape) == [1, 2, 32, BLOCK_SIZE, HEADS, HEAD_DIM]
+        (new,) = stub.Reserve(cache_pb2.ReserveRequest(new_seqs=seqs(("a", 40)))).tables
+        assert len(new.block_ids) == 3 and [len(g.block_ids) for g in new.groups] == [3]
+        assert not set(new.block_ids) & set(new.groups[0].block_ids), "one free list, distinct blocks"
+        grown = cache_pb2.SequenceRequest(seq_id="a", num_tokens=100, num_computed=40)
+        stub.Reserve(cache_pb2.ReserveRequest(running_seqs=[grown]))
+        decode = cache_pb2.SequenceRequest(seq_id="a", num_tokens=101, num_computed=100)
+        (tail,) = stub.Reserve(cache_pb2.ReserveRequest(running_seqs=[decode])).tables
+        # token 100 reads keys 81..100 in the sliding layer: its blocks 0..4 are released, the full keeps 7
+        assert (tail.first_block, len(tail.block_ids)) == (6, 1)
+        assert [(g.first_block, len(g.block_ids)) for g in tail.groups] == [(6, 1)]
+        stats = grouped.stats()
+        assert [(g.num_layers, g.window, g.held_blocks) for g in stats.kv_groups] == [(1, 0, 7), (1, 20, 2)]
+        assert stats.used_blocks == 7 + 2 + 1, "both groups' blocks and the null block"
+        (child,) = stub.Fork(cache_pb2.ForkRequest(parent_id="a", child_ids=["b"])).tables
+        assert len(child.block_ids) == 7 and len(child.groups[0].block_ids) == 7, "every group's table"
+        assert grouped.stats().used_blocks == 10, "a fork shares the blocks of every group"
+        stub.Free(cache_pb2.FreeRequest(seq_ids=["a", "b"]))
+        assert grouped.stats().used_blocks == 1
+        details = refused(stub.CreatePool, pool_request(), grpc.StatusCode.FAILED_PRECONDITION)
+        assert "2 KV groups" in details and "a 20-token window" in details
+    finally:
+        assert grouped.stop() == 0
+
+
+def test_under_prefix_caching_layers_of_several_windows_keep_one_group(service, handle):
+    again = service.stub.CreatePool(pool_request(sliding_windows=[0, 20]))
+    assert again == handle and [list(g.layers) for g in handle.kv_groups] == [[0, 1]]
+    assert [(g.num_layers, g.window) for g in service.stats().kv_groups] == [(2, 0)]

@@ -194,4 +194,4 @@ def test_every_request_the_gateway_accepts_makes_rows_compute_accepts(params, ge
             seq.num_tokens,
         )
     tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(len(seqs))]
-    ForwardBatch.from_request(gateway_request(seqs, tables, "epoch", frozenset({2})), VOCAB_LIMITS)
+    ForwardBatch.from_request(gateway_request(seqs, [tables], "epoch", frozenset({2})), VOCAB_LIMITS)

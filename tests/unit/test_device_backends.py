@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from compute_service import kernels, planning
-from compute_service.architectures import LayerAttention
-from compute_service.attention import cuda, cuda_args, npu_args, registry
+from compute_service.architectures import FULL, LayerAttention
+from compute_service.attention import cpu, cuda, cuda_args, npu_args, registry
 from compute_service.attention.reference import reference_attention
-from tests.device_steps import HEADS, KV_HEADS, PATTERNS, SCALE, SCENARIOS, make_step, run_backend
+from compute_service.batch import ForwardBatch
+from compute_service.validation import Limits
+from tests.device_steps import HEAD_DIM, HEADS, KV_HEADS, PATTERNS, SCALE, SCENARIOS, make_step, run_backend
+from tests.forward import forward_request
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
 
@@ -233,3 +236,51 @@ def test_the_npu_backend_without_torch_npu_is_refused_only_when_selected(monkeyp
 def test_a_kv_dtype_a_device_backend_cannot_store_is_refused(backend, kv_dtype):
     with pytest.raises(ValueError, match=f"'{backend}' cannot store K/V as {kv_dtype}; choose"):
         registry.require_kv_dtype(backend, kv_dtype)
+
+
+def test_each_kv_groups_device_arguments_reproduce_the_cpu_backend():
+    # a full layer (group 0) and a 7-token sliding one (group 1) over one layer slot, distinct blocks each
+    new, cached = SCENARIOS["mixed"]
+    gen = torch.Generator().manual_seed(3)
+    order = torch.randperm(2 * len(new), generator=gen).tolist()
+    tables = [[[block] for block in order[: len(new)]], [[block] for block in order[len(new) :]]]
+    request = forward_request([[0] * n for n in new], cached, tables[0], block_size=128)
+    request.block_tables.extend(
+        forward_request([[0] * n for n in new], cached, tables[1], block_size=128).block_tables
+    )
+    request.num_kv_groups = 2
+    limits = Limits(vocab_size=1, max_model_len=4096, num_blocks=len(order), block_size=128, num_groups=2)
+    groups = ForwardBatch.from_request(request, limits).by_group()
+    shape = (len(order), 128, KV_HEADS, HEAD_DIM)
+    k_pool, v_pool = (torch.randn(shape, generator=gen) for _ in range(2))
+    outs = []
+    for batch, attends in zip(groups, (FULL, LayerAttention(7)), strict=True):
+        q = torch.randn(sum(new), HEADS, HEAD_DIM, generator=gen)
+        k, v = (torch.randn(sum(new), KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+        out = run_backend(cpu.paged_attention, q, k, v, batch, k_pool, v_pool, attends)
+        flat = k_pool.view(-1, KV_HEADS, HEAD_DIM)
+        assert torch.equal(flat[batch.slot_mapping], k), "the group's new K/V land in its own blocks"
+        args = cuda_args.build_varlen_args(
+            batch.cu_seqlens_q, batch.context_lens, batch.block_tables, batch.slot_mapping
+        )
+        window = cuda_args.flash_window(attends.window)
+        torch.testing.assert_close(
+            cuda_args.paged_varlen_attention(q, k_pool, v_pool, args, SCALE, window), out, **TOLERANCE
+        )
+        fias = npu_args.build_fias_args(
+            batch.cu_seqlens_q,
+            batch.context_lens,
+            batch.block_tables,
+            batch.slot_mapping,
+            (HEADS, KV_HEADS),
+            128,
+            SCALE,
+        )
+        views = (pool.view(len(order), 128, -1) for pool in (k_pool, v_pool))
+        kwargs = fias.attention_kwargs(attends.window)
+        torch.testing.assert_close(
+            npu_args.fused_infer_attention_reference(q, *views, **kwargs), out, **TOLERANCE
+        )
+        outs.append(out)
+    assert not torch.equal(groups[0].block_tables, groups[1].block_tables)
+    assert not torch.allclose(outs[0], outs[1]), "each layer read its own group's blocks"

@@ -152,7 +152,7 @@ def test_the_gateway_sends_each_chunk_and_compute_derives_its_positions_and_slot
         gateway_seq(list(range(20, 29)), 8, 9),  # a decode
     ]
     tables = [[5, 9], [3, 0], [7, 8, 1]]
-    request = gateway_request(seqs, tables, "epoch", frozenset({2}))
+    request = gateway_request(seqs, [tables], "epoch", frozenset({2}))
     assert list(request.num_computed) == [0, 4, 8]
     assert list(request.sample) == [False, True, True] and len(request.sampling) == 2
     new = [seq.token_ids[seq.num_computed : seq.chunk_end] for seq in seqs]
@@ -164,11 +164,11 @@ def test_the_gateway_sends_each_chunk_and_compute_derives_its_positions_and_slot
     assert batch.context_lens.tolist() == context_lens == [6, 7, 9]
     assert list(request.cached_prefix) == [] and batch.cached_prefix_rows == []
     seqs[1].cached_prefix = True
-    request = gateway_request(seqs, tables, "epoch", frozenset({2}))
+    request = gateway_request(seqs, [tables], "epoch", frozenset({2}))
     assert list(request.cached_prefix) == [False, True, False]
     assert ForwardBatch.from_request(request, LIMITS).cached_prefix_rows == [1]
     # every chunk lies in its prompt (the third is a prompt's last token); a generated token's does not
     assert list(request.prompt_chunk) == [True, True, True]
     seqs[2].output_ids.append(40)
     seqs[2].num_computed, seqs[2].chunk_end = 9, 10
-    assert list(gateway_request(seqs, tables, "epoch", frozenset({2})).prompt_chunk) == [True, True, False]
+    assert list(gateway_request(seqs, [tables], "epoch", frozenset({2})).prompt_chunk) == [True, True, False]

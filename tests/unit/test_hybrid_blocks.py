@@ -5,7 +5,7 @@ import pytest
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
 from cache_service.hybrid_blocks import HybridBlocks
-from cache_service.kv_pool import table_group
+from cache_service.kv_pool import pool_groups
 from cache_service.sequence import SeqRequest
 from common.errors import InvalidArgument, NotFound, ResourceExhausted
 from common.kv_groups import group_layers
@@ -147,14 +147,41 @@ def pool_request(windows: list[int], num_layers: int = 2) -> cache_pb2.CreatePoo
 
 
 @pytest.mark.parametrize(
-    ("windows", "window"), [([], None), ([0, 0], None), ([WINDOW, WINDOW], WINDOW), ([0, WINDOW], None)]
+    ("windows", "prefix_caching", "groups"),
+    [
+        ([], True, [((0, 1), 0)]),
+        ([0, 0], False, [((0, 1), 0)]),
+        ([WINDOW, WINDOW], True, [((0, 1), WINDOW)]),
+        ([0, WINDOW], False, [((0,), 0), ((1,), WINDOW)]),
+        ([0, WINDOW], True, [((0, 1), 0)]),
+    ],
 )
-def test_a_pools_tables_keep_a_window_only_when_every_layer_has_it(windows, window):
-    group = table_group(pool_request(windows))
-    assert (group and group.window) == window
+def test_a_pools_groups_follow_the_windows_and_prefix_caching_keeps_one(windows, prefix_caching, groups):
+    found = pool_groups(pool_request(windows), prefix_caching)
+    assert [(group.layers, group.window) for group in found] == groups
 
 
 @pytest.mark.parametrize("windows", [[WINDOW], [0, -1]])
 def test_bad_sliding_windows_are_refused(windows):
     with pytest.raises(InvalidArgument):
-        table_group(pool_request(windows))
+        pool_groups(pool_request(windows), False)
+
+
+def test_the_service_facing_calls_span_every_group():
+    blocks = hybrid([0, WINDOW])
+    blocks.reserve([SeqRequest("a", 4)], ())
+    grow(blocks, "a", 4, 40, 4)
+    stats = blocks.stats()
+    # one count of sequences and tokens; every group's table slots (full: 10 blocks, sliding: 3 of them)
+    assert (stats.num_sequences, stats.stored_tokens, stats.table_slots) == (1, 40, (10 + 3) * BS)
+    assert stats.used_blocks == 10 + 3 + 1, "and the null block"
+    full, sliding = blocks.block_tables("a")
+    assert blocks.refcount(full[0]) == 1 and blocks.refcount(sliding[-1]) == 1
+    assert blocks.prefix_blocks(SeqRequest("b", 8, list(range(8)))) == [], "no prefix caching"
+    with pytest.raises(InvalidArgument):
+        blocks.check([], [SeqRequest("a", 30, num_computed=40)])
+    with pytest.raises(NotFound):
+        blocks.index_written({"nobody": 4})
+    blocks.free(["a"])
+    assert blocks.stats().used_blocks == 1
+    blocks.check_invariants()

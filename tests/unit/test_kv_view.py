@@ -5,8 +5,13 @@ from dataclasses import replace
 import grpc
 import pytest
 
+from cache_service import messages
+from cache_service.allocators import registry
+from cache_service.hybrid_blocks import HybridBlocks
+from common.kv_groups import group_layers
 from gateway.kv_view import KVView
 from gateway.sequence import Sampling, Sequence, Status
+from protos import cache_pb2
 from tests.fake_cache import FakeCache
 
 BS = 4
@@ -149,3 +154,47 @@ def test_a_fork_or_a_full_block_makes_the_step_reserve_again():
     assert kv.covers([parent])
     parent.chunk_end = 9
     assert not kv.covers([parent]), "a chunk past the table's blocks grows it"
+
+
+class GroupedCache:
+    """Reserve and Free over the cache's hybrid manager (a table per KV group), as the service replies."""
+
+    def __init__(self, windows: list[int], num_blocks: int) -> None:
+        groups = group_layers(windows)
+        self.blocks = HybridBlocks(registry.create("freelist", num_blocks), groups, BS, prefix_caching=False)
+
+    def Reserve(self, request, **kw):
+        new, running = (
+            [messages.seq_request(s) for s in part] for part in (request.new_seqs, request.running_seqs)
+        )
+        tails = self.blocks.reserve(new, running)
+        seq_ids = [s.seq_id for s in (*request.new_seqs, *request.running_seqs)]
+        return messages.block_tables(seq_ids, tails, self.blocks.num_available)
+
+    def Free(self, request, **kw):
+        freed = self.blocks.free(list(request.seq_ids))
+        return cache_pb2.FreeResponse(freed_blocks=freed, available_blocks=self.blocks.num_available)
+
+
+def test_a_view_of_kv_groups_keeps_every_groups_table_and_counts_blocks_per_group():
+    cache = GroupedCache([0, 9], 64)
+    kv, a = KVView(cache, BS, 64, windows=(0, 9)), seq("a", 40)
+    assert kv.num_groups == 2
+    a.chunk_end = 20
+    assert kv.blocks_needed(a, 20) == 2 * 5, "a block per group for each block the tables lack"
+    kv.reserve([a])
+    for end in range(24, 41, 4):
+        a.num_computed, a.chunk_end = a.chunk_end, end
+        kv.reserve([a])
+    (full,), (sliding,) = kv.step_tables([a])
+    held_full, held_sliding = cache.blocks.block_tables("a")
+    assert full == held_full, "each group's tails joined its table"
+    # NOTE: the entries the cache released since (before the window of the last step's first query) stay
+    # as the view had them: the window masks them, and each step's tail starts after them.
+    assert sliding[7:] == held_sliding[7:] and held_sliding[:7] == [cache.blocks.null_block] * 7
+    assert kv.held_blocks() == set(full) | set(sliding)
+    assert kv.blocks_needed(a, 44) == 2 and kv.room(a, 4) == (10 + 2) * BS - a.chunk_start
+    # a sequence's whole context: every full block, the sliding group's window (three blocks) plus one
+    assert kv.blocks_to_hold(seq("b", 40), 40) == 10 + 4
+    kv.free([a])
+    assert kv.available_blocks == 63, "all but the null block"

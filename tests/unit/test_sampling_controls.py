@@ -144,6 +144,7 @@ def test_the_sdk_takes_exactly_the_declared_controls():
     # constrained decoding and tools (docs/structured-outputs.md, docs/tool-calling.md)
     other |= {"json_schema", "json_object", "regex", "choice", "grammar", "tools", "tool_choice"}
     other |= {"parallel_tool_calls"}
+    other |= {"sparse_attention"}  # the attention a request's decodes use (docs/sparse-attention.md)
     assert sorted(set(params) - other) == sorted(CONTROLS)
     for name, control in CONTROLS.items():
         default = params[name].default

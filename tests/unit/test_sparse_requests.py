@@ -108,7 +108,7 @@ def gateway_seq(prompt: list[int], num_computed: int, chunk_end: int) -> Sequenc
 
 def test_the_gateway_sends_rows_only_where_compute_has_block_sparse_decode():
     seqs = [gateway_seq(list(range(1, 11)), 9, 10), gateway_seq(list(range(1, 21)), 19, 20)]
-    tables = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    tables = [[[1, 2, 3], [4, 5, 6, 7, 8, 9]]]  # one KV group
     assert len(gateway_request(seqs, tables, "e", frozenset()).sparse) == 0
     seqs[0].sparse, seqs[1].sparse = (1, 2, 3), DENSE
     request = gateway_request(seqs, tables, "e", frozenset())

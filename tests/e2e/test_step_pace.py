@@ -35,8 +35,8 @@ def test_a_bad_target_is_refused_at_start_up_in_one_line(value):
 
 
 def mixed_load(stack, vocab: int) -> list:
-    """Four short prompts decoding 48 tokens; once they stream, three 400-token prompts arrive. Each
-    greedy, with the top two logprobs."""
+    """Four short prompts decoding 300 tokens (still decoding while the rest is prefilled); once they
+    stream, three 400-token prompts arrive. Each greedy, with the top two logprobs."""
     short = [[(17 * i + 5 * k) % (vocab - 3) + 3 for k in range(8)] for i in range(4)]
     long = [[(31 * i + 7 * k) % (vocab - 3) + 3 for k in range(400)] for i in range(3)]
 
@@ -45,8 +45,8 @@ def mixed_load(stack, vocab: int) -> list:
                                logprobs=2)  # fmt: skip
 
     with stack.client() as client, ThreadPoolExecutor(7) as pool:
-        first = [pool.submit(generate, client, p, 48) for p in short]
-        time.sleep(0.5)
+        first = [pool.submit(generate, client, p, 300) for p in short]
+        time.sleep(0.2)
         later = [pool.submit(generate, client, p, 8) for p in long]
         return [job.result() for job in (*first, *later)]
 

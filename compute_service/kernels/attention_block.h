@@ -67,7 +67,9 @@ void attend_block(const kv_t* __restrict__ k, const kv_t* __restrict__ v, const 
       row_scores<D>(&s.q[(r0 + r) * hd], k + first * stride, stride, m - first, hd, scores + first);
     }
     if (g.softcap > 0.0f) {
-      for (int64_t t = first; t < m; ++t) scores[t] = g.softcap * std::tanh(scores[t] / g.softcap);
+      const float cap = g.softcap, inverse = 1.0f / g.softcap;
+#pragma omp simd
+      for (int64_t t = first; t < m; ++t) scores[t] = cap * vec::fast_tanh(scores[t] * inverse);
     }
     float block_max = -std::numeric_limits<float>::infinity();
     for (int64_t t = first; t < m; ++t) block_max = std::max(block_max, scores[t]);

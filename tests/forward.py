@@ -1,7 +1,10 @@
-"""Building packed ForwardRequests by hand, for tests that drive the compute side directly."""
+"""Building packed ForwardRequests by hand, for tests that drive the compute side directly, and the
+gateway sequences whose steps the gateway's own requests are built from."""
 
 from common.paging import blocks_for
-from protos import compute_pb2
+from gateway.sampling import resolve_sampling
+from gateway.sequence import Sequence
+from protos import compute_pb2, generation_pb2
 
 
 def forward_request(
@@ -53,3 +56,11 @@ def replace_field(field: str, values: list):
         getattr(request, field).extend(values)
 
     return mutate
+
+
+def gateway_seq(prompt: list[int], num_computed: int, chunk_end: int, vocab_size: int) -> Sequence:
+    """A greedy gateway sequence of `prompt` whose step computes [num_computed, chunk_end)."""
+    sampling = resolve_sampling(generation_pb2.SamplingParams(temperature=0, max_tokens=8), vocab_size)
+    seq = Sequence(seq_id=f"s{len(prompt)}", prompt_ids=prompt, sampling=sampling, max_len=64)
+    seq.num_computed, seq.chunk_end = num_computed, chunk_end
+    return seq

@@ -9,10 +9,8 @@ from common.errors import InvalidArgument
 from compute_service.batch import ForwardBatch
 from compute_service.validation import Limits
 from gateway.forward import forward_request as gateway_request
-from gateway.sampling import resolve_sampling
-from gateway.sequence import Sequence
-from protos import compute_pb2, generation_pb2
-from tests.forward import forward_request
+from protos import compute_pb2
+from tests.forward import forward_request, gateway_seq
 from tests.forward import replace_field as _replace
 from tests.forward import set_field as _set
 
@@ -138,18 +136,15 @@ def test_a_block_read_by_one_sequence_may_be_written_by_another():
     assert ForwardBatch.from_request(request, LIMITS).slot_mapping.tolist() == [80, 81, 82, 83, 84]
 
 
-def gateway_seq(prompt: list[int], num_computed: int, chunk_end: int) -> Sequence:
-    sampling = resolve_sampling(generation_pb2.SamplingParams(temperature=0, max_tokens=8), LIMITS.vocab_size)
-    seq = Sequence(seq_id=f"s{len(prompt)}", prompt_ids=prompt, sampling=sampling, max_len=64)
-    seq.num_computed, seq.chunk_end = num_computed, chunk_end
-    return seq
-
-
 def test_the_gateway_sends_each_chunk_and_compute_derives_its_positions_and_slots():
     seqs = [
-        gateway_seq(list(range(1, 11)), 0, 6),  # the first chunk of a prompt, not sampled yet
-        gateway_seq(list(range(11, 18)), 4, 7),  # the rest of a prompt after a prefix-cache hit
-        gateway_seq(list(range(20, 29)), 8, 9),  # a decode
+        gateway_seq(
+            list(range(1, 11)), 0, 6, LIMITS.vocab_size
+        ),  # the first chunk of a prompt, not sampled yet
+        gateway_seq(
+            list(range(11, 18)), 4, 7, LIMITS.vocab_size
+        ),  # the rest of a prompt after a prefix-cache hit
+        gateway_seq(list(range(20, 29)), 8, 9, LIMITS.vocab_size),  # a decode
     ]
     tables = [[5, 9], [3, 0], [7, 8, 1]]
     request = gateway_request(seqs, [tables], "epoch", frozenset({2}))

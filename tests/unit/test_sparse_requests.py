@@ -16,12 +16,10 @@ from compute_service.model_info import sparse_support
 from compute_service.validation import Limits
 from gateway.forward import forward_request as gateway_request
 from gateway.http.openai_request import CompletionRequest, completion_request, parse
-from gateway.sampling import resolve_sampling
-from gateway.sequence import Sequence
 from gateway.sparse_request import DENSE, resolve
 from protos import compute_pb2, generation_pb2
 from sdk.request import build_request
-from tests.forward import forward_request
+from tests.forward import forward_request, gateway_seq
 
 ALLOW, ON = SparseMode(SparseAttention(1, 2, 3), default=False), SparseMode(SparseAttention(1, 2, 3))
 LIMITS = Limits(vocab_size=100, max_model_len=256, num_blocks=64, block_size=4, sparse=ALLOW)
@@ -99,15 +97,11 @@ def test_the_clients_forms_of_the_field():
         cli_sparse("topk=2,topk=3")
 
 
-def gateway_seq(prompt: list[int], num_computed: int, chunk_end: int) -> Sequence:
-    sampling = resolve_sampling(generation_pb2.SamplingParams(temperature=0, max_tokens=8), LIMITS.vocab_size)
-    seq = Sequence(seq_id=f"s{len(prompt)}", prompt_ids=prompt, sampling=sampling, max_len=64)
-    seq.num_computed, seq.chunk_end = num_computed, chunk_end
-    return seq
-
-
 def test_the_gateway_sends_rows_only_where_compute_has_block_sparse_decode():
-    seqs = [gateway_seq(list(range(1, 11)), 9, 10), gateway_seq(list(range(1, 21)), 19, 20)]
+    seqs = [
+        gateway_seq(list(range(1, 11)), 9, 10, LIMITS.vocab_size),
+        gateway_seq(list(range(1, 21)), 19, 20, LIMITS.vocab_size),
+    ]
     tables = [[[1, 2, 3], [4, 5, 6, 7, 8, 9]]]  # one KV group
     assert len(gateway_request(seqs, tables, "e", frozenset()).sparse) == 0
     seqs[0].sparse, seqs[1].sparse = (1, 2, 3), DENSE

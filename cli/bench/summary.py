@@ -88,10 +88,22 @@ def _peer_table(rows: list) -> str:
 
 
 def _common_parts(values: list[str]) -> tuple[str, list[str]]:
-    """The comma-separated parts every value has (in the first's order), and each value's other parts."""
-    parts = [value.split(", ") for value in values]
+    """The comma-separated parts every value has (in the first's order), and each value's other parts; a
+    comma inside parentheses does not separate parts."""
+    parts = [_parts(value) for value in values]
     common = [part for part in parts[0] if all(part in other for other in parts[1:])]
     return ", ".join(common), [", ".join(p for p in own if p not in common) for own in parts]
+
+
+def _parts(value: str) -> list[str]:
+    """`value` split at each ", " outside parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(value):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0 and value.startswith(", ", i):
+            parts.append(value[start:i])
+            start = i + 2
+    return [*parts, value[start:]]
 
 
 def _pair(ours: dict, theirs: dict, key: str, fmt) -> str:

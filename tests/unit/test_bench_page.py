@@ -163,3 +163,17 @@ def test_the_command_rewrites_the_readme_between_its_markers(peer_runs, tmp_path
     with pytest.raises(SystemExit, match="no performance table markers"):
         page.main([str(peer_runs), "--out", str(out), "--readme", str(readme)])
     assert readme.read_text() == "# Title without markers\n", "nothing written on a refusal"
+
+
+def test_a_comma_inside_parentheses_does_not_split_a_machine(peer_runs):
+    machines = {
+        "throughput.json": "AMD EPYC, 2 CPUs on 2 cores, AVX-512 (profile native, torch kernels AVX512)",
+        "latency.json": "Intel Xeon, 2 CPUs, AMX (profile native, torch kernels AVX512)",
+    }
+    for name, machine in machines.items():
+        path = peer_runs / name
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"machine": machine}))
+    vllm = summary.table(peer_runs).split("Against vLLM:", 1)[1].split("Against llama.cpp:")[0]
+    assert "- measured:" not in vllm, "the machines share no whole part"
+    for machine in machines.values():
+        assert f"| 2026-12-03 on {machine} |" in vllm

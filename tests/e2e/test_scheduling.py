@@ -222,12 +222,15 @@ def _mid_prefill(stack, request_id: str, timeout: float = 120) -> None:
 
 def _blocks_back(stack, background: Background, sequences: int) -> int:
     """Waits until the cache holds only `sequences` sequences; returns the tokens background stream 0 got
-    meanwhile."""
-    start = time.monotonic()
+    while a reply still showed more.
+    NOTE: counted up to the last such reply, not the first one showing fewer: a loaded machine may answer a
+    poll late, and the tokens decoded meanwhile came after the blocks were back."""
+    start = held_until = time.monotonic()
     while stack.stats().num_sequences > sequences:
-        assert time.monotonic() - start < 60
+        held_until = time.monotonic()
+        assert held_until - start < 60
         time.sleep(0.005)
-    return background.received(0, start, time.monotonic())
+    return background.received(0, start, held_until)
 
 
 def _handler_ended(stack, request_id: str) -> bool:

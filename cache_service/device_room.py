@@ -2,6 +2,8 @@
 (common/shared_pool.py), one exported allocation on an accelerator (common/device_pool.py), refused with
 ResourceExhausted before anything is allocated unless the device has the room."""
 
+from collections.abc import Sequence
+
 import torch
 
 from cache_service import host_memory
@@ -14,10 +16,12 @@ from common.shared_pool import PoolSpec
 from protos import common_pb2
 
 
-def create(spec: PoolSpec, device: Device) -> tuple[torch.Tensor, common_pb2.PoolHandle]:
-    """The pool tensor (which the caller holds for the pool's life) and its handle."""
+def create(
+    spec: PoolSpec, device: Device, groups: Sequence[common_pb2.KVGroupLayout] = ()
+) -> tuple[torch.Tensor, common_pb2.PoolHandle]:
+    """The pool tensor (which the caller holds for the pool's life) and its handle, laid out in `groups`."""
     if device.type == "cpu":
-        return shared_pool.create(spec)
+        return shared_pool.create(spec, groups=groups)
     ipc = ipc_for(device)
     free = ipc.free_bytes(device.index)
     if spec.nbytes + HEADER_BYTES > free:
@@ -25,7 +29,7 @@ def create(spec: PoolSpec, device: Device) -> tuple[torch.Tensor, common_pb2.Poo
             f"a pool of {spec.nbytes} bytes ({spec.nbytes / 2**30:.2f} GiB) does not fit {device}: "
             f"{free} bytes ({free / 2**30:.2f} GiB) are free there; give a smaller --kv-memory/--kv-blocks"
         )
-    return device_pool.create(spec, device, ipc)
+    return device_pool.create(spec, device, ipc, groups)
 
 
 def refusal(device: Device, kv_memory: int, kv_tier: str = "none") -> str | None:

@@ -142,9 +142,8 @@ class KVPool:
         assert group_size(groups) == spec.num_layers, (groups, spec)
         host_memory.require_room_here(*_host_share(spec, device))
         allocator_ = registry.create(allocator, spec.num_blocks)
-        tensor, handle = device_room.create(spec, device)
+        tensor, handle = device_room.create(spec, device, group_layouts(groups))
         handle.kv_scales_id = kv_scales_id
-        handle.kv_groups.extend(group_layouts(groups))
         try:
             fence = SessionFence.create(handle)
         except BaseException:

@@ -1,14 +1,15 @@
 """The KV pool in accelerator memory: one allocation the cache service creates and holds for the pool's
 life, exported by the device's IPC (common/device_ipc.py) in a PoolHandle whose payload is `cuda` or `npu`,
 and mapped zero-copy by the compute service. As for a shm segment (common/shared_pool.py), the allocation
-holds the pool data, then a header page (common/segment_header.py) with the epoch, dtype, shape and a secret
-token; compute maps only an allocation whose header matches the handle, on the device with its UUID."""
+holds the pool data, then a header page (common/segment_header.py) with the epoch, dtype, shape, KV group
+layout and a secret token; compute maps only an allocation whose header matches the handle, on the device
+with its UUID."""
 
 import uuid
+from collections.abc import Sequence
 
 import torch
 
-from common import segment_header
 from common.device_ipc import DeviceIpc
 from common.devices import Device
 from common.errors import FailedPrecondition, InvalidArgument
@@ -17,12 +18,15 @@ from common.shared_pool import PoolSpec, dtype_name, spec_of
 from protos import common_pb2
 
 
-def create(spec: PoolSpec, device: Device, ipc: DeviceIpc) -> tuple[torch.Tensor, common_pb2.PoolHandle]:
-    """A zeroed pool on `device` (a new epoch and token) and the handle compute maps it by. The caller
-    holds the returned tensor for the pool's life: the allocation is freed once no tensor of it is left."""
+def create(
+    spec: PoolSpec, device: Device, ipc: DeviceIpc, groups: Sequence[common_pb2.KVGroupLayout] = ()
+) -> tuple[torch.Tensor, common_pb2.PoolHandle]:
+    """A zeroed pool on `device` (a new epoch and token), laid out in `groups` (none: one group of every
+    layer), and the handle compute maps it by. The caller holds the returned tensor for the pool's life:
+    the allocation is freed once no tensor of it is left."""
     assert device.type == ipc.kind, (device, ipc.kind)
     epoch = uuid.uuid4().hex
-    header = SegmentHeader(epoch, dtype_name(spec.dtype), spec.shape, segment_header.new_token())
+    header = SegmentHeader.new(epoch, dtype_name(spec.dtype), spec.shape, groups)
     storage = ipc.allocate(device.index, spec.nbytes + HEADER_BYTES)
     data = _bytes_of(storage)
     data[spec.nbytes :].copy_(torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8))
@@ -41,7 +45,12 @@ def create(spec: PoolSpec, device: Device, ipc: DeviceIpc) -> tuple[torch.Tensor
         token=header.token,
     )
     handle = common_pb2.PoolHandle(
-        device=str(device), shape=spec.shape, dtype=header.dtype, strides=pool.stride(), epoch=epoch
+        device=str(device),
+        shape=spec.shape,
+        dtype=header.dtype,
+        strides=pool.stride(),
+        epoch=epoch,
+        kv_groups=groups,
     )
     getattr(handle, device.type).CopyFrom(payload)
     return pool, handle
@@ -114,7 +123,7 @@ def _check_header(
         raise InvalidArgument(
             f"refusing the {handle.device} pool: it has no pagedserve header (magic missing)"
         )
-    differ = header.mismatches(handle.epoch, handle.dtype, tuple(handle.shape), payload.token)
+    differ = header.mismatches(handle, payload.token)
     if differ:
         raise InvalidArgument(
             f"refusing the {handle.device} pool: its header does not match the handle's {', '.join(differ)}; "

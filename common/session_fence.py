@@ -54,7 +54,7 @@ class SessionFence:
         try:
             os.fchmod(fd, 0o600)
             shared_pool.reserve(fd, FILE_BYTES, shm_dir)
-            segment_header.write(fd, 0, SegmentHeader(handle.epoch, handle.dtype, tuple(handle.shape), token))
+            segment_header.write(fd, 0, SegmentHeader.of(handle, token))
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)

@@ -10,6 +10,7 @@ import mmap
 import os
 import stat
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,12 +72,15 @@ class PoolSpec:
         return self.block_bytes * self.num_blocks
 
 
-def create(spec: PoolSpec, shm_dir: Path = SHM_DIR) -> tuple[torch.Tensor, common_pb2.PoolHandle]:
+def create(
+    spec: PoolSpec, shm_dir: Path = SHM_DIR, groups: Sequence[common_pb2.KVGroupLayout] = ()
+) -> tuple[torch.Tensor, common_pb2.PoolHandle]:
     """Creates a zeroed, fully backed shared-memory pool (mode 0600, its header after the data, a new
-    epoch and secret token); the caller owns it and must `release` it."""
+    epoch and secret token) laid out in `groups` (none: one group of every layer); the caller owns it and
+    must `release` it."""
     epoch = uuid.uuid4().hex
     path = shm_dir / f"{SEGMENT_PREFIX}{os.getpid()}-{epoch}"
-    header = SegmentHeader(epoch, dtype_name(spec.dtype), spec.shape, segment_header.new_token())
+    header = SegmentHeader.new(epoch, dtype_name(spec.dtype), spec.shape, groups)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, 0o600)  # NOTE: exactly 0600 whatever the umask: compute refuses any other mode.
@@ -95,6 +99,7 @@ def create(spec: PoolSpec, shm_dir: Path = SHM_DIR) -> tuple[torch.Tensor, commo
         strides=pool.stride(),
         epoch=epoch,
         shm=common_pb2.SharedMemoryHandle(path=str(path), nbytes=spec.nbytes, token=header.token),
+        kv_groups=groups,
     )
     return pool, handle
 
@@ -220,11 +225,11 @@ def _check_file(info: os.stat_result, path: Path, size: int) -> None:
 def check_header(
     header: SegmentHeader | None, handle: common_pb2.PoolHandle, token: bytes, path: Path
 ) -> None:
-    """InvalidArgument unless the file at path has a header matching the handle's epoch, dtype and shape
-    and the token given (the segment's, or the fence's)."""
+    """InvalidArgument unless the file at path has a header matching the handle's epoch, dtype, shape and
+    KV groups and the token given (the segment's, or the fence's)."""
     if header is None:
         raise _refused(path, "it has no pagedserve segment header (magic missing)")
-    differ = header.mismatches(handle.epoch, handle.dtype, tuple(handle.shape), token)
+    differ = header.mismatches(handle, token)
     if differ:
         raise _refused(path, f"its header does not match the handle's {', '.join(differ)}")
 

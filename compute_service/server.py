@@ -84,12 +84,12 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
         return model_info(self.spec)
 
     def AttachPool(self, handle: common_pb2.PoolHandle, context) -> compute_pb2.AttachPoolResponse:
-        """Maps the pool only if its segment is the one the cache created for this handle (see
-        common/shared_pool.py open_pool) and fits the model; a refusal leaves the attached pool in place."""
+        """Maps the pool only if the handle fits the model and its segment is the one the cache created for
+        this handle (see common/shared_pool.py open_pool); a refusal leaves the attached pool in place."""
         if not handle.epoch:
             raise InvalidArgument("pool handle has no epoch: pass the handle CreatePool returned")
-        pool = kv_pool.map_kv_pool(handle, self.device)
         layout = self._check_geometry(handle)
+        pool = kv_pool.map_kv_pool(handle, self.device)
         num_blocks, block_size = pool.shape[2], pool.shape[3]
         try:
             require_block_size(self.spec.attention_backend, block_size)

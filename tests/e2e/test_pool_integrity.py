@@ -112,7 +112,7 @@ def test_attach_pool_refuses_files_the_cache_did_not_create_and_keeps_the_real_p
     epoch = cache.stats().pool_epoch
     before = greedy(compute, epoch, [0, 1, 2, 3])
     token = os.urandom(32)
-    header = SegmentHeader(epoch, handle.dtype, tuple(handle.shape), token).pack()
+    header = SegmentHeader.of(handle, token).pack()
     attacker_file = planted()
     assert handle.shm.nbytes % len(header) == 0
     # a file of the segment's size, mode 0644 (umask 022), the forged header after the data
@@ -122,7 +122,9 @@ def test_attach_pool_refuses_files_the_cache_did_not_create_and_keeps_the_real_p
     )
     link = planted()
     as_nobody(["ln", "-s", handle.shm.path, str(link)])
-    _, other_pool = create(PoolSpec(LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, torch.float32))
+    _, other_pool = create(
+        PoolSpec(LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, torch.float32), groups=handle.kv_groups
+    )
     try:
         attempts = {  # what the attacker names, and why compute refuses it
             "owned by uid 65534": forged_handle(handle, attacker_file, token),

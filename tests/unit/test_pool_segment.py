@@ -48,14 +48,20 @@ def _with(handle: common_pb2.PoolHandle, **fields) -> common_pb2.PoolHandle:
     return forged
 
 
+GROUPS = [common_pb2.KVGroupLayout(layers=[0, 2], window=64), common_pb2.KVGroupLayout(layers=[1, 3])]
+
+
 def test_header_round_trips_and_names_what_differs():
-    header = SegmentHeader("ab" * 16, "bfloat16", (30, 2, 100, 16, 3, 64), segment_header.new_token())
+    handle = common_pb2.PoolHandle(
+        epoch="ab" * 16, dtype="bfloat16", shape=(2, 2, 100, 16, 3, 64), kv_groups=GROUPS
+    )
+    header = SegmentHeader.new(handle.epoch, handle.dtype, handle.shape, handle.kv_groups)
     data = header.pack()
     assert len(data) == HEADER_BYTES and data.startswith(MAGIC)
     assert SegmentHeader.unpack(data) == header
-    assert header.mismatches(header.epoch, header.dtype, header.shape, header.token) == []
-    other = ("cd" * 16, "float32", (30, 2, 100, 16, 3, 32), bytes(32))
-    assert header.mismatches(*other) == ["epoch", "dtype", "shape", "token"]
+    assert header.mismatches(handle, header.token) == []
+    other = common_pb2.PoolHandle(epoch="cd" * 16, dtype="float32", shape=(2, 2, 100, 16, 3, 32))
+    assert header.mismatches(other, bytes(32)) == ["epoch", "dtype", "shape", "kv_groups", "token"]
     assert SegmentHeader.unpack(bytes(HEADER_BYTES)) is None
     assert SegmentHeader.unpack(MAGIC) is None, "a short header is no header"
 
@@ -69,7 +75,8 @@ def test_create_writes_the_header_after_the_data_and_a_mode_0600_file(segment, t
         header = segment_header.read(fd, SPEC.nbytes)
     finally:
         os.close(fd)
-    assert header == SegmentHeader(handle.epoch, "float32", SPEC.shape, handle.shm.token)
+    assert header == SegmentHeader.of(handle, handle.shm.token)
+    assert header.groups == segment_header.groups_digest([]), "no groups given: one group of every layer"
     assert len(set(handle.shm.token)) > 1, "a random token"
     assert tensor.shape == SPEC.shape and not tensor.any()
 
@@ -119,6 +126,20 @@ def test_a_hard_link_is_refused(segment, tmp_path):
 def test_a_handle_that_does_not_match_the_header_is_refused(segment, tmp_path, forged, differs):
     _, handle = segment
     assert f"its header does not match the handle's {differs}" in _refusal(_with(handle, **forged), tmp_path)
+
+
+def test_a_grouped_segment_opens_only_with_its_kv_groups(tmp_path):
+    _, handle = shared_pool.create(SPEC, tmp_path, GROUPS)
+    try:
+        assert [list(group.layers) for group in handle.kv_groups] == [[0, 2], [1, 3]]
+        assert shared_pool.open_pool(handle, tmp_path).shape == SPEC.shape
+        swapped = _with(handle)
+        swapped.kv_groups[0].window = 0  # the same slots, read as a full group
+        assert "its header does not match the handle's kv_groups" in _refusal(swapped, tmp_path)
+        del swapped.kv_groups[:]
+        assert "its header does not match the handle's kv_groups" in _refusal(swapped, tmp_path)
+    finally:
+        shared_pool.release(handle)
 
 
 def test_a_truncated_segment_is_refused(segment, tmp_path):

@@ -21,7 +21,8 @@ WATCH_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class SeqView:
-    """One sequence as the engine saw it: who asked, how far it is, the blocks its table holds."""
+    """One sequence as the engine saw it: who asked, how far it is, the blocks its tables hold (one table per
+    KV group; none before it holds blocks)."""
 
     seq_id: str
     request_id: str
@@ -32,7 +33,7 @@ class SeqView:
     computed_tokens: int
     cached_tokens: int
     preemptions: int
-    block_ids: tuple[int, ...]
+    tables: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,5 +124,5 @@ def _view(seq: Sequence, kv: KVView) -> SeqView:
         computed_tokens=seq.num_computed,
         cached_tokens=seq.cached_tokens,
         preemptions=seq.num_preemptions,
-        block_ids=tuple(kv.block_table(seq)),
+        tables=tuple(map(tuple, kv.tables(seq))),
     )

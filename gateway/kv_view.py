@@ -81,6 +81,11 @@ class KVView:
         kv = self._seqs.get(seq.seq_id)
         return kv.block_table if kv else []
 
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        """The sequence's table in each KV group (none if it holds none); read only."""
+        kv = self._seqs.get(seq.seq_id)
+        return [kv.block_table, *kv.group_tables] if kv else []
+
     @property
     def num_groups(self) -> int:
         return len(self.windows)

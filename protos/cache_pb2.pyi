@@ -13,9 +13,11 @@ class BlockState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BLOCK_STATE_FREE: _ClassVar[BlockState]
     BLOCK_STATE_USED: _ClassVar[BlockState]
     BLOCK_STATE_CACHED: _ClassVar[BlockState]
+    BLOCK_STATE_NULL: _ClassVar[BlockState]
 BLOCK_STATE_FREE: BlockState
 BLOCK_STATE_USED: BlockState
 BLOCK_STATE_CACHED: BlockState
+BLOCK_STATE_NULL: BlockState
 
 class PoolGeometry(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim")

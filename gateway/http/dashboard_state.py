@@ -23,13 +23,15 @@ STATE_CHARS = {
     cache_pb2.BLOCK_STATE_FREE: "f",
     cache_pb2.BLOCK_STATE_USED: "u",
     cache_pb2.BLOCK_STATE_CACHED: "c",
+    cache_pb2.BLOCK_STATE_NULL: "n",
 }
 _STATE_TABLE = bytes(ord(STATE_CHARS.get(code, "?")) for code in range(256))
 
 
 def pool_json(reply: cache_pb2.BlockMap) -> dict:
-    """The block map for the page: states as one character per block (f free, u used, c cached), refcounts
-    as base64 bytes (capped at 255), and the counts; shared = used with a refcount above 1."""
+    """The block map for the page: states as one character per block (f free, u used, c cached, n the null
+    block sliding-window tables name before their window), refcounts as base64 bytes (capped at 255), and
+    the counts; shared = used with a refcount above 1."""
     states = reply.states.translate(_STATE_TABLE).decode("ascii")
     refcounts = reply.refcounts
     return {
@@ -42,7 +44,7 @@ def pool_json(reply: cache_pb2.BlockMap) -> dict:
             "free": states.count("f"),
             "used": states.count("u"),
             "cached": states.count("c"),
-            "shared": len(refcounts) - refcounts.count(0) - refcounts.count(1),
+            "shared": sum(count > 1 for state, count in zip(states, refcounts, strict=True) if state == "u"),
         },
     }
 
@@ -66,7 +68,8 @@ def seqs_json(views: Iterable[tuple[str, SeqView]], viewer: Tenant | None) -> li
             "computed_tokens": view.computed_tokens,
             "cached_tokens": view.cached_tokens,
             "preemptions": view.preemptions,
-            "blocks": list(view.block_ids),
+            "blocks": list(dict.fromkeys(block for table in view.tables for block in table)),
+            "tables": [list(table) for table in view.tables],
         })  # fmt: skip
     return shown
 

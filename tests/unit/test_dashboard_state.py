@@ -14,7 +14,9 @@ import pytest
 from cache_service import block_map
 from cache_service.allocators import registry
 from cache_service.block_manager import BlockManager
+from cache_service.hybrid_blocks import HybridBlocks
 from cache_service.sequence import SeqRequest
+from common.kv_groups import group_layers
 from gateway.auth import ApiKeys, Tenant
 from gateway.engine_view import MAX_WAITING_SHOWN, EngineSnapshot, EngineView, SeqView, Totals
 from gateway.http import dashboard
@@ -47,13 +49,27 @@ def test_the_page_reads_one_character_per_block_and_the_refcounts_in_base64():
     assert (pool["epoch"], pool["block_size"]) == ("ep", 4)
 
 
+def test_a_grouped_pool_marks_its_null_block_and_a_sequence_shows_every_groups_blocks():
+    blocks = HybridBlocks(registry.create("freelist", 32), group_layers([0, 5]), 4, prefix_caching=False)
+    blocks.reserve([SeqRequest("a", 16, list(range(16)))], ())  # 4 blocks in each group
+    blocks.reserve((), [SeqRequest("a", 17, [16], num_computed=16)])  # the sliding group releases 3
+    pool = pool_json(block_map.encode(blocks, "ep"))
+    full, sliding = blocks.block_tables("a")
+    assert sliding[:3] == [blocks.null_block] * 3
+    assert pool["states"][blocks.null_block] == "n"
+    assert pool["counts"] == {"free": 32 - 1 - 5 - 2, "used": 7, "cached": 0, "shared": 0}
+    (shown,) = seqs_json([("running", view("a", "alice", full, sliding))], None)
+    assert shown["tables"] == [full, sliding]
+    assert shown["blocks"] == full + [blocks.null_block] + sliding[3:], "each block once, every group's"
+
+
 def test_a_state_this_gateway_does_not_know_reads_as_a_question_mark():
     reply = cache_pb2.BlockMap(num_blocks=3, states=bytes([0, 7, 2]), refcounts=bytes([0, 1, 0]))
     assert pool_json(reply)["states"] == "f?c"
 
 
-def view(seq_id: str, tenant: str, blocks=(1, 2)) -> SeqView:
-    return SeqView(seq_id, f"req-{seq_id}", tenant, 0, 10, 3, 12, 4, 0, tuple(blocks))
+def view(seq_id: str, tenant: str, *tables) -> SeqView:
+    return SeqView(seq_id, f"req-{seq_id}", tenant, 0, 10, 3, 12, 4, 0, tuple(map(tuple, tables or [(1, 2)])))
 
 
 def test_a_viewer_sees_its_own_sequences_in_full_and_the_others_without_ids():
@@ -82,11 +98,11 @@ def test_the_engine_publishes_its_queues_and_tables_as_they_are_between_steps():
     snapshot = engine_view.snapshot
     assert snapshot.listed
     assert [v.seq_id for v in snapshot.running] == ["a", "b"]
-    assert snapshot.running[0].block_ids == tuple(scheduler.kv.block_table(scheduler.running[0]))
-    assert len(snapshot.running[0].block_ids) == 3 and snapshot.running[0].generated_tokens == 1
+    assert snapshot.running[0].tables == (tuple(scheduler.kv.block_table(scheduler.running[0])),)
+    assert len(snapshot.running[0].tables[0]) == 3 and snapshot.running[0].generated_tokens == 1
     assert (snapshot.running[0].request_id, snapshot.running[0].tenant) == ("r-a", "alice")
     assert len(snapshot.waiting) == MAX_WAITING_SHOWN and snapshot.num_waiting == MAX_WAITING_SHOWN + 5
-    assert snapshot.waiting[0].block_ids == ()
+    assert snapshot.waiting[0].tables == ()
     assert snapshot.kv_usage == pytest.approx(6 / 400)
     scheduler.running[0].output_ids.append(5)
     assert engine_view.snapshot.running[0].generated_tokens == 1, "a snapshot does not change"

@@ -8,7 +8,10 @@ const POLL_MS = 500;
 const CHART_MIN_S = 60;
 const CHART_MAX_S = 300;
 const MAX_CHIPS = 64;
-const STATE_NAMES = { f: "free", u: "used", s: "shared", c: "cached", "?": "unknown" };
+const STATE_NAMES = {
+  f: "free", u: "used", s: "shared", c: "cached", n: "null (sliding tables name it before their window)",
+  "?": "unknown",
+};
 
 const $ = (id) => document.getElementById(id);
 const grid = $("grid");
@@ -99,16 +102,22 @@ grid.addEventListener("mouseover", (event) => {
 
 // sequences
 
+// The blocks a sequence holds K/V in, every KV group's (the null block is no one's).
+function heldBlocks(seq) {
+  return seq.blocks.filter((id) => states[id] !== "n");
+}
+
 function highlight() {
   for (const cell of grid.querySelectorAll(".cell.hl")) cell.classList.remove("hl");
   for (const row of seqList.querySelectorAll(".seq.hl")) row.classList.remove("hl");
   const seq = sequences.find((s) => s.id === hovered);
   grid.classList.toggle("focus", Boolean(seq));
   if (!seq) return;
-  for (const id of seq.blocks) if (cells[id]) cells[id].classList.add("hl");
+  const held = heldBlocks(seq);
+  for (const id of held) if (cells[id]) cells[id].classList.add("hl");
   const row = seqList.querySelector(`.seq[data-seq="${CSS.escape(seq.id)}"]`);
   if (row) row.classList.add("hl");
-  $("block-info").textContent = `${seq.id.slice(0, 8)}: ${seq.blocks.length} blocks [${seq.blocks.join(", ")}]`;
+  $("block-info").textContent = `${seq.id.slice(0, 8)}: ${held.length} blocks [${held.join(", ")}]`;
 }
 
 function seqRow(seq) {
@@ -120,14 +129,18 @@ function seqRow(seq) {
   top.appendChild(el("span", `badge ${seq.status}`, seq.status));
   if (seq.preemptions) top.appendChild(el("span", "badge preempted", `preempted ×${seq.preemptions}`));
   top.appendChild(el("span", "req", seq.request_id ? `request ${seq.request_id}` : ""));
+  // NOTE: a pool of several KV groups: blocks held per group, in the groups' order (full attention first).
+  const perGroup = seq.tables.length > 1
+    ? ` · per KV group ${seq.tables.map((t) => t.filter((id) => states[id] !== "n").length).join(" / ")}` : "";
   top.appendChild(
     el("span", "nums",
-      `prompt ${seq.prompt_tokens} · generated ${seq.generated_tokens} · cached ${seq.cached_tokens}`));
+      `prompt ${seq.prompt_tokens} · generated ${seq.generated_tokens} · cached ${seq.cached_tokens}${perGroup}`));
   row.appendChild(top);
   const table = el("div", "table");
-  for (const id of seq.blocks.slice(0, MAX_CHIPS)) table.appendChild(el("span", "blk " + cellState(id), id));
-  if (seq.blocks.length > MAX_CHIPS) table.appendChild(el("span", "hint", `+${seq.blocks.length - MAX_CHIPS}`));
-  if (!seq.blocks.length) table.appendChild(el("span", "hint", "no blocks"));
+  const held = heldBlocks(seq);
+  for (const id of held.slice(0, MAX_CHIPS)) table.appendChild(el("span", "blk " + cellState(id), id));
+  if (held.length > MAX_CHIPS) table.appendChild(el("span", "hint", `+${held.length - MAX_CHIPS}`));
+  if (!held.length) table.appendChild(el("span", "hint", "no blocks"));
   row.appendChild(table);
   return row;
 }

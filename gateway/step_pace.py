@@ -21,7 +21,8 @@ from gateway.sequence import Sequence
 MIN_PROMPT_TOKENS = 64
 # Each step weighs the earlier ones by this: the fit follows about the last 1 / (1 - DECAY) = 20 steps.
 DECAY = 0.95
-# Steps seen before the fit sizes chunks; until then the token cap alone does.
+# Steps seen before the fit sizes chunks; until then a step costs the seconds per token of the steps seen
+# (StepCostFit.first_cost), which a new stack's first prompt step already tells.
 WARMUP = 8
 # NOTE: a step counts at most max(CLIP × the recent mean absolute error, its prediction) above or below its
 # prediction: one slow step of a loaded host moves the fit a bounded amount and is forgotten as it decays,
@@ -82,10 +83,20 @@ class StepCostFit:
         self._xtx = np.zeros((3, 3))
         self._xty = np.zeros(3)
         self._error = 0.0
+        self._seconds = self._tokens = 0.0
         self.seen = 0
         self.cost: StepCost | None = None
 
+    @property
+    def first_cost(self) -> StepCost | None:
+        """Until WARMUP steps are seen: each token costs the seconds per token of the steps seen, summed
+        (the largest steps weigh most; a step's fixed cost is spread over its tokens, so a chunk beside
+        decodes is predicted no faster than a prompt alone ran). None before any step."""
+        return StepCost(0.0, self._seconds / self._tokens, 0.0) if self._tokens else None
+
     def observe(self, shape: StepShape, seconds: float) -> None:
+        if self.seen < WARMUP:
+            self._seconds, self._tokens = self._seconds + seconds, self._tokens + shape.tokens
         x = shape.features()
         if self.cost is not None:
             predicted = self.cost.seconds(shape)
@@ -125,7 +136,8 @@ class StepCostFit:
 
 class StepPace:
     """The prompt tokens a step with decodes may take so that its predicted time stays within `target_s`
-    (at least MIN_PROMPT_TOKENS); None while the fit cannot tell (the caller's token cap applies)."""
+    (at least MIN_PROMPT_TOKENS); None while nothing tells (no step seen yet, or a fit that is not
+    physical: the caller's token cap applies)."""
 
     def __init__(self, target_s: float) -> None:
         assert target_s > 0, target_s
@@ -137,8 +149,8 @@ class StepPace:
 
     def prompt_tokens(self, decodes: StepShape, start: int) -> int | None:
         """Prompt tokens, from context position `start`, to add to a step of `decodes`."""
-        cost = self.fit.cost
-        if cost is None or self.fit.seen < WARMUP:
+        cost = self.fit.cost if self.fit.seen >= WARMUP else self.fit.first_cost
+        if cost is None:
             return None
         left = self.target_s - cost.seconds(decodes)
         if left <= 0:

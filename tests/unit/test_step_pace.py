@@ -63,11 +63,24 @@ def test_context_the_chunk_attends_over_shrinks_it():
     assert 0.85 * largest_within(machine, 0.2, 4096) <= far <= 1.1 * largest_within(machine, 0.2, 4096)
 
 
-def test_until_warm_the_pace_leaves_the_token_cap_alone():
+def test_before_any_step_the_pace_leaves_the_token_cap_alone():
+    assert StepPace(0.2).prompt_tokens(DECODES, 0) is None
+
+
+def test_a_new_stacks_first_prompt_step_already_sizes_the_chunks_within_the_target():
+    """A burst on a new stack: the first step is one prompt alone; the steps after it run its decode beside
+    the next prompts, and must not wait for WARMUP steps to keep within the target."""
     pace = StepPace(0.2)
-    for _ in range(WARMUP - 1):
-        pace.observe(mixed(256), MACHINE.seconds(mixed(256)))
-        assert pace.prompt_tokens(DECODES, 0) is None
+    first = StepShape(575, chunk_pairs(0, 575))
+    pace.observe(first, MACHINE.seconds(first))
+    chunk = pace.prompt_tokens(DECODES, 0)
+    # NOTE: about the target: one step cannot tell a step's fixed cost from its tokens' cost
+    assert MACHINE.seconds(mixed(chunk)) <= 1.1 * 0.2, "within the target from the second step"
+    assert chunk >= 0.7 * largest_within(MACHINE, 0.2), "and not far below it"
+    for _ in range(WARMUP - 2):
+        pace.observe(mixed(chunk), MACHINE.seconds(mixed(chunk)))
+        chunk = pace.prompt_tokens(DECODES, 0)
+        assert MACHINE.seconds(mixed(chunk)) <= 1.1 * 0.2 and pace.fit.seen < WARMUP
 
 
 def test_decodes_slower_than_the_target_still_let_the_minimum_chunk_in():

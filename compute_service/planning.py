@@ -221,19 +221,17 @@ def decode_layers(
     """The forward of all-decode steps: the native stack where it runs this model, else `layers`'."""
     kv_dtype = flags.kv_dtype_name
     misfit = None
-    if layers.implementation != FUSED or config.model_type not in native_decode.ARCHITECTURES:
+    if layers.implementation != FUSED:
+        misfit = "the native decode stack runs the fused layers only"
+    elif config.model_type not in native_decode.ARCHITECTURES:
         names = ", ".join(native_decode.ARCHITECTURES)
-        misfit = f"the native decode stack runs fused {names} layers only (no QKV bias, no per-head QK-norm)"
+        misfit = f"the native decode stack computes fused {names} layers only"
     elif backend != "cpu-native" or not machine.kernels:
         misfit = "the native decode stack calls the cpu-native attention and needs the native kernels"
     elif decoder.kernel not in (PANELS, ONEDNN):
         misfit = f"{decoder.implementation} linears: the native decode stack takes panels or oneDNN's"
-    elif getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        misfit = "biased projections: the native decode stack's products take no bias"
     elif kv_dtype not in NATIVE_STACK_POOLS:
         misfit = f"a {kv_dtype} pool: the native decode stack stores K/V as float32 or bfloat16 only"
-    elif len(set(architectures.sliding_windows(config))) > 1:
-        misfit = "layers of several windows (KV groups): the native decode stack reads one table for all"
     if misfit is not None:
         return Choice(layers.implementation, misfit)
     return Choice(NATIVE_STACK, "every layer of an all-decode step in C++, no Python between the small ops")

@@ -116,13 +116,14 @@ SLIDING_WINDOWS = {
 }
 
 # The execution plan's layer forwards (stages `layers`, `layers.decode`) of the Llama-shaped stacks loaded in
-# float32 on cpu-native: the native decode stack takes neither biases nor head norms. The others run
+# float32 on cpu-native: fused layers, the native decode stack for all-decode steps (Qwen2's QKV biases,
+# Qwen3's head norms and both models' two KV groups, full and sliding, in it too). The others run
 # transformers' layers (UNFUSED).
 FAST_PATH = {
     "llama": ("fused", "native-stack"),
     "mistral": ("fused", "native-stack"),
-    "qwen2": ("fused", "fused"),
-    "qwen3": ("fused", "fused"),
+    "qwen2": ("fused", "native-stack"),
+    "qwen3": ("fused", "native-stack"),
 }
 UNFUSED = ("transformers", "transformers")
 
@@ -132,7 +133,26 @@ def tiny_config(name: str) -> PretrainedConfig:
 
 
 def save_tiny(name: str, path: Path, seed: int = 0) -> Path:
-    """The random-weight model of config `name`, saved as a Hugging Face directory at `path`."""
+    """The random-weight model of config `name`, saved as a Hugging Face directory at `path`; a Qwen2 or
+    Qwen3 with its biases and head norms drawn too (`draw_biases_and_head_norms`)."""
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(tiny_config(name)).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(tiny_config(name))
+    if name in DRAWN:
+        draw_biases_and_head_norms(model)
+    model.save_pretrained(path)
     return path
+
+
+# The configs whose biases and head norms save_tiny draws at random.
+DRAWN = ("qwen2", "qwen3")
+
+
+@torch.no_grad()
+def draw_biases_and_head_norms(model: torch.nn.Module) -> None:
+    """Every linear's bias and every per-head RMSNorm's weight (q_norm, k_norm) drawn at random: transformers
+    initialises them to 0 and 1, which a forward dropping them would match."""
+    for name, parameter in model.named_parameters():
+        if name.endswith(".bias"):
+            parameter.normal_(0.0, 0.3)
+        elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            parameter.uniform_(0.5, 1.5)

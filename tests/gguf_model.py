@@ -1,6 +1,6 @@
-"""A tiny random-weight Qwen2 written as a GGUF file (float32 tensors, named by gguf's own map), with the
-default model's tokenizer and chat template copied from its GGUF: what a user's GGUF of an architecture other
-than Llama looks like to `--model FILE.gguf`."""
+"""A tiny random-weight Qwen2 (its QKV biases drawn too) written as a GGUF file (float32 tensors, named by
+gguf's own map), with the default model's tokenizer and chat template copied from its GGUF: what a user's
+GGUF of an architecture other than Llama looks like to `--model FILE.gguf`."""
 
 from pathlib import Path
 
@@ -10,7 +10,7 @@ from gguf import MODEL_ARCH, GGUFReader, GGUFValueType, GGUFWriter, get_tensor_n
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
 
 from common.model_files import DEFAULT_MODEL, resolve
-from tests.architectures import BASE
+from tests.architectures import BASE, draw_biases_and_head_norms
 
 WRITERS = {
     GGUFValueType.ARRAY: GGUFWriter.add_array,
@@ -28,6 +28,7 @@ def save_tiny_qwen2_gguf(path: Path, seed: int = 0) -> PreTrainedModel:
     config = Qwen2Config(**{**BASE, "vocab_size": vocab}, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
+    draw_biases_and_head_norms(model)
     writer = GGUFWriter(str(path), "qwen2")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_block_count(config.num_hidden_layers)

@@ -29,11 +29,13 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits);
 // See decode_layers.cpp.
 double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tensor& signed_sin,
                      const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
+                     const std::vector<at::Tensor>& biases, const std::vector<at::Tensor>& head_norms,
                      const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
-                     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& q_starts,
-                     const at::Tensor& q_lens, const at::Tensor& context_lens, int64_t num_heads,
-                     int64_t num_kv_heads, double eps, double scale, const std::vector<int64_t>& windows,
-                     const std::vector<at::Tensor>& sparse_bounds, const std::optional<at::Tensor>& sparse_settings);
+                     const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& block_tables,
+                     const std::vector<int64_t>& layer_groups, const at::Tensor& q_starts, const at::Tensor& q_lens,
+                     const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
+                     double scale, const std::vector<int64_t>& windows, const std::vector<at::Tensor>& sparse_bounds,
+                     const std::optional<at::Tensor>& sparse_settings);
 
 // See panel_linear.cpp: float32 or int8 weights [out, in] packed into panels, and x [rows, in] times them
 // (* scales, for int8) (+ bias).

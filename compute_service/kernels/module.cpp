@@ -26,7 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("sparse_tables", &sparse_tables, "the tables and context lengths of a step's block-sparse decodes",
         py::call_guard<py::gil_scoped_release>());
-  m.def("decode_layers", &decode_layers, "a float32 Llama decoder stack over one all-decode step",
+  m.def("decode_layers", &decode_layers, "a float32 Llama-shaped decoder stack over one all-decode step",
         py::call_guard<py::gil_scoped_release>());
   m.def("greedy", &greedy, "each row's first most likely token and its log-probability",
         py::call_guard<py::gil_scoped_release>());

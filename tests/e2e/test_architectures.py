@@ -24,9 +24,10 @@ pytestmark = pytest.mark.e2e
 
 # Mistral: a window on every layer, on the fused layers and the native decode stack; Gemma 2: alternating
 # windows, attention and final soft-caps; Gemma 3: five local layers to one global, two rope bases; Qwen2
-# from a GGUF file: QKV biases, its own tokenizer and chat template.
+# (QKV biases, a tied head) and Qwen3 (QK-norm), a full and a sliding layer each, on the fused layers and
+# the native decode stack; Qwen2 from a GGUF file: QKV biases, its own tokenizer and chat template.
 GGUF = "qwen2-gguf"
-NAMES = ("mistral", "gemma2", "gemma3_text", GGUF)
+NAMES = ("mistral", "gemma2", "gemma3_text", "qwen2", "qwen3", GGUF)
 NEW_TOKENS = 8
 # A step's budget below every prompt: each is prefilled in chunks (beside the others' decodes).
 FLAGS = ("--dtype", "float32", "--kv-blocks", "128", "--block-size", "8", "--max-batched-tokens", "24")

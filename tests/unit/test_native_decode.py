@@ -168,7 +168,7 @@ def test_bfloat16_pools_run_natively_with_the_python_layers_logits(tiny, monkeyp
     calls = []
     module = kernels.load()
     real = module.decode_layers
-    monkeypatch.setattr(module, "decode_layers", lambda *args: calls.append(args[5][0].dtype) or real(*args))
+    monkeypatch.setattr(module, "decode_layers", lambda *args: calls.append(args[7][0].dtype) or real(*args))
     runner, limits = runner_for(model, torch.bfloat16)
     tables = [list(range(i * 8, (i + 1) * 8)) for i in range(3)]
     request = forward_request([[9], [4], [77]], [6, 3, 20], tables, block_size=BLOCK_SIZE)
@@ -206,7 +206,7 @@ def test_refuses_slots_outside_the_pool_stray_scales_and_summaries(model, slot, 
     with pytest.raises(RuntimeError, match=message):
         kernels.load().decode_layers(
             torch.zeros(1, config.hidden_size), torch.ones(1, dim), torch.zeros(1, dim), stack.weights,
-            scales, caches, caches, torch.tensor([slot]), torch.zeros(1, 1, dtype=torch.long),
+            scales, [], [], caches, caches, [torch.tensor([slot])], [torch.zeros(1, 1, dtype=torch.long)], [],
             torch.zeros(1, dtype=torch.long), one, one, heads, kv_heads, 1e-5, dim**-0.5, stack.windows, [],
             sparse,
         )  # fmt: skip

@@ -121,19 +121,17 @@ def test_flags_decide_the_stage_they_name(flags, stage, implementation, reason):
     assert reason in reasons(**flags)[stage]
 
 
-def test_biased_projections_keep_the_python_layers_for_decodes():
-    got, why = (
-        implementations(tiny_llama_config(attention_bias=True)),
-        reasons(tiny_llama_config(mlp_bias=True)),
-    )
-    assert got["layers.decode"] == "fused" and "bias" in why["layers.decode"]
+@pytest.mark.parametrize("bias", ["attention_bias", "mlp_bias"])
+def test_biased_projections_decode_in_the_native_stack(bias):
+    got = implementations(tiny_llama_config(**{bias: True}))
+    assert (got["layers"], got["layers.decode"]) == ("fused", "native-stack")
 
 
 @pytest.mark.parametrize(
     ("name", "layers", "decode"),
     [("mistral", "fused", "native-stack"),
-     ("qwen2", "fused", "fused"),
-     ("qwen3", "fused", "fused"),
+     ("qwen2", "fused", "native-stack"),
+     ("qwen3", "fused", "native-stack"),
      ("gemma2", "transformers", "transformers"),
      ("mixtral", "transformers", "transformers")],
 )  # fmt: skip
@@ -145,8 +143,8 @@ def test_each_architecture_runs_the_layers_it_fits_and_the_plan_says_why(name, l
         assert why["layers"] == (
             f"{fused.UNFUSED_LAYERS[name]}: the fused forward supports llama, mistral, qwen2, qwen3 only"
         )
-    if decode == "fused":
-        assert "no QKV bias, no per-head QK-norm" in why["layers.decode"]
+    if decode == "transformers":
+        assert why["layers.decode"] == "the native decode stack runs the fused layers only"
     assert got["linears.decoder"] == "panels float32", "the linears and attention do not depend on it"
 
 

@@ -29,7 +29,9 @@ def pool_layout(handle: common_pb2.PoolHandle, windows: tuple[int, ...]) -> Pool
     problem = ""
     if held != list(range(len(windows))):
         problem = f"its groups hold layers {held}, the model has {len(windows)} layers, each in one group"
-    elif any(len(layers) != size for layers, _ in layouts) or (handle.kv_groups and handle.shape[0] != size):
+    elif any(len(layers) != size for layers, _ in layouts) or (
+        handle.kv_groups and list(handle.shape[:1]) != [size]
+    ):
         sizes = [len(layers) for layers, _ in layouts]
         problem = f"groups of {sizes} layers for {list(handle.shape[:1])} layer slots"
     else:

@@ -48,6 +48,7 @@ STEP_TOKENS = Histogram("pagedserve_forward_step_tokens", "Tokens in one step.",
 COMPUTE_INFO = Info(
     "pagedserve_compute", "The model, its dtype, weights mode, KV dtype and attention backend."
 )
+POOL_DIMS = 6  # [layer slots, 2, blocks, block_size, kv_heads, head_dim]
 NO_POOL = "no KV pool attached: the gateway must call AttachPool first"
 SEGMENT_REMOVED = "the pool's segment was removed (cache restarted?): attach the new pool"
 # How often compute looks whether its pool's segment still exists.
@@ -198,6 +199,11 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
 
     def _check_geometry(self, handle: common_pb2.PoolHandle) -> PoolLayout:
         spec, shape = self.spec, list(handle.shape)
+        if len(shape) != POOL_DIMS:
+            raise InvalidArgument(
+                f"pool handle has a {len(shape)}-dimensional shape {shape}: a pool is [layer slots, 2, "
+                "blocks, block_size, kv_heads, head_dim]; pass the handle CreatePool returned"
+            )
         layout = pool_layout(handle, spec.sliding_windows or (0,) * spec.num_layers)
         expected = [layout.group_size, 2, shape[2], shape[3], spec.num_kv_heads, spec.head_dim]
         if shape != expected or min(shape) < 1 or handle.dtype != spec.kv_dtype_name:

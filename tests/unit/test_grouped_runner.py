@@ -115,6 +115,14 @@ def test_a_layout_that_does_not_match_the_model_is_refused_in_one_line(groups, s
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
+def test_groups_without_a_shape_are_refused_in_one_line():
+    shapeless = common_pb2.PoolHandle(kv_groups=GROUPED.kv_groups)
+    shapeless.kv_groups[0].layers.append(0)
+    shapeless.kv_groups.pop()
+    with pytest.raises(InvalidArgument, match=r"groups of \[2\] layers for \[\] layer slots"):
+        pool_layout(shapeless, WINDOWS)
+
+
 def test_one_group_of_every_layer_keeps_every_block_for_any_window():
     layout = pool_layout(handle([([0, 1], 0)], 2), WINDOWS)
     assert (layout.slots, layout.num_groups) == ((0, 1), 1)

@@ -7,7 +7,7 @@ from cache_service.allocators.base import BlockAllocator
 from cache_service.block_pool import BlockPool
 from cache_service.invariants import table_holders
 from cache_service.prefix_cache import root_hash
-from cache_service.prefix_match import Hit, Partial, StepBlocks, lookup
+from cache_service.prefix_match import Candidate, Hit, Partial, StepBlocks, candidates, lookup
 from cache_service.sequence import (
     SeqRequest,
     SeqState,
@@ -78,7 +78,12 @@ class BlockManager:
         need, revived = self._need(new, partials=False)
         return need + self._growth(running) <= self.num_available - revived
 
-    def reserve(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> list[TableTail]:
+    def reserve(
+        self,
+        new: Sequence[SeqRequest],
+        running: Sequence[SeqRequest],
+        hits: Mapping[str, list[Hit]] | None = None,
+    ) -> list[TableTail]:
         """One scheduler step, all or nothing. `new` sequences get tables reusing the longest computed prefix
         (never the last token, whose logits are needed): whole blocks are shared, and a prefix that ends
         inside a block gets a copy of the cached block it matches. `running` ones record their new tokens
@@ -86,6 +91,9 @@ class BlockManager:
         or indexed (copy-on-write) and grow to hold num_tokens plus lookahead (a table never shrinks).
 
         A new sequence with max_compute holds its prefix hits plus at most that many tokens (`fit`).
+        `hits` (per new sequence, as cache_service.hybrid_blocks agrees them over every KV group): the prefix
+        hits to share instead of this table's own lookup, with no partly matched block and no block another
+        prompt of the call computes.
         Returns what the caller lacks of each table, `new` then `running`: a new sequence's whole table (and
         its num_tokens), a running one's from the block holding its num_computed on (the only blocks this
         call can copy or add).
@@ -93,19 +101,19 @@ class BlockManager:
         twice), NotFound (a running one has none) and ResourceExhausted (not enough blocks).
         """
         self.check(new, running)
-        new = self.fit(new)
+        new = self.fit(new, hits)
         grow = self._growth(running)
         # NOTE: copying a partly matched block pins it beside its copy; skipped when blocks are short.
-        need, revived = self._need(new, partials=True)
-        use_partials = need + grow <= self.num_available - revived
-        if not use_partials:
-            need, revived = self._need(new, partials=False)
+        need, revived = self._need(new, hits is None, hits)
+        use_partials = hits is None and need + grow <= self.num_available - revived
+        if not use_partials and hits is None:
+            need, revived = self._need(new, False)
         self.block_pool.ensure_available(need + grow, revived, self.block_size)
         # NOTE: the blocks the running sequences wrote last step are indexed before the new sequences look
         # the prefix cache up, so a prompt admitted now finds a shared prefix another prompt computed in the
         # step before (indexing only adds hits: the counts above over-count the blocks to take, never under).
         self.index_written({r.seq_id: r.num_computed for r in running})
-        self._admit(new, use_partials)
+        self._admit(new, use_partials, hits)
         self._grow_running(running)
         self._release_out_of_window(new, running)
         tails = [
@@ -116,10 +124,16 @@ class BlockManager:
             tails.append(TableTail(first, self._seqs[request.seq_id].block_table[first:]))
         return tails
 
-    def step_need(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> int:
-        """Blocks a valid `reserve(new, running)` needs available (without copying partly matched blocks),
-        the evictable ones its prefix hits revive included; an upper bound once a sliding table releases."""
-        need, revived = self._need(self.fit(new), partials=False)
+    def step_need(
+        self,
+        new: Sequence[SeqRequest],
+        running: Sequence[SeqRequest],
+        hits: Mapping[str, list[Hit]] | None = None,
+    ) -> int:
+        """Blocks a valid `reserve(new, running, hits)` needs available (without copying partly matched
+        blocks), the evictable ones its prefix hits revive included; an upper bound once a sliding table
+        releases."""
+        need, revived = self._need(self.fit(new, hits), False, hits)
         return need + revived + self._growth(running)
 
     def check(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> None:
@@ -133,8 +147,14 @@ class BlockManager:
 
     def prefix_blocks(self, request: SeqRequest) -> list[int]:
         """The indexed blocks holding `cached_prefix(request)`, in order."""
-        hits, _ = self._lookup(self._new_state(request), request.num_tokens, partials=False)
+        hits, _ = self._lookup(self._new_state(request), request, False, None)
         return [block_id for block_id, _ in hits]
+
+    def hit_candidates(self, request: SeqRequest) -> list[Candidate]:
+        """Every full block of a valid new request before its last token's: (indexed block or None, hash)."""
+        return candidates(
+            self.block_pool.prefix, self._new_state(request), request.num_tokens, self.block_size
+        )
 
     def index_written(self, num_computed: Mapping[str, int]) -> None:
         """Indexes the full blocks of each sequence's first num_computed tokens (K/V written; at most its
@@ -144,21 +164,32 @@ class BlockManager:
             seq = self._seqs[seq_id]
             self._tables.register(seq, min(computed, seq.num_tokens))
 
-    def fit(self, new: Sequence[SeqRequest]) -> list[SeqRequest]:
-        """Valid new requests, each with max_compute trimmed to its prefix hits plus max_compute tokens."""
-        ends = [min(r.num_tokens, self.cached_prefix(r) + r.max_compute) if r.max_compute else 0 for r in new]
+    def fit(self, new: Sequence[SeqRequest], hits: Mapping[str, list[Hit]] | None = None) -> list[SeqRequest]:
+        """Valid new requests, each with max_compute trimmed to its prefix hits (`hits`', if given) plus
+        max_compute tokens."""
+
+        def cached(request: SeqRequest) -> int:
+            if hits is None:
+                return self.cached_prefix(request)
+            return len(hits[request.seq_id]) * self.block_size
+
+        ends = [min(r.num_tokens, cached(r) + r.max_compute) if r.max_compute else 0 for r in new]
         return [
             r._replace(num_tokens=end, token_ids=r.token_ids[:end]) if end else r
             for r, end in zip(new, ends, strict=True)
         ]
 
-    def _need(self, new: Sequence[SeqRequest], partials: bool) -> tuple[int, int]:
+    def _need(
+        self, new: Sequence[SeqRequest], partials: bool, given: Mapping[str, list[Hit]] | None = None
+    ) -> tuple[int, int]:
         """(blocks to take, evictable blocks the new sequences' prefix hits revive), with or without the
         copies of partly matched blocks."""
         need, revived = 0, set()
         for request in new:
-            hits, part = self._lookup(self._new_state(request), request.num_tokens, partials)
-            sources = [block_id for block_id, _ in hits] + ([part[0]] if part else [])
+            hits, part = self._lookup(self._new_state(request), request, partials, given)
+            sources = [block_id for block_id, _ in hits if block_id != self.null_block] + (
+                [part[0]] if part else []
+            )
             revived.update(block_id for block_id in sources if self.block_pool.prefix.is_evictable(block_id))
             need += self.blocks_needed(request.num_tokens) - len(hits)
         return need, len(revived)
@@ -175,26 +206,29 @@ class BlockManager:
                     copied[block_id] += 1
         return need
 
-    def _admit(self, requests: Sequence[SeqRequest], use_partials: bool) -> None:
+    def _admit(
+        self, requests: Sequence[SeqRequest], use_partials: bool, given: Mapping[str, list[Hit]] | None
+    ) -> None:
         # NOTE: every hit is referenced before any table grows (theirs, or the running ones' next), so
         # growing never evicts a block still to hit.
         partials = {}
         for request in requests:
             seq = self._seqs[request.seq_id] = self._new_state(request)
-            hits, part = self._lookup(seq, request.num_tokens, use_partials)
-            self._tables.share(seq, hits)
+            hits, part = self._lookup(seq, request, use_partials, given)
+            self._tables.share(seq, hits, self.null_block)
             if part is not None:
                 self.block_pool.reference(part[0])
                 partials[request.seq_id] = part
             if seq.token_ids is not None:
                 self._counters.prefix_query_tokens += request.num_tokens
+                shared = [hit for hit in hits if hit[0] != self.null_block]
                 for listener in self.block_pool.prefix.listeners:
-                    listener.reused(hits)
+                    listener.reused(shared)
         # NOTE: sharing what an earlier prompt of the call computes this step only lowers the blocks to take.
         step = StepBlocks(self.block_size)
         for request in requests:
             seq = self._seqs[request.seq_id]
-            if self._tables.share(seq, step.match(seq, request.num_tokens)):
+            if given is None and self._tables.share(seq, step.match(seq, request.num_tokens)):
                 part = partials.pop(request.seq_id, None)
                 if part is not None:
                     self.block_pool.release(part[0])
@@ -202,7 +236,9 @@ class BlockManager:
                 self._tables.copy_partial(seq, *partials[request.seq_id])
             self._counters.prefix_hit_tokens += seq.cached_tokens
             self._tables.grow(seq, self.blocks_needed(request.num_tokens) - len(seq.block_table))
-            self._counters.account(request.num_tokens, len(seq.block_table))
+            self._counters.account(
+                request.num_tokens, len(seq.block_table) - seq.block_table.count(self.null_block)
+            )
             step.add(seq, request.num_tokens)
 
     def _release_out_of_window(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> None:
@@ -313,5 +349,9 @@ class BlockManager:
         tokens = list(request.token_ids) if self.prefix_caching and request.token_ids else None
         return SeqState(request.num_tokens, root_hash(self._model, request.cache_salt), tokens)
 
-    def _lookup(self, seq: SeqState, num_tokens: int, partials: bool) -> tuple[list[Hit], Partial | None]:
-        return lookup(self.block_pool.prefix, seq, num_tokens, self.block_size, partials)
+    def _lookup(
+        self, seq: SeqState, request: SeqRequest, partials: bool, given: Mapping[str, list[Hit]] | None
+    ) -> tuple[list[Hit], Partial | None]:
+        if given is not None:
+            return given[request.seq_id], None
+        return lookup(self.block_pool.prefix, seq, request.num_tokens, self.block_size, partials)

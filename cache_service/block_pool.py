@@ -75,9 +75,15 @@ class BlockPool:
         self, block_id: int, hash_: BlockHash, parent: BlockHash, token_ids: Sequence[int], first: bool
     ) -> None:
         """Publishes a used, full block whose K/V is written, under hash_ = hash(parent, token_ids); `first`:
-        its sequence's first block."""
+        its sequence's first block. An evictable block indexed under the same hash is freed, the block in
+        use standing for it, so the prefix stays found as long as either would."""
         assert self.refcounts[block_id] > 0, block_id
-        self.prefix.register(block_id, hash_, parent, token_ids, first)
+        stale = self.prefix.lookup(hash_)
+        if stale is not None and self.prefix.is_evictable(stale) and not self.prefix.is_indexed(block_id):
+            self.prefix.take_over(stale, block_id)
+            self.allocator.free([stale])
+        else:
+            self.prefix.register(block_id, hash_, parent, token_ids, first)
 
     def must_copy(self, block_id: int, already_copied: int = 0) -> bool:
         """A block about to be written is copied first if another table holds it or the index publishes it

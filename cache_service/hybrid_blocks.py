@@ -1,7 +1,12 @@
 """The hybrid KV manager: one block manager per KV group (common/kv_groups.py) over one block pool, so a
 sequence holds one table per group, and a sliding group's tables release the blocks out of its window
 while the full-attention groups keep theirs. Block ids come from one free list: a block id holds the K/V
-of group_size layers of whichever group's table holds it."""
+of group_size layers of whichever group's table holds it.
+
+Prefix caching: each group indexes its own blocks (its hashes on a root of its own); a new sequence's hit
+is the longest prefix that holds in every group: a full group needs every block of it indexed, a sliding
+group only the blocks the window of the first computed token reads (the rest of its table, the null block).
+A released block of a sliding group stays indexed and evictable, as a freed sequence's does."""
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -9,19 +14,15 @@ from dataclasses import replace
 from cache_service.allocators.base import BlockAllocator
 from cache_service.block_manager import BlockManager
 from cache_service.block_pool import BlockPool
+from cache_service.prefix_match import Hit, usable, window_hits
 from cache_service.sequence import SeqRequest, TableTail
 from cache_service.stats import BlockStats
-from common.errors import InvalidArgument
 from common.kv_groups import KVGroup
 
 
 class HybridBlocks:
-    """Per sequence a table in every group, all changed together, each call all or nothing.
-
-    NOTE: with one group this is that group's block manager (same identity, same hashes, no null block);
-    with several, each group's prefix hashes have their own root, and prefix caching is refused (a hit is
-    valid only when every group holds it, which the managers do not yet agree on).
-    """
+    """Per sequence a table in every group, all changed together, each call all or nothing; a new sequence
+    shares the same number of prefix blocks in every group (`agreed_hits`)."""
 
     def __init__(
         self,
@@ -32,11 +33,6 @@ class HybridBlocks:
         prefix_caching: bool = True,
         model: str = "",
     ) -> None:
-        if len(groups) > 1 and prefix_caching:
-            raise InvalidArgument(
-                f"prefix caching over {len(groups)} KV groups is not supported: run the cache service with "
-                "--no-prefix-cache for a model with both full and sliding-window layers"
-            )
         self.groups = tuple(groups)
         self.allocator = allocator
         self.block_pool = BlockPool(allocator)
@@ -50,7 +46,7 @@ class HybridBlocks:
                 block_size,
                 copy_block,
                 prefix_caching,
-                model if len(groups) == 1 else f"{model}\0group {index}",
+                group_identity(model, index, len(groups)),
                 group,
                 self.block_pool,
                 self.null_block,
@@ -72,9 +68,31 @@ class HybridBlocks:
         """BlockManager.reserve in every group: per group, the tails of `new` then `running`. Raises as it
         does, ResourceExhausted when the groups together lack blocks; on any error nothing changed."""
         self.check(new, running)
-        need = sum(manager.step_need(new, running) for manager in self.managers)
+        hits = self.agreed_hits(new)
+        need = sum(
+            manager.step_need(new, running, each) for manager, each in zip(self.managers, hits, strict=True)
+        )
         self.block_pool.ensure_available(need, 0, self.block_size)
-        return [manager.reserve(new, running) for manager in self.managers]
+        return [
+            manager.reserve(new, running, each) for manager, each in zip(self.managers, hits, strict=True)
+        ]
+
+    def agreed_hits(self, new: Sequence[SeqRequest]) -> list[dict[str, list[Hit]] | None]:
+        """Per group, each valid new request's prefix hits: the longest prefix of whole blocks that every
+        group holds (`prefix_match.usable`), a sliding group's entries before its window the null block;
+        None (each group's own lookup) without prefix caching or with one group."""
+        hits: list[dict[str, list[Hit]]] = [{} for _ in self.managers]
+        if not self.prefix_caching or len(self.managers) == 1:
+            return [None] * len(self.managers)
+        for request in new:
+            found = [manager.hit_candidates(request) for manager in self.managers]
+            holds = [
+                usable(each, group, self.block_size) for each, group in zip(found, self.groups, strict=True)
+            ]
+            count = max((k for k in range(len(holds[0])) if all(h[k] for h in holds)), default=0)
+            for per_group, each, group in zip(hits, found, self.groups, strict=True):
+                per_group[request.seq_id] = window_hits(each, count, group, self.block_size, self.null_block)
+        return hits
 
     def fork(self, parent_id: str, child_ids: Sequence[str]) -> list[list[list[int]]]:
         """BlockManager.fork in every group: per group, the children's tables."""
@@ -96,8 +114,9 @@ class HybridBlocks:
             manager.index_written(num_computed)
 
     def prefix_blocks(self, request: SeqRequest) -> list[int]:
-        """No blocks: prefix caching is off over several groups."""
-        return self.managers[0].prefix_blocks(request)
+        """The first group's blocks of the request's agreed prefix hits (`agreed_hits`), in order."""
+        first = self.agreed_hits([request])[0]
+        return [block_id for block_id, _ in first[request.seq_id]] if first is not None else []
 
     def refcount(self, block_id: int) -> int:
         """How many block tables of all groups hold the block; InvalidArgument if it is out of range."""
@@ -129,3 +148,9 @@ class HybridBlocks:
         if self.null_block >= 0:
             holders[self.null_block] += 1
         self.block_pool.check_invariants(holders)
+
+
+def group_identity(model: str, index: int, num_groups: int) -> str:
+    """The root of a group's prefix hashes: the model's for a pool of one group, else the model's and the
+    group's (a block of one group holds other layers than the same tokens' block of another)."""
+    return model if num_groups == 1 else f"{model}\0group {index}"

@@ -73,20 +73,15 @@ def spec_from_request(
     return spec
 
 
-def pool_groups(request: cache_pb2.CreatePoolRequest, prefix_caching: bool) -> tuple[KVGroup, ...]:
+def pool_groups(request: cache_pb2.CreatePoolRequest) -> tuple[KVGroup, ...]:
     """The pool's KV groups (common/kv_groups.py) by the layers' sliding windows: one group of every layer
-    without windows, and under prefix caching for layers of several patterns (one table keeps every block:
-    prefix hits across groups are not implemented). InvalidArgument unless sliding_windows is empty or one
-    window >= 0 per layer."""
+    without windows. InvalidArgument unless sliding_windows is empty or one window >= 0 per layer."""
     windows, num_layers = list(request.sliding_windows), request.geometry.num_layers
     if windows and len(windows) != num_layers:
         raise InvalidArgument(
             f"sliding_windows has {len(windows)} entries for {num_layers} layers: send one per layer, or none"
         )
-    groups = group_layers(windows) if windows else ()
-    if not groups or (len(groups) > 1 and prefix_caching):
-        return (KVGroup(tuple(range(num_layers))),)
-    return groups
+    return group_layers(windows) if windows else (KVGroup(tuple(range(num_layers))),)
 
 
 def group_layouts(groups: tuple[KVGroup, ...]) -> list[common_pb2.KVGroupLayout]:

@@ -44,6 +44,9 @@ class PrefixListener:
     def evicted(self, block_id: int, hash_: BlockHash) -> None:
         """The block leaves the index; its K/V is overwritten once this returns."""
 
+    def moved(self, stale: int, block_id: int) -> None:
+        """block_id, holding the same K/V, now stands for stale's hash; stale leaves the index."""
+
 
 def chain(
     parent: BlockHash, token_ids: Sequence[int], block_size: int, start: int, stop: int
@@ -100,6 +103,18 @@ class PrefixCache:
             self._children.setdefault(parent, set()).add(block_id)
             for listener in self.listeners:
                 listener.cached(block_id, hash_, None if first else parent, token_ids)
+
+    def take_over(self, stale: int, block_id: int) -> None:
+        """block_id (used, unindexed, its K/V written) stands for evictable `stale`'s hash from now on: stale
+        leaves the index, not evicted (the caller frees it; its K/V lives on in block_id)."""
+        assert stale in self._evictable and block_id not in self._entry, (stale, block_id)
+        del self._evictable[stale]
+        hash_, parent, tokens = self._entry[block_id] = self._entry.pop(stale)
+        self._by_hash[hash_] = block_id
+        self._children[parent].remove(stale)
+        self._children[parent].add(block_id)
+        for listener in self.listeners:
+            listener.moved(stale, block_id)
 
     def longest_partial(self, parent: BlockHash, token_ids: Sequence[int]) -> tuple[int, int] | None:
         """(block, n): the indexed block after `parent` whose tokens start with the most (n >= 1) of

@@ -5,9 +5,11 @@ from collections.abc import Callable
 
 from cache_service.prefix_cache import BlockHash, PrefixCache, chain
 from cache_service.sequence import SeqState
+from common.kv_groups import KVGroup
 
 Hit = tuple[int, BlockHash]  # (block id, hash of the sequence's block it stands for)
 Partial = tuple[int, int]  # (cached block, how many of its leading tokens the sequence shares)
+Candidate = tuple[int | None, BlockHash]  # (indexed block or None, hash of the sequence's block)
 
 
 def lookup(
@@ -33,6 +35,42 @@ def match(
         if block_id is None:
             break
         hits.append((block_id, hash_))
+    return hits
+
+
+def candidates(prefix: PrefixCache, seq: SeqState, num_tokens: int, block_size: int) -> list[Candidate]:
+    """Every full block of a new sequence before its last token's, whether or not the index holds it (a
+    sliding window's hit may skip blocks before the window)."""
+    if seq.token_ids is None:
+        return []
+    stop = (num_tokens - 1) // block_size
+    return [
+        (prefix.lookup(hash_), hash_)
+        for _, hash_ in chain(seq.last_hash, seq.token_ids, block_size, len(seq.hashes), stop)
+    ]
+
+
+def usable(found: list[Candidate], group: KVGroup, block_size: int) -> list[bool]:
+    """usable[k] (k = 0..len(found)): whether a hit of the first k blocks holds in the group, every block
+    the window of its first query (token k * block_size) reads being indexed; a full group's needs all k."""
+    missing = [0]
+    for block_id, _ in found:
+        missing.append(missing[-1] + (block_id is None))
+    return [
+        missing[k] == missing[group.first_kept(k * block_size, block_size)] for k in range(len(found) + 1)
+    ]
+
+
+def window_hits(
+    found: list[Candidate], count: int, group: KVGroup, block_size: int, null_block: int
+) -> list[Hit]:
+    """The first `count` blocks as hits (`usable` for count), those before the window holding null_block."""
+    first = group.first_kept(count * block_size, block_size)
+    hits = [
+        (null_block if index < first else block_id, hash_)
+        for index, (block_id, hash_) in enumerate(found[:count])
+    ]
+    assert all(block_id is not None for block_id, _ in hits), "not a usable hit"
     return hits
 
 

@@ -55,7 +55,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
     def CreatePool(self, request: cache_pb2.CreatePoolRequest, context) -> common_pb2.PoolHandle:
         with self._lock:
-            groups = pool_groups(request, self._prefix_caching)
+            groups = pool_groups(request)
             slots = group_size(groups)
             spec = spec_from_request(request, self._default_blocks, self._default_memory, slots)
             if self._pool is not None:

@@ -24,10 +24,12 @@ class Tables:
         self.block_pool, self.block_size = block_pool, block_size
         self._copy_block, self._counters = copy_block, counters
 
-    def share(self, seq: SeqState, hits: list[Hit]) -> int:
-        """Appends the hit blocks to the table (one more reference each); returns how many."""
+    def share(self, seq: SeqState, hits: list[Hit], null_block: int = -1) -> int:
+        """Appends the hit blocks to the table (one more reference each, none for null_block: a sliding
+        window's past); returns how many."""
         for block_id, hash_ in hits:
-            self.block_pool.reference(block_id)
+            if block_id != null_block:
+                self.block_pool.reference(block_id)
             seq.block_table.append(block_id)
             seq.hashes.append(hash_)
         seq.cached_tokens += len(hits) * self.block_size

@@ -58,7 +58,7 @@ class Runner:
         if layout is not None and layout.num_groups > 1 and self.sparse is not None:
             raise FailedPrecondition(
                 f"--sparse-attention over a pool of {layout.num_groups} KV groups is not implemented: start "
-                "compute without it, or the cache with prefix caching on (one group of every layer)"
+                "compute without it, or create the pool without sliding_windows (one group of every layer)"
             )
         slots = layout.slots if layout is not None else range(len(pool))
         self.k_caches = [pool[slot, 0] for slot in slots]

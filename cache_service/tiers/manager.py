@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from cache_service.block_manager import BlockManager
+from cache_service.hybrid_blocks import group_identity
 from cache_service.kv_pool import KVPool
 from cache_service.prefix_cache import BlockHash, PrefixListener, block_tokens, chain, root_hash
 from cache_service.sequence import SeqRequest, check_prompt
@@ -105,6 +106,9 @@ class TierManager(PrefixListener):
     def evicted(self, block_id: int, hash_: BlockHash) -> None:
         self._write(block_id, self._cached.pop(block_id))
 
+    def moved(self, stale: int, block_id: int) -> None:
+        self._cached[block_id] = self._cached.pop(stale)
+
     def _write(self, block_id: int, entry: _Cached) -> None:
         """Queues a copy of the block's bytes unless the tier holds it or it is queued; the copy is taken here
         (cheap: one block) and encoded and stored on the writer thread."""
@@ -133,20 +137,39 @@ class TierManager(PrefixListener):
                 budget -= self._load_prefix(request, budget)
 
     def _load_prefix(self, request: SeqRequest, budget: int) -> int:
+        """Loads the request's prefix in each KV group: every block of it in a full-attention group (or the
+        one group), then the blocks a sliding group's window reads at the end of the prefix all of those
+        reach; returns the blocks loaded."""
+        groups, block_size = self._pool.groups, self._pool.spec.block_size
+        stop, loaded = (request.num_tokens - 1) // block_size, 0
+        order = sorted(range(len(groups)), key=lambda index: bool(groups[index].window) and len(groups) > 1)
+        for index in order:
+            root = root_hash(group_identity(self._pool.identity, index, len(groups)), request.cache_salt)
+            sliding = bool(groups[index].window) and len(groups) > 1
+            start = groups[index].first_kept(stop * block_size, block_size) if sliding else 0
+            reach, count = self._load_chain(root, request, start, stop, budget - loaded)
+            loaded += count
+            stop = stop if sliding else reach
+        return loaded
+
+    def _load_chain(
+        self, root: BlockHash, request: SeqRequest, start: int, stop: int, budget: int
+    ) -> tuple[int, int]:
+        """Loads blocks start..stop-1 of the chain from `root` that the pool lacks, up to the first the tier
+        lacks too; returns (that block's index, or stop; the blocks loaded)."""
         block_pool, block_size = self._pool.blocks.block_pool, self._pool.spec.block_size
-        parent, loaded = root_hash(self._pool.identity, request.cache_salt), 0
-        stop = (request.num_tokens - 1) // block_size
-        for index, hash_ in chain(parent, request.token_ids, block_size, 0, stop):
-            if block_pool.prefix.lookup(hash_) is None:
+        parent, loaded = root, 0
+        for index, hash_ in chain(root, request.token_ids, block_size, 0, stop):
+            if index >= start and block_pool.prefix.lookup(hash_) is None:
                 if loaded == budget or block_pool.allocator.num_free == 0:
                     self.counters.skipped_blocks += stop - index
-                    break
+                    return index, loaded
                 tokens = block_tokens(request.token_ids, index, block_size)
                 if not self._load_block(hash_, parent, tokens, first=index == 0):
-                    break
+                    return index, loaded
                 loaded += 1
             parent = hash_
-        return loaded
+        return stop, loaded
 
     def _load_block(self, hash_: BlockHash, parent: BlockHash, tokens: Sequence[int], first: bool) -> bool:
         """Copies the block's record into a free block and indexes it (unreferenced, evictable); False when

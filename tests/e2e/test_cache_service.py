@@ -450,7 +450,30 @@ def test_kv_groups_keep_a_table_each_and_the_sliding_one_releases_before_its_win
         assert grouped.stop() == 0
 
 
-def test_under_prefix_caching_layers_of_several_windows_keep_one_group(service, handle):
-    again = service.stub.CreatePool(pool_request(sliding_windows=[0, 20]))
-    assert again == handle and [list(g.layers) for g in handle.kv_groups] == [[0, 1]]
-    assert [(g.num_layers, g.window) for g in service.stats().kv_groups] == [(2, 0)]
+def test_a_prefix_hit_holds_in_every_kv_group_and_a_sliding_one_keeps_only_its_window(tmp_path):
+    grouped = Service(tmp_path, "--kv-blocks", "32")
+    try:
+        stub = grouped.stub
+        handle = stub.CreatePool(pool_request(sliding_windows=[0, 20]))
+        assert [(list(g.layers), g.window) for g in handle.kv_groups] == [([0], 0), ([1], 20)]
+        prompt = list(range(100))
+        first = cache_pb2.SequenceRequest(seq_id="a", num_tokens=100, token_ids=prompt)
+        stub.Reserve(cache_pb2.ReserveRequest(new_seqs=[first]))
+        stub.Free(cache_pb2.FreeRequest(seq_ids=["a"], num_computed={"a": 100}))
+        longer = cache_pb2.SequenceRequest(seq_id="b", num_tokens=101, token_ids=[*prompt, 7])
+        looked_up = stub.Lookup(cache_pb2.LookupRequest(seqs=[longer]))
+        # six whole blocks of 16 before the last token's; token 96 reads keys 77..96: blocks 4 and 5
+        assert list(looked_up.cached_tokens) == [96]
+        (table,) = stub.Reserve(cache_pb2.ReserveRequest(new_seqs=[longer])).tables
+        assert table.cached_tokens == 96 and len(table.block_ids) == 7
+        (sliding,) = table.groups
+        null = sliding.block_ids[0]
+        assert list(sliding.block_ids[:4]) == [null] * 4 and null not in sliding.block_ids[4:]
+        assert list(table.block_ids[:6]) == list(looked_up.prefix_blocks[0].block_ids)
+        stats = grouped.stats()
+        assert [g.held_blocks for g in stats.kv_groups] == [7, 3]
+        assert (stats.prefix_hit_tokens, stats.num_sequences) == (96, 1)
+        stub.Free(cache_pb2.FreeRequest(seq_ids=["b"]))
+        assert grouped.stats().used_blocks == 1, "the null block"
+    finally:
+        assert grouped.stop() == 0

@@ -1,10 +1,11 @@
-"""Models of several KV groups served by `pagedserve up` without prefix caching, from tiny random-weight
-checkpoints: Gemma 2 (one full and one sliding layer: two groups of one layer) and Gemma 3 (five sliding
-layers to one full: six groups of one layer) each keep a table per group over a pool of one layer slot.
-Concurrent greedy requests (packed, their prompts longer than the sliding window and prefilled in chunks)
-give transformers' eager greedy tokens through gRPC, the sliding groups' tables releasing the blocks before
-the window; GetStats and `pagedserve stats` report each group, every block comes back once the requests
-end, and compute refuses a pool whose groups do not match its model. One stack at a time (memory)."""
+"""Models of several KV groups served by `pagedserve up`, from tiny random-weight checkpoints: Gemma 2 (one
+full and one sliding layer: two groups of one layer) and Gemma 3 (five sliding layers to one full: six
+groups of one layer) each keep a table per group over a pool of one layer slot. Concurrent greedy requests
+(packed, their prompts longer than the sliding window and prefilled in chunks) give transformers' eager
+greedy tokens through gRPC, the sliding groups' tables releasing the blocks before the window; a prompt
+that extends an earlier one hits its prefix in every group and still gives transformers' tokens; GetStats
+and `pagedserve stats` report each group, every block comes back once the requests end, and compute
+refuses a pool whose groups do not match its model. One stack at a time (memory)."""
 
 import json
 import subprocess
@@ -27,10 +28,7 @@ pytestmark = pytest.mark.e2e
 NAMES = ("gemma2", "gemma3_text")
 NEW_TOKENS = 10
 # A step's budget below every prompt: each is prefilled in chunks (beside the others' decodes).
-FLAGS = (
-    *("--dtype", "float32", "--kv-blocks", "128", "--block-size", "4", "--max-batched-tokens", "24"),
-    "--no-prefix-cache",
-)
+FLAGS = ("--dtype", "float32", "--kv-blocks", "128", "--block-size", "4", "--max-batched-tokens", "24")
 _generator = torch.Generator().manual_seed(5)
 PROMPTS = [torch.randint(3, 256, (n,), generator=_generator).tolist() for n in (45, 29, 61)]
 
@@ -77,6 +75,23 @@ def test_concurrent_chunked_prompts_give_transformers_greedy_tokens(served):
     # every table freed: only the null block (the sliding tables' released entries) stays used
     assert (stats.used_blocks, stats.num_sequences) == (1, 0)
     assert [group.held_blocks for group in stats.kv_groups] == [0] * len(stats.kv_groups)
+
+
+def test_a_prompt_extending_an_earlier_one_hits_its_prefix_in_every_group(served):
+    _, stack, reference = served
+    prompt = PROMPTS[0]
+    with stack.client() as client:
+        first = client.generate(token_ids=prompt, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        before = stack.stats().prefix_hit_tokens
+        # a chat's next turn: the prompt, the answer and a few new tokens
+        extended = [*prompt, *first.token_ids, *PROMPTS[1][:7]]
+        result = client.generate(token_ids=extended, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert result.token_ids == hf_greedy(reference, extended, NEW_TOKENS)
+    hit = stack.stats().prefix_hit_tokens - before
+    # the first request wrote its prompt and all but its last token; whole blocks of 4 hit
+    assert hit == (len(prompt) + NEW_TOKENS - 1) // 4 * 4, hit
+    stats = stack.stats()
+    assert (stats.used_blocks, stats.num_sequences) == (1, 0)
 
 
 def test_one_request_at_a_time_gives_transformers_greedy_tokens(served):

@@ -378,3 +378,23 @@ def test_a_lookup_finds_the_blocks_of_a_prefix_and_the_progress_of_running_ones_
     assert tail.block_ids[:3] == blocks.block_table("a")[:3] and tail.cached_tokens == 12
     assert [blocks.refcount(b) for b in tail.block_ids[:3]] == [2, 2, 2], "a hit on held blocks takes none"
     blocks.check_invariants()
+
+
+def test_a_block_written_again_stands_for_its_evictable_twin():
+    blocks = manager()
+    prompt = list(range(8))
+    blocks.reserve([SeqRequest("a", 8, prompt)], ())
+    twin = blocks.block_table("a")[1]
+    blocks.free(["a"], {"a": 8})
+    # b shares block 0 and copies 3 tokens of block 1 (the last token's block is computed), then writes it
+    blocks.reserve([SeqRequest("b", 8, prompt)], ())
+    copy = blocks.block_table("b")[1]
+    assert copy != twin and blocks.cached_tokens("b") == 7
+    blocks.reserve((), [SeqRequest("b", 9, [8], num_computed=8)])
+    prefix = blocks.block_pool.prefix
+    assert not prefix.is_indexed(twin) and blocks.allocator.is_free(twin) and prefix.is_indexed(copy)
+    assert prefix.num_evictions == 0, "the twin's K/V lives on: not an eviction"
+    blocks.check_invariants()
+    first = blocks.block_table("b")[0]
+    blocks.free(["b"], {"b": 9})
+    assert blocks.prefix_blocks(SeqRequest("c", 9, [*prompt, 99])) == [first, copy]

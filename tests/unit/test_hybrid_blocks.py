@@ -110,9 +110,86 @@ def test_fork_and_free_skip_released_entries():
     blocks.check_invariants()
 
 
-def test_prefix_caching_over_several_groups_is_refused():
-    with pytest.raises(InvalidArgument, match="--no-prefix-cache"):
-        hybrid([0, WINDOW], prefix_caching=True)
+def run(blocks: HybridBlocks, seq_id: str, tokens: list[int], chunk: int) -> None:
+    """Prefills `tokens` in chunks of `chunk` and frees the sequence with every token written."""
+    blocks.reserve([SeqRequest(seq_id, min(chunk, len(tokens)), tokens[:chunk])], ())
+    for computed in range(chunk, len(tokens), chunk):
+        end = min(len(tokens), computed + chunk)
+        blocks.reserve((), [SeqRequest(seq_id, end, tokens[computed:end], num_computed=computed)])
+        blocks.check_invariants()
+    blocks.free([seq_id], {seq_id: len(tokens)})
+    blocks.check_invariants()
+
+
+def test_a_prefix_hit_holds_in_every_group():
+    blocks = hybrid([0, WINDOW], prefix_caching=True)
+    tokens = list(range(40))
+    run(blocks, "a", tokens, 8)
+    blocks.reserve([SeqRequest("b", 41, [*tokens, 99])], ())
+    # ten whole blocks hit (the eleventh holds the last prompt token); token 40's window reads blocks 8, 9
+    assert [manager.cached_tokens("b") for manager in blocks.managers] == [40, 40]
+    full, sliding = blocks.block_tables("b")
+    assert full[:10] == blocks.prefix_blocks(SeqRequest("c", 41, [*tokens, 98]))
+    assert sliding[:8] == [blocks.null_block] * 8 and blocks.null_block not in sliding[8:]
+    assert blocks.held_blocks() == [11, 3]
+    assert blocks.stats().prefix_hit_tokens == 40
+    blocks.check_invariants()
+
+
+def evict(blocks: HybridBlocks, victims: list[int]) -> None:
+    """Evicts exactly `victims` from the index (every other cached block made more recently used first)."""
+    prefix = blocks.block_pool.prefix
+    for block_id in range(blocks.block_pool.num_total):
+        if prefix.is_evictable(block_id) and block_id not in victims:
+            prefix.revive(block_id)
+            prefix.park(block_id)
+    blocks.allocator.free(prefix.evict(len(victims)))
+
+
+def sliding_evicted(victims: list[int]) -> tuple[HybridBlocks, SeqRequest]:
+    """A full and a sliding group after a 40-token prompt ran in chunks of 4 and ended, then the sliding
+    group's blocks of these indices evicted; and a request for the same prompt and one token more."""
+    blocks = hybrid([0, WINDOW], prefix_caching=True)
+    tokens = list(range(40))
+    run(blocks, "a", tokens, 4)
+    request = SeqRequest("b", 41, [*tokens, 99])
+    full, sliding = (manager.hit_candidates(request) for manager in blocks.managers)
+    assert len(full) == 10 and None not in [block_id for block_id, _ in full + sliding]
+    evict(blocks, [sliding[index][0] for index in victims])
+    assert [manager.hit_candidates(request) for manager in blocks.managers][0] == full
+    return blocks, request
+
+
+def test_blocks_evicted_before_the_window_do_not_cut_the_hit():
+    # token 40's window reads blocks 8 and 9
+    blocks, request = sliding_evicted(list(range(8)))
+    blocks.reserve([request], ())
+    assert [manager.cached_tokens("b") for manager in blocks.managers] == [40, 40]
+    assert blocks.block_tables("b")[1][:8] == [blocks.null_block] * 8
+    assert blocks.stats().prefix_hit_tokens == 40
+    blocks.check_invariants()
+
+
+def test_a_hit_is_cut_to_the_prefix_every_group_holds():
+    # without sliding block 9 the longest hit is 9 blocks: token 36's window reads blocks 7 and 8
+    blocks, request = sliding_evicted([9])
+    assert len(blocks.managers[0].prefix_blocks(request)) == 10, "the full group alone hits 10 blocks"
+    assert len(blocks.prefix_blocks(request)) == 9
+    blocks.reserve([request], ())
+    assert [manager.cached_tokens("b") for manager in blocks.managers] == [36, 36]
+    full, sliding = blocks.block_tables("b")
+    assert sliding[:7] == [blocks.null_block] * 7 and blocks.null_block not in sliding[7:]
+    assert full[:9] == blocks.managers[0].prefix_blocks(request)[:9]
+    blocks.check_invariants()
+
+
+def test_no_hit_holds_without_the_window_of_its_first_token():
+    # a hit of k blocks reads block k - 1 and the one before it (block 0 alone for k = 1)
+    blocks, request = sliding_evicted([0, 2, 4, 6, 8])
+    assert blocks.prefix_blocks(request) == []
+    blocks.reserve([request], ())
+    assert [manager.cached_tokens("b") for manager in blocks.managers] == [0, 0]
+    blocks.check_invariants()
 
 
 def test_one_sliding_group_keeps_prefix_caching():
@@ -147,24 +224,23 @@ def pool_request(windows: list[int], num_layers: int = 2) -> cache_pb2.CreatePoo
 
 
 @pytest.mark.parametrize(
-    ("windows", "prefix_caching", "groups"),
+    ("windows", "groups"),
     [
-        ([], True, [((0, 1), 0)]),
-        ([0, 0], False, [((0, 1), 0)]),
-        ([WINDOW, WINDOW], True, [((0, 1), WINDOW)]),
-        ([0, WINDOW], False, [((0,), 0), ((1,), WINDOW)]),
-        ([0, WINDOW], True, [((0, 1), 0)]),
+        ([], [((0, 1), 0)]),
+        ([0, 0], [((0, 1), 0)]),
+        ([WINDOW, WINDOW], [((0, 1), WINDOW)]),
+        ([0, WINDOW], [((0,), 0), ((1,), WINDOW)]),
     ],
 )
-def test_a_pools_groups_follow_the_windows_and_prefix_caching_keeps_one(windows, prefix_caching, groups):
-    found = pool_groups(pool_request(windows), prefix_caching)
+def test_a_pools_groups_follow_the_windows(windows, groups):
+    found = pool_groups(pool_request(windows))
     assert [(group.layers, group.window) for group in found] == groups
 
 
 @pytest.mark.parametrize("windows", [[WINDOW], [0, -1]])
 def test_bad_sliding_windows_are_refused(windows):
     with pytest.raises(InvalidArgument):
-        pool_groups(pool_request(windows), False)
+        pool_groups(pool_request(windows))
 
 
 def test_the_service_facing_calls_span_every_group():

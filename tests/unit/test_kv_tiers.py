@@ -17,6 +17,7 @@ from cache_service.tiers.base import KVTier, TierError
 from cache_service.tiers.manager import StopFlush, TierManager
 from cache_service.tiers.rocksdb import DATA, RocksDBTier
 from common.errors import InvalidArgument
+from common.kv_groups import group_layers
 from common.logging import configure
 from common.shared_pool import PoolSpec
 
@@ -358,3 +359,44 @@ def test_a_stop_writes_blocks_in_use_before_released_ones_and_keeps_to_its_time(
     assert 1 <= written <= 3 and stored(tmp_path / "db", pool, OTHER)[:written] == [True] * written
     assert stored(tmp_path / "db", pool, PROMPT) == [False] * 5
     pool.blocks.free(["held"])
+
+
+def test_a_pool_of_kv_groups_loads_each_groups_prefix_and_a_sliding_one_only_its_window(tmp_path: Path):
+    # layer 0 attends to every key, layer 1 to its last 5: two groups of one layer slot each
+    groups = group_layers([0, 5])
+    spec = PoolSpec(1, 32, BLOCK_SIZE, 2, 4, torch.float32)
+    first = KVPool.create(spec, "model", "freelist", True, groups=groups)
+    tier = manager(tmp_path / "db")
+    tier.attach(first)
+    request = SeqRequest("a", len(PROMPT), PROMPT)
+    tier.load_prefixes(first.blocks, [request])
+    tails = first.blocks.reserve([request], [])
+    for group, (tail,) in enumerate(tails):
+        for position in range(len(PROMPT)):
+            block, slot = tail.block_ids[position // BLOCK_SIZE], position % BLOCK_SIZE
+            first.tensor[:, :, block, slot] = float(group * 10_000 + position * 100 + PROMPT[position])
+    first.blocks.free(["a"], {"a": len(PROMPT)})
+    drained(tier)
+    assert tier.stats().stored_blocks == 2 * 5
+    first.release()
+    restarted, tier = KVPool.create(spec, "model", "freelist", True, groups=groups), manager(tmp_path / "db")
+    try:
+        tier.attach(restarted)
+        again = SeqRequest("b", len(PROMPT), PROMPT)
+        tier.load_prefixes(restarted.blocks, [again])
+        # the full group's four blocks before the last token's; token 16's window (12..16) reads block 3
+        assert tier.stats().hit_blocks == 4 + 1
+        tails, tables = restarted.blocks.reserve([again], []), {}
+        for group, (tail,) in enumerate(tails):
+            tables[group] = tail.block_ids
+            assert tail.cached_tokens == 16
+        assert tables[1][:3] == [restarted.blocks.null_block] * 3
+        for group, start in ((0, 0), (1, 12)):
+            for position in range(start, 16):
+                block, slot = tables[group][position // BLOCK_SIZE], position % BLOCK_SIZE
+                expected = group * 10_000 + position * 100 + PROMPT[position]
+                assert float(restarted.tensor[0, 1, block, slot, 1, 3]) == expected, (group, position)
+        restarted.blocks.check_invariants()
+        drained(tier)
+    finally:
+        restarted.release()

@@ -81,9 +81,9 @@ class HybridBlocks:
         """Per group, each valid new request's prefix hits: the longest prefix of whole blocks that every
         group holds (`prefix_match.usable`), a sliding group's entries before its window the null block;
         None (each group's own lookup) without prefix caching or with one group."""
-        hits: list[dict[str, list[Hit]]] = [{} for _ in self.managers]
         if not self.prefix_caching or len(self.managers) == 1:
             return [None] * len(self.managers)
+        hits: list[dict[str, list[Hit]]] = [{} for _ in self.managers]
         for request in new:
             found = [manager.hit_candidates(request) for manager in self.managers]
             holds = [

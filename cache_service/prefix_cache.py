@@ -109,7 +109,7 @@ class PrefixCache:
         leaves the index, not evicted (the caller frees it; its K/V lives on in block_id)."""
         assert stale in self._evictable and block_id not in self._entry, (stale, block_id)
         del self._evictable[stale]
-        hash_, parent, tokens = self._entry[block_id] = self._entry.pop(stale)
+        hash_, parent, _ = self._entry[block_id] = self._entry.pop(stale)
         self._by_hash[hash_] = block_id
         self._children[parent].remove(stale)
         self._children[parent].add(block_id)

@@ -169,16 +169,36 @@ def test_bfloat16_pools_run_natively_with_the_python_layers_logits(tiny, monkeyp
     module = kernels.load()
     real = module.decode_layers
     monkeypatch.setattr(module, "decode_layers", lambda *args: calls.append(args[7][0].dtype) or real(*args))
+    torch.manual_seed(0)
     runner, limits = runner_for(model, torch.bfloat16)
     tables = [list(range(i * 8, (i + 1) * 8)) for i in range(3)]
     request = forward_request([[9], [4], [77]], [6, 3, 20], tables, block_size=BLOCK_SIZE)
     batch = ForwardBatch.from_request(request, limits)
     slots = batch.slot_mapping
-    before = runner.k_caches[0].flatten(0, 1)[slots].clone()
-    native_logits, python_logits = both(model, lambda: runner.logits(batch))
-    torch.testing.assert_close(native_logits, python_logits, atol=1e-4, rtol=1e-4)
-    assert not torch.equal(runner.k_caches[0].flatten(0, 1)[slots], before), "the step's keys were stored"
+    before = stored(runner, slots)
+    written = []
+    native_logits, python_logits = both(
+        model, lambda: written.append(stored(runner, slots)) or runner.logits(batch)
+    )
     assert calls == [torch.bfloat16], "one native step, on the bfloat16 pool"
+    native, python = written[1], stored(runner, slots)
+    assert not torch.equal(native, before), "the step's keys and values were stored"
+    # NOTE: the paths' float32 K/V may differ by an ulp, which bfloat16 storage can round a bfloat16 ulp apart
+    torch.testing.assert_close(native, python, atol=0, rtol=2**-7)
+    flipped = int((native != python).sum())
+    assert flipped <= native.numel() // 100, f"{flipped} stored values differ"
+    tolerance = 1e-4 if flipped == 0 else 2e-3
+    torch.testing.assert_close(native_logits, python_logits, atol=tolerance, rtol=tolerance)
+
+
+def stored(runner: Runner, slots: torch.Tensor) -> torch.Tensor:
+    """The K/V of every layer at `slots`, as float32: [layers, 2, slots, heads, head_dim]."""
+    return torch.stack(
+        [
+            torch.stack([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]])
+            for k, v in zip(runner.k_caches, runner.v_caches, strict=True)
+        ]
+    ).float()
 
 
 def test_fp8_pools_take_the_python_layers(tiny):

@@ -3,11 +3,12 @@
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
+from cache_service.admission import Admission, Agreed
 from cache_service.allocators.base import BlockAllocator
 from cache_service.block_pool import BlockPool
 from cache_service.invariants import table_holders
 from cache_service.prefix_cache import root_hash
-from cache_service.prefix_match import Candidate, Hit, Partial, StepBlocks, candidates, lookup
+from cache_service.prefix_match import Candidate, candidates
 from cache_service.sequence import (
     SeqRequest,
     SeqState,
@@ -61,6 +62,9 @@ class BlockManager:
         self._seqs: dict[str, SeqState] = {}
         self._counters = Counters()
         self._tables = Tables(self.block_pool, block_size, copy_block, self._counters)
+        self._admission = Admission(
+            self.block_pool, block_size, self._tables, self._counters, self.null_block, self._new_state
+        )
 
     @property
     def num_available(self) -> int:
@@ -75,14 +79,14 @@ class BlockManager:
     def can_reserve(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> bool:
         """Whether the step fits (without copying partly matched blocks); raises like `reserve` if invalid."""
         self.check(new, running)
-        need, revived = self._need(new, partials=False)
+        need, revived = self._admission.need(new, partials=False)
         return need + self._growth(running) <= self.num_available - revived
 
     def reserve(
         self,
         new: Sequence[SeqRequest],
         running: Sequence[SeqRequest],
-        hits: Mapping[str, list[Hit]] | None = None,
+        hits: Agreed | None = None,
     ) -> list[TableTail]:
         """One scheduler step, all or nothing. `new` sequences get tables reusing the longest computed prefix
         (never the last token, whose logits are needed): whole blocks are shared, and a prefix that ends
@@ -101,19 +105,19 @@ class BlockManager:
         twice), NotFound (a running one has none) and ResourceExhausted (not enough blocks).
         """
         self.check(new, running)
-        new = self.fit(new, hits)
+        new = self._admission.fit(new, hits)
         grow = self._growth(running)
         # NOTE: copying a partly matched block pins it beside its copy; skipped when blocks are short.
-        need, revived = self._need(new, hits is None, hits)
+        need, revived = self._admission.need(new, hits is None, hits)
         use_partials = hits is None and need + grow <= self.num_available - revived
         if not use_partials and hits is None:
-            need, revived = self._need(new, False)
+            need, revived = self._admission.need(new, False)
         self.block_pool.ensure_available(need + grow, revived, self.block_size)
         # NOTE: the blocks the running sequences wrote last step are indexed before the new sequences look
         # the prefix cache up, so a prompt admitted now finds a shared prefix another prompt computed in the
         # step before (indexing only adds hits: the counts above over-count the blocks to take, never under).
         self.index_written({r.seq_id: r.num_computed for r in running})
-        self._admit(new, use_partials, hits)
+        self._admission.admit(self._seqs, new, use_partials, hits)
         self._grow_running(running)
         self._release_out_of_window(new, running)
         tails = [
@@ -128,12 +132,12 @@ class BlockManager:
         self,
         new: Sequence[SeqRequest],
         running: Sequence[SeqRequest],
-        hits: Mapping[str, list[Hit]] | None = None,
+        hits: Agreed | None = None,
     ) -> int:
         """Blocks a valid `reserve(new, running, hits)` needs available (without copying partly matched
         blocks), the evictable ones its prefix hits revive included; an upper bound once a sliding table
         releases."""
-        need, revived = self._need(self.fit(new, hits), False, hits)
+        need, revived = self._admission.need(self._admission.fit(new, hits), False, hits)
         return need + revived + self._growth(running)
 
     def check(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> None:
@@ -147,7 +151,7 @@ class BlockManager:
 
     def prefix_blocks(self, request: SeqRequest) -> list[int]:
         """The indexed blocks holding `cached_prefix(request)`, in order."""
-        hits, _ = self._lookup(self._new_state(request), request, False, None)
+        hits, _ = self._admission.lookup(self._new_state(request), request, False)
         return [block_id for block_id, _ in hits]
 
     def hit_candidates(self, request: SeqRequest) -> list[Candidate]:
@@ -164,36 +168,6 @@ class BlockManager:
             seq = self._seqs[seq_id]
             self._tables.register(seq, min(computed, seq.num_tokens))
 
-    def fit(self, new: Sequence[SeqRequest], hits: Mapping[str, list[Hit]] | None = None) -> list[SeqRequest]:
-        """Valid new requests, each with max_compute trimmed to its prefix hits (`hits`', if given) plus
-        max_compute tokens."""
-
-        def cached(request: SeqRequest) -> int:
-            if hits is None:
-                return self.cached_prefix(request)
-            return len(hits[request.seq_id]) * self.block_size
-
-        ends = [min(r.num_tokens, cached(r) + r.max_compute) if r.max_compute else 0 for r in new]
-        return [
-            r._replace(num_tokens=end, token_ids=r.token_ids[:end]) if end else r
-            for r, end in zip(new, ends, strict=True)
-        ]
-
-    def _need(
-        self, new: Sequence[SeqRequest], partials: bool, given: Mapping[str, list[Hit]] | None = None
-    ) -> tuple[int, int]:
-        """(blocks to take, evictable blocks the new sequences' prefix hits revive), with or without the
-        copies of partly matched blocks."""
-        need, revived = 0, set()
-        for request in new:
-            hits, part = self._lookup(self._new_state(request), request, partials, given)
-            sources = [block_id for block_id, _ in hits if block_id != self.null_block] + (
-                [part[0]] if part else []
-            )
-            revived.update(block_id for block_id in sources if self.block_pool.prefix.is_evictable(block_id))
-            need += self.blocks_needed(request.num_tokens) - len(hits)
-        return need, len(revived)
-
     def _growth(self, running: Sequence[SeqRequest]) -> int:
         """Blocks the running sequences take: growth, and a copy of each shared block the step writes."""
         need, copied = 0, Counter()
@@ -205,41 +179,6 @@ class BlockManager:
                     need += 1
                     copied[block_id] += 1
         return need
-
-    def _admit(
-        self, requests: Sequence[SeqRequest], use_partials: bool, given: Mapping[str, list[Hit]] | None
-    ) -> None:
-        # NOTE: every hit is referenced before any table grows (theirs, or the running ones' next), so
-        # growing never evicts a block still to hit.
-        partials = {}
-        for request in requests:
-            seq = self._seqs[request.seq_id] = self._new_state(request)
-            hits, part = self._lookup(seq, request, use_partials, given)
-            self._tables.share(seq, hits, self.null_block)
-            if part is not None:
-                self.block_pool.reference(part[0])
-                partials[request.seq_id] = part
-            if seq.token_ids is not None:
-                self._counters.prefix_query_tokens += request.num_tokens
-                shared = [hit for hit in hits if hit[0] != self.null_block]
-                for listener in self.block_pool.prefix.listeners:
-                    listener.reused(shared)
-        # NOTE: sharing what an earlier prompt of the call computes this step only lowers the blocks to take.
-        step = StepBlocks(self.block_size)
-        for request in requests:
-            seq = self._seqs[request.seq_id]
-            if given is None and self._tables.share(seq, step.match(seq, request.num_tokens)):
-                part = partials.pop(request.seq_id, None)
-                if part is not None:
-                    self.block_pool.release(part[0])
-            if request.seq_id in partials:
-                self._tables.copy_partial(seq, *partials[request.seq_id])
-            self._counters.prefix_hit_tokens += seq.cached_tokens
-            self._tables.grow(seq, self.blocks_needed(request.num_tokens) - len(seq.block_table))
-            self._counters.account(
-                request.num_tokens, len(seq.block_table) - seq.block_table.count(self.null_block)
-            )
-            step.add(seq, request.num_tokens)
 
     def _release_out_of_window(self, new: Sequence[SeqRequest], running: Sequence[SeqRequest]) -> None:
         if self.group is None or not self.group.window:
@@ -348,10 +287,3 @@ class BlockManager:
     def _new_state(self, request: SeqRequest) -> SeqState:
         tokens = list(request.token_ids) if self.prefix_caching and request.token_ids else None
         return SeqState(request.num_tokens, root_hash(self._model, request.cache_salt), tokens)
-
-    def _lookup(
-        self, seq: SeqState, request: SeqRequest, partials: bool, given: Mapping[str, list[Hit]] | None
-    ) -> tuple[list[Hit], Partial | None]:
-        if given is not None:
-            return given[request.seq_id], None
-        return lookup(self.block_pool.prefix, seq, request.num_tokens, self.block_size, partials)

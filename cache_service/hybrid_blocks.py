@@ -11,6 +11,7 @@ A released block of a sliding group stays indexed and evictable, as a freed sequ
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
+from cache_service.admission import Agreed
 from cache_service.allocators.base import BlockAllocator
 from cache_service.block_manager import BlockManager
 from cache_service.block_pool import BlockPool
@@ -77,7 +78,7 @@ class HybridBlocks:
             manager.reserve(new, running, each) for manager, each in zip(self.managers, hits, strict=True)
         ]
 
-    def agreed_hits(self, new: Sequence[SeqRequest]) -> list[dict[str, list[Hit]] | None]:
+    def agreed_hits(self, new: Sequence[SeqRequest]) -> list[Agreed | None]:
         """Per group, each valid new request's prefix hits: the longest prefix of whole blocks that every
         group holds (`prefix_match.usable`), a sliding group's entries before its window the null block;
         None (each group's own lookup) without prefix caching or with one group."""

@@ -117,7 +117,9 @@ class HybridBlocks:
     def prefix_blocks(self, request: SeqRequest) -> list[int]:
         """The first group's blocks of the request's agreed prefix hits (`agreed_hits`), in order."""
         first = self.agreed_hits([request])[0]
-        return [block_id for block_id, _ in first[request.seq_id]] if first is not None else []
+        if first is None:
+            return self.managers[0].prefix_blocks(request)
+        return [block_id for block_id, _ in first[request.seq_id]]
 
     def refcount(self, block_id: int) -> int:
         """How many block tables of all groups hold the block; InvalidArgument if it is out of range."""

@@ -199,6 +199,7 @@ def test_one_sliding_group_keeps_prefix_caching():
     blocks.reserve((), [SeqRequest("a", 41, [40], num_computed=40)])
     blocks.free(["a"], {"a": 41})
     blocks.reserve([SeqRequest("b", 40, tokens)], ())
+    assert len(blocks.prefix_blocks(SeqRequest("c", 40, tokens))) == 9
     # nine whole blocks and three tokens of the tenth hit; blocks 0..6 lie before token 39's window
     assert blocks.managers[0].cached_tokens("b") == 39
     (table,) = blocks.block_tables("b")

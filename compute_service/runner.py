@@ -6,7 +6,6 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from common.errors import FailedPrecondition
 from compute_service import architectures, kernels
 from compute_service.attention.block_summaries import BlockSummaries
 from compute_service.attention.context import build_context, reset_context, set_context
@@ -54,12 +53,7 @@ class Runner:
     def attach(self, pool: torch.Tensor, layout: PoolLayout | None = None) -> None:
         """pool [layer slots, 2, num_blocks, block_size, num_kv_heads, head_dim], geometry and `layout` (its
         KV groups; None: one group, a slot per layer) already checked; under --sparse-attention its block
-        summaries start anew, none current. FailedPrecondition for block-sparse decode over several groups."""
-        if layout is not None and layout.num_groups > 1 and self.sparse is not None:
-            raise FailedPrecondition(
-                f"--sparse-attention over a pool of {layout.num_groups} KV groups is not implemented: start "
-                "compute without it, or create the pool without sliding_windows (one group of every layer)"
-            )
+        summaries start anew, none current."""
         slots = layout.slots if layout is not None else range(len(pool))
         self.k_caches = [pool[slot, 0] for slot in slots]
         self.v_caches = [pool[slot, 1] for slot in slots]
@@ -119,14 +113,21 @@ class Runner:
         summaries = self.summaries
         if summaries is None or self.sparse is None:
             return None
-        summaries.written(batch.slot_mapping)
+        groups = batch.group_tables or (batch.block_tables,)
+        for slots in batch.group_slots or (batch.slot_mapping,):
+            summaries.written(slots)
         for row in batch.cached_prefix_rows:
             computed = int(batch.context_lens[row]) - int(batch.cu_seqlens_q.diff()[row])
-            summaries.forget(batch.block_tables[row, : -(-computed // summaries.block_size)])
+            for tables in groups:
+                summaries.forget(tables[row, : -(-computed // summaries.block_size)])
         rows = batch.sparse or [self.sparse.for_request(None)] * len(batch.context_lens)
         if not any(rows):
             return None
-        return SparseDecode(rows, summaries, batch.prompt_chunks)
+        # NOTE: a block id holds one group's layers at a time; only the sparse layers' groups are summarised.
+        sparse_groups = (
+            sorted({self.layer_groups[layer] for layer in summaries.slot}) if self.layer_groups else []
+        )
+        return SparseDecode(rows, summaries, batch.prompt_chunks, tuple(groups[g] for g in sparse_groups))
 
     def forward(self, batch: ForwardBatch, times: StepTimes | None = None) -> Sampled:
         """The sampled token (and log-probabilities) of each sequence with `sample` set, in order; `times`

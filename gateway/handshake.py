@@ -32,18 +32,10 @@ def handshake(
         model=info.model,
         kv_scales_id=info.kv_scales_id,
         attention_backend=info.attention_backend,
-        sliding_windows=pool_windows(info),
+        sliding_windows=info.sliding_windows,
     )
     with calling("cache"):
         handle = cache.CreatePool(request, wait_for_ready=wait, timeout=timeout)
     with calling("compute"):
         compute.AttachPool(handle, timeout=timeout)
     return info, handle
-
-
-def pool_windows(info: compute_pb2.ModelInfo) -> list[int]:
-    """The layers' windows to group the pool by: none (one table of every layer, keeping every block) where
-    compute decodes block-sparse over one table only, i.e. its layers slide several windows under
-    --sparse-attention."""
-    windows = list(info.sliding_windows)
-    return [] if info.sparse_attention.enabled and len(set(windows)) > 1 else windows

@@ -20,6 +20,7 @@ however short (prefill stays dense: the gateway marks a one-token chunk of a pro
 ForwardRequest.prompt_chunk) and layers with a sliding window.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,13 +43,14 @@ def selecting(
     rows: list[SparseAttention | None],
     q_lens: torch.Tensor,
     context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
+    block_tables: Sequence[torch.Tensor],
     summaries: BlockSummaries,
     prompt_chunks: torch.Tensor | None = None,
 ) -> Selecting | None:
     """The step's sparse decodes (one new token that is not a prompt's, `prompt_chunks` [N] bool; more
     blocks than the row's budget), or None when there are none; the summaries of their candidate blocks
-    (between sink and recent) rebuilt where not current."""
+    (between sink and recent) in each of `block_tables` (the tables of every KV group a sparse layer reads,
+    all of one width) rebuilt where not current."""
     settings = torch.tensor([(s.sink, s.recent, s.topk) if s else (0, 1, 0) for s in rows], dtype=torch.int64)
     num_blocks = (context_lens + summaries.block_size - 1) // summaries.block_size
     decodes = (q_lens == 1) & (settings[:, 2] > 0) & (num_blocks > settings.sum(1))
@@ -58,9 +60,9 @@ def selecting(
         return None
     settings[~decodes, 2] = 0
     starts, ends = settings[:, 0], num_blocks - settings[:, 1]
-    positions = torch.arange(block_tables.shape[1])
+    positions = torch.arange(block_tables[0].shape[1])
     candidates = decodes[:, None] & (positions >= starts[:, None]) & (positions < ends[:, None])
-    summaries.refresh(block_tables[candidates])
+    summaries.refresh(torch.cat([tables[candidates] for tables in block_tables]))
     return Selecting(settings, int(decodes.sum()))
 
 
@@ -73,6 +75,9 @@ class SparseDecode:
     summaries: BlockSummaries
     # [N] bool: the rows whose one new token is a prompt's (the last after a prefix hit, say): dense
     prompt_chunks: torch.Tensor | None = None
+    # On a pool of several KV groups: the tables of each group a sparse (full-attention) layer reads, whose
+    # candidates' summaries the step rebuilds; empty: the tables the first selecting layer attends through.
+    group_tables: tuple[torch.Tensor, ...] = ()
     derived: Selecting | None = None
     ready: bool = False
 
@@ -82,8 +87,9 @@ class SparseDecode:
         """The step's selecting rows, derived (and their candidates' summaries made current) once."""
         if not self.ready:
             self.ready = True
+            tables = self.group_tables or (block_tables,)
             self.derived = selecting(
-                self.rows, q_lens, context_lens, block_tables, self.summaries, self.prompt_chunks
+                self.rows, q_lens, context_lens, tables, self.summaries, self.prompt_chunks
             )
         return self.derived
 

@@ -1,9 +1,17 @@
-"""Greedy outputs to compare: plain transformers' generate, and the stack's for concurrent requests."""
+"""Greedy outputs to compare: plain transformers' generate, compute's forward in this process over one
+table, and the stack's for concurrent requests."""
 
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from transformers import GenerationConfig
+
+from common.sparse_settings import SparseMode
+from compute_service.batch import ForwardBatch
+from compute_service.model_loader import load
+from compute_service.runner import Runner
+from compute_service.validation import Limits
+from tests.forward import forward_request
 
 TIE = 1e-3  # float32 logprobs this close are a tie for greedy comparisons
 
@@ -22,6 +30,26 @@ def hf_greedy_gaps(model, ids: list[int], new_tokens: int) -> tuple[list[int], l
         )
     top2 = torch.cat(out.logits).float().log_softmax(-1).topk(2).values
     return out.sequences[0, len(ids) :].tolist(), (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def paged_greedy(
+    model_dir, prompt: list[int], new_tokens: int, mode: SparseMode | None, block: int
+) -> list[int]:
+    """Compute's forward in this process over a pool of one table (every layer's blocks in it), block-sparse
+    as `mode` says (None: dense), blocks of `block` tokens: the prompt in one step, then greedy decodes."""
+    model, spec = load(str(model_dir), torch.float32, backend="cpu-native", sparse_attention=mode)
+    config = model.config
+    runner = Runner(model, plan=spec.plan)
+    num_blocks = -(-(len(prompt) + new_tokens) // block)
+    shape = (config.num_hidden_layers, 2, num_blocks, block, config.num_key_value_heads, config.head_dim)
+    runner.attach(torch.zeros(shape))
+    limits = Limits(config.vocab_size, spec.max_model_len, num_blocks, block)
+    table, tokens, new = list(range(num_blocks)), list(prompt), list(prompt)
+    while len(tokens) < len(prompt) + new_tokens:
+        request = forward_request([new], [len(tokens) - len(new)], [table], block_size=block)
+        new = [int(runner.logits(ForwardBatch.from_request(request, limits))[-1].argmax())]
+        tokens += new
+    return tokens[len(prompt) :]
 
 
 def assert_greedy_equal(ours: list[int], reference: list[int], gaps: list[float], tie: float) -> None:

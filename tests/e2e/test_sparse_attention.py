@@ -21,15 +21,10 @@ from transformers import AutoModelForCausalLM
 from cli.scrape import scrape
 from common.options import REFUSED
 from common.sparse_settings import SparseAttention, SparseMode, parse
-from compute_service.batch import ForwardBatch
-from compute_service.model_loader import load
-from compute_service.runner import Runner
-from compute_service.validation import Limits
 from protos import compute_pb2
 from sdk.client import GenerationError
-from tests.e2e.greedy import concurrent_greedy, hf_greedy
+from tests.e2e.greedy import concurrent_greedy, hf_greedy, paged_greedy
 from tests.e2e.stack import start_stack
-from tests.forward import forward_request
 from tests.helpers import PAGEDSERVE, ROOT
 
 pytestmark = pytest.mark.e2e
@@ -59,21 +54,8 @@ def dense_stack(tiny_model, logs):
 
 
 def sparse_greedy(model_dir, prompt: list[int], new_tokens: int, mode: SparseMode | None = None) -> list[int]:
-    """Compute's forward in this process, block-sparse as `mode` says (default MODE; None: dense): the
-    prompt in one step, then greedy decodes."""
-    mode = parse(MODE) if mode is None else mode
-    model, spec = load(str(model_dir), torch.float32, backend="cpu-native", sparse_attention=mode)
-    config = model.config
-    runner = Runner(model, plan=spec.plan)
-    num_blocks = -(-(len(prompt) + new_tokens) // BLOCK)
-    runner.attach(torch.zeros(config.num_hidden_layers, 2, num_blocks, BLOCK, 2, config.head_dim))
-    limits = Limits(config.vocab_size, spec.max_model_len, num_blocks, BLOCK)
-    table, tokens, new = list(range(num_blocks)), list(prompt), list(prompt)
-    while len(tokens) < len(prompt) + new_tokens:
-        request = forward_request([new], [len(tokens) - len(new)], [table], block_size=BLOCK)
-        new = [int(runner.logits(ForwardBatch.from_request(request, limits))[-1].argmax())]
-        tokens += new
-    return tokens[len(prompt) :]
+    """The in-process greedy tokens, block-sparse as `mode` says (default MODE)."""
+    return paged_greedy(model_dir, prompt, new_tokens, parse(MODE) if mode is None else mode, BLOCK)
 
 
 def test_the_plan_reports_block_sparse_decode(stack):

@@ -4,8 +4,6 @@ import pytest
 
 from common.errors import InvalidArgument
 from common.kv_groups import KVGroup, group_layers, group_size
-from gateway.handshake import pool_windows
-from protos import compute_pb2
 
 
 def test_a_model_without_windows_is_one_group_of_all_layers():
@@ -49,19 +47,3 @@ def test_first_kept_block_holds_the_first_querys_window(num_computed, first):
     # window 9, block size 4: a query at p reads keys p-8..p
     assert KVGroup((0,), 9).first_kept(num_computed, 4) == first
     assert KVGroup((0,)).first_kept(num_computed, 4) == 0
-
-
-@pytest.mark.parametrize(
-    ("windows", "sparse", "sent"),
-    [
-        ([8, 0, 8], False, [8, 0, 8]),
-        ([8, 0, 8], True, []),
-        ([8, 8], True, [8, 8]),
-        ([0, 0], True, [0, 0]),
-    ],
-)
-def test_the_gateway_groups_the_pool_unless_block_sparse_decode_reads_one_table(windows, sparse, sent):
-    info = compute_pb2.ModelInfo(
-        sliding_windows=windows, sparse_attention=compute_pb2.SparseSupport(enabled=sparse)
-    )
-    assert pool_windows(info) == sent

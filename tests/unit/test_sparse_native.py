@@ -6,17 +6,21 @@ as the Python layers do."""
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 from common import paging
+from common.kv_groups import group_layers
 from common.sparse_settings import SparseAttention, SparseMode
 from compute_service import kernels
 from compute_service.attention.block_summaries import BlockSummaries
 from compute_service.attention.reference import sparse_blocks
 from compute_service.batch import ForwardBatch
 from compute_service.model_loader import load
+from compute_service.pool_layout import pool_layout
 from compute_service.runner import Runner
 from compute_service.validation import Limits
-from protos import compute_pb2
+from protos import common_pb2, compute_pb2
+from tests.architectures import BASE, draw_biases_and_head_norms
 from tests.forward import forward_request
 from tests.paged_pools import pool, tables
 from tests.sparse_steps import BLOCK, HEAD_DIM, HEADS, KV_HEADS, native, reference, step
@@ -131,3 +135,74 @@ def test_the_native_stack_decodes_sparse_rows_as_the_python_layers(model):
     dense_logits = runner.logits(ForwardBatch.from_request(request, limits))
     differs = [not torch.allclose(native_logits[r], dense_logits[r], atol=1e-5) for r in range(4)]
     assert differs == [True, False, True, True], "rows 0, 2 and 3 select; row 1 is dense"
+
+
+def test_sparse_rows_over_kv_groups_decode_as_over_one_table(tmp_path):
+    # Qwen2 with two full layers and a sliding one: three KV groups of one layer, two of them selecting
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        **{**BASE, "num_hidden_layers": 3},
+        use_sliding_window=True,
+        sliding_window=11,
+        max_window_layers=2,
+    )
+    hf_model = AutoModelForCausalLM.from_config(config)
+    draw_biases_and_head_norms(hf_model)
+    hf_model.save_pretrained(tmp_path / "qwen2")
+    model, spec = load(
+        str(tmp_path / "qwen2"), torch.float32, backend="cpu-native", sparse_attention=SparseMode()
+    )
+    windows = spec.sliding_windows
+    groups = group_layers(windows)
+    assert spec.plan.native_decode and windows == (0, 0, 11) and len(groups) == 3
+    num_blocks, null, width = 13 * 24, 0, 24
+    shape = (3, 2, num_blocks, BLOCK, config.num_key_value_heads, config.head_dim)
+    single, grouped = Runner(model, plan=spec.plan), Runner(model, plan=spec.plan)
+    one_pool, group_pool = torch.randn(shape) * 0.5, torch.zeros(1, *shape[1:])
+    single.attach(one_pool)
+    layouts = [common_pb2.KVGroupLayout(layers=group.layers, window=group.window) for group in groups]
+    handle = common_pb2.PoolHandle(shape=list(group_pool.shape), kv_groups=layouts)
+    grouped.attach(group_pool, pool_layout(handle, windows))
+    # each group's blocks hold what the single table's hold for its layer, under ids of its own; a sliding
+    # table's entries before the window name the null block
+    cached = [20 * BLOCK + 3, 18 * BLOCK, 11 * BLOCK, 15 * BLOCK + 7]
+    one = torch.randperm(num_blocks).view(-1, width)[: len(cached)].tolist()
+    ids = (torch.randperm(num_blocks - 1) + 1)[: len(groups) * len(cached) * width].view(
+        len(groups), -1, width
+    )
+    tables = ids.tolist()
+    for group, group_tables in zip(groups, tables, strict=True):
+        (layer,) = group.layers
+        for row, n in enumerate(cached):
+            kept = group.first_kept(n, BLOCK)
+            group_tables[row][:kept] = [null] * kept
+            for b in range(kept, -(-n // BLOCK)):
+                group_pool[0, :, group_tables[row][b]] = one_pool[layer, :, one[row][b]]
+    new = [[5], [9], [11], [13]]
+    sparse = [compute_pb2.SparseRow(sink=s.sink, recent=s.recent, topk=s.topk) for s in ROWS if s][:3]
+    sparse.append(compute_pb2.SparseRow())
+    request = forward_request(new, cached, one, block_size=BLOCK)
+    request.sparse.extend(sparse)
+    in_groups = forward_request(new, cached, tables[0], block_size=BLOCK)
+    for group_tables in tables[1:]:
+        in_groups.block_tables.extend(
+            forward_request(new, cached, group_tables, block_size=BLOCK).block_tables
+        )
+    in_groups.num_kv_groups = len(groups)
+    in_groups.sparse.extend(sparse)
+    limits = Limits(config.vocab_size, 512, num_blocks, BLOCK, spec.plan.sparse_attention)
+    grouped_limits = Limits(
+        config.vocab_size, 512, num_blocks, BLOCK, spec.plan.sparse_attention, len(groups)
+    )
+    stack = model.model.native_decode
+    for decoder in (stack, None):
+        model.model.native_decode = decoder
+        try:
+            expected = single.logits(ForwardBatch.from_request(request, limits))
+            got = grouped.logits(ForwardBatch.from_request(in_groups, grouped_limits))
+        finally:
+            model.model.native_decode = stack
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    request.ClearField("sparse")
+    dense = single.logits(ForwardBatch.from_request(request, limits))
+    assert not torch.allclose(dense[0], expected[0], atol=1e-5), "row 0 selects: not the dense logits"

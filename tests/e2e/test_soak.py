@@ -41,7 +41,9 @@ def test_a_short_soak_reports_every_request_identical_and_nothing_left(model, tm
     faults = result["faults"]
     assert [f["service"] for f in faults] == ["cache", "gateway"]
     for fault in faults:
-        assert fault["back_s"] > 0 and fault["next_token_s"] > 0, fault
+        # NOTE: a token already on its way when the service was killed may arrive within the millisecond
+        # next_token_s is rounded to: 0.0 then; None would mean no stream went on
+        assert fault["back_s"] > 0 and fault["next_token_s"] is not None and fault["next_token_s"] >= 0, fault
     latency = result["latency"]
     assert latency["around_faults"]["requests"] >= 1
     assert latency["around_faults"]["requests"] + latency["away_from_faults"]["requests"] == requests["sent"]

@@ -142,14 +142,13 @@ class TierManager(PrefixListener):
         reach; returns the blocks loaded."""
         groups, block_size = self._pool.groups, self._pool.spec.block_size
         stop, loaded = (request.num_tokens - 1) // block_size, 0
-        order = sorted(range(len(groups)), key=lambda index: bool(groups[index].window) and len(groups) > 1)
-        for index in order:
+        sliding = [bool(group.window) and len(groups) > 1 for group in groups]
+        for index in sorted(range(len(groups)), key=sliding.__getitem__):
             root = root_hash(group_identity(self._pool.identity, index, len(groups)), request.cache_salt)
-            sliding = bool(groups[index].window) and len(groups) > 1
-            start = groups[index].first_kept(stop * block_size, block_size) if sliding else 0
+            start = groups[index].first_kept(stop * block_size, block_size) if sliding[index] else 0
             reach, count = self._load_chain(root, request, start, stop, budget - loaded)
             loaded += count
-            stop = stop if sliding else reach
+            stop = stop if sliding[index] else reach
         return loaded
 
     def _load_chain(

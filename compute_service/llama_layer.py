@@ -8,6 +8,10 @@ embedding group their operations differently); the attention function is the one
 (compute_service.attention.registry), called as transformers calls it.
 """
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,12 +48,19 @@ class FusedLlamaLayer(nn.Module):
         self.attention = attention
         self.q_norm, self.k_norm = head_norms or (None, None)
 
-    def forward(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Adds this layer's attention and MLP outputs to `residual` [T, hidden], in place."""
-        residual.add_(self._attend(rms_norm(residual, self.input_layernorm), rope))
-        residual.add_(self._mlp(rms_norm(residual, self.post_attention_layernorm)))
+    def forward(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ops: "RowOps") -> None:
+        """Adds this layer's attention and MLP outputs to `residual` [T, hidden], in place, its row-wise ops
+        on `ops`."""
+        residual.add_(self._attend(ops.rms_norm(residual, self.input_layernorm), rope, ops))
+        residual.add_(
+            self.down_proj(
+                ops.silu_mul(self.gate_up_proj(ops.rms_norm(residual, self.post_attention_layernorm)))
+            )
+        )
 
-    def _attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def _attend(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ops: "RowOps"
+    ) -> torch.Tensor:
         tokens, heads, kv_heads = len(x), self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)
         qk = qkv[:, : (heads + kv_heads) * self.head_dim].reshape(tokens, -1, self.head_dim)
@@ -57,16 +68,12 @@ class FusedLlamaLayer(nn.Module):
             q, k = rms_norm(qk[:, :heads], self.q_norm), rms_norm(qk[:, heads:], self.k_norm)
             qk = torch.cat((q, k), dim=1)
         # NOTE: q and k rotated together, [T, H + Hkv, D] in one pass of elementwise ops.
-        qk = rotate(qk, *rope)
+        qk = ops.rotate(qk, *rope)
         v = qkv[:, (heads + kv_heads) * self.head_dim :].reshape(tokens, kv_heads, self.head_dim)
         # transformers' layout: [1, heads, T, D] (views, no copy)
         q, k = qk[:, :heads].transpose(0, 1)[None], qk[:, heads:].transpose(0, 1)[None]
         out, _ = self.attention(self, q, k, v.transpose(0, 1)[None], None, scaling=self.scaling)
         return self.o_proj(out.reshape(tokens, heads * self.head_dim))
-
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class FusedLlamaModel(nn.Module):
@@ -76,9 +83,10 @@ class FusedLlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens, self.norm, self.rotary_emb = embed_tokens, norm, rotary_emb
         self.layers = nn.ModuleList(layers)
-        # The C++ stack for all-decode steps (compute_service.native_decode), set by the loader where the
-        # execution plan runs it.
+        # The C++ stack for all-decode steps (compute_service.native_decode), and the row-wise ops of the
+        # other steps: the loader sets both where the execution plan runs the stack.
         self.native_decode = None
+        self.row_ops = TORCH_ROW_OPS
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -97,8 +105,8 @@ class FusedLlamaModel(nn.Module):
             self.native_decode.run(residual, rope, ctx)
         else:
             for layer in self.layers:
-                layer(residual, rope)
-        return BaseModelOutputWithPast(last_hidden_state=rms_norm(residual, self.norm)[None])
+                layer(residual, rope, self.row_ops)
+        return BaseModelOutputWithPast(last_hidden_state=self.row_ops.rms_norm(residual, self.norm)[None])
 
 
 def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -122,3 +130,38 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     """transformers' rotary embedding of x [T, heads, D]: x·cos + rotate_half(x)·sin, where rotate_half(x)·sin
     = roll(x, D/2)·(-sin₁, sin₂)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up of gate_up [T, 2 · intermediate] (the fused gate/up product's output)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+@dataclass(frozen=True)
+class RowOps:
+    """A layer's row-wise ops on float32 [T, ...] tensors: rms_norm(x, norm), rotate(x [T, heads, D], cos,
+    signed_sin) (which may rotate x in place) and silu_mul(gate_up)."""
+
+    rms_norm: Callable[[torch.Tensor, nn.Module], torch.Tensor]
+    rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+TORCH_ROW_OPS = RowOps(rms_norm, rotate, silu_mul)
+
+
+def native_row_ops(module: ModuleType) -> RowOps:
+    """The native decoder stack's own RMSNorm, rotary and SiLU·up (compute_service/kernels/decode_layers.cpp)
+    over any row count: each one pass over the rows, split across torch's threads, where torch's take three
+    to six ops (measured in docs/internals/cpu-fast-path.md)."""
+
+    def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        module.rotate_rows(x, cos, signed_sin)
+        return x
+
+    return RowOps(
+        lambda x, norm: module.rms_norm_rows(x, norm.weight, norm.variance_epsilon),
+        rotate_in_place,
+        module.silu_mul_rows,
+    )

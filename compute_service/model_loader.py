@@ -10,7 +10,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, P
 from common.model_files import ModelFiles, local_copy
 from common.shared_pool import dtype_from_name, dtype_name
 from common.sparse_settings import SparseMode
-from compute_service import architectures, planning
+from compute_service import architectures, kernels, planning
 from compute_service.attention.context import timed
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend
@@ -18,6 +18,7 @@ from compute_service.experts import pack_experts
 from compute_service.fused import fuse
 from compute_service.kv_calibration import calibrate
 from compute_service.linear import replace_linears
+from compute_service.llama_layer import native_row_ops
 from compute_service.native_decode import NativeDecode
 from compute_service.plan import TRANSFORMERS, ExecutionPlan
 from compute_service.planning import Flags
@@ -122,6 +123,7 @@ def load_planned(files: ModelFiles, plan: ExecutionPlan) -> tuple[PreTrainedMode
         experts = pack_experts(hf_model, plan.decoder_linears)
     if plan.native_decode:
         hf_model.model.native_decode = NativeDecode(list(hf_model.model.layers), spec.sliding_windows)
+        hf_model.model.row_ops = native_row_ops(kernels.load())
     structlog.get_logger().info(
         "model_architecture",
         architecture=plan.architecture,

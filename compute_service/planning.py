@@ -234,7 +234,11 @@ def decode_layers(
         misfit = f"a {kv_dtype} pool: the native decode stack stores K/V as float32 or bfloat16 only"
     if misfit is not None:
         return Choice(layers.implementation, misfit)
-    return Choice(NATIVE_STACK, "every layer of an all-decode step in C++, no Python between the small ops")
+    return Choice(
+        NATIVE_STACK,
+        "every layer of an all-decode step in C++, no Python between the small ops; the other steps take its "
+        "RMSNorm, rotary and SiLU·up",
+    )
 
 
 def linears(flags: Flags, weights: str, machine: Machine) -> tuple[LinearChoice, LinearChoice]:

@@ -2,7 +2,8 @@
 transformers' layers against the fused ones (`--compare fused`), nn.Linear against the packed linears
 (`--compare linear`, both fused), or the fused Python layers against the native decode stack on the same
 loaded model (`--compare decode-stack`, the stack switched off and on between steps; `--weights` picks the
-linears it multiplies).
+linears it multiplies), or prompt steps on torch's row-wise ops against the native ones (`--compare row-ops`
+with `--prefill N`: decode steps take the native stack either way).
 
     PYTHONPATH=$PWD python -m tests.step_bench [--model smollm2] [--sizes 1 4 16 64] [--prefill 512]
 
@@ -23,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from common.paging import blocks_for
 from compute_service.batch import ForwardBatch
+from compute_service.llama_layer import TORCH_ROW_OPS
 from compute_service.model_loader import load
 from compute_service.runner import Runner, StepTimes
 from compute_service.validation import Limits
@@ -35,6 +37,9 @@ VARIANTS = {
     "linear": {"nn.Linear": {"plain_linear": True}, "packed": {}},
 }
 DECODE_STACK = "decode-stack"
+# prompt steps on torch's row-wise ops against the native ones (compute_service.llama_layer.RowOps); with
+# --sizes 1 --prefill N
+ROW_OPS = "row-ops"
 
 
 def step_request(model, num_seqs: int):
@@ -74,22 +79,27 @@ def use_stack(runner: Runner, stack) -> None:
         runner.model.model.native_decode = stack
 
 
-def load_variants(args, num_blocks: int) -> tuple[dict, dict]:
-    """Each variant's runner and limits, and the native stack it runs decodes on (None: Python layers)."""
-    if args.compare == DECODE_STACK:
+def load_variants(args, num_blocks: int) -> tuple[dict, dict, dict]:
+    """Each variant's runner and limits, the native stack it runs decodes on (None: Python layers) and the
+    row-wise ops it sets (none: the loader's)."""
+    if args.compare in (DECODE_STACK, ROW_OPS):
         # NOTE: one model and pool for both: only the forward of the step differs.
         model, spec = load(args.model, torch.float32, backend=args.backend, weights=args.weights)
         stack = getattr(model.model, "native_decode", None)
         assert stack is not None, f"the plan runs no native decode stack: {spec.plan.decode_layers.reason}"
         runner = make_runner(model, spec, num_blocks)
+        if args.compare == ROW_OPS:
+            names = ("torch ops", "native ops")
+            ops = dict(zip(names, (TORCH_ROW_OPS, model.model.row_ops), strict=True))
+            return dict.fromkeys(names, runner), dict.fromkeys(names, stack), ops
         names = ("python layers", "native stack")
-        return dict.fromkeys(names, runner), dict(zip(names, (None, stack), strict=True))
+        return dict.fromkeys(names, runner), dict(zip(names, (None, stack), strict=True)), {}
     variants, stacks = {}, {}
     for name, options in VARIANTS[args.compare].items():
         model, spec = load(args.model, torch.float32, backend=args.backend, weights=args.weights, **options)
         variants[name] = make_runner(model, spec, num_blocks)
         stacks[name] = getattr(model.model, "native_decode", None)
-    return variants, stacks
+    return variants, stacks, {}
 
 
 def main() -> None:
@@ -101,7 +111,7 @@ def main() -> None:
         "--prefill", type=int, default=0, help="also time one fresh prompt of this many tokens"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared host)")
-    parser.add_argument("--compare", choices=[*sorted(VARIANTS), DECODE_STACK], default="fused")
+    parser.add_argument("--compare", choices=[*sorted(VARIANTS), DECODE_STACK, ROW_OPS], default="fused")
     parser.add_argument("--backend", default="cpu-native", help="attention backend (default: float32's)")
     parser.add_argument("--weights", default="auto", help="the linears' weights (--weights of compute)")
     parser.add_argument("--profile", action="store_true")
@@ -111,7 +121,7 @@ def main() -> None:
     num_blocks = max(
         max(args.sizes) * blocks_for(CONTEXT + 1, BLOCK_SIZE), blocks_for(args.prefill, BLOCK_SIZE)
     )
-    variants, stacks = load_variants(args, num_blocks)
+    variants, stacks, row_ops = load_variants(args, num_blocks)
     print(f"threads={torch.get_num_threads()} context={CONTEXT} clock={clock.__name__}")
     base, new = variants
     model = variants[new][0].model
@@ -123,6 +133,8 @@ def main() -> None:
         for _ in range(2 + args.repeats):
             for name, (runner, limits) in variants.items():
                 use_stack(runner, stacks[name])
+                if name in row_ops:
+                    runner.model.model.row_ops = row_ops[name]
                 times[name].append(timed_step(runner, limits, request, clock))
         medians = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
         ratio = medians[base] / medians[new]

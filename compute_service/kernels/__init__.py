@@ -1,7 +1,8 @@
 """The native kernels, C++ compiled from source once per machine into one module: paged attention
 (paged_attention.cpp, the cpu-native attention backend) and block-sparse decode's choice of blocks
 (sparse_select.cpp, compute_service.attention.sparse), the float32 Llama decoder stack of all-decode steps
-(decode_layers.cpp, compute_service.native_decode), the plain-greedy choice of a step's tokens (greedy.cpp,
+(decode_layers.cpp, compute_service.native_decode) and its row-wise ops (row_ops.h; row_ops.cpp runs them on
+the other steps, compute_service.llama_layer), the plain-greedy choice of a step's tokens (greedy.cpp,
 compute_service.greedy) and linear layers on weights packed in panels (panel_linear.cpp,
 compute_service.linear); vec.h holds the vector types they share, module.cpp binds them.
 
@@ -33,10 +34,17 @@ SOURCES = (
     HERE / "paged_attention.cpp",
     HERE / "sparse_select.cpp",
     HERE / "decode_layers.cpp",
+    HERE / "row_ops.cpp",
     HERE / "greedy.cpp",
     HERE / "panel_linear.cpp",
 )
-HEADERS = (HERE / "kernels.h", HERE / "vec.h", HERE / "attention_rows.h", HERE / "attention_block.h")
+HEADERS = (
+    HERE / "kernels.h",
+    HERE / "vec.h",
+    HERE / "attention_rows.h",
+    HERE / "attention_block.h",
+    HERE / "row_ops.h",
+)
 # NOTE: -march=native (common.cpu.march(); x86-64-v3 under PAGEDSERVE_CPU_ISA=avx2) tunes the build to this
 # machine's vector units; the cache key includes the compiler flags and the CPU's flags as common.cpu sees
 # them, so a build is never loaded on a CPU that lacks an instruction it uses.

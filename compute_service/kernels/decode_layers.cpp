@@ -14,6 +14,7 @@
 //   the layer block summaries: sparse_select.cpp cuts the tables down first) -> residual += out Wo^T (+ b) ->
 //   x = rms_norm(residual) -> gate, up = x Wgu^T (+ b) -> residual += (silu(gate) * up) Wdown^T (+ b)
 #include "kernels.h"
+#include "row_ops.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -23,6 +24,11 @@
 #include <cstring>
 
 namespace {
+
+using row_ops::for_rows;
+using row_ops::rms_norm;
+using row_ops::rotate;
+using row_ops::silu_mul;
 
 // Tensors per layer in `weights`: input norm, packed qkv, packed o, post-attention norm, packed gate/up, packed
 // down (compute_service/native_decode.py builds the list).
@@ -56,32 +62,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   return b ? out.add_(*b) : out;
 }
 
-// Elements per thread below which a row loop runs on the calling thread: a parallel region costs a few
-// microseconds, more than a short loop (a single stream's rows).
-constexpr int64_t kParallelElements = 16384;
-
-// fn(first_row, end_row) over [0, rows), split across torch's threads when the rows hold enough work.
-template <typename Fn>
-void for_rows(int64_t rows, int64_t width, const Fn& fn) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, kParallelElements / std::max<int64_t>(1, width)), fn);
-}
-
-// out = x * rsqrt(mean(x^2) + eps) * w, row by row (transformers' LlamaRMSNorm in float32).
-void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t width, float eps) {
-  for_rows(rows, width, [&](int64_t first, int64_t end) {
-    for (int64_t r = first; r < end; ++r) {
-      const float* xr = x + r * width;
-      float* o = out + r * width;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < width; ++i) sum += xr[i] * xr[i];
-      const float rstd = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
-#pragma omp simd
-      for (int64_t i = 0; i < width; ++i) o[i] = (xr[i] * rstd) * w[i];
-    }
-  });
-}
-
 // RMSNorm of each head of head_dim d at x (row stride `stride`) in place: the first `q_heads` of each row
 // with q_w, the next `k_heads` with k_w (Qwen3's q_norm and k_norm, as rms_norm computes them).
 void head_norm(float* x, int64_t rows, int64_t stride, int64_t q_heads, int64_t k_heads, int64_t d, const float* q_w,
@@ -100,23 +80,6 @@ void head_norm(float* x, int64_t rows, int64_t stride, int64_t q_heads, int64_t 
   }
 }
 
-// Rotates `heads` heads of head_dim d at x (row stride `stride`) in place: x*cos + roll(x, d/2)*signed_sin;
-// `saved` holds d floats of scratch.
-void rotate(float* x, int64_t rows, int64_t stride, int64_t heads, int64_t d, const float* cos, const float* ssin,
-            std::vector<float>& saved) {
-  const int64_t half = d / 2;
-  for (int64_t t = 0; t < rows; ++t) {
-    const float* c = cos + t * d;
-    const float* s = ssin + t * d;
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = x + t * stride + h * d;
-      std::memcpy(saved.data(), v, d * sizeof(float));
-      for (int64_t i = 0; i < half; ++i) v[i] = saved[i] * c[i] + saved[i + half] * s[i];
-      for (int64_t i = half; i < d; ++i) v[i] = saved[i] * c[i] + saved[i - half] * s[i];
-    }
-  }
-}
-
 // Copies row t of src (`width` floats, row stride `stride`) to row slots[t] of cache: float32, or bfloat16
 // rounded to nearest even (as torch's .to() rounds).
 void store(const at::Tensor& cache, const float* src, int64_t rows, int64_t stride, int64_t width, const int64_t* slots) {
@@ -131,19 +94,6 @@ void store(const at::Tensor& cache, const float* src, int64_t rows, int64_t stri
     const float* from = src + t * stride;
     for (int64_t i = 0; i < width; ++i) row[i] = at::BFloat16(from[i]);
   }
-}
-
-// out [rows, inter] = silu(gate) * up from gate_up [rows, 2 * inter] (vec::fast_exp: the loop vectorises).
-void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) {
-  for_rows(rows, inter, [&](int64_t first, int64_t end) {
-    for (int64_t r = first; r < end; ++r) {
-      const float* g = gate_up + r * 2 * inter;
-      const float* u = g + inter;
-      float* o = out + r * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + vec::fast_exp(-g[i])) * u[i];
-    }
-  });
 }
 
 void check_step(const at::Tensor& residual, const at::Tensor& cos, const at::Tensor& signed_sin,

@@ -1,4 +1,4 @@
-// The kernels' entry points (paged_attention.cpp, sparse_select.cpp, decode_layers.cpp, greedy.cpp,
+// The kernels' entry points (paged_attention.cpp, sparse_select.cpp, decode_layers.cpp, row_ops.cpp, greedy.cpp,
 // panel_linear.cpp), bound to Python in module.cpp.
 #pragma once
 
@@ -36,6 +36,11 @@ double decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tens
                      const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
                      double scale, const std::vector<int64_t>& windows, const std::vector<at::Tensor>& sparse_bounds,
                      const std::optional<at::Tensor>& sparse_settings);
+
+// See row_ops.cpp: the decoder layer's row-wise ops on float32 rows, for the steps the native stack does not run.
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu_mul_rows(const at::Tensor& gate_up);
+void rotate_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin);
 
 // See panel_linear.cpp: float32 or int8 weights [out, in] packed into panels, and x [rows, in] times them
 // (* scales, for int8) (+ bias).

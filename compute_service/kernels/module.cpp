@@ -28,6 +28,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_layers", &decode_layers, "a float32 Llama-shaped decoder stack over one all-decode step",
         py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm_rows", &rms_norm_rows, "x [rows, width] * rsqrt(mean(x^2) + eps) * weight",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul_rows", &silu_mul_rows, "silu(gate) * up of gate_up [rows, 2 * inter]: [rows, inter]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rotate_rows", &rotate_rows, "rotary embedding of x [rows, heads, head_dim] in place",
+        py::call_guard<py::gil_scoped_release>());
   m.def("greedy", &greedy, "each row's first most likely token and its log-probability",
         py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses now");

@@ -63,10 +63,13 @@ inline Float16 sum_lanes(const Float16 (&p)[16]) {
 }
 
 // e^x (Cody-Waite range reduction, Cephes' degree-5 polynomial; relative error ~1e-7), x clamped to [-87, 88]
-// so that the result stays a normal float; a plain function of floats so that a loop over it vectorises,
-// unlike std::exp.
+// so that the result stays a normal float (NaN comes out as e^-87); a plain function of floats so that a loop
+// over it vectorises, unlike std::exp.
+// NOTE: the clamp as max(lo, min(x, hi)), not std::clamp: in a loop that also divides by the result (SiLU,
+// row_ops.h), GCC turned std::clamp's comparisons into masked divisions and the loop ran 10-15x slower
+// (docs/internals/kernels.md); a loop of e^x alone ran alike either way.
 inline float fast_exp(float x) {
-  x = std::clamp(x, -87.0f, 88.0f);
+  x = std::max(-87.0f, std::min(x, 88.0f));
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;

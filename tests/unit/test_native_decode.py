@@ -7,6 +7,7 @@ import torch
 
 from compute_service import kernels
 from compute_service.batch import ForwardBatch
+from compute_service.llama_layer import TORCH_ROW_OPS
 from compute_service.model_loader import load
 from compute_service.runner import Runner
 from compute_service.validation import Limits
@@ -39,15 +40,16 @@ def runner_for(model, kv_dtype=torch.float32, num_blocks=NUM_BLOCKS) -> tuple[Ru
 
 
 def both(model, step) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's logits through the native stack and through the Python layers (the pool written alike)."""
-    stack = model.model.native_decode
+    """The step's logits through the native stack and through the Python layers on torch's row-wise ops (the
+    pool written alike)."""
+    stack, row_ops = model.model.native_decode, model.model.row_ops
     assert stack is not None
     try:
         native_logits = step()
-        model.model.native_decode = None
+        model.model.native_decode, model.model.row_ops = None, TORCH_ROW_OPS
         python_logits = step()
     finally:
-        model.model.native_decode = stack
+        model.model.native_decode, model.model.row_ops = stack, row_ops
     return native_logits, python_logits
 
 

@@ -28,8 +28,18 @@ struct Geometry {
   float softcap;
 };
 
+// Keys scored, softmaxed and weighed per round of attention_tiles.h.
+constexpr int64_t kTileKeys = 32;
+
+// The vector lanes a prompt chunk's rows take in attention_tiles.h: whole vectors.
+inline int64_t padded_rows(int64_t rows) { return (rows + vec::kLanes - 1) / vec::kLanes * vec::kLanes; }
+inline int64_t tile_lanes(const Geometry& g) { return padded_rows(kQueryChunk * g.group); }
+
 struct Scratch {
   std::vector<float> q, acc, max, sum, scores, keys_t;
+  // attention_tiles.h: a chunk's queries and accumulator transposed [head_dim][lanes], a tile's scores
+  // [keys][lanes], and each lane's running maximum and sum
+  std::vector<float> qt, ot, pt, tile_max, tile_sum;
   // per row, the keys of the current block it sees: [first, visible)
   std::vector<int64_t> visible, first, active;
   // rows: a prompt chunk's for one KV head, or a decode group's for every KV head
@@ -43,7 +53,12 @@ struct Scratch {
         keys_t(g.head_dim * g.block_size),
         visible(max.size()),
         first(max.size()),
-        active(max.size()) {}
+        active(max.size()),
+        qt(g.head_dim * tile_lanes(g)),
+        ot(qt.size()),
+        pt(kTileKeys * tile_lanes(g)),
+        tile_max(tile_lanes(g)),
+        tile_sum(tile_lanes(g)) {}
 };
 
 // Rows at which scoring a block through its transposed keys pays for the transpose (a group's), where

@@ -15,7 +15,7 @@
 //
 // The block arithmetic is in attention_rows.h and attention_block.h; here: the step's work planned into
 // items and groups, and the threads that attend them.
-#include "attention_block.h"
+#include "attention_tiles.h"
 
 #include <ATen/Parallel.h>
 
@@ -216,10 +216,19 @@ void attend_all(const at::Tensor& query, at::Tensor& out, const at::Tensor& k_ca
       if (task.unit < static_cast<int64_t>(groups.size())) {
         attend_group<kv_t, q_t>(groups[task.unit], task.heads, query, out, k, v, tables, width,
                                 q_starts.data_ptr<int64_t>(), contexts, g, q_scale, v_scale, scratch);
-      } else {
-        attend_item<kv_t, q_t>(items[task.unit - groups.size()], task.heads, query, out, k, v, tables, width,
-                               q_starts.data_ptr<int64_t>(), lens, contexts, g, q_scale, v_scale, scratch);
+        continue;
       }
+      const Item& item = items[task.unit - groups.size()];
+      if constexpr (kTiledTypes<kv_t, q_t>) {
+        if (tiled(g, item.count * g.group)) {
+          attend_item_tiled(item.first, item.count, task.heads, query, out, k, v, tables + item.seq * width,
+                            contexts[item.seq], lens[item.seq], q_starts.data_ptr<int64_t>()[item.seq], g, q_scale,
+                            v_scale, scratch);
+          continue;
+        }
+      }
+      attend_item<kv_t, q_t>(item, task.heads, query, out, k, v, tables, width, q_starts.data_ptr<int64_t>(), lens,
+                             contexts, g, q_scale, v_scale, scratch);
     }
   });
 }

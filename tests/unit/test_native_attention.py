@@ -73,6 +73,32 @@ def test_prompt_chunks_longer_than_a_work_item():
     check([70, 64, 33, 5], [200, 600, 33, 21])
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(9, 3, 64), (14, 2, 64), (4, 4, 64), (8, 1, 128), (6, 2, 32), (6, 3, 8)],
+)
+@pytest.mark.parametrize("block_size", [2, 5, 16])
+def test_prompt_chunks_of_every_gqa_group_head_dim_and_block_size(heads, kv_heads, head_dim, block_size):
+    """Prompt chunks of whole vectors of query rows go through the register-tiled products (float32, head dims
+    of whole vectors): chunks of 2 to 70 queries (rows around a vector's 8 or 16 lanes), fresh and over a
+    cached prefix, contexts ending inside and at the 32-key rounds, beside a decode."""
+    check([2, 5, 6, 16, 70, 33, 1], [2, 150, 38, 16, 70, 97, 20], block_size=block_size, heads=heads,
+          kv_heads=kv_heads, head_dim=head_dim)  # fmt: skip
+
+
+def test_prompt_queries_read_from_a_fused_product():
+    """Prompt queries as a step passes them: a view into the fused QKV product, rows a whole QKV row apart."""
+    k_cache, v_cache = pool(16, 3, 64, torch.float32)
+    q_lens, context_lens = [40, 20], [40, 560]
+    table = tables(context_lens, 16)
+    qkv = torch.randn(sum(q_lens), (9 + 2 * 3) * 64)
+    q = qkv[:, : 9 * 64].view(-1, 9, 64)
+    assert q.stride(0) == qkv.shape[1]
+    out, starts = attend(q, k_cache, v_cache, q_lens, context_lens, table, 0.125)
+    expected = reference_attention(q, k_cache, v_cache, starts, torch.tensor(context_lens), table, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("window", [1, 7, 16, 17, 40])
 @pytest.mark.parametrize(
     ("block_size", "kv_dtype"), [(16, torch.float32), (16, torch.bfloat16), (5, torch.float32)]

@@ -15,6 +15,8 @@ FAIL_STEP_ENV = "PAGEDSERVE_TEST_FAIL_STEP"
 BAD_ROW_ENV = "PAGEDSERVE_TEST_BAD_ROW"
 # --decode-step-target-ms: see docs/configuration.md, Scheduling.
 DEFAULT_DECODE_STEP_TARGET_MS = 500.0
+# --pace-streams: see docs/configuration.md, Prompt chunks sized by time.
+DEFAULT_PACE_STREAMS = 4
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,9 @@ class EngineConfig:
     # Milliseconds a step with decodes aims at: its prompt tokens are sized by the fitted step times, within
     # prefill_tokens_with_decodes (0: off, the token cap alone; gateway/step_pace.py).
     decode_step_target_ms: float = DEFAULT_DECODE_STEP_TARGET_MS
+    # Decodes beside which the two above hold as given; beside fewer, a step may take this / decodes times
+    # as many prompt tokens and as long (gateway/scheduler.py; 1: they hold beside any number).
+    pace_streams: int = DEFAULT_PACE_STREAMS
     # Decode steps one Compute call may run (ForwardSteps; 1: one Forward per step).
     decode_steps: int = 8
     rpc_timeout_s: float = 120.0

@@ -101,9 +101,8 @@ class Engine:
                 self._cache, config.block_size, num_blocks, config.rpc_timeout_s, self.lease, windows
             )
             pace = StepPace(config.decode_step_target_ms / 1e3) if config.decode_step_target_ms else None
-            self.scheduler = Scheduler(
-                self.kv, config.max_batched_tokens, config.max_seqs, config.prefill_tokens_with_decodes, pace
-            )
+            sizing = (config.prefill_tokens_with_decodes, pace, config.pace_streams)
+            self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_seqs, *sizing)
             self.executor = StepExecutor(
                 self._compute, self.kv, self.lease, config.step_timeout_s, config.rpc_timeout_s
             )

@@ -7,7 +7,7 @@ from pathlib import Path
 from common.options import ServiceOptions, add_logging, add_model, positive_seconds
 from common.paging import MAX_DECODE_STEPS
 from common.transport import add_client_certs
-from gateway.config import DEFAULT_DECODE_STEP_TARGET_MS
+from gateway.config import DEFAULT_DECODE_STEP_TARGET_MS, DEFAULT_PACE_STREAMS
 from gateway.limits import add_limits
 from gateway.structured.limits import add_constraint_limits
 from gateway.tools.stream import PARSERS as TOOL_PARSERS
@@ -56,6 +56,13 @@ def _target_ms(text: str) -> float:
     return value
 
 
+def _streams(text: str) -> int:
+    """--pace-streams: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a stream count, an integer >= 1")
+    return int(text)
+
+
 def _decode_steps(text: str) -> int:
     """--decode-steps: an integer in [1, MAX_DECODE_STEPS]."""
     if not text.isdigit() or not 1 <= int(text) <= MAX_DECODE_STEPS:
@@ -79,6 +86,14 @@ def add_step_sizing(parser: argparse.ArgumentParser) -> None:
         help="milliseconds a step that runs decodes aims at: its prompt tokens are sized from the measured "
         "step times (at least 64, at most --prefill-tokens-with-decodes), so streams wait about this long "
         "at worst; 0: off, the token cap alone",
+    )
+    parser.add_argument(
+        "--pace-streams",
+        type=_streams,
+        default=DEFAULT_PACE_STREAMS,
+        help="running streams beside which the two above hold as given; beside fewer, a step may take "
+        "this / streams times as many prompt tokens and as long, so a burst's first streams wait once "
+        "while the rest of the burst is prefilled; 1: they hold beside any number",
     )
 
 

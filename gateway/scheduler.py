@@ -14,6 +14,8 @@ class Scheduler:
     chunk are free). Rank: lower priority value first, then arrival. A step with decodes takes at most
     `prefill_tokens_with_decodes` prompt tokens, so that running streams do not wait behind a long prefill;
     with a `pace`, fewer when its fit of the step times says more would take the step past its target.
+    Both hold as given beside `pace_streams` decodes or more; beside fewer, a step may take pace_streams /
+    decodes times as many prompt tokens and as long (see `_prompt_budget`).
 
     Blocks (available, needed, room in a table) are the KV view's answers; the scheduler writes none of it.
     A waiting prompt's prefix hits on blocks a table holds (or a prompt admitted before it in the step
@@ -27,14 +29,17 @@ class Scheduler:
         max_seqs: int,
         prefill_tokens_with_decodes: int = 0,
         pace: StepPace | None = None,
+        pace_streams: int = 1,
     ) -> None:
         assert max_batched_tokens > 0 and max_seqs > 0 and prefill_tokens_with_decodes >= 0
+        assert pace_streams > 0, pace_streams
         self.kv = kv
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
         # 0: no separate cap (a step's prompt tokens take what its decodes leave of max_batched_tokens).
         self.prefill_tokens_with_decodes = prefill_tokens_with_decodes or max_batched_tokens
         self.pace = pace
+        self.pace_streams = pace_streams
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -94,13 +99,22 @@ class Scheduler:
     def _prompt_budget(self, step: ScheduledStep, budget: int, start: int) -> int:
         """What is left of `budget` for prompt tokens (the next from context position `start`): with decodes
         in the step, at most prefill_tokens_with_decodes of prompt tokens in all, and at most what the pace
-        gives beside those decodes."""
+        gives beside those decodes, each stretched by pace_streams / decodes where that is above 1.
+
+        NOTE: a step holds every running stream for its length, so what it costs them is its length times
+        the streams that wait. The stretch keeps that cost what a step at the cap and target costs
+        pace_streams streams: a burst's first few streams wait once, longer, while the rest of the burst
+        is prefilled in one step, instead of every early stream waiting behind each of several paced steps
+        (so that few of the burst's token gaps are long: docs/configuration.md, Prompt chunks sized by
+        time)."""
         decodes = [seq for seq in step.seqs if seq.is_decode]
         if not decodes:
             return budget
-        cap = self.prefill_tokens_with_decodes
-        paced = self.pace.prompt_tokens(StepShape.of(decodes), start) if self.pace is not None else None
-        cap = cap if paced is None else min(cap, paced)
+        stretch = max(1.0, self.pace_streams / len(decodes))
+        cap = int(self.prefill_tokens_with_decodes * stretch)
+        if self.pace is not None:
+            paced = self.pace.prompt_tokens(StepShape.of(decodes), start, stretch)
+            cap = cap if paced is None else min(cap, paced)
         prompt_tokens = sum(seq.chunk_len for seq in step.seqs) - len(decodes)
         return max(0, min(budget, cap - prompt_tokens))
 

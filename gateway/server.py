@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
             max_seqs=args.max_seqs,
             prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
             decode_step_target_ms=args.decode_step_target_ms,
+            pace_streams=args.pace_streams,
             decode_steps=args.decode_steps,
             session_ttl_s=args.session_ttl,
             peer_restart_grace_s=args.peer_restart_grace,

@@ -147,12 +147,13 @@ class StepPace:
     def observe(self, shape: StepShape, seconds: float) -> None:
         self.fit.observe(shape, seconds)
 
-    def prompt_tokens(self, decodes: StepShape, start: int) -> int | None:
-        """Prompt tokens, from context position `start`, to add to a step of `decodes`."""
+    def prompt_tokens(self, decodes: StepShape, start: int, stretch: float = 1.0) -> int | None:
+        """Prompt tokens, from context position `start`, to add to a step of `decodes` so that it stays
+        within `stretch` times the target."""
         cost = self.fit.cost if self.fit.seen >= WARMUP else self.fit.first_cost
         if cost is None:
             return None
-        left = self.target_s - cost.seconds(decodes)
+        left = stretch * self.target_s - cost.seconds(decodes)
         if left <= 0:
             return MIN_PROMPT_TOKENS
         # per_pair/2 n² + (per_token + per_pair (start + 1/2)) n <= left (chunk_pairs, n tokens)

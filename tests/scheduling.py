@@ -27,9 +27,12 @@ def make(
     max_seqs: int,
     prefill_tokens_with_decodes: int = 0,
     pace: StepPace | None = None,
+    pace_streams: int = 1,
 ) -> Scheduler:
+    """A scheduler over a fake cache; the token cap and the pace hold beside any number of decodes unless
+    `pace_streams` says otherwise."""
     kv = KVView(FakeCache(num_blocks, block_size), block_size, num_blocks)
-    return Scheduler(kv, max_batched_tokens, max_seqs, prefill_tokens_with_decodes, pace)
+    return Scheduler(kv, max_batched_tokens, max_seqs, prefill_tokens_with_decodes, pace, pace_streams)
 
 
 def run(scheduler: Scheduler, step: ScheduledStep) -> dict[str, int]:

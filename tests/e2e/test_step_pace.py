@@ -1,6 +1,6 @@
-"""--decode-step-target-ms through `pagedserve up`: bad values are refused at start-up; a paced stack cuts
-the prompt chunks that run beside decodes to what its target allows and gives the greedy tokens of a stack
-without a target."""
+"""--decode-step-target-ms and --pace-streams through `pagedserve up`: bad values are refused at start-up; a
+paced stack cuts the prompt chunks that run beside decodes to what its target allows and gives the greedy
+tokens of a stack without a target."""
 
 import subprocess
 import time
@@ -30,6 +30,18 @@ def test_a_bad_target_is_refused_at_start_up_in_one_line(value):
     assert out.stderr.strip().splitlines()[-1] == (
         f"pagedserve up: error: argument --decode-step-target-ms: {value!r}: give milliseconds, a number "
         ">= 0 (0: off)"
+    )
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "1.5", "many"])
+def test_a_bad_pace_streams_is_refused_at_start_up_in_one_line(value):
+    out = subprocess.run(
+        [*PAGEDSERVE, "up", f"--pace-streams={value}"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"pagedserve up: error: argument --pace-streams: {value!r}: give a stream count, an integer >= 1"
     )
     assert "Traceback" not in out.stderr
 

@@ -169,3 +169,46 @@ def test_a_step_without_decodes_takes_the_whole_budget():
 def test_without_a_pace_the_token_cap_alone_sizes_the_chunk():
     scheduler = decoding_scheduler(None, cap=300)
     assert run(scheduler, scheduler.schedule())["long"] == 300
+
+
+def lone_stream_scheduler(pace: StepPace | None, cap: int, pace_streams: int, decoding: int = 1):
+    """`decoding` sequences decoding, a burst of ten 100-token prompts waiting."""
+    scheduler = make(16, 400, max_batched_tokens=4096, max_seqs=16, prefill_tokens_with_decodes=cap,
+                     pace=pace, pace_streams=pace_streams)  # fmt: skip
+    for i in range(decoding):
+        scheduler.add(seq(f"running{i}", 20))
+    run(scheduler, scheduler.schedule())
+    for i in range(10):
+        scheduler.add(seq(f"burst{i}", 100))
+    return scheduler
+
+
+def prompt_tokens(chunks: dict[str, int]) -> int:
+    return sum(n for name, n in chunks.items() if name.startswith("burst"))
+
+
+def test_beside_fewer_streams_than_pace_streams_the_token_cap_stretches():
+    # one stream decoding: 4 / 1 times the cap of 128; two: 4 / 2 times; four or more: the cap as given
+    for decoding, expected in ((1, 512), (2, 256), (4, 128), (6, 128)):
+        scheduler = lone_stream_scheduler(None, cap=128, pace_streams=4, decoding=decoding)
+        assert prompt_tokens(run(scheduler, scheduler.schedule())) == expected, decoding
+
+
+def test_beside_fewer_streams_than_pace_streams_the_target_stretches():
+    pace = trained(0.2)
+    scheduler = lone_stream_scheduler(pace, cap=4096, pace_streams=4)
+    chunks = run(scheduler, scheduler.schedule())
+    assert chunks["running0"] == 1
+    stretched = pace.prompt_tokens(StepShape(1, 21), 0, stretch=4.0)
+    assert stretched > pace.prompt_tokens(StepShape(1, 21), 0)
+    # the burst's prompts are admitted in order while the stretched chunk lasts: 100 tokens each
+    assert prompt_tokens(chunks) == min(1000, stretched)
+    assert MACHINE.seconds(StepShape(1 + prompt_tokens(chunks), 21)) <= 4 * 0.2 * 1.1
+
+
+def test_pace_streams_one_holds_the_cap_and_target_beside_a_lone_stream():
+    scheduler = lone_stream_scheduler(None, cap=128, pace_streams=1)
+    assert prompt_tokens(run(scheduler, scheduler.schedule())) == 128
+    pace = trained(0.2)
+    scheduler = lone_stream_scheduler(pace, cap=4096, pace_streams=1)
+    assert prompt_tokens(run(scheduler, scheduler.schedule())) <= pace.prompt_tokens(StepShape(1, 21), 0)

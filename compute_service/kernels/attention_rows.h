@@ -38,8 +38,8 @@ inline int64_t tile_lanes(const Geometry& g) { return padded_rows(kQueryChunk * 
 struct Scratch {
   std::vector<float> q, acc, max, sum, scores, keys_t;
   // attention_tiles.h: a chunk's queries and accumulator transposed [head_dim][lanes], a tile's scores
-  // [keys][lanes], and each lane's running maximum and sum
-  std::vector<float> qt, ot, pt, tile_max, tile_sum;
+  // [keys][lanes], each lane's running maximum and sum, and a tile's maxima and rescales
+  std::vector<float> qt, ot, pt, tile_max, tile_sum, tile_top, tile_scale;
   // per row, the keys of the current block it sees: [first, visible)
   std::vector<int64_t> visible, first, active;
   // rows: a prompt chunk's for one KV head, or a decode group's for every KV head
@@ -58,7 +58,9 @@ struct Scratch {
         ot(qt.size()),
         pt(kTileKeys * tile_lanes(g)),
         tile_max(tile_lanes(g)),
-        tile_sum(tile_lanes(g)) {}
+        tile_sum(tile_lanes(g)),
+        tile_top(tile_lanes(g)),
+        tile_scale(tile_lanes(g)) {}
 };
 
 // Rows at which scoring a block through its transposed keys pays for the transpose (a group's), where

@@ -139,6 +139,7 @@ void attend_item_tiled(int64_t item_first, int64_t item_count, Heads heads, cons
   const int64_t first_pos = context_len - q_len + item_first, first_token = q_start + item_first;
   const int64_t keys = first_pos + item_count;  // the last query sees up to here
   float *qt = s.qt.data(), *ot = s.ot.data(), *pt = s.pt.data(), *mx = s.tile_max.data(), *sm = s.tile_sum.data();
+  float *top = s.tile_top.data(), *scale = s.tile_scale.data();
   const float* q_data = query.data_ptr<float>();
   float* o_data = out.data_ptr<float>();
   const float inf = std::numeric_limits<float>::infinity();
@@ -179,29 +180,25 @@ void attend_item_tiled(int64_t item_first, int64_t item_count, Heads heads, cons
       const bool diagonal = t0 + n - 1 > first_pos;
       if (diagonal) mask_future(pt, lanes, t0, n, first_pos, item_count, g.group, -inf);
       // the online softmax down the keys, each row a lane; every row sees the tile's first key in the first
-      // tile (key 0), so its maximum is finite from then on
-      for (int64_t r = 0; r < lanes; r += kLanes) {
-        Float top = vec::load(mx + r);
-        const Float before = top;
-        for (int64_t t = 0; t < n; ++t) {
-          const Float x = vec::load(pt + t * lanes + r);
-          top = top > x ? top : x;
-        }
-        vec::store(mx + r, top);
-        if (t0 > 0) {
-          float scale[kLanes];
-          bool moved = false;
-          for (int l = 0; l < kLanes; ++l) {
-            moved |= top[l] > before[l];
-            scale[l] = vec::fast_exp(before[l] - top[l]);
-          }
-          if (moved) {
-            const Float by = vec::load(scale);
-            vec::store(sm + r, vec::load(sm + r) * by);
-            for (int64_t d = 0; d < hd; ++d) vec::store(ot + d * lanes + r, vec::load(ot + d * lanes + r) * by);
-          }
+      // tile (key 0), so its maximum is finite from then on. The maxima first, key by key over all lanes (each
+      // lane's chain of maxima independent of the others'), then each lane's rescale where its maximum moved.
+      std::copy(mx, mx + lanes, top);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* p = pt + t * lanes;
+#pragma omp simd
+        for (int64_t r = 0; r < lanes; ++r) top[r] = std::max(top[r], p[r]);
+      }
+      if (t0 > 0) {
+#pragma omp simd
+        for (int64_t r = 0; r < lanes; ++r) scale[r] = vec::fast_exp(mx[r] - top[r]);
+        for (int64_t r = 0; r < lanes; r += kLanes) {
+          if (!std::any_of(scale + r, scale + r + kLanes, [](float x) { return x != 1.0f; })) continue;
+          const Float by = vec::load(scale + r);
+          vec::store(sm + r, vec::load(sm + r) * by);
+          for (int64_t d = 0; d < hd; ++d) vec::store(ot + d * lanes + r, vec::load(ot + d * lanes + r) * by);
         }
       }
+      std::copy(top, top + lanes, mx);
       for (int64_t t = 0; t < n; ++t) {
         float* p = pt + t * lanes;
 #pragma omp simd

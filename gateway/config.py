@@ -15,7 +15,7 @@ FAIL_STEP_ENV = "PAGEDSERVE_TEST_FAIL_STEP"
 BAD_ROW_ENV = "PAGEDSERVE_TEST_BAD_ROW"
 # --decode-step-target-ms: see docs/configuration.md, Scheduling.
 DEFAULT_DECODE_STEP_TARGET_MS = 500.0
-# --pace-streams: see docs/configuration.md, Prompt chunks sized by time.
+# --pace-streams: see docs/configuration.md, Few streams, longer steps.
 DEFAULT_PACE_STREAMS = 4
 
 

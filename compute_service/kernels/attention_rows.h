@@ -38,7 +38,8 @@ inline int64_t tile_lanes(const Geometry& g) { return padded_rows(kQueryChunk * 
 struct Scratch {
   std::vector<float> q, acc, max, sum, scores, keys_t;
   // attention_tiles.h: a chunk's queries and accumulator transposed [head_dim][lanes], a tile's scores
-  // [keys][lanes], each lane's running maximum and sum, and a tile's maxima and rescales
+  // [keys][lanes], each lane's running maximum and sum, and a tile's maxima and rescales; sized by
+  // size_tiles at a thread's first tiled task, so that steps without one (decodes) do not allocate them
   std::vector<float> qt, ot, pt, tile_max, tile_sum, tile_top, tile_scale;
   // per row, the keys of the current block it sees: [first, visible)
   std::vector<int64_t> visible, first, active;
@@ -53,14 +54,15 @@ struct Scratch {
         keys_t(g.head_dim * g.block_size),
         visible(max.size()),
         first(max.size()),
-        active(max.size()),
-        qt(g.head_dim * tile_lanes(g)),
-        ot(qt.size()),
-        pt(kTileKeys * tile_lanes(g)),
-        tile_max(tile_lanes(g)),
-        tile_sum(tile_lanes(g)),
-        tile_top(tile_lanes(g)),
-        tile_scale(tile_lanes(g)) {}
+        active(max.size()) {}
+  void size_tiles(const Geometry& g) {
+    if (!qt.empty()) return;
+    const int64_t lanes = tile_lanes(g);
+    qt.resize(g.head_dim * lanes);
+    ot.resize(qt.size());
+    pt.resize(kTileKeys * lanes);
+    for (auto* v : {&tile_max, &tile_sum, &tile_top, &tile_scale}) v->resize(lanes);
+  }
 };
 
 // Rows at which scoring a block through its transposed keys pays for the transpose (a group's), where

@@ -138,6 +138,7 @@ void attend_item_tiled(int64_t item_first, int64_t item_count, Heads heads, cons
   const int64_t vectors = lanes / kLanes, stride = g.num_kv_heads * hd;
   const int64_t first_pos = context_len - q_len + item_first, first_token = q_start + item_first;
   const int64_t keys = first_pos + item_count;  // the last query sees up to here
+  s.size_tiles(g);
   float *qt = s.qt.data(), *ot = s.ot.data(), *pt = s.pt.data(), *mx = s.tile_max.data(), *sm = s.tile_sum.data();
   float *top = s.tile_top.data(), *scale = s.tile_scale.data();
   const float* q_data = query.data_ptr<float>();

@@ -36,12 +36,12 @@ def kernel_for(weight: torch.Tensor, choice: LinearChoice) -> LinearKernel:
     if choice.weights in QUANTIZED_MODES:
         quantized = quantize(weight, choice.weights)
         if choice.kernel == PANELS:
-            return Panels(quantized.qweight, quantized.scales)
+            return Panels.quantized(quantized)
         assert choice.kernel == WEIGHT_ONLY and choice.dense is not None, choice
         dense = kernel_for(quantized.dequantized.to(weight.dtype), choice.dense)
         return WeightOnly(quantized, choice.max_rows, dense)
     if choice.kernel == PANELS:
-        return Panels(weight.detach().float())
+        return Panels.float32(weight)
     if choice.kernel == ONEDNN:
         return OneDnn(weight, dtype_from_name(choice.weights))
     assert choice.kernel == DENSE, choice
@@ -62,7 +62,9 @@ def replace_linears(model: nn.Module, decoder: LinearChoice, head: LinearChoice)
     ]
     targets = [target for target in targets if target[3].kernel != TRANSFORMERS]
     for parent, name, child, choice in targets:
-        check_quantizable(f"{type(parent).__name__}.{name}", child, choice.weights)
+        check_quantizable(
+            f"{type(parent).__name__}.{name}", child, choice.weights, choice.kernel == WEIGHT_ONLY
+        )
     for parent, name, child, choice in targets:
         setattr(parent, name, Linear(kernel_for(child.weight, choice), child.bias))
     return len(targets)

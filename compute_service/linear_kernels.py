@@ -4,8 +4,9 @@ layout it reads: x [rows, in] (+ bias) -> [rows, out]. Which one a layer gets is
 behind each choice and the commands that take them again (`python -m tests.step_bench --compare linear`,
 `python -m cli.weights_report --speed`).
 
-- Panels: the native panel kernel (compute_service/kernels/panel_linear.cpp) on float32 weights, or int8
-  ones with a float32 scale per output channel widened in registers; float32 activations.
+- Panels: the native panel kernel (compute_service/kernels/panel_linear.cpp) on float32 weights, int8 ones
+  with a float32 scale per output channel, or int4 ones with a scale and a zero point per group, widened in
+  registers; float32 activations.
 - OneDnn: oneDNN's inner product on a weight reordered once for PACK_ROWS rows, float32 or bfloat16 (mixed
   precision: the input cast to bfloat16, oneDNN sums in float32, the output cast back).
 - WeightOnly: torch's int8/int4 weight-only kernels on bfloat16 activations up to `max_rows` rows (decode
@@ -36,21 +37,44 @@ class LinearKernel(nn.Module):
 
 
 class Panels(LinearKernel):
-    """The native panel kernel on `weight` [out, in]: float32, or int8 levels with `scales` [out]."""
+    """The native panel kernel on `packed` panels of `out_features` columns and `in_features` inputs: float32
+    (`scales` None), int8 with `scales` [out], or int4 with its groups' scales and zero points (see
+    `float32` and `quantized`)."""
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor | None = None) -> None:
-        super().__init__(weight.shape[1], weight.shape[0])
-        module = kernels.load()
-        assert module is not None, "the plan chose panels where the native kernels load"
-        assert (weight.dtype == torch.int8) == (scales is not None), weight.dtype
-        self.register_buffer("packed", module.pack_panels(weight.detach().contiguous()))
-        self.register_buffer("scales", None if scales is None else scales.float().contiguous())
+    def __init__(
+        self, in_features: int, out_features: int, packed: torch.Tensor, scales: torch.Tensor | None
+    ):
+        super().__init__(in_features, out_features)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def float32(cls, weight: torch.Tensor) -> "Panels":
+        """Panels of a float32 weight [out, in]."""
+        packed = _module().pack_panels(weight.detach().float().contiguous())
+        return cls(weight.shape[1], weight.shape[0], packed, None)
+
+    @classmethod
+    def quantized(cls, quantized: Quantized) -> "Panels":
+        """Panels of int8 or int4 levels, widened to float32 in registers as they are multiplied."""
+        out_features, in_features = quantized.levels.shape
+        if quantized.mode == "int8":
+            packed, scales = _module().pack_panels(quantized.levels.contiguous()), quantized.scales.float()
+        else:
+            packed, scales = _module().pack_int4_panels(quantized.levels, quantized.scales, quantized.zeros)
+        return cls(in_features, out_features, packed, scales.contiguous())
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return kernels.load().panel_linear(x.contiguous(), self.packed, self.out_features, bias, self.scales)
 
     def extra_repr(self) -> str:
-        return f"{self.packed.dtype} panels"
+        return f"{'int4' if self.packed.dtype == torch.uint8 else self.packed.dtype} panels"
+
+
+def _module():
+    module = kernels.load()
+    assert module is not None, "the plan chose panels where the native kernels load"
+    return module
 
 
 class OneDnn(LinearKernel):
@@ -95,8 +119,9 @@ class WeightOnly(LinearKernel):
     def __init__(self, quantized: Quantized, max_rows: int, dense: LinearKernel) -> None:
         super().__init__(dense.in_features, dense.out_features)
         self.mode, self.max_rows, self.dense = quantized.mode, max_rows, dense
-        self.register_buffer("qweight", quantized.qweight)
-        self.register_buffer("scales", quantized.scales)
+        qweight, scales = quantized.for_torch()
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
 
     def uses_kernel(self, rows: int) -> bool:
         """Whether an input of `rows` rows takes the quantised kernel (else `dense`)."""

@@ -272,8 +272,8 @@ def dense_linears(flags: Flags, weights: str, machine: Machine) -> LinearChoice:
 
 def quantized_linears(mode: str, flags: Flags, machine: Machine, dense: LinearChoice) -> LinearChoice:
     """Linears on `mode` (int8 or int4) weights; `dense` is how a float copy would run."""
-    if mode == "int8" and flags.dtype_name == "float32" and machine.kernels:
-        return LinearChoice(PANELS, "int8", "every batch size, float32 activations, no dense copy")
+    if flags.dtype_name == "float32" and machine.kernels:
+        return LinearChoice(PANELS, mode, "every batch size, float32 activations, no dense copy")
     large = dense if dense.kernel != TRANSFORMERS else LinearChoice(DENSE, dense.weights, dense.reason)
     return LinearChoice(
         WEIGHT_ONLY,

@@ -44,6 +44,7 @@ HEADERS = (
     HERE / "attention_rows.h",
     HERE / "attention_block.h",
     HERE / "attention_tiles.h",
+    HERE / "panel_tiles.h",
     HERE / "row_ops.h",
 )
 # NOTE: -march=native (common.cpu.march(); x86-64-v3 under PAGEDSERVE_CPU_ISA=avx2) tunes the build to this

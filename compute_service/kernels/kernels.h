@@ -42,9 +42,11 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double e
 at::Tensor silu_mul_rows(const at::Tensor& gate_up);
 void rotate_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin);
 
-// See panel_linear.cpp: float32 or int8 weights [out, in] packed into panels, and x [rows, in] times them
-// (* scales, for int8) (+ bias).
+// See panel_linear.cpp: float32 or int8 weights [out, in], or int4 levels with their groups' scales and zero
+// points, packed into panels, and x [rows, in] times them (* scales, for int8) (+ bias).
 int64_t panel_width();
 at::Tensor pack_panels(const at::Tensor& weight);
+std::tuple<at::Tensor, at::Tensor> pack_int4_panels(const at::Tensor& levels, const at::Tensor& scales,
+                                                     const at::Tensor& zeros);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out,
                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scales);

@@ -39,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses now");
   m.def("panel_width", &panel_width, "output columns per panel of pack_panels");
   m.def("pack_panels", &pack_panels, "a float32 or int8 weight [out, in] packed for panel_linear");
+  m.def("pack_int4_panels", &pack_int4_panels,
+        "int4 levels [out, in] and their groups' scales and zeros [out, groups] packed for panel_linear");
   m.def("panel_linear", &panel_linear, "x [rows, in] times packed panels (* int8 scales) (+ bias): [rows, out]",
         py::call_guard<py::gil_scoped_release>());
 }

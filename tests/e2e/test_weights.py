@@ -69,8 +69,8 @@ def test_info_and_metrics_name_the_weights_mode(stacks, mode):
     plan = compute["execution_plan"]
     assert list(plan["stages"]) == list(STAGES) and plan["architecture"] == "llama"
     decoder, head = plan["stages"]["linears.decoder"], plan["stages"]["linears.head"]
-    # int8 in a float32 model multiplies native int8 panels where the kernels build; int4 takes torch's kernel
-    expected = "panels int8" if mode == "int8" and plan["native_kernels"] else f"weight-only {mode} up to"
+    # a float32 model multiplies native int8 or int4 panels where the kernels build, else torch's kernels
+    expected = f"panels {mode}" if plan["native_kernels"] else f"weight-only {mode} up to"
     assert decoder["implementation"].startswith(expected) and decoder["reason"]
     assert "int8" in head["implementation"] and "output head is int8" in head["reason"]
     as_table = [word for word in command if word != "--json"] + ["--compute-target", stack.compute_target]

@@ -108,6 +108,78 @@ def test_int8_panels_give_f_linear_on_the_scaled_weights(rows, bias, shape):
     torch.testing.assert_close(out, F.linear(x, levels.float() * scales[:, None], b), atol=1e-5, rtol=1e-5)
 
 
+def int4_parts(out_features: int, in_features: int, group: int) -> tuple[torch.Tensor, ...]:
+    """Random int4 levels [out, in] and their groups' scales and zero points [out, in / group] (bfloat16
+    values, as compute_service/quantized.py rounds them), and the float32 weights they stand for."""
+    levels = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
+    scales = (torch.rand(out_features, in_features // group) / 50).bfloat16().float()
+    zeros = (torch.randn(out_features, in_features // group) / 20).bfloat16().float()
+    steps = (levels.float() - 8).view(out_features, -1, group)
+    return levels, scales, zeros, (steps * scales[..., None] + zeros[..., None]).flatten(1)
+
+
+@needs_native
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 13, 97, 200])
+@pytest.mark.parametrize(
+    ("shape", "group"),
+    [((37, 64), 32), ((64, 32), 32), ((70, 1536), 64), ((20, 12), 2)],
+    ids=["ragged", "one panel", "wide in", "pairs"],
+)
+def test_int4_panels_give_f_linear_on_the_dequantised_weights(rows, bias, shape, group):
+    """Two int4 levels a byte, each group's scale and zero point: the product F.linear gives on the weights
+    they stand for, whether the tiles read the levels directly (a few rows) or widen each panel once (more),
+    at every tile size and a partial last panel."""
+    torch.manual_seed(rows)
+    out_features, in_features = shape
+    levels, scales, zeros, weight = int4_parts(out_features, in_features, group)
+    b = torch.randn(out_features) if bias else None
+    x = torch.randn(rows, in_features)
+    module = kernels.load()
+    panels, groups = module.pack_int4_panels(levels, scales, zeros)
+    assert panels.dtype == torch.uint8 and panels.numel() == -(-out_features // module.panel_width()) * (
+        module.panel_width() * in_features // 2
+    )
+    out = module.panel_linear(x, panels, out_features, b, groups)
+    assert out.shape == (rows, out_features)
+    torch.testing.assert_close(out, F.linear(x, weight, b), atol=2e-5, rtol=1e-5)
+
+
+UINT8_ONES = torch.ones(20, 8, dtype=torch.uint8)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "levels, scales, message",
+    [
+        (torch.full((20, 8), 16, dtype=torch.uint8), torch.ones(20, 1), r"int4 levels must lie in \[0, 15\]"),
+        (torch.ones(20, 8, dtype=torch.int8), torch.ones(20, 1), "takes uint8 levels"),
+        (UINT8_ONES, torch.ones(20, 3), "groups dividing in_features"),
+        (torch.ones(20, 6, dtype=torch.uint8), torch.ones(20, 2), "groups of an even size"),
+        (UINT8_ONES, torch.ones(19, 1), r"scales and zeros must be \[out, groups\]"),
+        (UINT8_ONES, torch.full((20, 1), 0.1), "scales and zeros must be bfloat16 values"),
+    ],
+    ids=["level 16", "int8", "groups", "odd group", "short", "not bfloat16"],
+)  # fmt: skip
+def test_int4_packing_refuses_what_it_cannot_hold(levels, scales, message):
+    with pytest.raises(RuntimeError, match=message):
+        kernels.load().pack_int4_panels(levels, scales, torch.zeros_like(scales))
+
+
+@needs_native
+def test_int4_panels_take_their_own_groups_only():
+    module = kernels.load()
+    levels, scales, zeros, _ = int4_parts(20, 8, 2)
+    panels, groups = module.pack_int4_panels(levels, scales, zeros)
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="int8 and int4 panels take scales"):
+        module.panel_linear(x, panels, 20, None, None)
+    with pytest.raises(RuntimeError, match="int4 scales must be the groups pack_int4_panels returned"):
+        module.panel_linear(x, panels, 20, None, torch.ones(20))
+    with pytest.raises(RuntimeError, match="int4 scales must be the groups"):
+        module.panel_linear(x, panels, 20, None, groups[:, :3].contiguous())
+
+
 @needs_native
 def test_panels_of_no_rows_give_no_rows():
     module = kernels.load()
@@ -137,8 +209,8 @@ def test_panels_refuse_inputs_that_do_not_fit(x, out_features, bias, message):
 @pytest.mark.parametrize(
     "weight, scales, message",
     [
-        (INT8_ONES, None, "int8 panels take scales, float32 panels none"),
-        (torch.ones(20, 8), torch.ones(20), "int8 panels take scales, float32 panels none"),
+        (INT8_ONES, None, "int8 and int4 panels take scales, float32 panels none"),
+        (torch.ones(20, 8), torch.ones(20), "int8 and int4 panels take scales, float32 panels none"),
         (INT8_ONES, torch.ones(19), r"scales must be contiguous float32 \[out_features\]"),
         (INT8_ONES, torch.ones(20).half(), r"scales must be contiguous float32"),
     ],
@@ -257,10 +329,15 @@ def test_the_loader_packs_unless_plain_linear_is_asked(tmp_path, plain):
     )
 
 
-def test_the_loader_packs_the_dense_path_of_quantised_linears(tmp_path):
+def test_the_loader_holds_int4_linears_without_a_dense_copy_where_the_kernels_build(tmp_path):
+    """A float32 model's int4 linears: half a byte per weight on panels (the head int8) where the native
+    kernels build; elsewhere torch's int4 kernel, with the dequantised weights packed for larger batches."""
     model, _ = load(str(save_tiny_llama(tmp_path / "tiny")), torch.float32, weights="int4")
     held = [m.kernel for m in model.modules() if isinstance(m, Linear)]
-    weight_only = [kernel for kernel in held if isinstance(kernel, WeightOnly)]
-    dense = Panels if FLOAT32.kernel == PANELS else OneDnn
-    assert weight_only and all(type(kernel.dense) is dense for kernel in weight_only)
-    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert held and not any(type(m) is nn.Linear for m in model.modules())
+    if FLOAT32.kernel == PANELS:
+        assert all(isinstance(kernel, Panels) for kernel in held)
+        assert [kernel.packed.dtype for kernel in held].count(torch.int8) == 1  # the output head
+        assert all(kernel.packed.dtype in (torch.uint8, torch.int8) for kernel in held)
+    else:
+        assert all(isinstance(kernel, WeightOnly) and type(kernel.dense) is OneDnn for kernel in held)

@@ -59,8 +59,8 @@ def test_the_loader_enables_it_for_a_packed_fused_float32_model_on_cpu_native(mo
 
 @pytest.mark.parametrize(
     "options",
-    [{"backend": "cpu"}, {"plain_linear": True}, {"fused": False}, {"weights": "int4"}],
-    ids=["cpu backend", "plain linear", "unfused", "int4"],
+    [{"backend": "cpu"}, {"plain_linear": True}, {"fused": False}],
+    ids=["cpu backend", "plain linear", "unfused"],
 )
 def test_the_loader_leaves_it_off_where_the_plan_does(tiny, options):
     model, spec = load(tiny, torch.float32, **{"backend": "cpu-native", **options})
@@ -116,13 +116,15 @@ def test_bfloat16_weights_run_natively_with_the_python_layers_logits(tiny):
     assert_three_decodes_match(model, seed=5)
 
 
-def test_int8_panels_run_natively_with_the_python_layers_logits(tiny):
-    """--weights int8: the stack multiplies by the int8 panels and their scales, as the Panels kernel does."""
-    model, _ = load(tiny, torch.float32, backend="cpu-native", weights="int8")
+@pytest.mark.parametrize(("weights", "packed"), [("int8", torch.int8), ("int4", torch.uint8)])
+def test_quantised_panels_run_natively_with_the_python_layers_logits(tiny, weights, packed):
+    """--weights int8 or int4: the stack multiplies by the panels and their scales (int4: the groups' scales
+    and zero points), as the Panels kernel does."""
+    model, _ = load(tiny, torch.float32, backend="cpu-native", weights=weights)
     stack = model.model.native_decode
     assert stack is not None and len(stack.scales) == 4 * model.config.num_hidden_layers
     products = [weight for weight in stack.weights if weight.dim() > 1]
-    assert all(w.dtype == torch.int8 for w in products)
+    assert all(w.dtype == packed for w in products)
     assert_three_decodes_match(model, seed=7)
 
 

@@ -101,7 +101,7 @@ def decode_step(model, seed: int) -> tuple[Runner, ForwardBatch]:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("weights", ["float32", "int8"])
+@pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
 def test_all_decode_steps_give_the_python_layers_logits(model_dirs, monkeypatch, name, weights):
     model = loaded(model_dirs(name), weights=weights)
     stack = model.model.native_decode

@@ -86,7 +86,7 @@ def test_bfloat16_keeps_transformers_layers_and_linears_and_the_cpu_attention():
 @pytest.mark.parametrize(
     ("weights", "decoder", "decode_layers"),
     [("int8", "panels int8", "native-stack"),
-     ("int4", "weight-only int4 up to 16 rows, panels float32 above", "fused"),
+     ("int4", "panels int4", "native-stack"),
      ("bfloat16", "onednn bfloat16", "native-stack")],
 )  # fmt: skip
 def test_weights_modes_choose_their_linears_and_the_head_is_int8_when_quantised(
@@ -96,8 +96,6 @@ def test_weights_modes_choose_their_linears_and_the_head_is_int8_when_quantised(
     assert (got["linears.decoder"], got["layers.decode"]) == (decoder, decode_layers)
     if weights in ("int8", "int4"):
         assert got["linears.head"] == "panels int8" and "output head is int8" in why["linears.head"]
-    if decode_layers == "fused":
-        assert "weight-only" in why["layers.decode"]
 
 
 def test_quantised_weights_without_the_native_kernels_take_torchs_kernels_and_onednn_above():

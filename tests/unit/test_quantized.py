@@ -1,5 +1,5 @@
-"""Weight-only quantised linears (compute_service/quantized.py, the WeightOnly and int8 Panels kernels): the
-product against F.linear per mode, on int8 panels and on torch's kernels (the kernel chosen by rows),
+"""Weight-only quantised linears (compute_service/quantized.py, the WeightOnly and int8/int4 Panels kernels):
+the product against F.linear per mode, on panels and on torch's kernels (the kernel chosen by rows),
 replacement in a model as the plan says, and the refusals."""
 
 from dataclasses import replace
@@ -83,26 +83,30 @@ def test_int8_holds_one_byte_per_weight_and_int4_half():
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 4, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1, 64, 200])
-def test_int8_panels_multiply_the_torch_paths_values_at_every_batch_size(rows):
-    """A float32 model's int8 layer on panels: float32 activations (no bfloat16 rounding), the same quantised
-    values as torch's paths (their dense weight is the dequantised one), and no dense copy."""
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 4, 8, 9, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1, 64, 200])
+def test_panels_multiply_the_torch_paths_values_at_every_batch_size(rows, mode):
+    """A float32 model's int8 or int4 layer on panels: float32 activations (no bfloat16 rounding), the same
+    quantised values as torch's paths (their dense weight is the dequantised one), and no dense copy."""
     torch.manual_seed(rows)
     linear = nn.Linear(128, 96, bias=True)
-    panels = quantized_linear(linear, "int8", MACHINE)
-    assert isinstance(panels.kernel, Panels) and "int8 panels" in repr(panels)
+    panels = quantized_linear(linear, mode, MACHINE)
+    assert isinstance(panels.kernel, Panels) and f"{mode} panels" in repr(panels)
     x = torch.randn(2, rows, 128)
-    expected = F.linear(x, quantize(linear.weight, "int8").dequantized, linear.bias)
+    expected = F.linear(x, quantize(linear.weight, mode).dequantized, linear.bias)
     torch.testing.assert_close(panels(x), expected, atol=1e-5, rtol=1e-5)
     held = {name: t.dtype for name, t in [*panels.named_parameters(), *panels.named_buffers()]}
-    assert held == {"bias": torch.float32, "kernel.packed": torch.int8, "kernel.scales": torch.float32}
+    packed, scales = (torch.int8, torch.float32) if mode == "int8" else (torch.uint8, torch.bfloat16)
+    assert held == {"bias": torch.float32, "kernel.packed": packed, "kernel.scales": scales}
+    assert panels.kernel.packed.numel() * (2 if mode == "int4" else 1) <= 96 * 128 + 128 * 31
 
 
-def test_int4_and_bfloat16_models_keep_torchs_kernels():
+def test_float32_models_multiply_int8_and_int4_on_panels_bfloat16_ones_on_torchs_kernels():
     built = replace(MACHINE, kernels=True)
     assert choice_of("int8", machine=built).kernel == PANELS
-    assert choice_of("int4", machine=built).kernel == WEIGHT_ONLY
+    assert choice_of("int4", machine=built).kernel == PANELS
     assert choice_of("int8", torch.bfloat16, built).kernel == WEIGHT_ONLY
+    assert choice_of("int4", torch.bfloat16, built).kernel == WEIGHT_ONLY
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -146,12 +150,21 @@ def test_refuses_unknown_modes_and_another_dense_dtype(weights, dtype, message):
         resolve_weights(weights, dtype)
 
 
-def test_int4_refuses_shapes_the_kernel_cannot_hold_and_changes_nothing():
+@pytest.mark.parametrize(
+    ("machine", "shape", "message"),
+    [(WITHOUT_KERNELS, (64, 40), "in_features divisible by 32 and out_features by 16; .* is 40 x 64"),
+     (WITHOUT_KERNELS, (40, 64), "in_features divisible by 32 and out_features by 16; .* is 64 x 40"),
+     (replace(MACHINE, kernels=True), (40, 64), "in_features divisible by 32; .* is 64 x 40")],
+    ids=["torch, outputs", "torch, inputs", "panels, inputs"],
+)  # fmt: skip
+def test_int4_refuses_shapes_the_kernel_cannot_hold_and_changes_nothing(machine, shape, message):
+    """torch's int4 kernel needs whole groups of inputs and tiles of outputs; the panels whole groups only."""
     model = AutoModelForCausalLM.from_config(tiny_llama_config()).eval()
-    model.model.layers[1].mlp.odd = nn.Linear(64, 40, bias=False)
-    decoder, head = planning.linears(Flags(weights="int4"), "int4", MACHINE)
-    with pytest.raises(ValueError, match="out_features by 16.*'LlamaMLP.odd' is 40 x 64: use --weights int8"):
+    model.model.layers[1].mlp.odd = nn.Linear(*shape, bias=False)
+    decoder, head = planning.linears(Flags(weights="int4"), "int4", machine)
+    with pytest.raises(ValueError, match=f"{message}: use --weights int8") as refused:
         replace_linears(model, decoder, head)
+    assert "'LlamaMLP.odd'" in str(refused.value)
     assert not any(isinstance(m, Linear) for m in model.modules())
     assert replace_linears(model, *planning.linears(Flags(weights="int8"), "int8", MACHINE)) > 0
 

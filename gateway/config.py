@@ -17,6 +17,8 @@ BAD_ROW_ENV = "PAGEDSERVE_TEST_BAD_ROW"
 DEFAULT_DECODE_STEP_TARGET_MS = 500.0
 # --pace-streams: see docs/configuration.md, Few streams, longer steps.
 DEFAULT_PACE_STREAMS = 4
+# --decode-steps: see docs/configuration.md, Multi-step decode.
+DEFAULT_DECODE_STEPS = 32
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class EngineConfig:
     # as many prompt tokens and as long (gateway/scheduler.py; 1: they hold beside any number).
     pace_streams: int = DEFAULT_PACE_STREAMS
     # Decode steps one Compute call may run (ForwardSteps; 1: one Forward per step).
-    decode_steps: int = 8
+    decode_steps: int = DEFAULT_DECODE_STEPS
     rpc_timeout_s: float = 120.0
     # Seconds a lost peer has to come back before the waiting requests fail.
     peer_restart_grace_s: float = 30.0

@@ -7,7 +7,7 @@ from pathlib import Path
 from common.options import ServiceOptions, add_logging, add_model, positive_seconds
 from common.paging import MAX_DECODE_STEPS
 from common.transport import add_client_certs
-from gateway.config import DEFAULT_DECODE_STEP_TARGET_MS, DEFAULT_PACE_STREAMS
+from gateway.config import DEFAULT_DECODE_STEP_TARGET_MS, DEFAULT_DECODE_STEPS, DEFAULT_PACE_STREAMS
 from gateway.limits import add_limits
 from gateway.structured.limits import add_constraint_limits
 from gateway.tools.stream import PARSERS as TOOL_PARSERS
@@ -71,7 +71,8 @@ def _decode_steps(text: str) -> int:
 
 
 def add_step_sizing(parser: argparse.ArgumentParser) -> None:
-    """How much prompt a step that runs decodes takes (`pagedserve bench` forwards them too)."""
+    """How much prompt a step that runs decodes takes, and how many decode steps one compute call runs
+    (`pagedserve bench` forwards them too)."""
     parser.add_argument(
         "--prefill-tokens-with-decodes",
         type=_tokens,
@@ -95,6 +96,14 @@ def add_step_sizing(parser: argparse.ArgumentParser) -> None:
         "this / streams times as many prompt tokens and as long, so a burst's first streams wait once "
         "while the rest of the burst is prefilled; 1: they hold beside any number",
     )
+    parser.add_argument(
+        "--decode-steps",
+        type=_decode_steps,
+        default=DEFAULT_DECODE_STEPS,
+        help="decode steps one compute call may run back to back (compute feeds each sampled token into "
+        "the next step), so the round trip is paid once per call; fewer where the KV blocks for them are "
+        f"short; 1: one call per step; at most {MAX_DECODE_STEPS}",
+    )
 
 
 def add_settings(parser: argparse.ArgumentParser) -> None:
@@ -103,14 +112,6 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "--max-batched-tokens", type=int, default=4096, help="tokens of one step: decodes, then prompt chunks"
     )
     add_step_sizing(parser)
-    parser.add_argument(
-        "--decode-steps",
-        type=_decode_steps,
-        default=8,
-        help="decode steps one compute call may run back to back (compute feeds each sampled token into "
-        "the next step), so the round trip is paid once per call; 1: one call per step; at most "
-        f"{MAX_DECODE_STEPS}",
-    )
     parser.add_argument("--max-seqs", type=int, default=64, help="sequences running at once")
     parser.add_argument(
         "--tool-call-parser",

@@ -63,16 +63,18 @@ def reserve_step(
 
 
 def multi_steps(step: ScheduledStep, scheduler: Scheduler, max_steps: int, news: bool) -> int:
-    """How many steps an all-decode step may run as one multi-step call (1: a plain Forward): up to
-    `max_steps`, while no request waits (for room the lookahead blocks would hold) or is new, and the slots
+    """How many steps an all-decode step may run as one multi-step call (1: a plain Forward): while no
+    request waits (for room the lookahead blocks would hold) or is new, `max_steps`, halved until the slots
     fit above the watermark."""
     kv = scheduler.kv
     if max_steps <= 1 or news or scheduler.waiting:
         return 1
     if not can_multi_step(step.seqs) or not all(map(kv.holds, step.seqs)):
         return 1
-    need = sum(kv.blocks_needed(seq, seq.chunk_end + max_steps - 1) for seq in step.seqs)
-    return max_steps if need <= kv.available_blocks - scheduler.watermark else 1
+    room, steps = kv.available_blocks - scheduler.watermark, max_steps
+    while steps > 1 and sum(kv.blocks_needed(seq, seq.chunk_end + steps - 1) for seq in step.seqs) > room:
+        steps //= 2
+    return steps
 
 
 def reserve(step: ScheduledStep, scheduler: Scheduler, live: LiveSeqs, lookahead: int = 0) -> int:

@@ -28,6 +28,7 @@ from sdk.client import Client
 TIER = ServiceOptions("cache_service", 0, settings=(add_tier_settings,))
 # The gateway's step sizing flags, likewise (to compare a stack's scheduling settings).
 STEP_SIZING = ServiceOptions("gateway", 0, settings=(add_step_sizing,))
+STEP_SIZING_FLAGS = "--prefill-tokens-with-decodes/--decode-step-target-ms/--pace-streams/--decode-steps"
 
 
 def add_parser(commands) -> None:
@@ -166,7 +167,7 @@ def _check(args) -> None:
         ("--weights", args.weights != "auto"),
         ("--cold-restart", args.cold_restart),
         ("--kv-tier/--config", TIER.command_line(args)),
-        ("--prefill-tokens-with-decodes/--decode-step-target-ms", STEP_SIZING.command_line(args)),
+        (STEP_SIZING_FLAGS, STEP_SIZING.command_line(args)),
         ("--model-shape", args.model_shape),
     ):
         if given and args.target:

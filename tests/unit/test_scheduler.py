@@ -1,5 +1,6 @@
 """The gateway's scheduler: chunked prefill, admission, preemption, priorities, forks."""
 
+from gateway.reservation import multi_steps
 from gateway.sequence import Status
 from tests.scheduling import make, run, seq
 
@@ -203,3 +204,25 @@ def test_a_preempted_sequence_looks_its_prefix_up_again():
     run(scheduler, scheduler.schedule())
     scheduler.kv.free([a])
     assert a.prefix_hit is None and a.num_computed == 0
+
+
+def test_a_multi_step_call_halves_its_steps_until_their_blocks_fit():
+    """Two decoding sequences of 8 tokens in a pool of 16 blocks of 4, too few for 32 more tokens each: the
+    call takes the most steps (32 halved) whose blocks fit above the watermark, and one step while a
+    request waits or is new."""
+    scheduler = make(block_size=4, num_blocks=16, max_batched_tokens=64, max_seqs=8)
+    for name in ("a", "b"):
+        scheduler.add(seq(name, 8))
+    run(scheduler, scheduler.schedule())
+    step = scheduler.schedule()
+    assert all(s.is_decode for s in step.seqs) and len(step.seqs) == 2
+    kv = scheduler.kv
+    room = kv.available_blocks - scheduler.watermark
+    need = {n: sum(kv.blocks_needed(s, s.chunk_end + n - 1) for s in step.seqs) for n in (32, 16, 8, 4)}
+    fitting = max(n for n, blocks in need.items() if blocks <= room)
+    assert need[32] > room and fitting < 32, "the pool is too small for every step count"
+    assert multi_steps(step, scheduler, 32, news=False) == fitting
+    assert multi_steps(step, scheduler, fitting, news=False) == fitting
+    assert multi_steps(step, scheduler, 32, news=True) == 1
+    scheduler.add(seq("c", 4))
+    assert multi_steps(step, scheduler, 32, news=False) == 1, "a waiting request keeps the lookahead room"

@@ -23,8 +23,9 @@ class ForwardSteps:
         if first is None:
             raise InvalidArgument("ForwardSteps needs a first message: the first step and its limits")
         stop, replies = threading.Event(), queue.SimpleQueue()
-        threading.Thread(target=_stop_on_next, args=(request_iterator, stop), daemon=True).start()
+        # NOTE: the steps first: the watcher's start would hold the GIL while the step thread wakes.
         self.steps.submit(self._run_steps, first, stop, replies)
+        threading.Thread(target=_stop_on_next, args=(request_iterator, stop), daemon=True).start()
         try:
             while (reply := replies.get()) is not None:
                 if isinstance(reply, Exception):

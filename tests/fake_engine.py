@@ -29,6 +29,8 @@ def start(tokenizer):
     engines = []
 
     def start(grace: float = 30.0, **settings) -> tuple[Engine, FakePoolCache, FakeCompute]:
+        # NOTE: 8 decode steps a call unless a test says otherwise: the fault tests count compute calls.
+        settings = {"decode_steps": 8, **settings}
         config = EngineConfig(CACHE, COMPUTE, block_size=4, max_batched_tokens=16, max_seqs=8,
                               peer_restart_grace_s=grace, **settings)  # fmt: skip
         engine = Engine(config, tokenizer)

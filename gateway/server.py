@@ -122,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     loop.start()
     info = engine.model_info
     threading.Thread(
-        target=grammars.prepare, args=(info.vocab_size, list(info.eos_token_ids)), name="grammar", daemon=True
+        target=grammars.prepare_at_start,
+        args=(info.vocab_size, list(info.eos_token_ids)),
+        name="grammar",
+        daemon=True,
     ).start()
     targets = {"cache": args.cache_target, "compute": args.compute_target}
     watcher = DownstreamWatcher(

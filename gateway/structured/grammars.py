@@ -14,7 +14,7 @@ import llguidance
 import structlog
 from prometheus_client import Histogram
 
-from common.errors import InvalidArgument
+from common.errors import FailedPrecondition, InvalidArgument
 from common.metrics import LATENCY_BUCKETS
 from gateway.structured.limits import ConstraintLimits
 from gateway.structured.matcher import Matcher
@@ -55,19 +55,34 @@ class Grammars:
         self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
 
     def prepare(self, vocab_size: int, eos_ids: list[int]) -> llguidance.LLTokenizer:
-        """The engine's tokenizer for a model of this vocabulary (built once, slowly: call it at start-up)."""
+        """The engine's tokenizer for a model of this vocabulary (built once, slowly: call it at start-up).
+        FailedPrecondition if the engine cannot hold this tokenizer for this model (a vocabulary smaller than
+        the tokenizer's)."""
         with self._lock:
             if self._tokenizer is None or self._tokenizer.vocab_size != vocab_size:
                 # NOTE: imported here: it imports transformers, which gateway.tokenizer.load imports first.
                 import llguidance.hf
 
                 start = time.perf_counter()
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf, n_vocab=vocab_size, eos_token=eos_ids
-                )
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf, n_vocab=vocab_size, eos_token=eos_ids
+                    )
+                except ValueError as err:
+                    raise FailedPrecondition(
+                        f"constraints are unavailable with this model and tokenizer: {err}"
+                    ) from None
                 self._cache.clear()
                 log.info("grammar_tokenizer", vocab=vocab_size, seconds=round(time.perf_counter() - start, 3))
             return self._tokenizer
+
+    def prepare_at_start(self, vocab_size: int, eos_ids: list[int]) -> None:
+        """prepare, logging instead of raising when the model cannot take constraints (its requests that
+        ask for one are refused with the reason)."""
+        try:
+            self.prepare(vocab_size, eos_ids)
+        except FailedPrecondition as err:
+            log.warning("grammar_tokenizer_unavailable", vocab=vocab_size, error=str(err))
 
     def matcher(self, spec: Spec, vocab_size: int, eos_ids: list[int]) -> Matcher:
         """A matcher at the constraint's start, from the cache or compiled within the time limit."""

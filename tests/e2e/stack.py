@@ -16,6 +16,9 @@ SMALL_BUDGET = 64
 SMALL_FLAGS = (
     *("--dtype", "float32", "--kv-blocks", str(SMALL_KV_BLOCKS), "--max-batched-tokens", str(SMALL_BUDGET)),
     *("--max-seqs", "12", "--log-format", "json", "--log-level", "debug"),
+    # NOTE: the scheduling tests' background streams are sized to outlast a prefill beside them at 8 decode
+    # steps a call (more steps a call decode them faster).
+    *("--decode-steps", "8"),
 )
 
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from transformers import AutoTokenizer
 
-from common.errors import InvalidArgument
+from common.errors import FailedPrecondition, InvalidArgument
 from common.model_files import local_copy
 from compute_service import constraints
 from gateway.structured import matcher as matchers
@@ -114,6 +114,18 @@ def test_a_compile_past_its_time_limit_is_refused_within_it_and_others_still_com
     assert time.monotonic() - start < 0.5
     quick = slow.matcher(spec.Spec("regex", "(yes|no)"), len(tokenizer), [tokenizer.eos_token_id])
     walk(quick, tokenizer, "yes")
+    assert quick.stopped
+
+
+def test_a_model_whose_vocabulary_the_tokenizer_overflows_refuses_constraints_with_the_reason(tokenizer):
+    """A vocabulary smaller than the tokenizer's (a test model's) cannot take the engine's tokenizer: start-up
+    logs it and goes on; a constrained request is refused with the reason, not an internal error."""
+    small = Grammars(tokenizer, LIMITS)
+    small.prepare_at_start(256, [0])
+    with pytest.raises(FailedPrecondition, match="constraints are unavailable with this model and tokenizer"):
+        small.matcher(spec.Spec("regex", "(yes|no)"), 256, [0])
+    quick = small.matcher(spec.Spec("regex", "(yes|no)"), len(tokenizer), [tokenizer.eos_token_id])
+    walk(quick, tokenizer, "no")
     assert quick.stopped
 
 

@@ -144,8 +144,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
     // NOTE: a plain loop, not a tensor sum: at a decode's few rows the operator's dispatch cost more than the sum.
     std::vector<float> sums;
     if (rows <= kInt4DirectRows) {
+      // NOTE: no division per element (a runtime divisor is a real division): one group's run at a time.
       sums.assign(rows * groups, 0.0f);
-      for (int64_t i = 0; i < rows * K; ++i) sums[i / group] += xs[i];
+      for (int64_t g = 0; g < rows * groups; ++g)
+        for (int64_t k = 0; k < group; ++k) sums[g] += xs[g * group + k];
     }
     run_panels(Int4{panels.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales->data_ptr<at::BFloat16>()),
                     group, sums.empty() ? nullptr : sums.data(), ++calls},

@@ -15,6 +15,9 @@ N = TypeVar("N", int, "torch.Tensor")
 # Decode steps one Compute.ForwardSteps call may run per row: compute refuses more, and the gateway's
 # --decode-steps is capped at it (its tables then hold at most that many slots ahead).
 MAX_DECODE_STEPS = 64
+# Prompt-lookup drafts a row may feed per ForwardSteps step (StepsRequest.draft_tokens): compute refuses
+# more, and the gateway's --draft-tokens is capped at it.
+MAX_DRAFT_TOKENS = 16
 
 
 def blocks_for(num_tokens: N, block_size: int) -> N:

@@ -8,7 +8,9 @@ from collections.abc import Iterator
 
 from common.errors import InvalidArgument
 from compute_service.batch import ForwardBatch
+from compute_service.greedy import is_plain_greedy
 from compute_service.multi_step import MultiStepPlan
+from compute_service.speculation import replies_by_depth, step_batch, verified
 from protos import compute_pb2
 
 
@@ -50,7 +52,9 @@ class ForwardSteps:
                 batch = self._checked(first.first)
                 plan = MultiStepPlan.check(first, self._limits)
                 with self._fence.holding(first.first.session_epoch) as still_open:
-                    self._steps(batch, plan, start, stop, replies, still_open)
+                    drafts = plan.lookup is not None and self._limits.sparse is None
+                    run = self._drafting_steps if drafts and is_plain_greedy(batch.sampling) else self._steps
+                    run(batch, plan, start, stop, replies, still_open)
         except Exception as exc:  # noqa: BLE001 - the handler raises it as the call's status
             replies.put(exc)
         finally:
@@ -73,6 +77,39 @@ class ForwardSteps:
                 batch = batch.following(tokens, keep, self._limits.block_size)
             replies.put(reply)
             if not going_on:
+                return
+
+    def _drafting_steps(
+        self, first: ForwardBatch, plan: MultiStepPlan, start: float, stop, replies, still_open
+    ) -> None:
+        """The steps of a call whose rows draft (compute_service.speculation): each feeds every running row's
+        token and the drafts its lookup finds, and sends a reply per token depth of what the rows keep.
+
+        NOTE: not on --sparse-attention (checked by the caller): its block summaries track decode rows."""
+        tokens, starts, block_size = (
+            first.token_ids.tolist(),
+            first.positions.tolist(),
+            self._limits.block_size,
+        )
+        while True:
+            still_open()
+            rows = plan.rows
+            feeds = [[tokens[row], *plan.lookup.draft(row, plan.room(row))] for row in rows]
+            batch = step_batch(first, rows, feeds, [starts[row] for row in rows], block_size)
+            reply, chosen = self._run(batch, start)
+            kept, running = [], []
+            for row, yielded in zip(rows, verified(feeds, chosen.tolist()), strict=True):
+                taken, going = plan.take(row, yielded)
+                kept.append(taken)
+                tokens[row], starts[row] = taken[-1], starts[row] + len(taken)
+                plan.lookup.extend(row, taken)
+                if going:
+                    running.append(row)
+            plan.rows = running
+            start = time.perf_counter()
+            for part in replies_by_depth(reply, rows, feeds, kept):
+                replies.put(part)
+            if not running or stop.is_set():
                 return
 
 

@@ -38,6 +38,9 @@ class EngineConfig:
     pace_streams: int = DEFAULT_PACE_STREAMS
     # Decode steps one Compute call may run (ForwardSteps; 1: one Forward per step).
     decode_steps: int = DEFAULT_DECODE_STEPS
+    # Prompt-lookup drafts a plain greedy row may feed per step of a multi-step call (0: off; see
+    # compute_service/speculation.py).
+    draft_tokens: int = 0
     rpc_timeout_s: float = 120.0
     # Seconds a lost peer has to come back before the waiting requests fail.
     peer_restart_grace_s: float = 30.0

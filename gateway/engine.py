@@ -103,9 +103,7 @@ class Engine:
             pace = StepPace(config.decode_step_target_ms / 1e3) if config.decode_step_target_ms else None
             sizing = (config.prefill_tokens_with_decodes, pace, config.pace_streams)
             self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_seqs, *sizing)
-            self.executor = StepExecutor(
-                self._compute, self.kv, self.lease, config.step_timeout_s, config.rpc_timeout_s
-            )
+            self.executor = StepExecutor(self._compute, self.kv, self.lease, config)
             self.inbox.interrupt = self.executor.end_call
             self.live = LiveSeqs(self.scheduler, self.kv)
             return
@@ -280,7 +278,7 @@ class Engine:
             if seq.seq_id not in result.running_on or not output.finish_reason:
                 seq.outbox.put(output)
         seconds = result.timer.finish(result.kind)
-        if self.scheduler.pace is not None:
+        if self.scheduler.pace is not None and not result.reply.same_step:
             self.scheduler.pace.observe(shape, seconds)
         return held
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from common.errors import refused_rows
 from common.server import request_metadata
-from gateway.config import BAD_ROW_ENV
+from gateway.config import BAD_ROW_ENV, EngineConfig
 from gateway.fault_injection import injected
 from gateway.forward import Refuse, forward_request, forward_rows
 from gateway.kv_view import KVView
@@ -22,6 +22,7 @@ from gateway.multi_step import (
     multi_step_request,
     row_limit,
     select_rows,
+    with_lookup,
 )
 from gateway.recovery import PeerFault, calling
 from gateway.sequence import Sequence
@@ -36,17 +37,13 @@ class StepExecutor:
     engine thread; `end_call` may come from any thread."""
 
     def __init__(
-        self,
-        compute: compute_pb2_grpc.ComputeStub,
-        kv: KVView,
-        lease: Lease,
-        step_timeout_s: float,
-        rpc_timeout_s: float,
+        self, compute: compute_pb2_grpc.ComputeStub, kv: KVView, lease: Lease, config: EngineConfig
     ) -> None:
         # NOTE: every request names the lease's session epoch: compute runs it only while that session is
         # open at the cache (the pool's session fence), so a lapsed lease's step writes nothing.
         self._compute, self._kv, self._lease = compute, kv, lease
-        self._deadline = StepDeadline(step_timeout_s, rpc_timeout_s)
+        self._deadline = StepDeadline(config.step_timeout_s, config.rpc_timeout_s)
+        self._draft_tokens = config.draft_tokens
         self._epoch, self._eos = "", frozenset()
         # Set while a multi-step call runs: setting it ends the call after compute's current step.
         self._call_stop: threading.Event | None = None
@@ -102,6 +99,7 @@ class StepExecutor:
         limits = [row_limit(seq, steps, self._eos) for seq in seqs]
         tables = self._kv.step_tables(seqs)
         request = multi_step_request(seqs, tables, self._epoch, self._eos, limits, self._lease.epoch)
+        with_lookup(request, seqs, self._draft_tokens)
         self._marked(seqs, request.first)
         stop = self._call_stop = threading.Event()
         taken, ran, step_s = [0] * len(seqs), 0, self._deadline.timeout(len(seqs))

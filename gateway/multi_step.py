@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.forward import forward_request
-from gateway.sequence import Sequence
+from gateway.sequence import Sampling, Sequence
 from protos import compute_pb2
 
 
@@ -60,6 +60,23 @@ def multi_step_request(
         request.stop_token_ids.extend(sorted(limit.stop_ids))
         request.cu_stop_token_ids.append(len(request.stop_token_ids))
     return request
+
+
+def with_lookup(request: compute_pb2.StepsRequest, seqs: list[Sequence], draft_tokens: int) -> None:
+    """Each row's tokens so far as its lookup tokens, when the call may draft: draft_tokens > 0 and every row
+    plain greedy (compute checks that itself, min_tokens included: it drafts only for plain greedy rows)."""
+    if not draft_tokens or not all(_plain_greedy(seq.sampling) for seq in seqs):
+        return
+    request.draft_tokens = draft_tokens
+    request.cu_lookup_token_ids.append(0)
+    for seq in seqs:
+        request.lookup_token_ids.extend(seq.prompt_ids)
+        request.lookup_token_ids.extend(seq.output_ids)
+        request.cu_lookup_token_ids.append(len(request.lookup_token_ids))
+
+
+def _plain_greedy(s: Sampling) -> bool:
+    return s.temperature == 0 and s.logprobs is None and not s.penalized and not s.logit_bias
 
 
 def select_rows(

@@ -5,7 +5,7 @@ import math
 from pathlib import Path
 
 from common.options import ServiceOptions, add_logging, add_model, positive_seconds
-from common.paging import MAX_DECODE_STEPS
+from common.paging import MAX_DECODE_STEPS, MAX_DRAFT_TOKENS
 from common.transport import add_client_certs
 from gateway.config import DEFAULT_DECODE_STEP_TARGET_MS, DEFAULT_DECODE_STEPS, DEFAULT_PACE_STREAMS
 from gateway.limits import add_limits
@@ -70,6 +70,13 @@ def _decode_steps(text: str) -> int:
     return int(text)
 
 
+def _draft_tokens(text: str) -> int:
+    """--draft-tokens: an integer in [0, MAX_DRAFT_TOKENS]."""
+    if not text.isdigit() or int(text) > MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a token count from 0 to {MAX_DRAFT_TOKENS}")
+    return int(text)
+
+
 def add_step_sizing(parser: argparse.ArgumentParser) -> None:
     """How much prompt a step that runs decodes takes, and how many decode steps one compute call runs
     (`pagedserve bench` forwards them too)."""
@@ -103,6 +110,15 @@ def add_step_sizing(parser: argparse.ArgumentParser) -> None:
         help="decode steps one compute call may run back to back (compute feeds each sampled token into "
         "the next step), so the round trip is paid once per call; fewer where the KV blocks for them are "
         f"short; 1: one call per step; at most {MAX_DECODE_STEPS}",
+    )
+    parser.add_argument(
+        "--draft-tokens",
+        type=_draft_tokens,
+        default=0,
+        help="prompt lookup: in a multi-step call, a greedy row whose last tokens recur earlier in its "
+        "prompt or output feeds up to this many of the tokens that followed them as drafts, and keeps "
+        "those the model agrees with, several tokens a step for about one step's cost; the tokens are "
+        f"the greedy ones either way; 0: off; at most {MAX_DRAFT_TOKENS}",
     )
 
 

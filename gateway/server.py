@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
             decode_step_target_ms=args.decode_step_target_ms,
             pace_streams=args.pace_streams,
             decode_steps=args.decode_steps,
+            draft_tokens=args.draft_tokens,
             session_ttl_s=args.session_ttl,
             peer_restart_grace_s=args.peer_restart_grace,
             step_timeout_s=args.step_timeout,

@@ -177,19 +177,25 @@ class RowSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., suppress_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepsRequest(_message.Message):
-    __slots__ = ("first", "max_steps", "stop_token_ids", "cu_stop_token_ids")
+    __slots__ = ("first", "max_steps", "stop_token_ids", "cu_stop_token_ids", "draft_tokens", "lookup_token_ids", "cu_lookup_token_ids")
     FIRST_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CU_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CU_LOOKUP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     first: ForwardRequest
     max_steps: _containers.RepeatedScalarFieldContainer[int]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cu_stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, first: _Optional[_Union[ForwardRequest, _Mapping]] = ..., max_steps: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cu_stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_tokens: int
+    lookup_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cu_lookup_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first: _Optional[_Union[ForwardRequest, _Mapping]] = ..., max_steps: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cu_stop_token_ids: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., lookup_token_ids: _Optional[_Iterable[int]] = ..., cu_lookup_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "forward_ms", "top_logprobs_width", "top_token_ids", "top_logprobs", "prepare_ms", "model_ms", "attention_ms", "sample_ms", "rows", "sparse_rows")
+    __slots__ = ("token_ids", "logprobs", "forward_ms", "top_logprobs_width", "top_token_ids", "top_logprobs", "prepare_ms", "model_ms", "attention_ms", "sample_ms", "rows", "sparse_rows", "same_step", "drafted_tokens", "accepted_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +208,9 @@ class ForwardResponse(_message.Message):
     SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SAME_STEP_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     forward_ms: float
@@ -214,4 +223,7 @@ class ForwardResponse(_message.Message):
     sample_ms: float
     rows: _containers.RepeatedScalarFieldContainer[int]
     sparse_rows: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., top_logprobs_width: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_ms: _Optional[float] = ..., model_ms: _Optional[float] = ..., attention_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., rows: _Optional[_Iterable[int]] = ..., sparse_rows: _Optional[int] = ...) -> None: ...
+    same_step: bool
+    drafted_tokens: int
+    accepted_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., top_logprobs_width: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_ms: _Optional[float] = ..., model_ms: _Optional[float] = ..., attention_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., rows: _Optional[_Iterable[int]] = ..., sparse_rows: _Optional[int] = ..., same_step: _Optional[bool] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...

@@ -261,7 +261,7 @@ def near_valid(base: st.SearchStrategy[Message], live: Live) -> st.SearchStrateg
 @st.composite
 def valid_steps(draw, live: Live) -> compute_pb2.StepsRequest:
     """A ForwardSteps first message: one new token per row, every row sampling, each row's steps within its
-    table (of 3 blocks), a few stop ids."""
+    table (of 3 blocks), a few stop ids, and half the time prompt-lookup drafts."""
     num_seqs, width = draw(st.integers(1, 4)), 3
     computed = [draw(st.integers(0, 2 * live.block_size)) for _ in range(num_seqs)]
     blocks = st.integers(0, live.num_blocks - 1)
@@ -283,6 +283,13 @@ def valid_steps(draw, live: Live) -> compute_pb2.StepsRequest:
     for _ in range(num_seqs):
         request.stop_token_ids.extend(draw(st.lists(st.integers(0, live.vocab_size - 1), max_size=3)))
         request.cu_stop_token_ids.append(len(request.stop_token_ids))
+    if draw(st.booleans()):
+        # prompt lookup: few distinct ids, so that runs recur and rows draft
+        request.draft_tokens = draw(st.integers(1, 4))
+        request.cu_lookup_token_ids.append(0)
+        for _ in range(num_seqs):
+            request.lookup_token_ids.extend(draw(st.lists(st.integers(0, 3), max_size=12)))
+            request.cu_lookup_token_ids.append(len(request.lookup_token_ids))
     return request
 
 

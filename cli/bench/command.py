@@ -28,7 +28,9 @@ from sdk.client import Client
 TIER = ServiceOptions("cache_service", 0, settings=(add_tier_settings,))
 # The gateway's step sizing flags, likewise (to compare a stack's scheduling settings).
 STEP_SIZING = ServiceOptions("gateway", 0, settings=(add_step_sizing,))
-STEP_SIZING_FLAGS = "--prefill-tokens-with-decodes/--decode-step-target-ms/--pace-streams/--decode-steps"
+STEP_SIZING_FLAGS = (
+    "--prefill-tokens-with-decodes/--decode-step-target-ms/--pace-streams/--decode-steps/--draft-tokens"
+)
 
 
 def add_parser(commands) -> None:

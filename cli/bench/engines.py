@@ -49,6 +49,7 @@ def vllm(args: argparse.Namespace, workload: Workload, dtype: str) -> PeerRun:
         figures = vllm_peer.measure(
             args.vllm_python, workload, local_copy(args.model).path, dtype, args.repeat,
             kv_memory=args.vllm_kv_memory, bind=args.vllm_bind, dummy_weights=bool(args.model_shape),
+            draft_tokens=args.draft_tokens,
         )  # fmt: skip
     except (RuntimeError, ValueError) as error:
         return _failed(vllm_peer.NAME, error)

@@ -6,7 +6,8 @@ processes import this file again). Protocol version 1:
 
 - input (stdin): {"protocol": 1, "model": DIR, "dtype": "float32", "max_model_len": N, "kv_memory_bytes": N,
   "kv_tokens": null or N, "repeat": R, "enforce_eager": false (optional), "load_format": "auto" (optional;
-  "dummy": the model directory's config with random weights),
+  "dummy": the model directory's config with random weights), "draft_tokens": 0 (optional; N: vLLM's prompt
+  lookup, method "ngram", N tokens a step, the last 1 to 3 tokens looked up, as pagedserve's --draft-tokens),
   "requests": [{"prompt_ids": [...], "max_tokens": N, "arrival_s": S}, ...]}
 - output (the file): {"protocol": 1, "vllm_version": V, "passes": [[{"sent": S, "token_times": [...],
   "token_ids": [...], "prompt_tokens": N, "cached_tokens": N, "completion_tokens": N}, ...], ...]}
@@ -136,6 +137,13 @@ def engine_args(workload: dict) -> dict:
         "enforce_eager": bool(workload.get("enforce_eager", False)),
         "load_format": workload.get("load_format", "auto"),
     }
+    if workload.get("draft_tokens"):
+        args["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": workload["draft_tokens"],
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        }
     if workload.get("kv_tokens"):
         tokens_bytes = workload["kv_tokens"] * kv_bytes_per_token(workload["model"], workload["dtype"])
         args["kv_cache_memory_bytes"] = tokens_bytes

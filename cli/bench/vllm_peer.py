@@ -41,9 +41,11 @@ def request_json(
     repeat: int,
     kv_memory: int = DEFAULT_KV_MEMORY,
     dummy_weights: bool = False,
+    draft_tokens: int = 0,
 ) -> dict:
     """The driver's input (protocol 1) for `repeat` passes of the workload on the model in model_dir (its
-    config only, random weights of vLLM's own, if dummy_weights)."""
+    config only, random weights of vLLM's own, if dummy_weights), with vLLM's prompt lookup of
+    `draft_tokens` tokens a step (0: off)."""
     longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
     model_len = max(MIN_MODEL_LEN, longest)
     if workload.kv_tokens:
@@ -58,6 +60,7 @@ def request_json(
         "kv_tokens": workload.kv_tokens,
         "repeat": repeat,
         "load_format": "dummy" if dummy_weights else "auto",
+        "draft_tokens": draft_tokens,
         "requests": [
             {"prompt_ids": r.prompt_ids, "max_tokens": r.max_tokens, "arrival_s": r.arrival_s}
             for r in workload.requests
@@ -153,10 +156,11 @@ def check_flags(args) -> None:
 def setup(figures: dict, args, dtype: str) -> str:
     """One line on how the vLLM peer ran."""
     weights = ", random weights (load_format=dummy)" if args.model_shape else ""
+    drafts = f", ngram prompt lookup of {args.draft_tokens} tokens" if args.draft_tokens else ""
     return (
         f"{NAME} {figures.get('version')}: AsyncLLM, each token timed as it streams out, {dtype}{weights}, "
-        f"{binding.vllm_label(args.vllm_bind)}, KV {args.vllm_kv_memory / 2**20:.0f}MiB, prefix caching on, "
-        f"median of {args.repeat}"
+        f"{binding.vllm_label(args.vllm_bind)}, KV {args.vllm_kv_memory / 2**20:.0f}MiB, prefix caching on"
+        f"{drafts}, median of {args.repeat}"
     )
 
 
@@ -172,6 +176,7 @@ def settings(figures: dict, args, dtype: str) -> dict:
         "binding_log": figures.get("binding_log", []),
         "kv_cache_memory_bytes": args.vllm_kv_memory,
         "enable_prefix_caching": True,
+        "ngram_draft_tokens": args.draft_tokens,
     }
 
 
@@ -184,9 +189,10 @@ def measure(
     kv_memory: int = DEFAULT_KV_MEMORY,
     bind: str = binding.ALL,
     dummy_weights: bool = False,
+    draft_tokens: int = 0,
 ) -> dict:
     """The workload's median figures on vLLM, its version and its log lines on the binding."""
-    request = request_json(workload, model_dir, dtype, repeat, kv_memory, dummy_weights)
+    request = request_json(workload, model_dir, dtype, repeat, kv_memory, dummy_weights, draft_tokens)
     with tempfile.TemporaryDirectory(prefix="pagedserve-bench-vllm-") as workdir:
         answer = run_driver(python, request, Path(workdir), bind)
     version = answer.get("vllm_version")

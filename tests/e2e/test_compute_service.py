@@ -1,7 +1,8 @@
 """The compute service as a real process: model info, pool attachment, paged generation, refusals; and
 ForwardSteps: several decode steps per call give the tokens of one Forward per step (greedy, seeded
 sampling, penalties), rows stop at their limits or stop ids, the caller's half-close ends the call after the
-running step, and a bad call is refused before touching the pool."""
+running step, and a bad call is refused before touching the pool; with prompt-lookup drafts, the same greedy
+tokens in fewer steps whatever the drafts, and none drafted for sampled rows."""
 
 import json
 import threading
@@ -363,7 +364,8 @@ def steps_request(epoch, first, max_steps, stops=None, sampling=None) -> compute
 def per_row(replies) -> list[list[int]]:
     out = [[] for _ in PROMPTS]
     for reply in replies:
-        assert len(reply.rows) == len(reply.token_ids) and reply.forward_ms > 0
+        # a step's later replies (its rows' kept drafts) carry no times
+        assert len(reply.rows) == len(reply.token_ids) and (reply.forward_ms > 0) != reply.same_step
         for row, token in zip(reply.rows, reply.token_ids, strict=True):
             out[row].append(token)
     return out
@@ -420,12 +422,82 @@ def _narrow(request: compute_pb2.StepsRequest) -> None:
             request.first.block_tables[i * width + col] = -1
 
 
+def with_lookup(request: compute_pb2.StepsRequest, lookups: list[list[int]], draft_tokens: int = 4):
+    request.draft_tokens = draft_tokens
+    request.cu_lookup_token_ids.append(0)
+    for ids in lookups:
+        request.lookup_token_ids.extend(ids)
+        request.cu_lookup_token_ids.append(len(request.lookup_token_ids))
+    return request
+
+
+# NOTE: a run the tiny model's tokens do not make (vocabulary 256): the lookup finds the row's token only
+# after it, so a row drafts what the lookup holds after that.
+MARK = [253, 254]
+
+
+def lookups(first: list[int], continuations: list[list[int]]) -> list[list[int]]:
+    """Each row's lookup tokens: MARK, its token, the continuation, then MARK and its token (fed now)."""
+    return [[*MARK, f, *c, *MARK, f] for f, c in zip(first, continuations, strict=True)]
+
+
+def _drafts(replies) -> tuple[int, int, int]:
+    """The steps compute ran, the drafts they fed and how many of them the rows kept."""
+    steps = [r for r in replies if not r.same_step]
+    return len(steps), sum(r.drafted_tokens for r in steps), sum(r.accepted_tokens for r in steps)
+
+
+def test_drafts_of_the_greedy_tokens_are_kept_several_a_step(service, pool):
+    first = prefill(service, pool.epoch)
+    expected = one_by_one(service, pool.epoch, first)
+    request = with_lookup(steps_request(pool.epoch, first, [STEPS] * 3), lookups(first, expected))
+    replies = in_steps(service, request)
+    assert per_row(replies) == expected
+    # step 1 feeds each row's token and 4 drafts and keeps all 5 tokens; step 2 has room for one token only
+    assert _drafts(replies) == (2, 12, 12)
+    assert [list(r.rows) for r in replies] == [[0, 1, 2]] * STEPS
+
+
+def test_drafts_the_model_disagrees_with_change_no_token(service, pool):
+    first = prefill(service, pool.epoch)
+    expected = one_by_one(service, pool.epoch, first)
+    wrong = [[(t + 1) % 250 for t in row] for row in expected]
+    replies = in_steps(
+        service, with_lookup(steps_request(pool.epoch, first, [STEPS] * 3), lookups(first, wrong))
+    )
+    assert per_row(replies) == expected
+    assert replies[0].drafted_tokens == 12 and replies[0].accepted_tokens == 0
+
+
+def test_a_stop_id_among_kept_drafts_ends_its_row_there(service, pool):
+    first = prefill(service, pool.epoch)
+    expected = one_by_one(service, pool.epoch, first)
+    stop_id = expected[2][1]
+    request = steps_request(pool.epoch, first, [STEPS, 3, STEPS], [[], [], [stop_id]])
+    got = per_row(in_steps(service, with_lookup(request, lookups(first, expected))))
+    assert got[0] == expected[0] and got[1] == expected[1][:3]
+    assert got[2] == expected[2][: expected[2].index(stop_id) + 1]
+
+
+def test_sampled_rows_draft_nothing(service, pool):
+    sampling = SAMPLINGS["seeded"]
+    first = prefill(service, pool.epoch, sampling)
+    expected = one_by_one(service, pool.epoch, first, sampling)
+    request = steps_request(pool.epoch, first, [STEPS] * 3, sampling=sampling)
+    replies = in_steps(service, with_lookup(request, lookups(first, expected)))
+    assert per_row(replies) == expected and _drafts(replies) == (STEPS, 0, 0)
+
+
 BAD_CALLS = {
     "tables too short for max_steps": (_narrow, "blocks for"),
     "a prompt chunk": (lambda r: r.first.cu_seqlens_q.__setitem__(1, 0), "cu_seqlens_q"),
     "max_steps zero": (lambda r: r.max_steps.__setitem__(0, 0), "max_steps"),
     "max_steps count": (lambda r: r.max_steps.append(1), "max_steps"),
     "stop offsets": (lambda r: r.cu_stop_token_ids.append(9), "cu_stop_token_ids"),
+    "too many drafts": (lambda r: with_lookup(r, [[1]] * 3, draft_tokens=17), "draft_tokens"),
+    "drafts without lookup": (lambda r: setattr(r, "draft_tokens", 4), "cu_lookup_token_ids"),
+    "lookup offsets": (lambda r: with_lookup(r, [[1], [2]]), "cu_lookup_token_ids"),
+    "lookup id past the vocabulary": (lambda r: with_lookup(r, [[1], [VOCAB], [2]]), "lookup_token_ids"),
 }
 
 

@@ -55,6 +55,13 @@ def test_the_engine_gets_the_same_weights_dtype_and_kv_budget(tmp_path):
     assert vllm_driver.engine_args(dummy)["load_format"] == "dummy", (
         "--model-shape: the config, random weights"
     )
+    assert "speculative_config" not in args, "no prompt lookup unless the bench drafts"
+    drafting = vllm_peer.request_json(
+        _workload(BenchRequest([5] * 8, 2)), Path("/m"), "float32", 1, draft_tokens=4
+    )
+    assert vllm_driver.engine_args(drafting)["speculative_config"] == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+    }, "--draft-tokens: vLLM's prompt lookup of as many tokens"  # fmt: skip
     # SmolLM2-135M: 30 layers, 9 query heads of 64 (hidden 576), 3 KV heads: 46,080 bytes a token in float32
     config = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}
     (tmp_path / "config.json").write_text(json.dumps(config))

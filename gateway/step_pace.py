@@ -76,8 +76,8 @@ class StepCost:
 
 class StepCostFit:
     """Exponentially weighted least squares of step times on their shapes, with each step's error clipped
-    (see CLIP) once WARMUP steps are seen. `cost` is None while the fit is not physical (a token that costs
-    nothing)."""
+    (see CLIP) once WARMUP steps are seen. `cost` is the last physical fit: None until there is one (a fit
+    in which a token costs nothing is not), then kept while a later fit is not physical."""
 
     def __init__(self) -> None:
         self._xtx = np.zeros((3, 3))
@@ -110,7 +110,11 @@ class StepCostFit:
         self._xty = DECAY * self._xty + x * seconds
         self.seen += 1
         coef = self._solve()
-        self.cost = None if coef is None else StepCost(coef[0], coef[1] / TOKEN_UNIT, coef[2] / PAIR_UNIT)
+        # NOTE: a fit that turns unphysical keeps the last physical one: the steps of a small model on a
+        # loaded host can make a token's cost vanish in the noise, and pacing nothing then would let a
+        # full-cap chunk in beside the decodes.
+        if coef is not None:
+            self.cost = StepCost(coef[0], coef[1] / TOKEN_UNIT, coef[2] / PAIR_UNIT)
 
     def _leverage(self, x: np.ndarray) -> float:
         """How little the steps seen so far tell of a step of features x: about 1 / (the weighted count of

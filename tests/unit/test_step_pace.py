@@ -111,6 +111,19 @@ def test_one_slow_step_moves_the_chunk_a_little_and_is_forgotten():
     assert pace.prompt_tokens(DECODES, 0) == pytest.approx(before, rel=0.05)
 
 
+def test_a_fit_that_turns_unphysical_keeps_pacing_with_the_last_physical_one():
+    """Steps whose times fall as their tokens grow (noise on a loaded host, a model too small to tell) would
+    make a token cost nothing: the pace keeps the last physical fit instead of letting the cap in."""
+    pace = StepPace(0.2)
+    feed(pace, MACHINE, 60)
+    for i in range(300):
+        shape = StepShape(16 + 64 * (i % 8), 0)
+        pace.observe(shape, 0.5 - 1e-3 * shape.tokens)
+    assert pace.fit._solve() is None, "the steps fed make the fit unphysical"
+    assert pace.fit.cost is not None and pace.fit.cost.per_token > 0
+    assert pace.prompt_tokens(DECODES, 0) is not None, "paced, not left to the cap"
+
+
 def test_decodes_only_cannot_mislead_the_chunk_below_its_cap():
     """Steps that never vary tell nothing of a prompt token's cost: the pace's chunk is then large (the
     cap holds), and the first mixed steps correct it."""

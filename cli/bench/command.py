@@ -28,6 +28,8 @@ from sdk.client import Client
 TIER = ServiceOptions("cache_service", 0, settings=(add_tier_settings,))
 # The gateway's step sizing flags, likewise (to compare a stack's scheduling settings).
 STEP_SIZING = ServiceOptions("gateway", 0, settings=(add_step_sizing,))
+# compute's counters of prompt-lookup drafts (compute_service/speculation.py)
+DRAFTED, DRAFTS_KEPT = "pagedserve_draft_tokens_total", "pagedserve_draft_tokens_accepted_total"
 STEP_SIZING_FLAGS = (
     "--prefill-tokens-with-decodes/--decode-step-target-ms/--pace-streams/--decode-steps/--draft-tokens"
 )
@@ -84,13 +86,27 @@ def add_parser(commands) -> None:
     p.set_defaults(run=run)
 
 
-def _measure(args, workload, target: str, cache_target: str, metrics_url: str | None) -> dict:
-    """The workload's median figures and, with --profile, the mean step split over all passes."""
+def _measure(
+    args, workload, target: str, cache_target: str, metrics_url: str | None, compute_url: str | None
+) -> dict:
+    """The workload's median figures and, with --profile, the mean step split over all passes; with
+    --draft-tokens on a stack the bench started (compute's /metrics at `compute_url`), the share of the
+    drafts fed over all passes that the steps kept."""
     before = profile.totals(scrape(metrics_url)) if args.profile else None
+    drafts = _draft_counts(compute_url) if args.draft_tokens and compute_url else None
     figures = {"pagedserve": _passes(args, workload, target, cache_target, workload.name)}
     if args.profile:
         figures["profile"] = profile.summarize(before, profile.totals(scrape(metrics_url)))
+    if drafts is not None:
+        fed, kept = (after - then for after, then in zip(_draft_counts(compute_url), drafts, strict=True))
+        figures["pagedserve"]["drafts_kept"] = kept / fed if fed else None
     return figures
+
+
+def _draft_counts(compute_url: str) -> tuple[float, float]:
+    """Compute's counts of prompt-lookup drafts fed and kept so far."""
+    samples = scrape(compute_url)
+    return samples[DRAFTED, ()], samples[DRAFTS_KEPT, ()]
 
 
 def _passes(args, workload, target: str, cache_target: str, desc: str) -> dict:
@@ -206,6 +222,7 @@ def _soak(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     stack = None
+    compute_url = None
     if args.target:
         target, cache_target, metrics_url = args.target, args.cache_target, args.metrics_url
     else:
@@ -219,6 +236,8 @@ def _run(args: argparse.Namespace) -> int:
             stack.stop()
             stack = _start(args, *workload.stack_flags(args.block_size))
             target, cache_target, metrics_url = stack.target, stack.cache_target, stack.metrics_url()
+        if stack is not None:
+            compute_url = stack.metrics_url("compute")
         result = {
             "workload": workload.name,
             "description": workload.description,
@@ -234,7 +253,7 @@ def _run(args: argparse.Namespace) -> int:
             **(
                 {"pagedserve": _cold_passes(args, workload, stack)}
                 if args.cold_restart
-                else _measure(args, workload, target, cache_target, metrics_url)
+                else _measure(args, workload, target, cache_target, metrics_url, compute_url)
             ),
         }
         others = {}

@@ -16,6 +16,7 @@ ROWS = [
     ("peak_used_blocks", "peak KV blocks used", "{:.0f}"),
     ("kv_utilisation_mean", "KV utilisation, time-weighted mean", "{:.1%}"),
     ("kv_utilisation_at_peak", "KV utilisation at peak occupancy", "{:.1%}"),
+    ("drafts_kept", "prompt-lookup drafts kept", "{:.1%}"),
 ]
 PEERS = ("generate_batch", "generate")
 FIRST = "vLLM"  # the engine a user would pick instead: its column comes first

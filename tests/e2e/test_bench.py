@@ -128,6 +128,22 @@ def test_bench_at_a_model_shape_builds_it_and_dates_the_result(shape, tmp_path):
     assert result["pagedserve"]["generated_tokens"] == 128 and result["pagedserve"]["prompt_tokens"] == 256
 
 
+def test_bench_with_drafts_reports_the_share_kept(tmp_path):
+    """--draft-tokens reaches the stack the bench starts, and the JSON and table hold the share of the drafts
+    compute fed that its steps kept (the latency prompt is random ids, after which the model repeats
+    itself)."""
+    out = subprocess.run(
+        [*PAGEDSERVE, "bench", "--workload", "latency", "--dtype", "float32", "--no-peers", "--draft-tokens",
+         "4", "--json", str(tmp_path / "bench.json")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert "--draft-tokens 4" in result["setup"]
+    assert 0.5 < result["pagedserve"]["drafts_kept"] <= 1
+    assert "prompt-lookup drafts kept" in out.stdout
+
+
 def test_bench_peer_llamacpp_sends_the_same_token_ids(stack_fp32, tmp_path):
     """The llama.cpp peer on the default model's GGUF, against a server that speaks llama-server's protocol
     (tests/llamacpp_protocol_server.py): it gets the workload's token ids, and its figures, settings and

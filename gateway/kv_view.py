@@ -156,11 +156,11 @@ class KVView:
 
     def covers(self, seqs: Seqs[Sequence], lookahead: int = 0) -> bool:
         """Whether the step needs no Reserve: every sequence has a table whose blocks hold its chunk (and
-        `lookahead` tokens after it) and that it alone holds (no fork since its last Reserve), so nothing is
+        its lookahead: see `reserve`) and that it alone holds (no fork since its last Reserve), so nothing is
         to be grown or copied."""
         for seq in seqs:
             kv = self._seqs.get(seq.seq_id)
-            end = seq.chunk_end + lookahead
+            end = seq.chunk_end + seq.lookahead(lookahead + 1)
             if kv is None or kv.shares_tail or end > len(kv.block_table) * self.block_size:
                 return False
         return True
@@ -177,7 +177,8 @@ class KVView:
         chunk_end; a sequence's first reservation sets scheduled_at and cached_tokens and drops its
         prefix_hit. `lookahead` (running
         sequences only): the tables also hold that many slots after the chunk, for the later steps of a
-        multi-step call.
+        multi-step call, each at most one per token the sequence may still sample after the chunk's
+        (Sequence.lookahead: slots no step can write would only evict cached prefixes).
         """
         if self.covers(seqs, lookahead):
             return
@@ -218,7 +219,7 @@ class KVView:
         request = _seq_request(
             seq, seq.token_ids[self._seqs[seq.seq_id].num_synced : seq.chunk_end], seq.chunk_end
         )
-        request.lookahead_tokens = lookahead
+        request.lookahead_tokens = seq.lookahead(lookahead + 1)
         return request
 
     def fork(self, parent: Sequence, children: Seqs[Sequence]) -> None:

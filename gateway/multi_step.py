@@ -37,9 +37,8 @@ def row_limit(seq: Sequence, steps: int, eos_ids: frozenset[int]) -> RowLimit:
     """A row goes at most `steps` steps and never past its max_tokens or the longest sequence; it stops on
     the ids that end it (EOS unless ignore_eos) once min_tokens is reached (before, they are suppressed)."""
     s = seq.sampling
-    left = min(steps, s.max_tokens - len(seq.output_ids), seq.max_len - seq.num_tokens)
     stop_ids = s.stop_token_ids if s.ignore_eos else s.stop_token_ids | eos_ids
-    return RowLimit(max(1, left), frozenset(stop_ids))
+    return RowLimit(seq.lookahead(steps) + 1, frozenset(stop_ids))
 
 
 def multi_step_request(

@@ -72,7 +72,10 @@ def multi_steps(step: ScheduledStep, scheduler: Scheduler, max_steps: int, news:
     if not can_multi_step(step.seqs) or not all(map(kv.holds, step.seqs)):
         return 1
     room, steps = kv.available_blocks - scheduler.watermark, max_steps
-    while steps > 1 and sum(kv.blocks_needed(seq, seq.chunk_end + steps - 1) for seq in step.seqs) > room:
+    while (
+        steps > 1
+        and sum(kv.blocks_needed(seq, seq.chunk_end + seq.lookahead(steps)) for seq in step.seqs) > room
+    ):
         steps //= 2
     return steps
 

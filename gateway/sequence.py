@@ -229,6 +229,16 @@ class Sequence:
         return None
 
     @property
+    def tokens_left(self) -> int:
+        """Tokens the sequence may still sample: its max_tokens and the longest sequence bound it."""
+        return min(self.sampling.max_tokens - len(self.output_ids), self.max_len - self.num_tokens)
+
+    def lookahead(self, steps: int) -> int:
+        """Slots a call of up to `steps` decode steps writes past the chunk: one per later step the sequence
+        may still take (none past its tokens_left)."""
+        return max(0, min(steps, self.tokens_left) - 1)
+
+    @property
     def reached_min_tokens(self) -> bool:
         """Whether EOS, stop token ids and stop strings may end the sequence now."""
         return len(self.output_ids) >= self.sampling.min_tokens

@@ -15,9 +15,10 @@ GREEDY = Sampling(max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=None, 
 _clock = itertools.count()
 
 
-def seq(name: str, prompt_len: int, priority: int = 0, n: int = 1) -> Sequence:
-    return Sequence(seq_id=name, prompt_ids=list(range(prompt_len)), sampling=replace(GREEDY, n=n),
-                    max_len=1024, priority=priority, arrival=next(_clock))  # fmt: skip
+def seq(name: str, prompt_len: int, priority: int = 0, n: int = 1, max_tokens: int = 0) -> Sequence:
+    sampling = replace(GREEDY, n=n, max_tokens=max_tokens or GREEDY.max_tokens)
+    return Sequence(seq_id=name, prompt_ids=list(range(prompt_len)), sampling=sampling, max_len=1024,
+                    priority=priority, arrival=next(_clock))  # fmt: skip
 
 
 def make(

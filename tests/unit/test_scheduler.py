@@ -1,6 +1,7 @@
 """The gateway's scheduler: chunked prefill, admission, preemption, priorities, forks."""
 
-from gateway.reservation import multi_steps
+from gateway.live_seqs import LiveSeqs
+from gateway.reservation import multi_steps, reserve
 from gateway.sequence import Status
 from tests.scheduling import make, run, seq
 
@@ -212,7 +213,7 @@ def test_a_multi_step_call_halves_its_steps_until_their_blocks_fit():
     request waits or is new."""
     scheduler = make(block_size=4, num_blocks=16, max_batched_tokens=64, max_seqs=8)
     for name in ("a", "b"):
-        scheduler.add(seq(name, 8))
+        scheduler.add(seq(name, 8, max_tokens=100))
     run(scheduler, scheduler.schedule())
     step = scheduler.schedule()
     assert all(s.is_decode for s in step.seqs) and len(step.seqs) == 2
@@ -226,3 +227,19 @@ def test_a_multi_step_call_halves_its_steps_until_their_blocks_fit():
     assert multi_steps(step, scheduler, 32, news=True) == 1
     scheduler.add(seq("c", 4))
     assert multi_steps(step, scheduler, 32, news=False) == 1, "a waiting request keeps the lookahead room"
+
+
+def test_a_multi_step_call_holds_no_slot_past_what_its_rows_may_still_sample():
+    """Rows with 3 tokens left in a call of 32 steps: their tables grow by the 2 later steps' slots, not
+    31, so the lookahead evicts no cached prefix for tokens no step can write."""
+    scheduler = make(block_size=4, num_blocks=64, max_batched_tokens=64, max_seqs=8)
+    for name in ("a", "b"):
+        scheduler.add(seq(name, 8, max_tokens=4))
+    run(scheduler, scheduler.schedule())
+    step = scheduler.schedule()
+    assert all(s.is_decode and s.tokens_left == 3 for s in step.seqs)
+    assert multi_steps(step, scheduler, 32, news=False) == 32
+    available = scheduler.kv.available_blocks
+    reserve(step, scheduler, LiveSeqs(scheduler, scheduler.kv), 31)
+    assert [len(table) for table in scheduler.kv.step_tables(step.seqs)[0]] == [3, 3], "slots to 8 + 1 + 2"
+    assert available - scheduler.kv.available_blocks == 2

@@ -1,4 +1,5 @@
-"""Compute's ForwardSteps: several decode steps in one call, each step's reply sent while the next runs."""
+"""Compute's ForwardSteps: several decode steps in one call, each step's reply sent while the next runs, each
+reply saying per row whether the call runs it on (ForwardResponse.running)."""
 
 import contextlib
 import queue
@@ -11,23 +12,27 @@ from compute_service.batch import ForwardBatch
 from compute_service.greedy import is_plain_greedy
 from compute_service.multi_step import MultiStepPlan
 from compute_service.speculation import replies_by_depth, step_batch, verified
+from compute_service.step_thread import StepThread
+from compute_service.stepper import Stepper
 from protos import compute_pb2
 
 
 class ForwardSteps:
-    """The ForwardSteps half of compute_service.server.ComputeServicer, which owns the state it uses (steps,
-    _lock, _limits, _fence) and the one-step path (_checked, _run)."""
+    """ForwardSteps calls, run on `steps` (the thread every step runs on) over `stepper`'s attached pool."""
 
-    def ForwardSteps(self, request_iterator, context) -> Iterator[compute_pb2.ForwardResponse]:
+    def __init__(self, stepper: Stepper, steps: StepThread) -> None:
+        self.stepper, self.steps = stepper, steps
+
+    def serve(self, requests: Iterator[compute_pb2.StepsRequest]) -> Iterator[compute_pb2.ForwardResponse]:
         """Runs the steps on the step thread, which holds the lock throughout (no other step runs between
         them), while this thread sends each reply: compute starts a step as soon as the last one sampled."""
-        first = next(request_iterator, None)
+        first = next(requests, None)
         if first is None:
             raise InvalidArgument("ForwardSteps needs a first message: the first step and its limits")
         stop, replies = threading.Event(), queue.SimpleQueue()
         # NOTE: the steps first: the watcher's start would hold the GIL while the step thread wakes.
         self.steps.submit(self._run_steps, first, stop, replies)
-        threading.Thread(target=_stop_on_next, args=(request_iterator, stop), daemon=True).start()
+        threading.Thread(target=_stop_on_next, args=(requests, stop), daemon=True).start()
         try:
             while (reply := replies.get()) is not None:
                 if isinstance(reply, Exception):
@@ -46,13 +51,14 @@ class ForwardSteps:
         sampling rows are the first step's, its new tokens were sampled here, and the pool stays attached
         while this holds the lock. Checking each step, or building its batch again from a request, cost a
         single stream several times what deriving it does (docs/internals/orchestration.md)."""
+        stepper = self.stepper
         try:
-            with self._lock:
+            with stepper.lock:
                 start = time.perf_counter()
-                batch = self._checked(first.first)
-                plan = MultiStepPlan.check(first, self._limits)
-                with self._fence.holding(first.first.session_epoch) as still_open:
-                    drafts = plan.lookup is not None and self._limits.sparse is None
+                batch = stepper.checked(first.first)
+                plan = MultiStepPlan.check(first, stepper.limits)
+                with stepper.fence.holding(first.first.session_epoch) as still_open:
+                    drafts = plan.lookup is not None and stepper.limits.sparse is None
                     run = self._drafting_steps if drafts and is_plain_greedy(batch.sampling) else self._steps
                     run(batch, plan, start, stop, replies, still_open)
         except Exception as exc:  # noqa: BLE001 - the handler raises it as the call's status
@@ -66,15 +72,17 @@ class ForwardSteps:
         """The steps of a ForwardSteps call, each begun once `still_open()` (the session fence) passed."""
         while True:
             still_open()
-            reply, tokens = self._run(batch, start)
+            reply, tokens = self.stepper.run(batch, start)
             reply.rows.extend(plan.rows)
             keep = plan.advance(tokens.tolist())
             going_on = bool(keep) and not stop.is_set()
+            going = set(keep) if going_on else set()
+            reply.running.extend(i in going for i in range(len(reply.rows)))
             if going_on:
                 # NOTE: derived before this reply is put, so the thread that sends it does not take the GIL
                 # from the derivation (its Python runs during the next forward instead)
                 start = time.perf_counter()
-                batch = batch.following(tokens, keep, self._limits.block_size)
+                batch = batch.following(tokens, keep, self.stepper.limits.block_size)
             replies.put(reply)
             if not going_on:
                 return
@@ -89,14 +97,14 @@ class ForwardSteps:
         tokens, starts, block_size = (
             first.token_ids.tolist(),
             first.positions.tolist(),
-            self._limits.block_size,
+            self.stepper.limits.block_size,
         )
         while True:
             still_open()
             rows = plan.rows
             feeds = [[tokens[row], *plan.lookup.draft(row, plan.room(row))] for row in rows]
             batch = step_batch(first, rows, feeds, [starts[row] for row in rows], block_size)
-            reply, chosen = self._run(batch, start)
+            reply, chosen = self.stepper.run(batch, start)
             kept, running = [], []
             for row, yielded in zip(rows, verified(feeds, chosen.tolist()), strict=True):
                 taken, going = plan.take(row, yielded)
@@ -105,11 +113,12 @@ class ForwardSteps:
                 plan.lookup.extend(row, taken)
                 if going:
                     running.append(row)
+            stopping = stop.is_set()
             plan.rows = running
             start = time.perf_counter()
-            for part in replies_by_depth(reply, rows, feeds, kept):
+            for part in replies_by_depth(reply, rows, feeds, kept, set() if stopping else set(running)):
                 replies.put(part)
-            if not running or stop.is_set():
+            if not running or stopping:
                 return
 
 

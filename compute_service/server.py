@@ -3,17 +3,16 @@
 import argparse
 import sys
 import threading
-import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import torch
-from prometheus_client import Counter, Histogram, Info
+from prometheus_client import Info
 
 from common import transport
 from common.devices import CPU, Device
-from common.errors import FailedPrecondition, InvalidArgument
+from common.errors import InvalidArgument
 from common.logging import configure
-from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, serve_metrics
+from common.metrics import serve_metrics
 from common.options import REFUSED
 from common.precision import resolve_dtype, resolve_kv_dtype
 from common.server import serve
@@ -21,43 +20,31 @@ from common.session_fence import SessionFence
 from common.shared_pool import dtype_from_name
 from compute_service import kernels, kv_pool
 from compute_service.attention.registry import require_block_size
-from compute_service.batch import ForwardBatch
 from compute_service.callers import CALLERS
-from compute_service.fencing import StepFence
 from compute_service.forward_steps import ForwardSteps
 from compute_service.model_info import model_info
 from compute_service.model_loader import ModelSpec, load_planned, plan_for
 from compute_service.options import OPTIONS
 from compute_service.planning import Flags
 from compute_service.pool_layout import PoolLayout, pool_layout
-from compute_service.runner import Runner, StepTimes
+from compute_service.runner import Runner
 from compute_service.step_thread import StepThread
+from compute_service.stepper import Stepper
 from compute_service.threads import ThreadPolicy
-from compute_service.validation import Limits
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
 
 SERVICE_NAME = compute_pb2.DESCRIPTOR.services_by_name["Compute"].full_name
-FORWARD_SECONDS = Histogram(
-    "pagedserve_forward_step_duration_seconds", "Duration of one Forward step.", buckets=LATENCY_BUCKETS
-)
-SPARSE_ROWS = Counter(
-    "pagedserve_forward_sparse_rows",
-    "Decodes that attended block-sparse (--sparse-attention), one per row and step.",
-)
-STEP_TOKENS = Histogram("pagedserve_forward_step_tokens", "Tokens in one step.", buckets=TOKEN_BUCKETS)
 COMPUTE_INFO = Info(
     "pagedserve_compute", "The model, its dtype, weights mode, KV dtype and attention backend."
 )
 POOL_DIMS = 6  # [layer slots, 2, blocks, block_size, kv_heads, head_dim]
-NO_POOL = "no KV pool attached: the gateway must call AttachPool first"
-SEGMENT_REMOVED = "the pool's segment was removed (cache restarted?): attach the new pool"
 # How often compute looks whether its pool's segment still exists.
 SEGMENT_CHECK_S = 1.0
 
 
-class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
-    """Holds no scheduling state: one attached pool and the model; steps run one at a time, all on `steps`
-    (compute_service.step_thread), whichever gRPC thread serves their call."""
+class ComputeServicer(compute_pb2_grpc.ComputeServicer):
+    """Holds no scheduling state: one attached pool and the model (`stepper`); steps run one at a time, all
+    on `steps` (compute_service.step_thread), whichever gRPC thread serves their call."""
 
     def __init__(
         self,
@@ -68,18 +55,12 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
         threads: ThreadPolicy | None = None,
         steps: StepThread | None = None,
     ) -> None:
-        self.runner = runner
         self.steps = steps or StepThread()
-        self.threads = threads
         self.device = device
         self.spec = spec
         self.log = log
-        self._lock = threading.Lock()
-        self._epoch: str | None = None
-        self._limits: Limits | None = None
-        self._segment: Path | None = None
-        self._fence = StepFence(None)
-        self._no_pool = NO_POOL
+        self.stepper = Stepper(runner, spec, log, threads)
+        self.multi_steps = ForwardSteps(self.stepper, self.steps)
 
     def GetModelInfo(self, request, context) -> compute_pb2.ModelInfo:
         return model_info(self.spec)
@@ -97,7 +78,7 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
         except ValueError as err:
             raise InvalidArgument(str(err)) from err
         fence = SessionFence.open(handle) if handle.HasField("fence") else None
-        self.steps.call(self._attach, handle, pool, layout, fence)
+        self.steps.call(self.stepper.attach, handle, pool, layout, fence)
         self.log.info(
             "pool_attached",
             epoch=handle.epoch,
@@ -107,95 +88,11 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
         )
         return compute_pb2.AttachPoolResponse(epoch=handle.epoch, num_blocks=num_blocks)
 
-    def _attach(
-        self,
-        handle: common_pb2.PoolHandle,
-        pool: torch.Tensor,
-        layout: PoolLayout,
-        fence: SessionFence | None,
-    ) -> None:
-        num_blocks, block_size = pool.shape[2], pool.shape[3]
-        with self._lock:
-            self.runner.attach(pool, layout)
-            self._fence.close()
-            self._fence = StepFence(fence)
-            self._epoch = handle.epoch
-            self._limits = Limits(
-                self.spec.vocab_size,
-                self.spec.max_model_len,
-                num_blocks,
-                block_size,
-                self.spec.plan.sparse_attention,
-                layout.num_groups,
-            )
-            # NOTE: an accelerator pool has no file to watch; its cache's restart shows as a new epoch.
-            self._segment = Path(handle.shm.path) if handle.HasField("shm") else None
-
     def Forward(self, request: compute_pb2.ForwardRequest, context) -> compute_pb2.ForwardResponse:
-        return self.steps.call(self._forward, request)
+        return self.steps.call(self.stepper.forward, request)
 
-    def _forward(self, request: compute_pb2.ForwardRequest) -> compute_pb2.ForwardResponse:
-        with self._lock:
-            start = time.perf_counter()
-            batch = self._checked(request)
-            with self._fence.holding(request.session_epoch):
-                return self._run(batch, start)[0]
-
-    def _checked(self, request: compute_pb2.ForwardRequest) -> ForwardBatch:
-        """The request's batch, on the attached pool; raises FailedPrecondition or InvalidArgument."""
-        self._drop_removed_pool()
-        if self._epoch is None:
-            raise FailedPrecondition(self._no_pool)
-        if request.pool_epoch != self._epoch:
-            raise FailedPrecondition(
-                f"stale pool epoch {request.pool_epoch!r}, attached pool is {self._epoch!r}: the cache "
-                "service restarted; create a pool and AttachPool its handle again"
-            )
-        return ForwardBatch.from_request(request, self._limits)
-
-    def _run(self, batch: ForwardBatch, start: float) -> tuple[compute_pb2.ForwardResponse, torch.Tensor]:
-        """One checked step, begun (received) at `start`, and the tokens it sampled; the caller holds the
-        lock."""
-        if self.threads is not None:
-            self.threads.apply(len(batch.token_ids))
-        times = StepTimes(prepare=time.perf_counter() - start)
-        sampled = self.runner.forward(batch, times)
-        elapsed_ms = (time.perf_counter() - start) * 1e3
-        FORWARD_SECONDS.observe(elapsed_ms / 1e3)
-        STEP_TOKENS.observe(len(batch.token_ids))
-        SPARSE_ROWS.inc(times.sparse_rows)
-        self.log.debug(
-            "forward", tokens=len(batch.token_ids), seqs=len(batch.context_lens), ms=round(elapsed_ms, 2)
-        )
-        reply = compute_pb2.ForwardResponse(
-            token_ids=sampled.tokens.tolist(),
-            logprobs=sampled.logprobs.tolist(),
-            forward_ms=elapsed_ms,
-            top_logprobs_width=sampled.top_ids.shape[1],
-            top_token_ids=sampled.top_ids.flatten().tolist(),
-            top_logprobs=sampled.top_logprobs.flatten().tolist(),
-            prepare_ms=times.prepare * 1e3,
-            model_ms=times.model * 1e3,
-            attention_ms=times.attention * 1e3,
-            sample_ms=times.sample * 1e3,
-            sparse_rows=times.sparse_rows,
-        )
-        return reply, sampled.tokens
-
-    def drop_removed_pool(self) -> bool:
-        """Unmaps the attached pool once its segment is gone (its cache exited); True if it did."""
-        with self._lock:
-            return self._drop_removed_pool()
-
-    def _drop_removed_pool(self) -> bool:
-        if self._segment is None or self._segment.exists():
-            return False
-        self.log.warning("pool_segment_removed", path=str(self._segment), epoch=self._epoch)
-        self.runner.detach()
-        self._fence.close()
-        self._fence = StepFence(None)
-        self._epoch, self._limits, self._segment, self._no_pool = None, None, None, SEGMENT_REMOVED
-        return True
+    def ForwardSteps(self, request_iterator, context) -> Iterator[compute_pb2.ForwardResponse]:
+        return self.multi_steps.serve(request_iterator)
 
     def _check_geometry(self, handle: common_pb2.PoolHandle) -> PoolLayout:
         spec, shape = self.spec, list(handle.shape)
@@ -298,4 +195,4 @@ def main(argv: list[str] | None = None) -> None:
 def _watch_segment(servicer: ComputeServicer, stop: threading.Event) -> None:
     """Drops a dead cache's pool within SEGMENT_CHECK_S even while no Forward comes."""
     while not stop.wait(SEGMENT_CHECK_S):
-        servicer.drop_removed_pool()
+        servicer.stepper.drop_removed_pool()

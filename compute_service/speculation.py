@@ -93,11 +93,16 @@ def verified(feeds: list[list[int]], chosen: list[int]) -> list[list[int]]:
 
 
 def replies_by_depth(
-    reply: compute_pb2.ForwardResponse, rows: list[int], feeds: list[list[int]], kept: list[list[int]]
+    reply: compute_pb2.ForwardResponse,
+    rows: list[int],
+    feeds: list[list[int]],
+    kept: list[list[int]],
+    going: set[int],
 ) -> list[compute_pb2.ForwardResponse]:
     """The step's replies, one token per row each: the j-th holds the j-th kept token of every row that kept
     more than j, and the first carries the step's times and draft counts (also counted in DRAFTED and
-    ACCEPTED), the later ones same_step."""
+    ACCEPTED), the later ones same_step. A row runs on after a reply while it has a later one, or after its
+    last if it is `going` on to the next step."""
     offsets = np.cumsum([0] + [len(feed) for feed in feeds])
     first = compute_pb2.ForwardResponse()
     first.CopyFrom(reply)
@@ -112,4 +117,5 @@ def replies_by_depth(
             parts[depth].rows.append(row)
             parts[depth].token_ids.append(token)
             parts[depth].logprobs.append(reply.logprobs[at + depth])
+            parts[depth].running.append(depth + 1 < len(tokens) or row in going)
     return parts

@@ -195,7 +195,7 @@ class StepsRequest(_message.Message):
     def __init__(self, first: _Optional[_Union[ForwardRequest, _Mapping]] = ..., max_steps: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cu_stop_token_ids: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., lookup_token_ids: _Optional[_Iterable[int]] = ..., cu_lookup_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "forward_ms", "top_logprobs_width", "top_token_ids", "top_logprobs", "prepare_ms", "model_ms", "attention_ms", "sample_ms", "rows", "sparse_rows", "same_step", "drafted_tokens", "accepted_tokens")
+    __slots__ = ("token_ids", "logprobs", "forward_ms", "top_logprobs_width", "top_token_ids", "top_logprobs", "prepare_ms", "model_ms", "attention_ms", "sample_ms", "rows", "sparse_rows", "same_step", "drafted_tokens", "accepted_tokens", "running")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,7 @@ class ForwardResponse(_message.Message):
     SAME_STEP_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     forward_ms: float
@@ -226,4 +227,5 @@ class ForwardResponse(_message.Message):
     same_step: bool
     drafted_tokens: int
     accepted_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., top_logprobs_width: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_ms: _Optional[float] = ..., model_ms: _Optional[float] = ..., attention_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., rows: _Optional[_Iterable[int]] = ..., sparse_rows: _Optional[int] = ..., same_step: _Optional[bool] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    running: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., top_logprobs_width: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_ms: _Optional[float] = ..., model_ms: _Optional[float] = ..., attention_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., rows: _Optional[_Iterable[int]] = ..., sparse_rows: _Optional[int] = ..., same_step: _Optional[bool] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., running: _Optional[_Iterable[bool]] = ...) -> None: ...

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM
 from common import shared_pool
 from common.server import channel
 from compute_service.plan import STAGES
-from compute_service.server import SEGMENT_CHECK_S, SEGMENT_REMOVED
+from compute_service.server import SEGMENT_CHECK_S
+from compute_service.stepper import SEGMENT_REMOVED
 from protos import common_pb2, compute_pb2, compute_pb2_grpc
 from tests.forward import forward_request as paged_forward_request
 from tests.forward import replace_field as _replace
@@ -362,12 +363,16 @@ def steps_request(epoch, first, max_steps, stops=None, sampling=None) -> compute
 
 
 def per_row(replies) -> list[list[int]]:
-    out = [[] for _ in PROMPTS]
+    """Per row, the tokens of a call that ran to its end; each reply says a row runs on after it but for the
+    row's last."""
+    out, running = [[] for _ in PROMPTS], [[] for _ in PROMPTS]
     for reply in replies:
         # a step's later replies (its rows' kept drafts) carry no times
         assert len(reply.rows) == len(reply.token_ids) and (reply.forward_ms > 0) != reply.same_step
-        for row, token in zip(reply.rows, reply.token_ids, strict=True):
+        for row, token, going in zip(reply.rows, reply.token_ids, reply.running, strict=True):
             out[row].append(token)
+            running[row].append(going)
+    assert running == [[True] * (len(flags) - 1) + [False] for flags in running]
     return out
 
 

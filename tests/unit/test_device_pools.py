@@ -136,7 +136,7 @@ def test_the_cache_creates_a_device_pool_and_compute_attaches_it(fake):
         assert (reply.epoch, reply.num_blocks) == (kv.handle.epoch, 3)
         kv.tensor[0, 1, 2, 3].fill_(5.0)
         assert runner.pool[0, 1, 2, 3].eq(5.0).all(), "compute sees the cache's writes"
-        assert servicer.drop_removed_pool() is False, "a device pool has no segment file to lose"
+        assert servicer.stepper.drop_removed_pool() is False, "a device pool has no segment file to lose"
         with pytest.raises(FailedPrecondition, match="UUID GPU-fake-0, this compute service runs on cuda:1"):
             ComputeServicer(runner, spec, None, CUDA1).AttachPool(kv.handle, None)
         spec.attention_backend = "npu"

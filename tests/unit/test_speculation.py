@@ -58,12 +58,15 @@ def test_replies_hold_one_token_per_row_by_depth():
         token_ids=[11, 12, 99, 14, 21, 40], logprobs=[-0.1, -0.2, -0.3, -0.4, -0.5, -0.6], forward_ms=7.0
     )
     feeds = [[10, 11, 12, 13], [20], [30]]
-    parts = replies_by_depth(reply, [0, 2, 5], feeds, [[11, 12, 99], [21], [40]])
+    parts = replies_by_depth(reply, [0, 2, 5], feeds, [[11, 12, 99], [21], [40]], going={0, 5})
     assert [(list(p.rows), list(p.token_ids), p.same_step) for p in parts] == [
         ([0, 2, 5], [11, 21, 40], False),
         ([0], [12], True),
         ([0], [99], True),
     ]
+    assert [list(p.running) for p in parts] == [[True, False, True], [True], [True]], (
+        "a row runs on after each reply but its last, and after its last if it goes on"
+    )
     assert [logprob for p in parts for logprob in p.logprobs] == pytest.approx([-0.1, -0.5, -0.6, -0.2, -0.3])
     assert (parts[0].forward_ms, parts[0].drafted_tokens, parts[0].accepted_tokens) == (7.0, 3, 2)
     assert parts[1].forward_ms == 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from math import gcd
 
 from common.errors import InvalidArgument
+from common.paging import blocks_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,13 @@ class KVGroup:
         if not self.window:
             return 0
         return max(0, num_computed - self.window + 1) // block_size
+
+
+def window_blocks(window: int, block_size: int) -> int:
+    """The most blocks a table of a group sliding `window` tokens holds at once: those the window spans, and
+    the one it straddles (KVGroup.first_kept releases every block before them)."""
+    assert window > 0, window
+    return blocks_for(window, block_size) + 1
 
 
 def group_layers(windows: Sequence[int]) -> tuple[KVGroup, ...]:

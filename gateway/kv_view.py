@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from common.kv_groups import window_blocks
 from common.paging import blocks_for
 from common.server import request_metadata
 from gateway.lease import Lease
@@ -106,9 +107,9 @@ class KVView:
 
     def blocks_to_hold(self, seq: Sequence, end: int) -> int:
         """Blocks the sequence lacks to hold `end` tokens once it decodes there: `blocks_needed`, a sliding
-        group's capped at its window's blocks plus one (a window straddles one more block)."""
+        group's capped at the most its table holds (common.kv_groups.window_blocks)."""
         lacks = self.blocks_needed(seq, end) // self.num_groups
-        caps = [blocks_for(window, self.block_size) + 1 if window else lacks for window in self.windows]
+        caps = [window_blocks(window, self.block_size) if window else lacks for window in self.windows]
         return sum(min(lacks, cap) for cap in caps)
 
     def room(self, seq: Sequence, free: int) -> int:

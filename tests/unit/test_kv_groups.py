@@ -3,7 +3,7 @@
 import pytest
 
 from common.errors import InvalidArgument
-from common.kv_groups import KVGroup, group_layers, group_size
+from common.kv_groups import KVGroup, group_layers, group_size, window_blocks
 
 
 def test_a_model_without_windows_is_one_group_of_all_layers():
@@ -47,3 +47,12 @@ def test_first_kept_block_holds_the_first_querys_window(num_computed, first):
     # window 9, block size 4: a query at p reads keys p-8..p
     assert KVGroup((0,), 9).first_kept(num_computed, 4) == first
     assert KVGroup((0,)).first_kept(num_computed, 4) == 0
+
+
+@pytest.mark.parametrize(("window", "block_size"), [(1, 4), (8, 8), (9, 8), (16, 8), (4096, 16)])
+def test_a_sliding_table_never_holds_more_than_its_window_blocks(window, block_size):
+    """From the block of its first kept table index to the block of the token it writes: never more than
+    window_blocks, and that many or one fewer at some length (the cap the gateway counts is tight)."""
+    group = KVGroup((0,), window)
+    held = [n // block_size - group.first_kept(n, block_size) + 1 for n in range(4 * window + 2 * block_size)]
+    assert max(held) <= window_blocks(window, block_size) <= max(held) + 1

@@ -14,15 +14,18 @@ END = "<!-- end of the performance table -->"
 
 def table(root: Path) -> str:
     """The README's tables: the workloads of `root` that ran vLLM, then the runs under it that ran llama.cpp
-    (the quantised ones), one row each: pagedserve / peer for tokens/s (with the ratio), prompt tokens/s,
-    TTFT p50 and inter-token p50 and p99. What a table's rows share (date, machine, setups) is said once above
-    it; the parts that differ get a column."""
+    (the quantised ones), one row each: pagedserve / peer for tokens/s (with the ratio), generated and
+    prompt tokens/s, TTFT p50 and inter-token p50 and p99. What a table's rows share (date, machine, setups)
+    is said once above it; the parts that differ get a column."""
     tables = [_peer_table(rows) for rows in _runs_by_peer(root) if rows]
     if not tables:
         raise ValueError(f"no bench JSON file under {root} ran vLLM or llama.cpp")
     intro = (
         "Each cell is pagedserve / peer, each row one `pagedserve bench --json` file under `docs/bench/`; "
-        "the ratio is pagedserve ÷ peer on tokens/s (above 1: pagedserve ahead)."
+        "the ratio is pagedserve ÷ peer on tokens/s (above 1: pagedserve ahead). *tokens/s* counts every "
+        "token of the run, prompt and generated, prompt tokens read from the prefix cache included, over its "
+        "wall time; *generated tokens/s* counts only the new tokens; *prompt tokens/s* only the prompt "
+        "tokens each engine computed."
     )
     return "\n\n".join([f"{BEGIN}\n{intro}", *tables]) + f"\n{END}"
 
@@ -63,6 +66,7 @@ def _peer_table(rows: list) -> str:
         "workload",
         *columns,
         "tokens/s",
+        "generated tokens/s",
         "prompt tokens/s",
         "TTFT p50",
         "inter-token p50",
@@ -77,6 +81,7 @@ def _peer_table(rows: list) -> str:
                 f"{result['workload']}: {result['description']}",
                 *(own[i] for own in columns.values()),
                 _pair(ours, theirs, "tokens_per_s", _count) + ("" if speed is None else f" ({speed:.2f}×)"),
+                _pair(ours, theirs, "generated_tokens_per_s", _count),
                 _pair(ours, theirs, "prompt_tokens_per_s", _count),
                 _pair(ours, theirs, "ttft_p50_ms", _duration),
                 _pair(ours, theirs, "itl_p50_ms", _duration),

@@ -98,8 +98,10 @@ def _peer_run(workload: str, ours: dict, peer: str, theirs: dict, setup: str, da
 @pytest.fixture
 def peer_runs(tmp_path):
     root = tmp_path / "docs" / "bench"
-    fast = {"tokens_per_s": 300.0, "prompt_tokens_per_s": 1200.0, "ttft_p50_ms": 1500.0, "itl_p50_ms": 40.0}
-    slow = {"tokens_per_s": 200.0, "prompt_tokens_per_s": 1000.0, "ttft_p50_ms": 250.0, "itl_p50_ms": 9.5}
+    fast = {"tokens_per_s": 300.0, "generated_tokens_per_s": 60.0, "prompt_tokens_per_s": 1200.0,
+            "ttft_p50_ms": 1500.0, "itl_p50_ms": 40.0}  # fmt: skip
+    slow = {"tokens_per_s": 200.0, "generated_tokens_per_s": 40.0, "prompt_tokens_per_s": 1000.0,
+            "ttft_p50_ms": 250.0, "itl_p50_ms": 9.5}  # fmt: skip
     day = "2026-12-03T17:00:00+00:00"
     _write(root / "throughput.json", _peer_run("throughput", fast, "vLLM", slow, "f32, median of 3", day))
     _write(root / "latency.json", _peer_run("latency", slow, "vLLM", fast, "f32, median of 3", day))
@@ -126,16 +128,23 @@ def test_the_readme_table_is_each_peer_run_with_what_its_rows_share_said_once(pe
     assert text.startswith(summary.BEGIN) and text.endswith(summary.END)
     vllm, llamacpp = text.split("Against vLLM:", 1)[1].split("Against llama.cpp:")
     assert "- measured: 2026-12-03 on Xeon, AMX" in vllm and "- vLLM: vLLM 1.0, bound to 0-1" in vllm
-    assert "| workload | tokens/s | prompt tokens/s | TTFT p50 | inter-token p50 | inter-token p99 |" in vllm
+    assert "*tokens/s* counts every token of the run, prompt and generated" in text
     assert (
-        "| throughput: throughput shape | 300 / 200 (1.50×) | 1,200 / 1,000 | 1.5 s / 250 ms "
+        "| workload | tokens/s | generated tokens/s | prompt tokens/s | TTFT p50 | inter-token p50 "
+        "| inter-token p99 |" in vllm
+    )
+    assert (
+        "| throughput: throughput shape | 300 / 200 (1.50×) | 60 / 40 | 1,200 / 1,000 | 1.5 s / 250 ms "
         "| 40.0 ms / 9.5 ms | - / - |" in vllm
     )
     assert "| latency: latency shape | 200 / 300 (0.67×) |" in vllm
     assert "memory" not in vllm, "a superseded file is left out"
     assert "- pagedserve: f32" in llamacpp, "the parts every row shares"
     assert "| workload | pagedserve | tokens/s |" in llamacpp, "the part that differs is a column"
-    assert "| latency: latency shape | weights int4 | - / - | - / - | - / - | 16.0 ms / 15.0 ms |" in llamacpp
+    assert (
+        "| latency: latency shape | weights int4 | - / - | - / - | - / - | - / - | 16.0 ms / 15.0 ms |"
+        in llamacpp
+    )
     assert "latency-float32" not in text and text.count("| latency: latency shape |") == 3, "no peer, no row"
 
 

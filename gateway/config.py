@@ -7,12 +7,6 @@ import grpc
 HANDSHAKE_TIMEOUT_S = 900.0
 # Each call of a handshake retried after a peer was lost: short, so that a hung peer is retried too.
 RETRY_TIMEOUT_S = 5.0
-# TEST HOOK, off unless set: `[STAGE:]REQUEST_ID` makes a stage of the steps holding a row of that request
-# raise RuntimeError (gateway/fault_injection.py).
-FAIL_STEP_ENV = "PAGEDSERVE_TEST_FAIL_STEP"
-# TEST HOOK, off unless set when the engine starts: the Forward rows of this request id carry a token id
-# compute refuses (tests/e2e/test_bad_rows.py checks that only that request fails, by compute's naming).
-BAD_ROW_ENV = "PAGEDSERVE_TEST_BAD_ROW"
 # --decode-step-target-ms: see docs/configuration.md, Scheduling.
 DEFAULT_DECODE_STEP_TARGET_MS = 500.0
 # --pace-streams: see docs/configuration.md, Few streams, longer steps.
@@ -49,3 +43,5 @@ class EngineConfig:
     session_ttl_s: float = 10.0
     # mTLS to cache and compute (--internal-certs); None: plaintext (a unix socket or --insecure).
     internal_credentials: grpc.ChannelCredentials | None = None
+    # Tests only: faults injected into the steps (--step-hook, gateway/step_runner.py); "": none.
+    step_hook: str = ""

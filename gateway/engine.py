@@ -1,40 +1,28 @@
-"""The serving loop: the start-up handshake, then steps, each in three stages meeting through the two
-objects of gateway/step.py:
-
-    schedule  Scheduler.schedule → ScheduledStep; reserve_step: Cache.Reserve its blocks (or Cache.Free
-              the preempted), and how many steps compute may run at once
-    run       StepExecutor.run → a StepResult per step compute ran (Compute.Forward, or one per step of a
-              multi-step Compute.ForwardSteps call)
-    update    Engine._update: tokens appended, finished sequences released, outputs to their requests —
-              one path whether compute ran one step or several
-"""
+"""The serving loop: the start-up handshake, then steps — each scheduled and run by gateway/step_runner.py
+(schedule → reserve → run → update, the stages meeting through the objects of gateway/step.py) — and the
+recovery of a lost peer."""
 
 import time
-from contextlib import closing
 from typing import TYPE_CHECKING
 
 import structlog
 
-from common.errors import Unavailable, from_rpc_error
+from common.errors import Unavailable
 from common.server import channel
 from gateway.config import HANDSHAKE_TIMEOUT_S, RETRY_TIMEOUT_S, EngineConfig
 from gateway.engine_view import EngineView
-from gateway.executor import StepExecutor
 from gateway.handshake import handshake
 from gateway.inbox import Inbox
 from gateway.kv_view import KVView
 from gateway.lease import Lease
 from gateway.live_seqs import LiveSeqs
-from gateway.outputs import Output, advance, tell
+from gateway.outputs import tell
 from gateway.recovery import PeerFault, PeerRecovery, calling
-from gateway.reservation import reserve_step, schedule_step
 from gateway.scheduler import Scheduler
 from gateway.sequence import Sequence
-from gateway.step import ScheduledStep, StepResult
-from gateway.step_faults import fail_faulty, run_isolated
-from gateway.step_pace import StepPace, StepShape
+from gateway.step_pace import StepPace
+from gateway.step_runner import StepRunner
 from gateway.step_timer import StepTimer
-from gateway.update_faults import fail_rows, fork_isolated
 from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 
 if TYPE_CHECKING:
@@ -56,7 +44,7 @@ class Engine:
         self.handle: common_pb2.PoolHandle | None = None
         self.kv: KVView | None = None
         self.scheduler: Scheduler | None = None
-        self.executor: StepExecutor | None = None
+        self.runner: StepRunner | None = None
         self.live: LiveSeqs | None = None
         self.view = EngineView()  # for the dashboard
         targets = {"cache": config.cache_target, "compute": config.compute_target}
@@ -84,7 +72,7 @@ class Engine:
         self.model_info, self.handle = info, handle
         if not kept:
             self._attach(handle.shape[2], same_pool, tuple(g.window for g in handle.kv_groups) or (0,))
-        self.executor.attach(handle.epoch, frozenset(info.eos_token_ids))
+        self.runner.attach(handle.epoch, frozenset(info.eos_token_ids))
         if not kept:
             with calling("cache"):
                 self.lease.open()
@@ -103,9 +91,11 @@ class Engine:
             pace = StepPace(config.decode_step_target_ms / 1e3) if config.decode_step_target_ms else None
             sizing = (config.prefill_tokens_with_decodes, pace, config.pace_streams)
             self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_seqs, *sizing)
-            self.executor = StepExecutor(self._compute, self.kv, self.lease, config)
-            self.inbox.interrupt = self.executor.end_call
             self.live = LiveSeqs(self.scheduler, self.kv)
+            self.runner = StepRunner(
+                self._compute, self.scheduler, self.live, self.lease, self.view, self.tokenizer, config
+            )
+            self.inbox.interrupt = self.runner.executor.end_call
             return
         self.scheduler.requeue_running()
         held = [seq for seq in self.live.all() if self.kv.holds(seq)]
@@ -202,85 +192,12 @@ class Engine:
                 if self.recovery.active:
                     self._recover()
                     continue
-                step = schedule_step(self.scheduler, self.live)
+                step = self.runner.schedule()
             blocked = step is None
             if step is not None:
-                self._step(step, timer)
-
-    # one step
-    def _step(self, step: ScheduledStep, timer: StepTimer) -> None:
-        """A scheduled step's blocks reserved (or the preempted freed), then run and updated. A lost peer
-        stops the loop's stepping until it is back (see _recover); another failed call ends the step's
-        sequences with the error, and any other exception with INTERNAL."""
-        seqs = step.seqs or step.preempted
-        if not seqs:
-            return
-        try:
-            with timer.phase("cache_rpc"):
-                reserve_step(
-                    step, self.scheduler, self.live, self.config.decode_steps, bool(self.inbox.intake)
-                )
-            if not step.seqs:
-                return
-            log.debug("step", chunks=[[s.request_id, s.index, s.chunk_len] for s in step.seqs])
-            if not self.lease.held():  # the blocks may be another gateway's by now: compute must not write
-                self._lose("cache")
-                return
-            self._run(step, timer)
-        except PeerFault as fault:
-            if fault.lost:
-                self._lose(fault.service)
-            else:
-                self.live.fail(seqs, from_rpc_error(fault.err))
-        except Exception as exc:  # noqa: BLE001 - one step's fault must not end the loop
-            self.live.fail_internal(seqs, exc)
-
-    def _run(self, step: ScheduledStep, timer: StepTimer) -> None:
-        """The run stage's results, each updated as it comes; the outputs held while compute ran their rows on
-        are handed over once the call is over."""
-        held: list[tuple[Sequence, Output]] = []
-        deferred: list[tuple[Sequence, Exception]] = []
-        try:
-            with closing(run_isolated(self.executor, self.live, step, timer)) as results:
-                for result in results:
-                    held += self._update(result, deferred)
-        finally:
-            self.live.release([seq for seq, _ in held])
-            for seq, output in held:
-                seq.outbox.put(output)
-            fail_faulty(self.live, deferred)
-
-    def _update(
-        self, result: StepResult, deferred: list[tuple[Sequence, Exception]]
-    ) -> list[tuple[Sequence, Output]]:
-        """One step's result into its sequences: samples fork at their prompt's end, the sampled tokens are
-        appended, finished sequences released, the outputs handed to their requests. A sequence that ended
-        while compute runs its row on (a multi-step's stop string) ends the call and is returned, to be
-        released once the call is over. (No request waits for the room it frees: a multi-step call starts
-        only when none waits, and a new one ends it.)"""
-        faulty: list[tuple[Sequence, Exception]] = []
-        shape = StepShape.of(result.seqs)
-        with result.timer.phase("cache_rpc"):
-            for seq in [seq for seq in result.seqs if seq.forks_now]:
-                fork_isolated(self.live, seq, faulty)
-        eos = frozenset(self.model_info.eos_token_ids)
-        outputs = advance(result.seqs, result.reply, eos, self.tokenizer, faulty)
-        if faulty:
-            outputs = fail_rows(self.live, self.executor, faulty, outputs, result.running_on, deferred)
-        self.view.account(outputs)
-        ended = [(seq, output) for seq, output in outputs if output.finish_reason]
-        held = [(seq, output) for seq, output in ended if seq.seq_id in result.running_on]
-        if held:
-            self.executor.end_call()
-        # NOTE: blocks are back in the pool before the client hears that its request ended.
-        self.live.release([seq for seq, output in ended if seq.seq_id not in result.running_on])
-        for seq, output in outputs:
-            if seq.seq_id not in result.running_on or not output.finish_reason:
-                seq.outbox.put(output)
-        seconds = result.timer.finish(result.kind)
-        if self.scheduler.pace is not None and not result.reply.same_step:
-            self.scheduler.pace.observe(shape, seconds)
-        return held
+                lost = self.runner.run(step, timer, bool(self.inbox.intake))
+                if lost:
+                    self._lose(lost)
 
     # recovery
     def _lose(self, service: str) -> None:

@@ -1,23 +1,19 @@
 """The run stage of a gateway step: a ScheduledStep sent to compute, as one Forward or as a multi-step
 (Compute.ForwardSteps) call, and a StepResult for each step compute ran. Each call has a deadline of a
-step (gateway/step_deadline.py); rows compute refuses by name are dropped and the rest sent again
-(gateway/forward.py: forward_rows, the place where a step runs again without some of its rows)."""
+step (gateway/step_deadline.py). A call that fails raises (PeerFault naming compute): the step runner
+isolates its cause (gateway/step_faults.py)."""
 
-import os
 import threading
 import time
 from collections.abc import Iterator
 
-from common.errors import refused_rows
 from common.server import request_metadata
-from gateway.config import BAD_ROW_ENV, EngineConfig
-from gateway.fault_injection import injected
-from gateway.forward import Refuse, forward_request, forward_rows
+from gateway.config import EngineConfig
+from gateway.forward import forward_request
 from gateway.kv_view import KVView
 from gateway.lease import Lease
 from gateway.multi_step import (
     ReplyDeadline,
-    RowLimit,
     StepExpired,
     multi_step_request,
     row_limit,
@@ -47,8 +43,6 @@ class StepExecutor:
         self._epoch, self._eos = "", frozenset()
         # Set while a multi-step call runs: setting it ends the call after compute's current step.
         self._call_stop: threading.Event | None = None
-        # TEST HOOK (BAD_ROW_ENV): the rows of this request id carry a token id compute refuses.
-        self._bad_row = os.environ.get(BAD_ROW_ENV) or None
 
     def attach(self, epoch: str, eos_ids: frozenset[int]) -> None:
         """The pool compute has attached, and the model's EOS ids."""
@@ -66,26 +60,20 @@ class StepExecutor:
         if call_stop is not None:
             call_stop.set()
 
-    def run(self, step: ScheduledStep, timer: StepTimer, refuse: Refuse) -> Iterator[StepResult]:
-        """The step's results, each as compute returns it (PeerFault naming compute if a call fails). A
-        multi-step call compute refused before running a step is sent again as a Forward, which handles
-        refusals: `refuse` ends the refused rows' requests."""
-        injected("run", step.seqs)
+    def run(self, step: ScheduledStep, timer: StepTimer) -> Iterator[StepResult]:
+        """The step's results, each as compute returns it (PeerFault naming compute if a call fails)."""
         if step.num_steps > 1:
-            ran = yield from self._multi_step(step.seqs, step.num_steps, timer)
-            if ran:
-                return
+            yield from self._multi_step(step.seqs, step.num_steps, timer)
+            return
         with timer.phase("compute_rpc"):
-            seqs, reply = forward_rows(step.seqs, self._forward, refuse)
-        if reply is not None:
-            timer.compute = reply
-            yield StepResult(seqs, reply, timer, step.kind)
+            reply = self._forward(step.seqs)
+        timer.compute = reply
+        yield StepResult(step.seqs, reply, timer, step.kind)
 
     def _forward(self, seqs: list[Sequence]) -> compute_pb2.ForwardResponse:
         """One Forward of the chunks of `seqs` (PeerFault naming compute if it fails)."""
         tables = self._kv.step_tables(seqs)
         request = forward_request(seqs, tables, self._epoch, self._eos, self._lease.epoch)
-        self._marked(seqs, request)
         tokens, metadata = len(request.token_ids), request_metadata(seq.request_id for seq in seqs)
         with calling("compute"):
             start = time.monotonic()
@@ -95,15 +83,13 @@ class StepExecutor:
 
     def _multi_step(self, seqs: list[Sequence], steps: int, timer: StepTimer) -> Iterator[StepResult]:
         """The decode step of `seqs` and up to steps - 1 more in one ForwardSteps call, a StepResult (and
-        StepTimer) each. Returns False if compute refused the call before running a step."""
+        StepTimer) each."""
         limits = [row_limit(seq, steps, self._eos) for seq in seqs]
         tables = self._kv.step_tables(seqs)
         request = multi_step_request(seqs, tables, self._epoch, self._eos, limits, self._lease.epoch)
         with_lookup(request, seqs, self._draft_tokens)
-        self._marked(seqs, request.first)
         stop = self._call_stop = threading.Event()
-        taken, ran, step_s = [0] * len(seqs), 0, self._deadline.timeout(len(seqs))
-        deadline = None
+        step_s, deadline = self._deadline.timeout(len(seqs)), None
         try:
             with calling("compute"):
                 replies = self._compute.ForwardSteps(
@@ -116,18 +102,15 @@ class StepExecutor:
                     with timer.phase("compute_rpc"):
                         reply = next(replies, None)
                     if reply is None:
-                        return True
+                        return
                     deadline.replied(step_s)
                     self._deadline.observe(time.perf_counter() - timer.start, len(reply.rows))
-                    ran += 1
                     timer.compute = reply
-                    yield _step_result(seqs, reply, limits, taken, timer)
+                    yield _step_result(seqs, reply, timer)
                     timer = StepTimer()
         except PeerFault as fault:
             if deadline is not None and deadline.expired:
                 raise PeerFault("compute", StepExpired(step_s)) from fault
-            if ran == 0 and not fault.lost and refused_rows(fault.err):
-                return False
             raise
         finally:
             if deadline is not None:
@@ -135,37 +118,26 @@ class StepExecutor:
             stop.set()
             self._call_stop = None
 
-    def _marked(self, seqs: list[Sequence], request: compute_pb2.ForwardRequest) -> None:
-        """The test hook's bad token in the request's rows of its request id (when set)."""
-        for row, seq in enumerate(seqs):
-            if self._bad_row is not None and seq.request_id == self._bad_row:
-                request.token_ids[request.cu_seqlens_q[row]] = -1
 
-
-def _step_result(
-    seqs: list[Sequence],
-    reply: compute_pb2.ForwardResponse,
-    limits: list[RowLimit],
-    taken: list[int],
-    timer: StepTimer,
-) -> StepResult:
-    """One reply of a multi-step call (rows: indices into the call's `seqs`), counted in `taken`. Rows the
-    gateway ended while compute runs them on (a stop string) skip their tokens; the others' chunk is the
-    token after their computed ones."""
+def _step_result(seqs: list[Sequence], reply: compute_pb2.ForwardResponse, timer: StepTimer) -> StepResult:
+    """One reply of a multi-step call (rows: indices into the call's `seqs`). Rows the gateway ended while
+    compute runs them on (a stop string) skip their tokens; the others' chunk is the token after their
+    computed ones, and those compute runs on after this reply (ForwardResponse.running) are the result's
+    running_on."""
     live = [seqs[row] for row in reply.rows]
     keep = [seq.finish_reason is None for seq in live]
-    for row in reply.rows:
-        taken[row] += 1
+    # NOTE: a compute that does not say which rows it runs on is taken to run on every one (their blocks
+    # are then released once the call is over).
+    running = reply.running or [True] * len(reply.rows)
     rows = [row for row, kept in zip(reply.rows, keep, strict=True) if kept]
     for row in rows:
         seqs[row].chunk_end = seqs[row].num_computed + 1
-    part = select_rows(reply, live, keep)
     running_on = frozenset(
-        seqs[row].seq_id
-        for row, token in zip(rows, part.token_ids, strict=True)
-        if not limits[row].stops(taken[row], token)
+        seqs[row].seq_id for row, kept, going in zip(reply.rows, keep, running, strict=True) if kept and going
     )
-    return StepResult([seqs[row] for row in rows], part, timer, "decode", running_on)
+    return StepResult(
+        [seqs[row] for row in rows], select_rows(reply, live, keep), timer, "decode", running_on
+    )
 
 
 def _messages(first: compute_pb2.StepsRequest, stop: threading.Event) -> Iterator[compute_pb2.StepsRequest]:

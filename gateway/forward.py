@@ -1,14 +1,10 @@
 """The Forward request of a scheduled step: what only the gateway knows (the new tokens, how many tokens each
-sequence already has in the KV cache, the block tables, sampling); compute derives positions and slots. And
-the step sent until compute runs it: rows compute refuses by name are dropped, the rest sent again."""
+sequence already has in the KV cache, the block tables, sampling); compute derives positions and slots."""
 
-from collections.abc import Callable
 from itertools import accumulate
 
 import numpy as np
 
-from common.errors import InvalidArgument, refused_rows
-from gateway.recovery import PeerFault
 from gateway.sampling import forward_sampling
 from gateway.sequence import Sequence
 from protos import compute_pb2
@@ -56,28 +52,3 @@ def _sparse_rows(seqs: list[Sequence]) -> list[compute_pb2.SparseRow]:
         return []
     rows = [seq.sparse or (0, 0, 0) for seq in seqs]
     return [compute_pb2.SparseRow(sink=sink, recent=recent, topk=topk) for sink, recent, topk in rows]
-
-
-# refuse(rows' sequences, compute's error): ends their requests; returns the seq ids it ended.
-Refuse = Callable[[list[Sequence], InvalidArgument], set[str]]
-
-
-def forward_rows(
-    seqs: list[Sequence], send: Callable[[list[Sequence]], compute_pb2.ForwardResponse], refuse: Refuse
-) -> tuple[list[Sequence], compute_pb2.ForwardResponse | None]:
-    """Sends the step of `seqs` (`send` raises PeerFault as compute's refusal); while compute refuses it
-    naming rows (common.errors.RowsRefused: it wrote no K/V then), `refuse(rows' sequences, compute's
-    error)` ends their requests and returns the seq ids it ended, and the rest is sent again. Returns the
-    sequences that ran and compute's reply (None when every row was refused). A refusal naming no row, or
-    rows that are not in the step, is raised as it came."""
-    while seqs:
-        try:
-            return seqs, send(seqs)
-        except PeerFault as fault:
-            rows = refused_rows(fault.err)
-            if not rows or rows[-1] >= len(seqs):
-                raise
-            ended = refuse([seqs[row] for row in rows], InvalidArgument(fault.err.details()))
-            assert all(seqs[row].seq_id in ended for row in rows), "a refused row is still running"
-            seqs = [seq for seq in seqs if seq.seq_id not in ended]
-    return [], None

@@ -66,12 +66,6 @@ class LiveSeqs:
         self.release(seqs)
         tell(seqs, error)
 
-    def refuse(self, seqs: list[Sequence], error: PagedServeError) -> set[str]:
-        """Compute refused these rows alone: their requests (every sample) fail; returns the seq ids ended."""
-        ended = self.of_requests({seq.group_id for seq in seqs})
-        self.fail(ended, error)
-        return {seq.seq_id for seq in ended}
-
     def fail_internal(self, seqs: list[Sequence], exc: Exception) -> None:
         """A fault of the gateway's own code in one step: its requests fail with INTERNAL, naming them."""
         log.error("step_fault", seq_ids=[s.seq_id for s in seqs], exc_info=exc)

@@ -10,19 +10,19 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.forward import forward_request
+from gateway.scheduler import Scheduler
 from gateway.sequence import Sampling, Sequence
+from gateway.step import ScheduledStep
 from protos import compute_pb2
 
 
 @dataclass(frozen=True, slots=True)
 class RowLimit:
-    """Where compute stops a row: after `max_steps` steps, or after sampling one of `stop_ids`."""
+    """Where compute stops a row: after `max_steps` steps, or after sampling one of `stop_ids` (each reply
+    says which rows it runs on: ForwardResponse.running)."""
 
     max_steps: int
     stop_ids: frozenset[int]
-
-    def stops(self, taken: int, token: int) -> bool:
-        return taken >= self.max_steps or token in self.stop_ids
 
 
 def can_multi_step(seqs: list[Sequence]) -> bool:
@@ -31,6 +31,21 @@ def can_multi_step(seqs: list[Sequence]) -> bool:
     return all(
         seq.is_decode and seq.samples_now and not seq.forks_now and seq.constraint is None for seq in seqs
     )
+
+
+def multi_steps(step: ScheduledStep, scheduler: Scheduler, max_steps: int, news: bool) -> int:
+    """How many steps an all-decode step may run as one multi-step call (1: a plain Forward): while no request
+    waits (for room the lookahead blocks would hold) or is new (`news`), `max_steps`, halved until the slots
+    its rows may still write fit above the watermark."""
+    kv = scheduler.kv
+    if max_steps <= 1 or news or scheduler.waiting:
+        return 1
+    if not can_multi_step(step.seqs) or not all(map(kv.holds, step.seqs)):
+        return 1
+    room, steps = kv.available_blocks - scheduler.watermark, max_steps
+    while steps > 1 and sum(kv.blocks_needed(s, s.chunk_end + s.lookahead(steps)) for s in step.seqs) > room:
+        steps //= 2
+    return steps
 
 
 def row_limit(seq: Sequence, steps: int, eos_ids: frozenset[int]) -> RowLimit:

@@ -166,6 +166,9 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="seconds a compute step may take before compute counts as lost; 0: 10x the recent p99, >= 5 s",
     )
+    # Tests only (docs/testing.md, Faults in a step): MODULE:NAME[=ARG], NAME(ARG) called as each stage of a
+    # step begins (gateway/step_runner.py: StepHook).
+    parser.add_argument("--step-hook", default="", help=argparse.SUPPRESS)
 
 
 def add_edge(parser: argparse.ArgumentParser) -> None:

@@ -5,13 +5,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.errors import PagedServeError
-from gateway.fault_injection import injected
-from gateway.sampling import token_logprobs
 from gateway.sequence import Sequence
-from gateway.structured.matcher import prefetch
 from gateway.text_stream import TextStream
 from gateway.tokenizer import Detokenizer
-from protos import compute_pb2, generation_pb2
+from protos import generation_pb2
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -25,37 +22,6 @@ class Output:
     # Text released by these tokens (see TextStream), and per token its logprobs when asked.
     text: str = ""
     logprobs: list[generation_pb2.TokenLogprobs] | None = None
-
-
-def advance(
-    seqs: list[Sequence],
-    reply: compute_pb2.ForwardResponse,
-    eos: frozenset[int],
-    tokenizer: "PreTrainedTokenizerBase",
-    faulty: list[tuple[Sequence, Exception]],
-) -> list[tuple[Sequence, Output]]:
-    """The step's chunks are computed; each sequence that sampled gets its token, and its Output. A row
-    whose token cannot be appended (the code raises for it) gets no Output: it goes to `faulty`, with the
-    exception, for the engine to fail its request alone."""
-    sampled = [seq for seq in seqs if seq.samples_now]
-    for seq in seqs:
-        seq.num_computed, seq.cached_prefix = seq.chunk_end, False
-    outputs = []
-    logprobs = token_logprobs(reply, sampled)
-    for seq, token, token_logprob in zip(sampled, reply.token_ids, logprobs, strict=True):
-        try:
-            injected("update", [seq])
-            text = append_token(seq, token, eos, tokenizer)
-        except Exception as exc:  # noqa: BLE001 - that row's fault: its request fails alone
-            faulty.append((seq, exc))
-            continue
-        per_token = None if token_logprob is None else [token_logprob]
-        outputs.append((seq, Output([token], seq.finish_reason, seq.index, text, per_token)))
-    ok = {id(seq) for seq, _ in outputs}
-    prefetch(
-        [s.constraint for s in sampled if s.constraint is not None and not s.finish_reason and id(s) in ok]
-    )
-    return outputs
 
 
 def append_token(seq: Sequence, token: int, eos: frozenset[int], tokenizer: "PreTrainedTokenizerBase") -> str:

@@ -1,7 +1,6 @@
 """Continuous batching with chunked prefill: which sequences run in the next step, and how many of their
 tokens; who is preempted when blocks run out."""
 
-from gateway.fault_injection import injected
 from gateway.kv_view import KVView
 from gateway.sequence import Sequence, Status
 from gateway.step import ScheduledStep
@@ -148,7 +147,6 @@ class Scheduler:
 
     def _take(self, seq: Sequence, n: int) -> int:
         """Schedules n tokens of the sequence; returns the blocks that takes (at most)."""
-        injected("schedule", [seq])
         seq.chunk_end = seq.chunk_start + n
         return self.kv.blocks_needed(seq, seq.chunk_end)
 

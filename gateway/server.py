@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             peer_restart_grace_s=args.peer_restart_grace,
             step_timeout_s=args.step_timeout,
             internal_credentials=internal,
+            step_hook=args.step_hook,
         ),
         tokenizer,
     )

@@ -133,14 +133,16 @@ class FakeCompute:
             self.call_steps[-1] += 1
             reply = self.Forward(request)
             reply.rows.extend(rows)
-            yield reply
             for row, token in zip(rows, reply.token_ids, strict=True):
                 taken[row] += 1
                 if taken[row] >= first.max_steps[row] or token in first.stop_token_ids[cu[row] : cu[row + 1]]:
                     taken[row] = -1
             keep = [i for i, row in enumerate(rows) if taken[row] >= 0]
             # NOTE: a step's time, in which the caller's half-close arrives (the fake's steps take none).
-            if stop.wait(STEP_S) or not keep:
+            stopping = stop.wait(STEP_S)
+            reply.running.extend(taken[row] >= 0 and not stopping for row in rows)
+            yield reply
+            if stopping or not keep:
                 return
             rows = [rows[i] for i in keep]
             request = _next_step(request, list(reply.token_ids), keep)

@@ -3,11 +3,15 @@
 import itertools
 from dataclasses import replace
 
+from gateway.config import EngineConfig
+from gateway.engine_view import EngineView
 from gateway.kv_view import KVView
+from gateway.live_seqs import LiveSeqs
 from gateway.scheduler import Scheduler
 from gateway.sequence import Sampling, Sequence
 from gateway.step import ScheduledStep
 from gateway.step_pace import StepPace
+from gateway.step_runner import StepRunner
 from tests.fake_cache import FakeCache
 
 GREEDY = Sampling(max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=None, ignore_eos=False,
@@ -34,6 +38,12 @@ def make(
     `pace_streams` says otherwise."""
     kv = KVView(FakeCache(num_blocks, block_size), block_size, num_blocks)
     return Scheduler(kv, max_batched_tokens, max_seqs, prefill_tokens_with_decodes, pace, pace_streams)
+
+
+def step_runner(scheduler: Scheduler) -> StepRunner:
+    """The engine's step runner over the scheduler, for its reserve stage (no compute, no lease)."""
+    config = EngineConfig("", "", block_size=scheduler.kv.block_size)
+    return StepRunner(None, scheduler, LiveSeqs(scheduler, scheduler.kv), None, EngineView(), None, config)
 
 
 def run(scheduler: Scheduler, step: ScheduledStep) -> dict[str, int]:

@@ -1,8 +1,9 @@
 """One bad request never fails its neighbours (real processes, a tiny random-weight model): a NaN temperature
-is refused alone by the gateway while three streams run on; and, with the gateway's checks bypassed (a test
-hook makes one request's Forward rows carry a token id compute refuses), compute names that row, the gateway
-fails only that request and runs the step again without it: the three co-batched streams end with the tokens
-they have alone. Before, compute refused the whole step and every request in it failed."""
+is refused alone by the gateway while three streams run on; and, with the gateway's checks bypassed (a step
+hook, tests/step_hooks.py: BadRow, makes one request's Forward rows carry a token id compute refuses),
+compute names that row, the gateway fails only that request and runs the step again without it: the three
+co-batched streams end with the tokens they have alone. Before, compute refused the whole step and every
+request in it failed."""
 
 import subprocess
 import threading
@@ -14,7 +15,6 @@ import pytest
 
 from common.errors import BAD_ROWS_KEY
 from common.server import channel
-from gateway.config import BAD_ROW_ENV
 from protos import cache_pb2, cache_pb2_grpc, compute_pb2_grpc
 from sdk.client import Client, GenerationError
 from tests.forward import forward_request
@@ -27,20 +27,21 @@ PROMPTS = [[5, 17, 99, 42, 7], [200, 31, 64, 3, 150, 9, 11], [8, 8, 8]]
 GREEDY = dict(max_tokens=120, temperature=0.0, ignore_eos=True)
 
 
-def start_services(model: Path, logs: Path, env: dict[str, str]) -> tuple[dict, list[subprocess.Popen]]:
-    """Cache, compute and gateway on free 127.0.0.1 ports (the gateway with `env`); their targets."""
+def start_services(model: Path, logs: Path, hook: str) -> tuple[dict, list[subprocess.Popen]]:
+    """Cache, compute and gateway on free 127.0.0.1 ports (the gateway with the step hook `hook`); their
+    targets."""
     ports = {name: free_port() for name in ("cache", "compute", "gateway")}
     targets = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     argv = {
         "cache_service": ["--kv-blocks", "128", "--insecure"],
         "compute_service": ["--model", str(model), "--dtype", "float32", "--threads", "1", "--insecure"],
         "gateway": ["--model", str(model), "--log-format", "json", "--log-level", "debug",
-                    "--cache-target", targets["cache"], "--compute-target", targets["compute"]],
+                    "--cache-target", targets["cache"], "--compute-target", targets["compute"],
+                    "--step-hook", hook],
     }  # fmt: skip
     procs = []
     for (module, args), name in zip(argv.items(), ports, strict=True):
-        proc = start(module, *args, "--port", str(ports[name]), log_path=logs / f"{name}.log",
-                     env=env if name == "gateway" else None)  # fmt: skip
+        proc = start(module, *args, "--port", str(ports[name]), log_path=logs / f"{name}.log")
         procs.append(proc)
         wait_healthy(targets[name], proc, 120, GATEWAY_SERVICE if name == "gateway" else "")
     return targets, procs
@@ -51,7 +52,7 @@ def gateway(tmp_path_factory, tiny_model):
     logs = tmp_path_factory.mktemp("logs")
     procs: list[subprocess.Popen] = []
     try:
-        targets, procs = start_services(tiny_model, logs, {BAD_ROW_ENV: BAD_REQUEST})
+        targets, procs = start_services(tiny_model, logs, f"tests.step_hooks:BadRow={BAD_REQUEST}")
         yield targets["gateway"], logs / "gateway.log", targets
     finally:
         codes = [stop(proc) for proc in reversed(procs)]

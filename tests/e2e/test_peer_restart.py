@@ -20,7 +20,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.healthcheck import status
 from common.server import channel
-from gateway.config import FAIL_STEP_ENV
 from protos import cache_pb2, cache_pb2_grpc
 from sdk.client import Client, GenerationError
 from tests.helpers import free_port, log_events, start, stop, wait_healthy
@@ -29,7 +28,7 @@ from tests.processes import segments_of
 pytestmark = pytest.mark.e2e
 GATEWAY_SERVICE = "pagedserve.v1.Generation"
 FAULTY_REQUEST = "inject-a-step-fault"
-# The request that fails in each stage of its steps (gateway/fault_injection.py): in the run stage by default.
+# The request that fails in each stage of its steps (tests/step_hooks.py: FailStep, loaded by --step-hook).
 FAULTY = {
     "run": FAULTY_REQUEST,
     **{stage: f"{FAULTY_REQUEST}-{stage}" for stage in ("schedule", "reserve", "update")},
@@ -54,7 +53,7 @@ class Services:
         self.all_procs: list[tuple[str, subprocess.Popen]] = []
         self.starts = 0
 
-    def start(self, name: str, *args: str, port: int | None = None, env: dict | None = None) -> str:
+    def start(self, name: str, *args: str, port: int | None = None) -> str:
         """Starts the service (on its own port unless given) and waits until it serves; returns its target."""
         self.starts += 1
         port = port or self.ports[name]
@@ -66,7 +65,7 @@ class Services:
         }[name]  # fmt: skip
         module = {"cache": "cache_service", "compute": "compute_service", "gateway": "gateway"}[name]
         log_path = self.logs / f"{name}-{self.starts}.log"
-        proc = start(module, *argv, "--port", str(port), *args, log_path=log_path, env=env)
+        proc = start(module, *argv, "--port", str(port), *args, log_path=log_path)
         self.procs[f"{name}:{port}"] = proc
         self.all_procs.append((name, proc))
         target = f"127.0.0.1:{port}"
@@ -91,8 +90,9 @@ def services(tmp_path_factory, tiny_model):
         svc.start("compute")
         # NOTE: a grace that outlasts a compute's start on a loaded machine (the default, 30 s, may not).
         svc.gateway = svc.start(
-            "gateway", "--peer-restart-grace", "120", port=free_port(), env={FAIL_STEP_ENV: FAULTS}
-        )
+            "gateway", "--peer-restart-grace", "120", "--step-hook", f"tests.step_hooks:FailStep={FAULTS}",
+            port=free_port(),
+        )  # fmt: skip
         yield svc
     finally:
         codes = svc.stop_all()

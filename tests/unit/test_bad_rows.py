@@ -20,8 +20,6 @@ from common.server import (
 from compute_service.batch import ForwardBatch
 from compute_service.validation import Limits
 from gateway.forward import forward_request as gateway_request
-from gateway.forward import forward_rows
-from gateway.recovery import PeerFault
 from gateway.sampling import resolve_sampling
 from gateway.sequence import Sampling, Sequence
 from gateway.tokenizer import encode
@@ -113,14 +111,6 @@ def test_the_rows_travel_as_trailing_metadata_and_only_well_formed_ones_are_read
     for value in ("", "1,,2", "-1", "²", "a"):
         assert refused_rows(RpcError(invalid, "x", ((BAD_ROWS_KEY, value),))) is None, value
     assert refused_rows(RpcError(invalid, "x")) is None
-
-
-def test_rows_outside_the_step_or_none_named_raise_the_refusal_as_it_came():
-    def send(seqs):
-        raise PeerFault("compute", RpcError(grpc.StatusCode.INVALID_ARGUMENT, "x", ((BAD_ROWS_KEY, "3"),)))
-
-    with pytest.raises(PeerFault):
-        forward_rows(["a", "b"], send, lambda seqs, error: pytest.fail("nothing is refused"))
 
 
 def test_the_gateway_checks_text_and_chat_prompts_against_the_models_vocabulary():

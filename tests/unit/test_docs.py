@@ -97,3 +97,16 @@ def test_the_readme_performance_table_is_made_from_the_bench_files():
     assert summary.with_table(text, summary.table(ROOT / "docs" / "bench")) == text, (
         "README.md's performance table and docs/bench/*.json disagree: run `make docs`"
     )
+
+
+def test_the_architecture_pages_step_excerpt_is_the_codes():
+    """Each line of the excerpt of StepRunner in docs/architecture.md stands in gateway/step_runner.py, in
+    that order (an abridged excerpt: lines may be left out between them, none changed)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    excerpt = re.search(r"In code \(`gateway/step_runner.py`.*?```python\n(.*?)```", doc, re.DOTALL)
+    assert excerpt, "architecture.md shows no excerpt of gateway/step_runner.py"
+    code = [line.strip() for line in (ROOT / "gateway" / "step_runner.py").read_text().splitlines()]
+    at = 0
+    for line in excerpt.group(1).strip().splitlines():
+        assert line.strip() in code[at:], f"{line.strip()!r} is not in gateway/step_runner.py after line {at}"
+        at += code[at:].index(line.strip()) + 1

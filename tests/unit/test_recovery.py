@@ -9,7 +9,6 @@ import grpc
 import pytest
 
 from common.errors import InvalidArgument, PagedServeError, Unavailable
-from gateway.config import FAIL_STEP_ENV
 from gateway.recovery import FIRST_DELAY_S, MAX_DELAY_S, PeerFault, PeerRecovery
 from gateway.sequence import Sequence
 from gateway.step_deadline import FLOOR_S, WARMUP, StepDeadline
@@ -116,9 +115,8 @@ def test_past_the_grace_requests_fail_naming_the_lost_service_and_new_ones_are_r
     assert collect(submit(engine, PROMPTS[0])) == reference[0]
 
 
-def test_an_exception_in_one_step_fails_only_its_request_with_internal(start, monkeypatch, reference):
-    monkeypatch.setenv(FAIL_STEP_ENV, "bad")
-    engine, cache, _ = start()
+def test_an_exception_in_one_step_fails_only_its_request_with_internal(start, reference):
+    engine, cache, _ = start(step_hook="tests.step_hooks:FailStep=bad")
     error = collect(submit(engine, PROMPTS[1], request_id="bad"))
     assert isinstance(error, PagedServeError) and error.code == grpc.StatusCode.INTERNAL
     assert "RuntimeError" in str(error) and "request bad" in str(error)

@@ -1,9 +1,8 @@
 """The gateway's scheduler: chunked prefill, admission, preemption, priorities, forks."""
 
-from gateway.live_seqs import LiveSeqs
-from gateway.reservation import multi_steps, reserve
+from gateway.multi_step import multi_steps
 from gateway.sequence import Status
-from tests.scheduling import make, run, seq
+from tests.scheduling import make, run, seq, step_runner
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_and_samples_only_at_its_end():
@@ -240,6 +239,7 @@ def test_a_multi_step_call_holds_no_slot_past_what_its_rows_may_still_sample():
     assert all(s.is_decode and s.tokens_left == 3 for s in step.seqs)
     assert multi_steps(step, scheduler, 32, news=False) == 32
     available = scheduler.kv.available_blocks
-    reserve(step, scheduler, LiveSeqs(scheduler, scheduler.kv), 31)
+    step_runner(scheduler).reserve(step, news=False)
+    assert step.num_steps == 32
     assert [len(table) for table in scheduler.kv.step_tables(step.seqs)[0]] == [3, 3], "slots to 8 + 1 + 2"
     assert available - scheduler.kv.available_blocks == 2

@@ -5,12 +5,10 @@ refuses (RESOURCE_EXHAUSTED) whatever does not fit."""
 
 import pytest
 
-from gateway.live_seqs import LiveSeqs
-from gateway.reservation import reserve
 from gateway.scheduler import Scheduler
 from gateway.sequence import Status
 from tests.fake_cache import RpcError
-from tests.scheduling import make, run, seq
+from tests.scheduling import make, run, seq, step_runner
 
 BS = 16
 
@@ -110,7 +108,7 @@ def test_a_reserve_refused_for_blocks_undoes_the_new_admissions_and_runs_the_res
     stolen = [cache.free.pop() for _ in range(5)]  # taken behind the view's back: its counts are stale
     step = scheduler.schedule()
     assert step.seqs == [first, late]
-    reserve(step, scheduler, LiveSeqs(scheduler, scheduler.kv))
+    step_runner(scheduler).reserve(step, news=True)
     assert step.seqs == [first], "the step runs what fits"
     assert late.status is Status.WAITING and scheduler.waiting == [late] and late.prefix_hit is None
     assert not scheduler.kv.holds(late) and "late" not in cache.tables, "the refused Reserve took nothing"
@@ -129,7 +127,7 @@ def test_a_refused_reserve_of_running_sequences_alone_still_fails_the_step():
     scheduler.kv._stub.free.clear()
     step = scheduler.schedule()
     with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as raised:
-        reserve(step, scheduler, LiveSeqs(scheduler, scheduler.kv))
+        step_runner(scheduler).reserve(step, news=True)
     assert isinstance(raised.value.err, RpcError) and scheduler.running == [first]
 
 

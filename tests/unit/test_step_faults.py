@@ -1,18 +1,19 @@
 """A step fault fails only its cause (gateway/step_faults.py), over the fake peers: a gateway exception or a
 compute INTERNAL in a co-batched step fails only the request whose row fails alone, the others end with
-their tokens; a fault in the middle of a multi-step call loses nobody; the bisection's bound. And a compute
-restart that keeps the KV: the running sequences go on from their tables, no token computed twice."""
+their tokens; a fault in the middle of a multi-step call loses nobody; the bisection's bound, and rows a
+fault names failing without one. And a compute restart that keeps the KV: the running sequences go on from
+their tables, no token computed twice. Faults come from the fake peers, or a test's StepHook
+(tests/step_hooks.py)."""
 
 import grpc
 import pytest
 
-from common.errors import PagedServeError
+from common.errors import PagedServeError, RowsRefused
 from gateway import engine as engine_module
-from gateway import outputs as outputs_module
-from gateway import reservation, step_faults
-from gateway.config import FAIL_STEP_ENV
+from gateway import step_faults, step_runner
+from gateway.recovery import PeerFault
 from gateway.sequence import Sequence
-from gateway.step_faults import isolate, max_reruns
+from gateway.step_faults import StepFaults, max_reruns
 from tests.fake_engine import GREEDY, PROMPTS, assert_nothing_held, collect, run_all, start, submit, tokenizer
 from tests.fake_peers import RpcError, unreachable
 
@@ -51,7 +52,7 @@ def logs(monkeypatch) -> Logs:
     logs = Logs()
     monkeypatch.setattr(step_faults, "log", logs)
     monkeypatch.setattr(engine_module, "log", logs)
-    monkeypatch.setattr(reservation, "log", logs)
+    monkeypatch.setattr(step_runner, "log", logs)
     return logs
 
 
@@ -59,9 +60,8 @@ def isolated(logs: list[dict]) -> list[dict]:
     return [e for e in logs if e["event"] == "step_fault_isolated"]
 
 
-def test_an_exception_in_a_co_batched_step_fails_only_its_request(start, monkeypatch, reference, logs):
-    monkeypatch.setenv(FAIL_STEP_ENV, "bad")
-    engine, cache, _ = start()
+def test_an_exception_in_a_co_batched_step_fails_only_its_request(start, reference, logs):
+    engine, cache, _ = start(step_hook="tests.step_hooks:FailStep=bad")
     *outputs, error = co_batched(engine, [*PROMPTS, BAD_PROMPT], bad="bad")
     assert isinstance(error, PagedServeError) and error.code == grpc.StatusCode.INTERNAL
     assert "RuntimeError" in str(error) and "request bad" in str(error)
@@ -74,11 +74,8 @@ def test_an_exception_in_a_co_batched_step_fails_only_its_request(start, monkeyp
 
 
 @pytest.mark.parametrize("stage", ["schedule", "reserve", "update"])
-def test_an_exception_in_any_stage_of_a_step_fails_only_its_request(
-    stage, start, monkeypatch, reference, logs
-):
-    monkeypatch.setenv(FAIL_STEP_ENV, f"{stage}:bad")
-    engine, cache, _ = start()
+def test_an_exception_in_any_stage_of_a_step_fails_only_its_request(stage, start, reference, logs):
+    engine, cache, _ = start(step_hook=f"tests.step_hooks:FailStep={stage}:bad")
     *outputs, error = co_batched(engine, [*PROMPTS, BAD_PROMPT], bad="bad")
     assert isinstance(error, PagedServeError) and error.code == grpc.StatusCode.INTERNAL
     assert f"injected {stage} fault" in str(error) and "request bad" in str(error)
@@ -112,21 +109,21 @@ def test_an_update_fault_in_a_multi_step_call_fails_its_request_once_the_call_is
 ):
     engine, cache, _ = start()
     bad = f"s{id(BAD_PROMPT)}-"
-    append_token, free = outputs_module.append_token, cache.Free
+    append_token, free = step_runner.append_token, cache.Free
     faults, frees = [], []
 
     def fault_at_the_fourth_token(seq, token, eos, tokenizer):
         if seq.seq_id == bad and len(seq.output_ids) == 3:
-            faults.append(engine.executor.in_call)
+            faults.append(engine.runner.executor.in_call)
             raise ValueError("no room for that token")
         return append_token(seq, token, eos, tokenizer)
 
     def recording_free(request, **kw):
         if bad in request.seq_ids:
-            frees.append(engine.executor.in_call)
+            frees.append(engine.runner.executor.in_call)
         return free(request, **kw)
 
-    monkeypatch.setattr(outputs_module, "append_token", fault_at_the_fourth_token)
+    monkeypatch.setattr(step_runner, "append_token", fault_at_the_fourth_token)
     monkeypatch.setattr(cache, "Free", recording_free)
     *outputs, error = co_batched(engine, [*PROMPTS, BAD_PROMPT])
     assert isinstance(error, PagedServeError) and "ValueError: no room for that token" in str(error)
@@ -165,31 +162,79 @@ def test_a_fault_in_the_middle_of_a_multi_step_call_reruns_its_step_and_loses_no
     assert_nothing_held(engine, cache)
 
 
+class Live:
+    """The engine's live sequences as StepFaults sees them: every row its own request; failing ends it."""
+
+    def __init__(self, rows: list[Sequence]) -> None:
+        self.rows, self.failed = rows, []
+
+    def holds(self, seq: Sequence) -> bool:
+        return seq not in self.failed
+
+    def of_requests(self, group_ids: set[str]) -> list[Sequence]:
+        return [seq for seq in self.rows if seq.group_id in group_ids and self.holds(seq)]
+
+    def fail(self, seqs: list[Sequence], error: Exception) -> None:
+        self.failed += seqs
+
+    fail_internal = fail
+
+
+def rows_of(n: int) -> list[Sequence]:
+    return [Sequence(seq_id=f"r{i}", prompt_ids=[5], sampling=GREEDY, max_len=64) for i in range(n)]
+
+
 def test_bisection_finds_one_faulty_row_within_its_bound_and_runs_every_other_row_once():
-    rows = [Sequence(seq_id=f"r{i}", prompt_ids=[5], sampling=GREEDY, max_len=64) for i in range(8)]
-    ran, failed = [], []
+    rows, ran = rows_of(8), []
+    live = Live(rows)
 
     def run(seqs):
         if rows[5] in seqs:
             raise RuntimeError("row 5")
         ran.extend(seqs)
 
-    def fail(seqs, error):
-        failed.extend(seqs)
-
-    assert list(isolate(rows, RuntimeError("step"), run, fail)) == []
-    assert failed == [rows[5]] and sorted(ran, key=rows.index) == [r for r in rows if r is not rows[5]]
+    assert list(StepFaults(live).isolate(rows, RuntimeError("step"), run)) == []
+    assert live.failed == [rows[5]] and sorted(ran, key=rows.index) == [r for r in rows if r is not rows[5]]
     assert max_reruns(8) == 6 and max_reruns(1) == max_reruns(2) == 2
 
-    failed.clear()
-    calls = []
+    live, calls = Live(rows), []
 
     def every_row_fails(seqs):
         calls.append(seqs)
         raise RuntimeError("every row")
 
-    assert list(isolate(rows, RuntimeError("step"), every_row_fails, fail)) == []
-    assert len(calls) == max_reruns(8) and sorted(failed, key=rows.index) == rows, "bounded, then failed"
+    assert list(StepFaults(live).isolate(rows, RuntimeError("step"), every_row_fails)) == []
+    assert len(calls) == max_reruns(8) and sorted(live.failed, key=rows.index) == rows, "bounded, then failed"
+
+
+def refusal(rows: list[int]) -> PeerFault:
+    error = RowsRefused("token_ids hold a bad token", rows)
+    return PeerFault(
+        "compute", RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(error), error.trailing_metadata())
+    )
+
+
+def test_rows_a_fault_names_fail_alone_and_the_rest_run_again_without_a_bisection():
+    rows = rows_of(6)
+    live, calls = Live(rows), []
+
+    def run(seqs):
+        calls.append(seqs)
+        if rows[4] in seqs:  # named at its place in this call's rows
+            raise refusal([seqs.index(rows[4])])
+        return seqs
+
+    assert list(StepFaults(live).isolate(rows, refusal([1, 3]), run)) == [[rows[0], rows[2], rows[5]]]
+    assert live.failed == [rows[1], rows[3], rows[4]]
+    assert calls == [[rows[0], rows[2], rows[4], rows[5]], [rows[0], rows[2], rows[5]]], "no halves"
+
+
+def test_a_refusal_naming_a_row_outside_the_call_names_none_and_is_bisected():
+    rows, ran = rows_of(2), []
+    live = Live(rows)
+    assert step_faults.named(rows, refusal([3])) == [] and step_faults.named(rows, refusal([1])) == [rows[1]]
+    assert list(StepFaults(live).isolate(rows, refusal([3]), lambda seqs: ran.append(seqs))) == []
+    assert ran == [[rows[0]], [rows[1]]] and live.failed == []
 
 
 def test_a_compute_restart_keeps_the_tables_and_computes_no_token_twice(start, reference, logs):

@@ -5,6 +5,7 @@ import argparse
 from common import sparse_settings
 from common.options import ServiceOptions, add_dtype, add_kv_device, add_kv_dtype, add_logging, add_model
 from common.transport import add_listen
+from compute_service import pooling
 from compute_service.attention.backend_names import BACKEND_NAMES, SPARSE
 from compute_service.weight_modes import INT4_GROUP_SIZE, WEIGHTS_CHOICES
 
@@ -64,6 +65,15 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "topk=8); allow: requests may ask for it (GenerateRequest.sparse_attention), dense otherwise; on or "
         "settings alone: every decode unless its request asks for dense; off (default): requests may not "
         f"ask; prompts stay dense; attention backend {' or '.join(SPARSE)} only (docs/sparse-attention.md)",
+    )
+    parser.add_argument(
+        "--pooling",
+        choices=pooling.FLAG_CHOICES,
+        default="auto",
+        help="how embeddings (Embed, /v1/embeddings) pool the hidden states: auto (default) as the model "
+        "declares (a sentence-transformers modules.json), else not at all; off: embeddings refused; last, "
+        "mean or cls: that token pooling, normalised unless the model declares pooling without Normalize "
+        "(a plain decoder: last; docs/embeddings.md)",
     )
     parser.add_argument(
         "--unfused",

@@ -4,10 +4,12 @@ import argparse
 import sys
 import threading
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from prometheus_client import Counter, Histogram, Info
+from transformers import AutoConfig
 
 from common import transport
 from common.devices import CPU, Device
@@ -30,6 +32,7 @@ from compute_service.model_loader import ModelSpec, load_planned, plan_for
 from compute_service.options import OPTIONS
 from compute_service.planning import Flags
 from compute_service.pool_layout import PoolLayout, pool_layout
+from compute_service.pooling import resolve as resolve_pooling
 from compute_service.runner import Runner, StepTimes
 from compute_service.step_thread import StepThread
 from compute_service.threads import ThreadPolicy
@@ -127,6 +130,7 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
                 block_size,
                 self.spec.plan.sparse_attention,
                 layout.num_groups,
+                self.spec.pooling.mode if self.spec.pooling else "",
             )
             # NOTE: an accelerator pool has no file to watch; its cache's restart shows as a new epoch.
             self._segment = Path(handle.shm.path) if handle.HasField("shm") else None
@@ -180,6 +184,8 @@ class ComputeServicer(ForwardSteps, compute_pb2_grpc.ComputeServicer):
             sample_ms=times.sample * 1e3,
             sparse_rows=times.sparse_rows,
         )
+        if sampled.pooled is not None:
+            reply.pooled = sampled.pooled.numpy().astype("<f4").tobytes()
         return reply, sampled.tokens
 
     def drop_removed_pool(self) -> bool:
@@ -248,7 +254,9 @@ def main(argv: list[str] | None = None) -> None:
         sparse_attention=args.sparse_attention,
     )
     try:
-        model, spec = steps.call(load_planned, *plan_for(args.model, flags))
+        files, plan = plan_for(args.model, flags)
+        pooling = resolve_pooling(args.pooling, files.path, AutoConfig.from_pretrained(files.path))
+        model, spec = steps.call(load_planned, files, plan)
     except (FileNotFoundError, ValueError) as exc:
         print(f"compute_service: {exc}", file=sys.stderr)
         raise SystemExit(REFUSED) from exc
@@ -266,7 +274,9 @@ def main(argv: list[str] | None = None) -> None:
         native_threads=steps.call(kernels.load().parallel_threads) if native else None,
         max_model_len=spec.max_model_len,
     )
+    spec = replace(spec, pooling=pooling)
     log.info("execution_plan", **spec.plan.summary())
+    log.info("pooling", **({"mode": None} if pooling is None else asdict(pooling)))
     COMPUTE_INFO.info(
         {
             "model": spec.name,
@@ -277,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
             "attention_backend": spec.attention_backend,
         }
     )
-    runner = Runner(model, spec.kv_scales, spec.plan)
+    runner = Runner(model, spec.kv_scales, spec.plan, pooling.mode if pooling else "")
     servicer = ComputeServicer(runner, spec, log, args.kv_device, threads, steps)
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(

@@ -26,6 +26,7 @@ from gateway.kv_view import KVView
 from gateway.lease import Lease
 from gateway.live_seqs import LiveSeqs
 from gateway.outputs import Output, advance, tell
+from gateway.pooled import pooled_rows, take_pooled
 from gateway.recovery import PeerFault, PeerRecovery, calling
 from gateway.reservation import reserve_step, schedule_step
 from gateway.scheduler import Scheduler
@@ -264,7 +265,9 @@ class Engine:
             for seq in [seq for seq in result.seqs if seq.forks_now]:
                 fork_isolated(self.live, seq, faulty)
         eos = frozenset(self.model_info.eos_token_ids)
+        pooling = pooled_rows(result.seqs)  # NOTE: before advance moves the chunks on
         outputs = advance(result.seqs, result.reply, eos, self.tokenizer, faulty)
+        outputs += take_pooled(result.seqs, pooling, result.reply, faulty)
         if faulty:
             outputs = fail_rows(self.live, self.executor, faulty, outputs, result.running_on, deferred)
         self.view.account(outputs)

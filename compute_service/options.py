@@ -5,9 +5,12 @@ import argparse
 from common import sparse_settings
 from common.options import ServiceOptions, add_dtype, add_kv_device, add_kv_dtype, add_logging, add_model
 from common.transport import add_listen
-from compute_service import pooling
 from compute_service.attention.backend_names import BACKEND_NAMES, SPARSE
 from compute_service.weight_modes import INT4_GROUP_SIZE, WEIGHTS_CHOICES
+
+# --pooling: as the model declares, none, or a mode of compute_service.pooling (declared here: the launcher
+# imports these options without torch or transformers).
+POOLING = ("auto", "off", "last", "mean", "cls")
 
 
 def _length(text: str) -> int:
@@ -68,7 +71,7 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pooling",
-        choices=pooling.FLAG_CHOICES,
+        choices=POOLING,
         default="auto",
         help="how embeddings (Embed, /v1/embeddings) pool the hidden states: auto (default) as the model "
         "declares (a sentence-transformers modules.json), else not at all; off: embeddings refused; last, "

@@ -15,8 +15,6 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-MODES = ("last", "mean", "cls")
-FLAG_CHOICES = ("auto", "off", *MODES)
 # sentence-transformers' Pooling modes (its config's `pooling_mode`, or the legacy `pooling_mode_*` flags)
 # that pagedserve runs, by its own names.
 _ST_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
@@ -37,9 +35,9 @@ class UnsupportedPooling(ValueError):
 
 @dataclass(frozen=True)
 class Pooling:
-    """`mode`: one of MODES; `normalize`: unit length after any truncation; `dimensions`: the hidden size;
-    `matryoshka`: None, no truncation; empty, any width; else the widths allowed; `source`: where it was
-    declared ("modules.json" or "--pooling")."""
+    """`mode`: last, mean or cls; `normalize`: unit length after any truncation; `dimensions`: the hidden
+    size; `matryoshka`: None, no truncation; empty, any width; else the widths allowed; `source`: where it
+    was declared ("modules.json" or "--pooling")."""
 
     mode: str
     normalize: bool

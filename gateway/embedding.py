@@ -59,9 +59,10 @@ class Embeddings:
             generation.admission.enter(seqs[0])
             on_end(lambda: generation.admission.leave(seqs[0].seq_id))
             log.info("embed", inputs=len(seqs), prompt_tokens=sum(len(seq.prompt_ids) for seq in seqs))
+            # NOTE: the abort first: an engine that stops taking inputs part-way leaves none of them running.
+            on_end(lambda: generation.engine.abort(seqs[0].group_id))
             for seq in seqs:
                 generation.engine.submit(seq)
-            on_end(lambda: generation.engine.abort(seqs[0].group_id))
             embeddings = _gather(seqs)
         return generation_pb2.EmbedResponse(
             request_id=request_id,

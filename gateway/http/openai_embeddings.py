@@ -12,11 +12,12 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from common.errors import PagedServeError
 from gateway.http.bridge import unless_disconnected
 from gateway.http.openai_request import Int32, _Body, model_error, parse
 from protos import generation_pb2
 
-# The gateway's field under its OpenAI name.
+# The gateway's field under its OpenAI name (messages too: `inputs[2] is empty` reads `input[2] is empty`).
 RENAMES = {"inputs": "input"}
 
 
@@ -76,5 +77,12 @@ async def embeddings(front, request: Request, request_id: str, body: object) -> 
     info = front.generation.attached_model()
     if parsed.model not in (None, info.model, *front.aliases):
         raise model_error(parsed.model, info.model)
-    reply = await unless_disconnected(request, front.bridge.embed(embed_request(parsed, request_id), tenant))
+    call = front.bridge.embed(embed_request(parsed, request_id), tenant)
+    try:
+        reply = await unless_disconnected(request, call)
+    except PagedServeError as err:
+        message = str(err)
+        if not message.startswith("inputs"):
+            raise
+        raise type(err)("input" + message.removeprefix("inputs")) from None
     return JSONResponse(rendered(reply, parsed.encoding_format), headers={"x-request-id": reply.request_id})

@@ -225,7 +225,7 @@ def test_a_model_that_does_not_pool_refuses_embeddings_and_still_generates(stack
         ({"input": "hi", "encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),
         ({"input": []}, "input", "from 1 to 40"),
         ({"input": ["a"] * 41}, "input", "--max-embed-inputs"),
-        ({"input": ["fine", ""]}, "input", "inputs[1] is empty"),
+        ({"input": ["fine", ""]}, "input", "input[1] is empty"),
         ({"input": [[1, 2], [49152]]}, "input", "outside the vocabulary"),
         ({"input": [list(range(100, 613))]}, "input", "at most 512"),
     ],

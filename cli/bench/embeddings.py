@@ -101,16 +101,28 @@ def run(args, start) -> dict:
         if stack is not None:
             stack.stop()
     if "vllm" in args.peer:
-        inputs = [batches(args.seed + 1 + index, info.vocab_size) for index in range(args.repeat)]
-        peer = vllm_embed_peer.measure(args, inputs, args.vllm_dtype or info.dtype)
-        runs = [figures(seconds, batch) for seconds, batch in zip(peer.pop("seconds"), inputs, strict=True)]
-        result["peers"] = {vllm_embed_peer.NAME: median_of(runs)}
-        result["vllm_setup"] = peer
-        result["ratios"] = {
-            key: result["pagedserve"][key] / value if "per_s" in key else value / result["pagedserve"][key]
-            for key, value in result["peers"][vllm_embed_peer.NAME].items()
-        }
+        _vllm(args, result, info)
     return result
+
+
+def _vllm(args, result: dict, info) -> None:
+    """The same passes' batches on vLLM, its figures and the ratios into `result`; a peer that fails is
+    reported there (`peer_error`) and on stderr, the pagedserve figures kept."""
+    inputs = [batches(args.seed + 1 + index, info.vocab_size) for index in range(args.repeat)]
+    print(f"{NAME}: vLLM peer (it compiles for ~2 minutes at each start)", file=sys.stderr)
+    try:
+        peer = vllm_embed_peer.measure(args, inputs, args.vllm_dtype or info.dtype)
+    except (RuntimeError, ValueError) as error:
+        print(f"{NAME}: the vLLM peer failed: {error}", file=sys.stderr)
+        result["peer_error"] = {vllm_embed_peer.NAME: str(error)}
+        return
+    runs = [figures(seconds, batch) for seconds, batch in zip(peer.pop("seconds"), inputs, strict=True)]
+    result["peers"] = {vllm_embed_peer.NAME: median_of(runs)}
+    result["vllm_setup"] = peer
+    result["ratios"] = {
+        key: result["pagedserve"][key] / value if "per_s" in key else value / result["pagedserve"][key]
+        for key, value in result["peers"][vllm_embed_peer.NAME].items()
+    }
 
 
 def table(result: dict) -> str:

@@ -10,15 +10,15 @@ from common.model_files import local_copy
 DRIVER = Path(__file__).with_name("vllm_embed_driver.py")
 PROTOCOL = 1
 NAME = "vLLM"
-MAX_MODEL_LEN = 2048
 
 
 def request_json(model_dir: Path, dtype: str, kv_memory: int, passes: list) -> dict:
+    """The driver's input; its max_model_len the longest input's (vLLM refuses one beyond the model's)."""
     return {
         "protocol": PROTOCOL,
         "model": str(model_dir),
         "dtype": dtype,
-        "max_model_len": MAX_MODEL_LEN,
+        "max_model_len": max(len(ids) for one_pass in passes for batch in one_pass for ids in batch),
         "kv_memory_bytes": kv_memory,
         "passes": passes,
     }

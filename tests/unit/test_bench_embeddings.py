@@ -52,3 +52,12 @@ def test_the_vllm_driver_refuses_a_workload_it_cannot_run():
     for bad, says in (({**good, "protocol": 2}, "protocol"), ({**good, "passes": []}, "empty pass")):
         with pytest.raises(ValueError, match=says):
             vllm_embed_driver.read_workload(json.dumps(bad))
+
+
+def test_vllm_is_asked_for_the_longest_input_as_its_length(tmp_path):
+    from cli.bench import vllm_embed_peer
+
+    passes = [[[[1] * 40, [1] * 7]], [[[1] * 90]]]
+    request = vllm_embed_peer.request_json(tmp_path, "float32", 2**20, passes)
+    assert request["max_model_len"] == 90 and request["passes"] == passes
+    assert vllm_embed_driver.read_workload(json.dumps(request))["model"] == str(tmp_path)

@@ -12,6 +12,7 @@ import sys
 COMMANDS = {
     "up": ("cli.up", "start cache, compute and gateway services and wait for Ctrl-C"),
     "generate": ("cli.generate", "stream a completion from a running stack"),
+    "embed": ("cli.embed", "print the embeddings of texts from a running stack"),
     "bench": ("cli.bench.command", "measure a workload against transformers' generate_batch and generate"),
     "bench-plot": ("cli.bench.plot", "plot tokens/s and inter-token latency from bench JSON files"),
     "monitor": ("cli.monitor", "live view of a figure (cache usage, queues) until Ctrl-C"),

@@ -37,6 +37,8 @@ class ForwardBatch:
     # [S] the token whose logits each sampling sequence samples from (its last new one); None when that is
     # every token (a step of decodes that all sample)
     logit_tokens: torch.Tensor | None
+    # the sequences whose hidden states are pooled (ForwardRequest.pool), in order
+    pool_rows: list[int]
     # per KV group of the pool: its tables [N, W], the slots of the new tokens in them [T]; empty: one group
     group_tables: tuple[torch.Tensor, ...] = ()
     group_slots: tuple[torch.Tensor, ...] = ()
@@ -83,6 +85,7 @@ class ForwardBatch:
             if len(sent.sparse)
             else None,
             logit_tokens=None if len(last) == num_tokens else last,
+            pool_rows=sent.pool.nonzero().squeeze(1).tolist(),
             group_tables=tables if several else (),
             group_slots=slots if several else (),
         )
@@ -124,6 +127,7 @@ class ForwardBatch:
             prompt_chunks=None,
             sparse=None if self.sparse is None else [self.sparse[row] for row in keep],
             logit_tokens=None,
+            pool_rows=[],
             group_tables=groups if several else (),
             group_slots=slots if several else (),
         )

@@ -3,6 +3,7 @@
 from common.sparse_settings import SparseMode
 from compute_service.model_loader import ModelSpec
 from compute_service.plan import ExecutionPlan
+from compute_service.pooling import Pooling
 from protos import compute_pb2
 
 
@@ -24,6 +25,21 @@ def model_info(spec: ModelSpec) -> compute_pb2.ModelInfo:
         execution_plan=plan_message(spec.plan),
         sliding_windows=spec.sliding_windows,
         sparse_attention=sparse_support(spec.plan.sparse_attention),
+        pooling=pooling_message(spec.pooling),
+    )
+
+
+def pooling_message(pooling: Pooling | None) -> compute_pb2.Pooling:
+    """The model's pooling as GetModelInfo reports it (type empty: it does not pool)."""
+    if pooling is None:
+        return compute_pb2.Pooling()
+    return compute_pb2.Pooling(
+        type=pooling.mode,
+        normalize=pooling.normalize,
+        dimensions=pooling.dimensions,
+        matryoshka=pooling.matryoshka is not None,
+        matryoshka_dimensions=pooling.matryoshka or (),
+        source=pooling.source,
     )
 
 

@@ -22,6 +22,7 @@ from compute_service.llama_layer import native_row_ops
 from compute_service.native_decode import NativeDecode
 from compute_service.plan import TRANSFORMERS, ExecutionPlan
 from compute_service.planning import Flags
+from compute_service.pooling import Pooling
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class ModelSpec:
     kv_scales: KVScales = NO_SCALES
     # Each layer's sliding window (0: full attention), the groups of layers a KV cache can keep apart.
     sliding_windows: tuple[int, ...] = ()
+    # How the model pools embeddings (compute_service.pooling; None: it does not pool).
+    pooling: Pooling | None = None
 
     @property
     def attention_backend(self) -> str:

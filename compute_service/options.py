@@ -8,6 +8,10 @@ from common.transport import add_listen
 from compute_service.attention.backend_names import BACKEND_NAMES, SPARSE
 from compute_service.weight_modes import INT4_GROUP_SIZE, WEIGHTS_CHOICES
 
+# --pooling: as the model declares, none, or a mode of compute_service.pooling (declared here: the launcher
+# imports these options without torch or transformers).
+POOLING = ("auto", "off", "last", "mean", "cls")
+
 
 def _length(text: str) -> int:
     """--max-model-len: a token count >= 0."""
@@ -64,6 +68,15 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "topk=8); allow: requests may ask for it (GenerateRequest.sparse_attention), dense otherwise; on or "
         "settings alone: every decode unless its request asks for dense; off (default): requests may not "
         f"ask; prompts stay dense; attention backend {' or '.join(SPARSE)} only (docs/sparse-attention.md)",
+    )
+    parser.add_argument(
+        "--pooling",
+        choices=POOLING,
+        default="auto",
+        help="how embeddings (Embed, /v1/embeddings) pool the hidden states: auto (default) as the model "
+        "declares (a sentence-transformers modules.json), else not at all; off: embeddings refused; last, "
+        "mean or cls: that token pooling, normalised unless the model declares pooling without Normalize "
+        "(a plain decoder: last; docs/embeddings.md)",
     )
     parser.add_argument(
         "--unfused",

@@ -15,6 +15,7 @@ from compute_service.batch import ForwardBatch
 from compute_service.greedy import greedy, is_plain_greedy
 from compute_service.plan import ExecutionPlan
 from compute_service.pool_layout import PoolLayout
+from compute_service.pooling import pool
 from compute_service.sampling import Sampled, sample
 
 
@@ -34,10 +35,17 @@ class Runner:
     """Runs steps of one model on the attached pool; keeps the per-layer pool views between steps."""
 
     def __init__(
-        self, model: PreTrainedModel, scales: KVScales = NO_SCALES, plan: ExecutionPlan | None = None
+        self,
+        model: PreTrainedModel,
+        scales: KVScales = NO_SCALES,
+        plan: ExecutionPlan | None = None,
+        pooling: str = "",
     ) -> None:
-        """`plan`: the model's execution plan, whose `sampling.greedy` choice this follows (None: torch's)."""
+        """`plan`: the model's execution plan, whose `sampling.greedy` choice this follows (None: torch's);
+        `pooling`: how rows that ask for it are pooled (compute_service.pooling; empty: the model does not
+        pool)."""
         self.model = model
+        self.pooling = pooling
         self.scales = scales
         self.kernels = kernels.load() if plan is not None and plan.native_greedy else None
         self.layers = architectures.layer_attention(model.config)
@@ -66,9 +74,16 @@ class Runner:
         """Drops the per-layer views: the pool is unmapped once the caller holds no tensor of it either."""
         self.k_caches, self.v_caches, self.summaries, self.layer_groups = [], [], None, ()
 
-    @torch.inference_mode()
     def logits(self, batch: ForwardBatch, times: StepTimes | None = None) -> torch.Tensor:
         """Float32 logits [S, V] at the last new token of each sequence with `sample` set, in order."""
+        return self.outputs(batch, times)[0]
+
+    @torch.inference_mode()
+    def outputs(
+        self, batch: ForwardBatch, times: StepTimes | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits (see `logits`) and the pooled hidden states [P, hidden] float32 of the sequences in
+        `pool_rows`, in order (None when no row pools)."""
         assert self.k_caches, "no pool attached"
         times = times or StepTimes()
         start = time.perf_counter()
@@ -92,6 +107,7 @@ class Runner:
             ).last_hidden_state[0]
         finally:
             reset_context()
+        pooled = pool(self.pooling, hidden, batch.cu_seqlens_q, batch.pool_rows) if batch.pool_rows else None
         if batch.logit_tokens is not None:
             hidden = hidden[batch.logit_tokens.to(hidden.device)]
         logits = self.model.lm_head(hidden)
@@ -104,7 +120,7 @@ class Runner:
         times.attention += context.attention_s
         if context.sparse is not None and context.sparse.derived is not None:
             times.sparse_rows += context.sparse.derived.rows
-        return logits
+        return logits, pooled
 
     def _sparse(self, batch: ForwardBatch) -> SparseDecode | None:
         """The step's block-sparse decode (None: every row dense); the summaries of the blocks the step
@@ -130,10 +146,10 @@ class Runner:
         return SparseDecode(rows, summaries, batch.prompt_chunks, tuple(groups[g] for g in sparse_groups))
 
     def forward(self, batch: ForwardBatch, times: StepTimes | None = None) -> Sampled:
-        """The sampled token (and log-probabilities) of each sequence with `sample` set, in order; `times`
-        gains the split."""
+        """The sampled token (and log-probabilities) of each sequence with `sample` set, in order, and the
+        pooled hidden states of those in `pool_rows`; `times` gains the split."""
         times = times or StepTimes()
-        logits = self.logits(batch, times)
+        logits, pooled = self.outputs(batch, times)
         start = time.perf_counter()
         if is_plain_greedy(batch.sampling):
             result = greedy(logits, self.kernels)
@@ -141,4 +157,5 @@ class Runner:
             # the sampled token takes the position right after the sequence's context
             result = sample(logits, batch.sampling, batch.context_lens[batch.sample])
         times.sample += time.perf_counter() - start
+        result.pooled = pooled
         return result

@@ -174,6 +174,9 @@ class Sampled:
     logprobs: torch.Tensor  # [S] float32, of the raw logits
     top_ids: torch.Tensor  # [rows asking for logprobs, width] int64, most likely first
     top_logprobs: torch.Tensor  # [rows asking for logprobs, width] float32
+    # [rows with pool set, hidden] float32: their pooled hidden states (compute_service.pooling); None: no row
+    # pools. Set by the runner, beside the sampled rows.
+    pooled: torch.Tensor | None = None
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) -> Sampled:

@@ -4,9 +4,11 @@ import argparse
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import asdict, replace
 
 import torch
 from prometheus_client import Info
+from transformers import AutoConfig
 
 from common import transport
 from common.devices import CPU, Device
@@ -27,6 +29,7 @@ from compute_service.model_loader import ModelSpec, load_planned, plan_for
 from compute_service.options import OPTIONS
 from compute_service.planning import Flags
 from compute_service.pool_layout import PoolLayout, pool_layout
+from compute_service.pooling import resolve as resolve_pooling
 from compute_service.runner import Runner
 from compute_service.step_thread import StepThread
 from compute_service.stepper import Stepper
@@ -145,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
         sparse_attention=args.sparse_attention,
     )
     try:
-        model, spec = steps.call(load_planned, *plan_for(args.model, flags))
+        files, plan = plan_for(args.model, flags)
+        pooling = resolve_pooling(args.pooling, files.path, AutoConfig.from_pretrained(files.path))
+        model, spec = steps.call(load_planned, files, plan)
     except (FileNotFoundError, ValueError) as exc:
         print(f"compute_service: {exc}", file=sys.stderr)
         raise SystemExit(REFUSED) from exc
@@ -163,7 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         native_threads=steps.call(kernels.load().parallel_threads) if native else None,
         max_model_len=spec.max_model_len,
     )
+    spec = replace(spec, pooling=pooling)
     log.info("execution_plan", **spec.plan.summary())
+    log.info("pooling", **({"mode": None} if pooling is None else asdict(pooling)))
     COMPUTE_INFO.info(
         {
             "model": spec.name,
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
             "attention_backend": spec.attention_backend,
         }
     )
-    runner = Runner(model, spec.kv_scales, spec.plan)
+    runner = Runner(model, spec.kv_scales, spec.plan, pooling.mode if pooling else "")
     servicer = ComputeServicer(runner, spec, log, args.kv_device, threads, steps)
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(

@@ -66,6 +66,7 @@ class Stepper:
                 block_size,
                 self.spec.plan.sparse_attention,
                 layout.num_groups,
+                self.spec.pooling.mode if self.spec.pooling else "",
             )
             # NOTE: an accelerator pool has no file to watch; its cache's restart shows as a new epoch.
             self._segment = Path(handle.shm.path) if handle.HasField("shm") else None
@@ -118,6 +119,8 @@ class Stepper:
             sample_ms=times.sample * 1e3,
             sparse_rows=times.sparse_rows,
         )
+        if sampled.pooled is not None:
+            reply.pooled = sampled.pooled.numpy().astype("<f4").tobytes()
         return reply, sampled.tokens
 
     def drop_removed_pool(self) -> bool:

@@ -2,6 +2,7 @@
 says which field is wrong and how. A refusal caused by some sequences (rows) only is a RowsRefused naming
 every row that fails that check, so the caller can drop those and send the rest again."""
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ class Limits:
     # --sparse-attention (None: off, no row may ask for block-sparse decode)
     sparse: SparseMode | None = None
     num_groups: int = 1
+    # the model's pooling mode (compute_service.pooling; empty: it does not pool, no row may ask)
+    pooling: str = ""
 
 
 @dataclass(slots=True)
@@ -43,6 +46,8 @@ class Sent:
     cached_prefix: torch.Tensor  # bool, one per sequence or none
     prompt_chunk: torch.Tensor  # bool, one per sequence or none
     sparse: torch.Tensor  # [N or 0, 3] (sink, recent, topk) per sequence or none
+    # bool, one per sequence or none
+    pool: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
 
     @classmethod
     def from_request(cls, request: compute_pb2.ForwardRequest) -> "Sent":
@@ -63,6 +68,7 @@ class Sent:
             sparse=torch.tensor([(r.sink, r.recent, r.topk) for r in request.sparse], dtype=torch.int64).view(
                 -1, 3
             ),
+            pool=torch.tensor(request.pool, dtype=torch.bool),
         )
 
     def context_lens(self) -> torch.Tensor:
@@ -83,6 +89,7 @@ def check_sent(sent: Sent, limits: Limits) -> None:
     _check_sequences(sent, context_lens, limits)
     _check_blocks(sent, context_lens, limits)
     _check_sparse(sent.sparse, limits.sparse)
+    _check_pool(sent, limits.pooling)
     check_sampling(sent.sampling, limits.vocab_size, sent.sample.nonzero()[:, 0])
 
 
@@ -139,7 +146,7 @@ def _check_counts(sent: Sent) -> None:
             raise InvalidArgument(
                 f"{field} has {len(getattr(sent, field))} entries for {num_seqs} sequences in cu_seqlens_q"
             )
-    for field in ("cached_prefix", "prompt_chunk", "sparse"):
+    for field in ("cached_prefix", "prompt_chunk", "sparse", "pool"):
         if len(getattr(sent, field)) not in (0, num_seqs):
             raise InvalidArgument(
                 f"{field} has {len(getattr(sent, field))} entries for {num_seqs} sequences in cu_seqlens_q: "
@@ -228,5 +235,30 @@ def _check_sparse(rows: torch.Tensor, mode: SparseMode | None) -> None:
         raise RowsRefused(
             f"sparse[{seq}] = sink {int(sink[seq])}, recent {int(recent[seq])}, topk {int(topk[seq])}: sink "
             "must be >= 0, topk >= 0 (0: dense) and recent >= 1 where topk is not 0",
+            _rows(bad),
+        )
+
+
+def _check_pool(sent: Sent, mode: str) -> None:
+    """RowsRefused for pooling rows where the model does not pool, that also sample, or that pool the first
+    token (cls) of a chunk that does not start the sequence."""
+    if not len(sent.pool):
+        return
+    if not mode and sent.pool.any():
+        raise RowsRefused(
+            "these rows ask for pooling (ForwardRequest.pool) but the model does not pool: start compute "
+            "with --pooling last, mean or cls, or serve a model that declares its pooling",
+            _rows(sent.pool),
+        )
+    if (seq := _first(sent.pool & sent.sample)) is not None:
+        raise RowsRefused(
+            f"sequence {seq} both pools and samples: a pooling row returns its pooled hidden states only",
+            _rows(sent.pool & sent.sample),
+        )
+    bad = sent.pool & (sent.num_computed > 0) if mode == "cls" else torch.zeros_like(sent.pool)
+    if (seq := _first(bad)) is not None:
+        raise RowsRefused(
+            f"sequence {seq} pools its first token (cls pooling) but its chunk starts at token "
+            f"{int(sent.num_computed[seq])}: send the chunk that starts the sequence",
             _rows(bad),
         )

@@ -37,6 +37,7 @@ def forward_request(
         cached_prefix=_flags([seq.cached_prefix for seq in seqs]),
         prompt_chunk=_flags([seq.chunk_end <= len(seq.prompt_ids) for seq in seqs]),
         sparse=_sparse_rows(seqs),
+        pool=_flags([seq.pools_now for seq in seqs]),
         **forward_sampling([seq for seq in seqs if seq.samples_now], eos_ids),
     )
 

@@ -139,8 +139,12 @@ class KVView:
 
     def lookup(self, seqs: Seqs[Sequence], running: Seqs[Sequence] = ()) -> None:
         """Sets each sequence's prefix_hit: the leading tokens the cache holds computed of it (a KV tier's
-        blocks loaded into the pool first), and their blocks. The running sequences'
-        progress goes with it, so the blocks their last step wrote are found (as the next Reserve would)."""
+        blocks loaded into the pool first; none, unasked, for one kept out of the prefix cache), and their
+        blocks. The running sequences' progress goes along, so their last step's blocks are found too."""
+        for seq in [seq for seq in seqs if not seq.prefix_cached]:
+            seq.prefix_hit = PrefixHit(0)
+        if not (seqs := [seq for seq in seqs if seq.prefix_cached]):
+            return
         held = [seq for seq in running if self.holds(seq)]
         progress = {s.seq_id: min(s.num_computed, self._seqs[s.seq_id].num_synced) for s in held}
         request = cache_pb2.LookupRequest(
@@ -211,8 +215,9 @@ class KVView:
         self.available_blocks = reply.available_blocks
 
     def _new_request(self, seq: Sequence) -> cache_pb2.SequenceRequest:
-        """Its tokens up to chunk_end; the step computes at most chunk_end - chunk_start after the hits."""
-        tokens = seq.token_ids[: seq.chunk_end]
+        """Its tokens up to chunk_end (none if kept out of the prefix cache); the step computes at most
+        chunk_end - chunk_start after the hits."""
+        tokens = seq.token_ids[: seq.chunk_end] if seq.prefix_cached else []
         return _seq_request(seq, tokens, seq.chunk_end, max_compute=seq.chunk_end - seq.chunk_start)
 
     def _running_request(self, seq: Sequence, lookahead: int) -> cache_pb2.SequenceRequest:

@@ -35,6 +35,7 @@ class EdgeLimits:
         f"bytes of prompt (or all messages' roles and contents); 0: {PROMPT_BYTES_PER_TOKEN} x max_model_len",
     )
     max_messages: int = limit(256, "chat messages of one request")
+    max_embed_inputs: int = limit(256, "inputs of one embeddings request")
     max_stop_bytes: int = limit(256, "bytes of each stop string")
     max_stop_token_ids: int = limit(64, "entries of sampling.stop_token_ids")
     max_logit_bias: int = limit(300, "entries of sampling.logit_bias")

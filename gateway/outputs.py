@@ -4,6 +4,8 @@ released, finish reason set) as Outputs, or an error that ends a request's strea
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from common.errors import PagedServeError
 from gateway.sequence import Sequence
 from gateway.text_stream import TextStream
@@ -22,6 +24,8 @@ class Output:
     # Text released by these tokens (see TextStream), and per token its logprobs when asked.
     text: str = ""
     logprobs: list[generation_pb2.TokenLogprobs] | None = None
+    # An embedding input's pooled hidden states (gateway.pooled), on its one Output.
+    embedding: np.ndarray | None = None
 
 
 def append_token(seq: Sequence, token: int, eos: frozenset[int], tokenizer: "PreTrainedTokenizerBase") -> str:

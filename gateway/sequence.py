@@ -36,6 +36,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from common.sampling_controls import CONTROLS
 from gateway.structured.matcher import Matcher
 from gateway.text_stream import TextStream
@@ -133,6 +135,10 @@ class Sequence:
     # Its ForwardRequest.sparse entry, (sink, recent, topk) with topk 0 dense (gateway.sparse_request); None:
     # compute has no block-sparse decode.
     sparse: tuple[int, int, int] | None = None
+    # An embedding input (gateway.pooled): the model's pooling mode ("last", "mean", "cls"), and what its
+    # computed chunks pooled so far; "": a generation.
+    pooling: str = ""
+    pooled: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.seq_id
@@ -164,8 +170,25 @@ class Sequence:
 
     @property
     def samples_now(self) -> bool:
-        """Whether the scheduled chunk reaches the last token, so that the step samples the next one."""
-        return self.chunk_end == self.num_tokens
+        """Whether the scheduled chunk reaches the last token, so that the step samples the next one (an
+        embedding input never samples)."""
+        return self.chunk_end == self.num_tokens and not self.pooling
+
+    @property
+    def pools_now(self) -> bool:
+        """Whether the step pools the scheduled chunk's hidden states: an embedding input's chunk that holds
+        its last token (last), its first (cls), or any chunk (mean)."""
+        if self.pooling == "last":
+            return self.chunk_end == self.num_tokens
+        return self.pooling == "mean" or (self.pooling == "cls" and self.num_computed == 0)
+
+    @property
+    def prefix_cached(self) -> bool:
+        """Whether its prompt shares the prefix cache (looks cached blocks up, leaves its own there). An
+        embedding input pooled by mean or CLS needs every token's hidden state, so it computes them all and
+        keeps nothing cached; one pooled by its last token reuses cached blocks as a prompt does (exact:
+        the last token's hidden state sees the others only through their K/V)."""
+        return self.pooling in ("", "last")
 
     @property
     def forks_now(self) -> bool:
@@ -202,6 +225,7 @@ class Sequence:
         """After its blocks are freed: nothing is computed any more (the tokens are kept), and what the
         prefix cache holds of it is to be looked up again."""
         self.num_computed = self.chunk_end = 0
+        self.pooled = None
         self.forget_prefix()
 
     def forget_prefix(self) -> None:

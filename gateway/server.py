@@ -17,6 +17,7 @@ from gateway import tokenizer as tok
 from gateway.admission import Admission
 from gateway.config import EngineConfig
 from gateway.edge import Edge, EdgeConfigError
+from gateway.embedding import Embeddings
 from gateway.engine import Engine
 from gateway.generation import Generation
 from gateway.health import DownstreamWatcher
@@ -40,12 +41,19 @@ SERVICE = "pagedserve.v1.Generation"
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, generation: Generation) -> None:
         self._generation = generation
+        self._embeddings = Embeddings(generation)
 
     def Generate(self, request, context):
         """Streams one response per token (of each of the n samples); ends at finish, cancel or deadline
         (see Generation.stream). UNAUTHENTICATED at once without a configured API key."""
         tenant = self._generation.edge.authenticate(context.invocation_metadata())
         yield from self._generation.stream(request, tenant, context.add_callback)
+
+    def Embed(self, request, context):
+        """One embedding per input (see Embeddings.embed). UNAUTHENTICATED at once without a configured API
+        key."""
+        tenant = self._generation.edge.authenticate(context.invocation_metadata())
+        return self._embeddings.embed(request, tenant, context.add_callback)
 
     def GetInfo(self, request, context):
         self._generation.edge.authenticate(context.invocation_metadata())
@@ -63,6 +71,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             device=engine.handle.device,
             attention_backend=info.attention_backend,
             weights=info.weights or info.dtype,
+            pooling=info.pooling.type,
+            embedding_dimensions=info.pooling.dimensions if info.pooling.type else 0,
+            embedding_matryoshka=info.pooling.matryoshka,
+            embedding_matryoshka_dimensions=info.pooling.matryoshka_dimensions,
         )
 
 

@@ -26,6 +26,7 @@ from gateway.lease import Lease
 from gateway.live_seqs import LiveSeqs
 from gateway.multi_step import multi_steps
 from gateway.outputs import Output, append_token
+from gateway.pooled import pooled_rows, take_pooled
 from gateway.recovery import PeerFault, calling
 from gateway.sampling import token_logprobs
 from gateway.scheduler import Scheduler
@@ -232,7 +233,9 @@ class StepRunner:
         with result.timer.phase("cache_rpc"):
             for seq in [seq for seq in result.seqs if seq.forks_now]:
                 self._fork(seq, faulty)
+        pooling = pooled_rows(result.seqs)  # NOTE: before _advance moves the chunks on
         outputs = self._advance(result, faulty)
+        outputs += take_pooled(result.seqs, pooling, result.reply, faulty)
         if faulty:
             outputs = self._fail_rows(faulty, outputs, result.running_on, deferred)
         self.view.account(outputs)

@@ -45,6 +45,11 @@ class GenerationStub:
                 request_serializer=protos_dot_generation__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_generation__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pagedserve.v1.Generation/Embed',
+                request_serializer=protos_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=protos_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -66,6 +71,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One embedding per input, pooled as the model declares (docs/embeddings.md). INVALID_ARGUMENT where the
+        model does not pool, for an input beyond the limits, or dimensions the model cannot truncate to.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +91,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=protos_dot_generation__pb2.GetInfoRequest.FromString,
                     response_serializer=protos_dot_generation__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=protos_dot_generation__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +153,33 @@ class Generation:
             '/pagedserve.v1.Generation/GetInfo',
             protos_dot_generation__pb2.GetInfoRequest.SerializeToString,
             protos_dot_generation__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Generation/Embed',
+            protos_dot_generation__pb2.EmbedRequest.SerializeToString,
+            protos_dot_generation__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

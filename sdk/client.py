@@ -6,6 +6,9 @@ Constrained decoding: `json_schema=` (a dict or JSON text), `json_object=True`, 
 `messages`, `tool_choice="auto" | "none" | "required" | "<function name>"`; calls come back as
 `Completion.tool_calls` with finish_reason "tool_calls" (docs/tool-calling.md).
 
+Embeddings: `embed("text")` or `embed(["a", "b"], dimensions=256)` returns `Embeddings` (one vector per input;
+docs/embeddings.md).
+
 `AsyncClient` has the same surface for asyncio (`await generate(...)`, `async for chunk in stream(...)`).
 
 A gateway with TLS: `Client(target, tls=True)` (the system's trusted roots) or `ca_file="ca.pem"`. A gateway
@@ -22,13 +25,14 @@ import grpc
 
 from common.server import CHANNEL_OPTIONS, channel
 from protos import generation_pb2, generation_pb2_grpc
+from sdk.embeddings import Embeddings, EmbedUsage, Inputs, embed_request, to_embeddings
 from sdk.messages import Chunk, Completion, TokenLogprob, ToolCall, Usage, add, to_chunk
 from sdk.request import build_request
 from sdk.resume import RECONNECT_OPTIONS, RESUME_TIMEOUT_S, Call, Targets, target_list
 
 __all__ = [
-    "API_KEY_ENV", "AsyncClient", "Chunk", "Client", "Completion", "GenerationError", "TokenLogprob",
-    "ToolCall", "Usage", "build_request",
+    "API_KEY_ENV", "AsyncClient", "Chunk", "Client", "Completion", "EmbedUsage", "Embeddings",
+    "GenerationError", "TokenLogprob", "ToolCall", "Usage", "build_request",
 ]  # fmt: skip
 
 
@@ -132,6 +136,21 @@ class Client:
             add(results[chunk.index], chunk)
         return results
 
+    def embed(
+        self, inputs: Inputs, dimensions: int | None = None, priority: int = 0, request_id: str = ""
+    ) -> Embeddings:
+        """One embedding per input (a text, a list of token ids, or a list of either), in order;
+        `dimensions` truncates them where the model allows (docs/embeddings.md). GenerationError on a
+        refused or failed request."""
+        request = embed_request(inputs, dimensions, priority, request_id)
+        try:
+            reply = self._stubs[self._targets.current].Embed(
+                request, timeout=self.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as err:
+            raise _error(err) from None
+        return to_embeddings(reply)
+
     def info(self) -> generation_pb2.GetInfoResponse:
         """The current gateway's model and cache."""
         try:
@@ -209,6 +228,19 @@ class AsyncClient:
         async for chunk in self.stream(prompt, n=n, **kwargs):
             add(results[chunk.index], chunk)
         return results
+
+    async def embed(
+        self, inputs: Inputs, dimensions: int | None = None, priority: int = 0, request_id: str = ""
+    ) -> Embeddings:
+        """One embedding per input, in order (see Client.embed)."""
+        request = embed_request(inputs, dimensions, priority, request_id)
+        try:
+            reply = await self._stubs[self._targets.current].Embed(
+                request, timeout=self.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as err:
+            raise _error(err) from None
+        return to_embeddings(reply)
 
     async def info(self) -> generation_pb2.GetInfoResponse:
         """The current gateway's model and cache."""

@@ -397,6 +397,21 @@ def valid_generate(draw, live: Live) -> generation_pb2.GenerateRequest:
     )
 
 
+@st.composite
+def valid_embed(draw, live: Live) -> generation_pb2.EmbedRequest:
+    """A few inputs of token ids within the vocabulary; dimensions sometimes set (the full width or not)."""
+    tokens = st.lists(st.integers(0, live.vocab_size - 1), min_size=1, max_size=40)
+    request = generation_pb2.EmbedRequest(
+        inputs=[
+            generation_pb2.EmbedInput(token_ids=ids) for ids in draw(st.lists(tokens, min_size=1, max_size=4))
+        ],
+        priority=draw(st.integers(-2, 2)),
+    )
+    if draw(st.booleans()):
+        request.dimensions = draw(st.integers(-1, 80))
+    return request
+
+
 def copies(message: Message) -> st.SearchStrategy[Message]:
     """A fresh copy of `message` per draw (a base to mutate: the live pool's handle, its CreatePool)."""
 

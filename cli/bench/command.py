@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from cache_service.tiers import registry as tiers
 from cache_service.tiers.options import add_tier_settings
-from cli.bench import driver, engines, peers, profile, report, shapes, soak
+from cli.bench import driver, embeddings, engines, peers, profile, report, shapes, soak
 from cli.bench.workloads import WORKLOADS, Workload, build
 from cli.launch import Stack
 from cli.scrape import scrape
@@ -37,7 +37,7 @@ STEP_SIZING_FLAGS = (
 
 def add_parser(commands) -> None:
     p = commands.add_parser("bench")
-    p.add_argument("--workload", choices=[*WORKLOADS, soak.NAME], required=True)
+    p.add_argument("--workload", choices=[*WORKLOADS, soak.NAME, embeddings.NAME], required=True)
     p.add_argument("--target", help="gateway HOST:PORT of a running stack (default: start one)")
     p.add_argument(
         "--cache-target",
@@ -206,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"model shape {args.model_shape}: random weights (built once)", file=sys.stderr)
         args.model = str(shapes.model_dir(args.model_shape))
     try:
+        if args.workload == embeddings.NAME:
+            return _embeddings(args)
         return _soak(args) if args.workload == soak.NAME else _run(args)
     finally:
         if temporary:
@@ -215,6 +217,14 @@ def run(args: argparse.Namespace) -> int:
 def _soak(args: argparse.Namespace) -> int:
     result = soak.run(args, lambda: _start(args))
     print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _embeddings(args: argparse.Namespace) -> int:
+    result = embeddings.run(args, lambda *flags: _start(args, *flags))
+    print(embeddings.table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -86,16 +86,18 @@ def figures(workload: Workload, answer: dict) -> dict:
     return driver.median_of(runs)
 
 
-def run_driver(python: str, request: dict, workdir: Path, bind: str = binding.ALL) -> dict:
-    """Runs the driver under `python` (stdout and stderr to workdir/vllm.log), its threads bound as
-    --vllm-bind says, and returns its answer with vLLM's log lines on the binding ("binding_log");
+def run_driver(
+    python: str, request: dict, workdir: Path, bind: str = binding.ALL, driver_path: Path = DRIVER
+) -> dict:
+    """Runs the driver (`driver_path`) under `python` (stdout and stderr to workdir/vllm.log), its threads
+    bound as --vllm-bind says, and returns its answer with vLLM's log lines on the binding ("binding_log");
     RuntimeError with the log's tail if it fails. The driver's processes are killed on any way out."""
     log_path, output = workdir / "vllm.log", workdir / "answer.json"
     env = binding.environment(binding.vllm_env(bind))
     with open(log_path, "w") as log:
         # NOTE: -P keeps the driver's folder off sys.path: cli/bench/profile.py would shadow the stdlib's.
         process = subprocess.Popen(
-            [python, "-P", str(DRIVER), "--output", str(output)], stdin=subprocess.PIPE, stdout=log,
+            [python, "-P", str(driver_path), "--output", str(output)], stdin=subprocess.PIPE, stdout=log,
             stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
         try:

@@ -12,6 +12,7 @@ from typing import TypeVar
 from fastapi import Request
 
 from gateway.auth import Tenant
+from gateway.embedding import Embeddings
 from gateway.generation import CallEnd, Generation
 from protos import generation_pb2
 
@@ -30,6 +31,7 @@ class Bridge:
 
     def __init__(self, generation: Generation) -> None:
         self.generation = generation
+        self.embeddings = Embeddings(generation)
         self._workers = ThreadPoolExecutor(generation.slots.limit, thread_name_prefix="http-generate")
 
     async def replies(
@@ -61,6 +63,24 @@ class Bridge:
                 if isinstance(item, Exception):
                     raise item
                 yield item
+        finally:
+            end.end()
+
+    async def embed(
+        self, request: generation_pb2.EmbedRequest, tenant: Tenant
+    ) -> generation_pb2.EmbedResponse:
+        """The request's embeddings (gateway.embedding), in a worker thread; raises its error. Cancelling
+        the await (a client gone) ends the call: the engine aborts its inputs."""
+        loop, end = asyncio.get_running_loop(), CallEnd()
+
+        def work() -> generation_pb2.EmbedResponse:
+            try:
+                return self.embeddings.embed(request, tenant, end.add)
+            finally:
+                end.end()
+
+        try:
+            return await loop.run_in_executor(self._workers, contextvars.copy_context().run, work)
         finally:
             end.end()
 

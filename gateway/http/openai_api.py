@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API (an installer of the gateway's HTTP app): POST /v1/completions and
-/v1/chat/completions (whole, or streamed as server-sent events), GET /v1/models and /health.
+/v1/chat/completions (whole, or streamed as server-sent events), POST /v1/embeddings, GET /v1/models and
+/health.
 
 Each request goes through the gRPC front's path: the same API keys (`Authorization: Bearer`) and prefix-
 cache namespaces, the edge's limits, the stream slots, the admission gate and the engine
@@ -8,7 +9,7 @@ cache namespaces, the edge's limits, the stream slots, the admission gate and th
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import PagedServeError
 from common.server import printable_ascii
+from gateway.http import openai_embeddings
 from gateway.http.app import Installer
 from gateway.http.bridge import Bridge, ClientGone, unless_disconnected
 from gateway.http.errors import HttpError, from_gateway, internal, invalid
@@ -93,6 +95,10 @@ def _router(front: Front) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         return await _answer(front, request, chat=True)
 
+    @router.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await _guarded(request, openai_embeddings.RENAMES, lambda rid: _embed(front, request, rid))
+
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
         return await _refusing(lambda: {"object": "list", "data": [_card(front, request)]})
@@ -139,15 +145,27 @@ async def _refusing(make: Callable[[], dict]) -> Response:
 
 async def _answer(front: Front, request: Request, chat: bool) -> Response:
     """One completion or chat completion, whole or streamed; any refusal in OpenAI's error JSON."""
+    renames = CHAT_RENAMES if chat else COMPLETION_RENAMES
+    return await _guarded(
+        request, renames, lambda request_id: _generate(front, request, request_id, chat, renames)
+    )
+
+
+async def _embed(front: Front, request: Request, request_id: str) -> Response:
+    return await openai_embeddings.embeddings(front, request, request_id, await _json(request, front))
+
+
+async def _guarded(request: Request, renames: dict, serve: Callable[[str], Awaitable[Response]]) -> Response:
+    """`serve(request id)`'s response; any refusal in OpenAI's error JSON (gateway fields under their OpenAI
+    names: `renames`)."""
     structlog.contextvars.clear_contextvars()
     # NOTE: a caller's id takes --max-request-id-bytes; without one the gateway makes one (in the replies).
     # Control and non-ASCII characters are escaped first, so the id the replies' header and body carry is one.
     request_id = printable_ascii(request.headers.get(REQUEST_ID_HEADER, ""))
     if request_id:
         structlog.contextvars.bind_contextvars(request_id=request_id)
-    renames = CHAT_RENAMES if chat else COMPLETION_RENAMES
     try:
-        return await _generate(front, request, request_id, chat, renames)
+        return await serve(request_id)
     except HttpError as err:
         log.info("http_refused", status=err.status, error=err.message)
         return err.response()

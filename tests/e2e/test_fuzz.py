@@ -52,6 +52,7 @@ from tests.fuzz_strategies import (
     hints,
     messages,
     near_valid,
+    valid_embed,
     valid_fork,
     valid_forward,
     valid_free,
@@ -118,7 +119,7 @@ def start_services(model: Path, logs: Path, sockets: Path) -> Services:
     argv = {
         "cache": ["cache_service", "--kv-blocks", "96", "--socket", str(sockets / "cache.sock")],
         "compute": ["compute_service", "--model", str(model), "--dtype", "float32", "--threads", "1",
-                    "--socket", str(sockets / "compute.sock")],
+                    "--pooling", "last", "--socket", str(sockets / "compute.sock")],
         "gateway": ["gateway", "--model", str(model), "--log-format", "json",
                     "--cache-target", targets["cache"], "--compute-target", targets["compute"],
                     "--port", targets["gateway"].rsplit(":", 1)[1]],
@@ -397,6 +398,14 @@ def test_generation_generate(fuzzed, neighbour, data):
 def test_generation_get_info(fuzzed, data):
     request = message(data, generation_pb2.GetInfoRequest, live=fuzzed.live)
     exercise(fuzzed, "gateway", "GetInfo", lambda: fuzzed.gateway.GetInfo(request, timeout=10))
+
+
+@FUZZ
+@given(data=st.data())
+def test_generation_embed(fuzzed, data):
+    live = fuzzed.live
+    request = message(data, generation_pb2.EmbedRequest, near_valid(valid_embed(live), live), live=live)
+    exercise(fuzzed, "gateway", "Embed", lambda: fuzzed.gateway.Embed(request, timeout=60))
 
 
 # the pool: last, as an accepted AttachPool or CreatePool changes what the gateway steps on

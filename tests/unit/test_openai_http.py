@@ -363,10 +363,10 @@ def test_an_unknown_path_or_method_under_v1_answers_in_openai_error_json():
     front = Front(bridge=None, health=lambda: health_pb2.HealthCheckResponse.SERVING)
     extra = [lambda app: app.add_api_route("/elsewhere", lambda: {"ok": True})]
     client = TestClient(create_app([openai_api(front), *extra]))
-    missing = client.get("/v1/embeddings")
+    missing = client.get("/v1/audio/speech")
     assert missing.status_code == 404
     assert missing.json()["error"]["type"] == "not_found_error"
-    assert "GET /v1/embeddings" in missing.json()["error"]["message"]
+    assert "GET /v1/audio/speech" in missing.json()["error"]["message"]
     wrong = client.get("/v1/completions")
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
     assert client.get("/health").status_code == 200

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from cache_service.tiers import registry as tiers
 from cache_service.tiers.options import add_tier_settings
-from cli.bench import driver, embeddings, engines, peers, profile, report, shapes, soak
+from cli.bench import driver, embeddings, engines, peers, profile, report, roofline, shapes, soak
 from cli.bench.workloads import WORKLOADS, Workload, build
 from cli.launch import Stack
 from cli.scrape import scrape
@@ -233,6 +233,8 @@ def _embeddings(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     stack = None
     compute_url = None
+    # NOTE: measured before the stack starts, on this machine's idle cores (a --target may be another's)
+    ceilings = None if args.target else roofline.measure_ceilings()
     if args.target:
         target, cache_target, metrics_url = args.target, args.cache_target, args.metrics_url
     else:
@@ -288,6 +290,12 @@ def _run(args: argparse.Namespace) -> int:
         others = {**_peers(args, workload, info.dtype), **others}
     if others:
         result["peers"] = others
+    if ceilings is not None:
+        dtypes = {"dtype": info.dtype, "weights": info.weights or info.dtype, "kv_dtype": info.kv_dtype}
+        roofline.add_to(
+            result, args.model, ceilings, workload, {**dtypes, "vllm": args.vllm_dtype or info.dtype}
+        )
+    if others:
         result["ratios"] = report.ratios(result)
     print(report.table(result))
     if "profile" in result:

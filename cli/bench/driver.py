@@ -160,7 +160,14 @@ def timings(traces: list[Trace]) -> dict:
         "prompt_tokens": prompt,
         "cached_prompt_tokens": sum(t.cached_tokens for t in traces),
         "generated_tokens": generated,
+        # the keys the computed prompt tokens attend to, in all: token t of a prompt attends to t + 1
+        "prompt_attention_keys": sum(_keys(t.prompt_tokens) - _keys(t.cached_tokens) for t in traces),
     }
+
+
+def _keys(tokens: int) -> int:
+    """The keys the first `tokens` tokens of a prompt attend to, in all."""
+    return tokens * (tokens + 1) // 2
 
 
 def kv_utilisation(samples: list[CacheSample]) -> dict:

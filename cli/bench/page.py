@@ -63,6 +63,13 @@ def _facts(path: str, result: dict, recorded: dict) -> list[str]:
     if "vllm_setup" in result:
         binding = recorded["vllm_binding"] or "not recorded"
         lines.append(f"- vLLM: {result['vllm_setup']}; CPU binding: {binding}")
+    if "ceilings" in result:
+        top = result["ceilings"]
+        lines.append(
+            f"- the machine's ceilings, measured in the run (`cli/bench/roofline.py`): "
+            f"{top['fma_gflop_per_s']:.0f} GFLOP/s float32 FMA, {top['read_gb_per_s']:.1f} GB/s read, "
+            f"{top['threads']} threads"
+        )
     if recorded["superseded"]:
         lines.append(f"- **Superseded:** {recorded['superseded']}")
     return lines

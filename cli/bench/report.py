@@ -17,6 +17,10 @@ ROWS = [
     ("kv_utilisation_mean", "KV utilisation, time-weighted mean", "{:.1%}"),
     ("kv_utilisation_at_peak", "KV utilisation at peak occupancy", "{:.1%}"),
     ("drafts_kept", "prompt-lookup drafts kept", "{:.1%}"),
+    ("prompt_gflop_per_s", "prompt GFLOP/s (cli/bench/roofline.py)", "{:.0f}"),
+    ("prompt_fma_share", "prompt GFLOP/s, share of the FMA peak", "{:.0%}"),
+    ("decode_gb_per_s", "decode GB/s read (cli/bench/roofline.py)", "{:.1f}"),
+    ("decode_read_share", "decode GB/s, share of the read bandwidth", "{:.0%}"),
 ]
 PEERS = ("generate_batch", "generate")
 FIRST = "vLLM"  # the engine a user would pick instead: its column comes first
@@ -31,11 +35,11 @@ def _cell(value, fmt: str) -> str:
 
 
 def ratio(ours, theirs, key: str) -> float | None:
-    """pagedserve / peer for rates (per_s), peer / pagedserve for the rest (times, blocks): for rates and
-    times > 1 means pagedserve is ahead; None when either is missing or zero."""
+    """pagedserve / peer for rates (per_s) and shares of a ceiling, peer / pagedserve for the rest (times,
+    blocks): > 1 means pagedserve is ahead; None when either is missing or zero."""
     if not ours or not theirs:
         return None
-    return ours / theirs if key.endswith("per_s") else theirs / ours
+    return ours / theirs if key.endswith(("per_s", "_share")) else theirs / ours
 
 
 def _ratio_cell(ours, theirs, key: str) -> str:
@@ -72,6 +76,12 @@ def table(result: dict) -> str:
     title = f"{result['workload']}: {result['description']}"
     if "date" in result:
         title += f"\n(measured {result['date']} on {result['machine']})"
+    if "ceilings" in result:
+        top = result["ceilings"]
+        title += (
+            f"\n(ceilings: {top['fma_gflop_per_s']:.0f} GFLOP/s float32 FMA, {top['read_gb_per_s']:.1f} GB/s "
+            f"read, {top['threads']} threads)"
+        )
     return "\n".join([title, *setups, *aligned(lines)])
 
 

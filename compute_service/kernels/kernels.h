@@ -1,5 +1,5 @@
 // The kernels' entry points (paged_attention.cpp, sparse_select.cpp, decode_layers.cpp, row_ops.cpp, greedy.cpp,
-// panel_linear.cpp), bound to Python in module.cpp.
+// panel_linear.cpp, ceilings.cpp), bound to Python in module.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -50,3 +50,8 @@ std::tuple<at::Tensor, at::Tensor> pack_int4_panels(const at::Tensor& levels, co
                                                      const at::Tensor& zeros);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out,
                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scales);
+
+// See ceilings.cpp: float32 FMA GFLOP/s on every thread for about `seconds`, and the GB/s those threads read a
+// buffer of `megabytes` at.
+double fma_gflops(double seconds);
+double read_gbps(int64_t megabytes, double seconds);

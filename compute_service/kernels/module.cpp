@@ -43,4 +43,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int4 levels [out, in] and their groups' scales and zeros [out, groups] packed for panel_linear");
   m.def("panel_linear", &panel_linear, "x [rows, in] times packed panels (* int8 scales) (+ bias): [rows, out]",
         py::call_guard<py::gil_scoped_release>());
+  m.def("fma_gflops", &fma_gflops, "float32 FMA GFLOP/s on every thread, for about `seconds`",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("read_gbps", &read_gbps, "GB/s every thread reads a buffer of `megabytes` at, for about `seconds`",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -84,6 +84,11 @@ def test_shared_prefix_bench_also_runs_with_the_prefix_cache_off(tmp_path, token
     # first two steps' 14 or so) take its 32 blocks from the cache
     assert ours["cached_prompt_tokens"] >= 16 * 512
     assert ours["prompt_tokens"] == off["prompt_tokens"]
+    # the machine's ceilings, measured once, and each run's shares of them
+    assert result["ceilings"]["fma_gflop_per_s"] > 0 and result["ceilings"]["read_gb_per_s"] > 0
+    for figures in (ours, off):
+        assert 0 < figures["prompt_fma_share"] and 0 < figures["decode_read_share"]
+    assert "share of the FMA peak" in out.stdout
 
 
 def test_long_shared_prefix_after_a_cold_restart_comes_from_the_tier(tmp_path, tokenizer):

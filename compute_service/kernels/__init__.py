@@ -3,9 +3,9 @@
 (sparse_select.cpp, compute_service.attention.sparse), the float32 Llama decoder stack of all-decode steps
 (decode_layers.cpp, compute_service.native_decode) and its row-wise ops (row_ops.h; row_ops.cpp runs them on
 the other steps, compute_service.llama_layer), the plain-greedy choice of a step's tokens (greedy.cpp,
-compute_service.greedy) and linear layers on weights packed in panels (panel_linear.cpp,
-compute_service.linear), and the machine's FMA and memory-read ceilings (ceilings.cpp, for `pagedserve bench`);
-vec.h holds the vector types they share, module.cpp binds them.
+compute_service.greedy), linear layers on weights packed in panels (panel_linear.cpp,
+compute_service.linear) and the machine's FMA and memory-read ceilings (ceilings.cpp, for `pagedserve
+bench`); vec.h holds the vector types they share, module.cpp binds them.
 
 `load()` builds them with torch's C++ extension tooling (g++, ninja) into a cache directory keyed by the
 sources, the torch version, the compiler flags and the CPU's flags, then imports the module; a later process

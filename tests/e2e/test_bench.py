@@ -87,7 +87,7 @@ def test_shared_prefix_bench_also_runs_with_the_prefix_cache_off(tmp_path, token
     # the machine's ceilings, measured once, and each run's shares of them
     assert result["ceilings"]["fma_gflop_per_s"] > 0 and result["ceilings"]["read_gb_per_s"] > 0
     for figures in (ours, off):
-        assert 0 < figures["prompt_fma_share"] and 0 < figures["decode_read_share"]
+        assert figures["prompt_fma_share"] > 0 and figures["decode_read_share"] > 0
     assert "share of the FMA peak" in out.stdout
 
 

@@ -15,6 +15,7 @@ from common.server import Server, channel, serve
 from gateway import metrics
 from gateway import tokenizer as tok
 from gateway.admission import Admission
+from gateway.chat_formats import ChatFormats
 from gateway.config import EngineConfig
 from gateway.edge import Edge, EdgeConfigError
 from gateway.embedding import Embeddings
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     admission = Admission()
     slots = StreamSlots(args.max_streams)
     grammars = Grammars(tokenizer, ConstraintLimits.from_args(args))
-    generation = Generation(engine, tokenizer, admission, slots, edge, grammars, args.tool_call_parser)
+    formats = _formats(args, tokenizer, logger)
+    generation = Generation(engine, tokenizer, admission, slots, edge, grammars, formats)
     servicer = GenerationServicer(generation)
     metrics.register(engine)
     psmetrics.serve_metrics(args.host, args.metrics_port, logger)
@@ -151,6 +153,18 @@ def main(argv: list[str] | None = None) -> None:
     server.handle_signals(drain=lambda: _drain(server, watcher, admission, args.drain_timeout, logger))
     watcher.start()
     server.wait(on_stop=lambda: (watcher.stop(), http and http.stop(), engine.stop()))
+
+
+def _formats(args: argparse.Namespace, tokenizer, log) -> ChatFormats:
+    """The chat formats of the flags; exits (status 1, the reason on stderr) when they cannot be served."""
+    try:
+        formats = ChatFormats.of(tokenizer, args.tool_call_parser, args.reasoning_parser)
+    except ValueError as err:
+        log.error("bad_chat_formats", error=str(err))
+        raise SystemExit(f"pagedserve gateway: {err}") from None
+    reasoning = formats.reasoning.name if formats.reasoning else None
+    log.info("chat_formats", tool_call_parser=formats.tools.name, reasoning_parser=reasoning)
+    return formats
 
 
 def _edge(args: argparse.Namespace, log) -> Edge:

@@ -27,6 +27,7 @@ from gateway.http.app import create_app
 from gateway.http.bridge import Bridge
 from gateway.http.dashboard_state import DashboardSource
 from gateway.http.openai_api import Front, openai_api
+from gateway.http.responses.route import responses_api
 from gateway.http.serve import HttpServer
 from gateway.options import OPTIONS
 from gateway.recovery import PeerFault
@@ -206,7 +207,7 @@ def _serve_http(http: HttpServer, generation: Generation, server: Server, args, 
     cache = cache_pb2_grpc.CacheStub(channel(args.cache_target, internal))
     source = DashboardSource(generation.engine, cache, generation.edge.keys)
     source.start()
-    installers = [openai_api(front), dashboard.installer(source)]
+    installers = [openai_api(front), responses_api(front), dashboard.installer(source)]
     http.start(create_app([*installers, metrics_route.install] if args.http_metrics == "on" else installers))
     scheme = "https" if http.tls else "http"
     log.info(

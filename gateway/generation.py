@@ -82,6 +82,17 @@ class Generation:
         with self.slots.hold(), self.edge.stream_slot(tenant):
             yield from self._generate(request, tenant, on_end)
 
+    def count_prompt(self, request: generation_pb2.GenerateRequest) -> int:
+        """The tokens of the request's prompt as Generate renders it (chat template, tools, template
+        variables), under the same checks; nothing is generated."""
+        info = self.attached_model()
+        check_request(request, self.edge.limits, info.max_model_len)
+        limits = self.grammars.limits
+        tools = tool_request.from_request(
+            request, limits.max_tools, limits.max_constraint_bytes, limits.max_constraint_depth
+        )
+        return len(tok.encode(self.tokenizer, request, info.vocab_size, tools))
+
     def _generate(self, request, tenant: Tenant, on_end: OnEnd):
         info = self.attached_model()
         check_request(request, self.edge.limits, info.max_model_len)

@@ -23,6 +23,7 @@ from gateway.engine import Engine
 from gateway.generation import Generation
 from gateway.health import DownstreamWatcher
 from gateway.http import dashboard, metrics_route
+from gateway.http.anthropic.route import messages_api
 from gateway.http.app import create_app
 from gateway.http.bridge import Bridge
 from gateway.http.dashboard_state import DashboardSource
@@ -207,7 +208,7 @@ def _serve_http(http: HttpServer, generation: Generation, server: Server, args, 
     cache = cache_pb2_grpc.CacheStub(channel(args.cache_target, internal))
     source = DashboardSource(generation.engine, cache, generation.edge.keys)
     source.start()
-    installers = [openai_api(front), responses_api(front), dashboard.installer(source)]
+    installers = [openai_api(front), responses_api(front), messages_api(front), dashboard.installer(source)]
     http.start(create_app([*installers, metrics_route.install] if args.http_metrics == "on" else installers))
     scheme = "https" if http.tls else "http"
     log.info(

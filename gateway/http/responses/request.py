@@ -5,7 +5,7 @@ conversation of `previous_response_id`, `text.format` as the constraint, functio
 import json
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from gateway.http.errors import HttpError, invalid
 from gateway.http.openai_request import Int32, _Body
@@ -56,7 +56,19 @@ class Reasoning(_Body):
     status: str | None = None
 
 
-Item = Annotated[Message | FunctionCall | FunctionCallOutput | Reasoning, Field(discriminator="type")]
+def _kind(item: object) -> str:
+    """An input item's type: a message may leave it out (EasyInputMessage)."""
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+    return kind if isinstance(kind, str) else ""
+
+
+Item = Annotated[
+    Annotated[Message, Tag("message")]
+    | Annotated[FunctionCall, Tag("function_call")]
+    | Annotated[FunctionCallOutput, Tag("function_call_output")]
+    | Annotated[Reasoning, Tag("reasoning")],
+    Discriminator(_kind),
+]
 
 
 class FunctionTool(_Body):

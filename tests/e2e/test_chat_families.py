@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from sdk.client import Client
-from tests.helpers import free_port, start, stop, wait_healthy
+from tests.helpers import PAGEDSERVE, ROOT, free_port, start, stop, wait_healthy
 from tests.scripted_model import save_family, save_scripted_model
 
 pytestmark = pytest.mark.e2e
@@ -181,3 +181,24 @@ def test_calls_in_the_familys_format_stream_as_calls_and_go_back_through_its_tem
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls"), (
         "the template took the call back"
     )
+
+
+def test_the_cli_writes_the_reasoning_to_stderr_and_passes_template_variables(gateways):
+    target = gateways["qwen3"][1]
+    ask = [
+        *PAGEDSERVE,
+        "generate",
+        "What?",
+        "--chat",
+        "--target",
+        target,
+        "--max-tokens",
+        "40",
+        "--temperature",
+        "0",
+    ]
+    thinking = subprocess.run(ask, capture_output=True, text=True, timeout=120, cwd=ROOT, check=True)
+    assert thinking.stdout.strip() == ANSWER and thinking.stderr.startswith(REASONING)
+    off = [*ask, "--chat-template-kwargs", '{"enable_thinking": false}']
+    direct = subprocess.run(off, capture_output=True, text=True, timeout=120, cwd=ROOT, check=True)
+    assert direct.stdout.strip() == ANSWER and REASONING not in direct.stderr

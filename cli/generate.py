@@ -79,6 +79,14 @@ def add_parser(commands) -> None:
     )
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    p.add_argument(
+        "--chat-template-kwargs",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="with --chat: variables for the chat template, a JSON object ('{\"enable_thinking\": false}'); "
+        "a reasoning model's reasoning goes to stderr, its answer to stdout (docs/reasoning.md)",
+    )
     _add_constraint_flags(p)
     _add_sampling_flags(p)
     p.add_argument(
@@ -109,6 +117,16 @@ def add_parser(commands) -> None:
     )
     add_connection_flags(p)
     p.set_defaults(run=run)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("give a JSON object")
+    return value
 
 
 def _add_constraint_flags(p: argparse.ArgumentParser) -> None:
@@ -177,7 +195,11 @@ def run(args: argparse.Namespace) -> int:
                 **constraint,
                 priority=args.priority,
                 sparse_attention=args.sparse_attention,
+                chat_template_kwargs=args.chat_template_kwargs,
             ):
+                if chunk.reasoning_text:
+                    sys.stderr.write(chunk.reasoning_text)
+                    sys.stderr.flush()
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 logprobs.extend(chunk.logprobs or ())

@@ -13,10 +13,14 @@ from gateway import metrics, resume, sparse_request
 from gateway import tokenizer as tok
 from gateway.admission import Admission
 from gateway.auth import Tenant, salted
+from gateway.chat_formats import ChatFormats
 from gateway.edge import Edge
 from gateway.engine import Engine
 from gateway.limits import check_queue, check_request, check_request_id
 from gateway.outputs import Output
+from gateway.reasoning import formats as reasoning_formats
+from gateway.reasoning.constraint import after_reasoning
+from gateway.reasoning.stream import ReasoningStreams
 from gateway.sampling import resolve_sampling
 from gateway.sequence import Sequence
 from gateway.streams import StreamSlots
@@ -29,8 +33,8 @@ from protos import generation_pb2
 
 log = structlog.get_logger()
 FINISH_REASONS = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP}
-# With --tool-call-parser auto: every chat template served so far writes (or is given) Hermes's format.
-DEFAULT_TOOL_PARSER = "hermes"
+# The prompt's last tokens in which a template's opening of the reasoning is looked for.
+PROMPT_TAIL_TOKENS = 32
 # Registers a callback to run when the call ends, whatever the reason (gRPC: context.add_callback).
 OnEnd = Callable[[Callable[[], None]], object]
 
@@ -46,7 +50,7 @@ class Generation:
         slots: StreamSlots,
         edge: Edge,
         grammars: Grammars,
-        tool_parser: str = "auto",
+        formats: ChatFormats,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -54,7 +58,7 @@ class Generation:
         self.slots = slots
         self.edge = edge
         self.grammars = grammars
-        self.tool_parser = DEFAULT_TOOL_PARSER if tool_parser == "auto" else tool_parser
+        self.formats = formats
 
     def attached_model(self):
         """The model info of the attached compute; Unavailable while the gateway is still attaching."""
@@ -78,6 +82,17 @@ class Generation:
         with self.slots.hold(), self.edge.stream_slot(tenant):
             yield from self._generate(request, tenant, on_end)
 
+    def count_prompt(self, request: generation_pb2.GenerateRequest) -> int:
+        """The tokens of the request's prompt as Generate renders it (chat template, tools, template
+        variables), under the same checks; nothing is generated."""
+        info = self.attached_model()
+        check_request(request, self.edge.limits, info.max_model_len)
+        limits = self.grammars.limits
+        tools = tool_request.from_request(
+            request, limits.max_tools, limits.max_constraint_bytes, limits.max_constraint_depth
+        )
+        return len(tok.encode(self.tokenizer, request, info.vocab_size, tools))
+
     def _generate(self, request, tenant: Tenant, on_end: OnEnd):
         info = self.attached_model()
         check_request(request, self.edge.limits, info.max_model_len)
@@ -87,11 +102,15 @@ class Generation:
             raise InvalidArgument("resume needs the request_id its responses carried: the one to continue")
         request_id = request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
-        seq, tools = self._new_sequence(request, request_id, tenant, info)
+        seq, tools, reasoning = self._new_sequence(request, request_id, tenant, info)
         resumed = resume.samples(
             seq, request.resume, frozenset(info.eos_token_ids), self.tokenizer, info.vocab_size
         )
-        calls = CallStreams(tools, self.tool_parser, resumed.texts) if tools is not None else None
+        received = resumed.texts
+        if reasoning is not None:
+            reasoning = ReasoningStreams(self.formats.reasoning, reasoning, received)
+            received = reasoning.answers
+        calls = CallStreams(tools, self.formats.tools, received) if tools is not None else None
         # NOTE: a resumed sample's usage counts the tokens its client received before too.
         completion_tokens = {sample.index: len(sample.output_ids) for sample in resumed.seqs}
         if request.resume:
@@ -107,13 +126,14 @@ class Generation:
         on_end(lambda: self.engine.abort(seq.group_id))
         # NOTE: unresumed, sample 0 forks the others: its n samples all end here.
         running = len(resumed.seqs) if request.resume else seq.sampling.n
-        yield from _replies(seq, resumed.seqs, completion_tokens, timer, running, calls)
+        yield from _replies(seq, resumed.seqs, completion_tokens, timer, running, reasoning, calls)
 
     def _new_sequence(
         self, request: generation_pb2.GenerateRequest, request_id: str, tenant: Tenant, info
-    ) -> tuple[Sequence, tool_request.ToolUse | None]:
-        """The request's sequence and tools; refused before tokenizing if the queue is full or a control is
-        bad, before compiling its constraint if the prompt is."""
+    ) -> tuple[Sequence, tool_request.ToolUse | None, bool | None]:
+        """The request's sequence, tools, and (with a reasoning format, for chat messages) whether its prompt
+        opened the reasoning (None: its text is not split); refused before tokenizing if the queue is full or
+        a control is bad, before compiling its constraint if the prompt is."""
         limits = self.grammars.limits
         check_queue(self.engine.queued(), self.edge.limits)
         sampling = resolve_sampling(request.sampling, info.vocab_size)
@@ -121,7 +141,7 @@ class Generation:
         tools = tool_request.from_request(
             request, limits.max_tools, limits.max_constraint_bytes, limits.max_constraint_depth
         )
-        spec = tools.constraint() if tools else None
+        spec = tools.constraint(self.formats.tools, self.formats.tags) if tools else None
         if spec is None and not tools:
             spec = constraint_spec.from_request(
                 request.constraint, limits.max_constraint_bytes, limits.max_constraint_depth
@@ -131,6 +151,9 @@ class Generation:
                 "ignore_eos cannot be combined with a constraint: the constraint ends the text"
             )
         prompt_ids = tok.encode(self.tokenizer, request, info.vocab_size, tools)
+        reasoning = self._opened(request, prompt_ids)
+        if spec is not None and reasoning is not None:
+            spec = after_reasoning(spec, self.formats.reasoning, reasoning, self.formats.tags)
         max_len = self.engine.max_len
         if len(prompt_ids) >= info.max_model_len:
             raise InvalidArgument(
@@ -158,8 +181,17 @@ class Generation:
             priority=request.priority,
             constraint=self._matcher(spec, info),
             sparse=sparse,
+            keep_special=self.formats.keep(tools is not None, reasoning is not None),
         )
-        return seq, tools
+        return seq, tools, reasoning
+
+    def _opened(self, request: generation_pb2.GenerateRequest, prompt_ids: list[int]) -> bool | None:
+        """For a chat with a reasoning format: whether the prompt opened the reasoning; else None."""
+        fmt = self.formats.reasoning
+        if fmt is None or not request.messages:
+            return None
+        tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        return reasoning_formats.opened(fmt, tail)
 
     def _matcher(self, spec: constraint_spec.Spec | None, info) -> Matcher | None:
         """The constraint's matcher, its first mask filled here (in the request's thread, not the engine)."""
@@ -213,10 +245,11 @@ def _replies(
     completion_tokens: dict[int, int],
     timer: metrics.RequestTimer,
     running: int,
+    reasoning: ReasoningStreams | None,
     calls: CallStreams | None,
 ) -> Iterator[generation_pb2.GenerateResponse]:
-    """The request's responses until `running` samples finished, or its error; `calls` moves the tool calls
-    out of their text."""
+    """The request's responses until `running` samples finished, or its error; `reasoning` moves the reasoning
+    out of their text, then `calls` the tool calls."""
     by_index = {sample.index: sample for sample in samples}
     first_token_at = None
     while running:
@@ -227,6 +260,8 @@ def _replies(
         first_token_at = first_token_at or now
         completion_tokens[item.index] = completion_tokens.get(item.index, 0) + len(item.token_ids)
         reply = _response(item, seq.request_id)
+        if reasoning is not None:
+            reasoning.apply(reply)
         if calls is not None:
             calls.apply(reply)
         if item.finish_reason:

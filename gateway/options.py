@@ -9,8 +9,9 @@ from common.paging import MAX_DECODE_STEPS, MAX_DRAFT_TOKENS
 from common.transport import add_client_certs
 from gateway.config import DEFAULT_DECODE_STEP_TARGET_MS, DEFAULT_DECODE_STEPS, DEFAULT_PACE_STREAMS
 from gateway.limits import add_limits
+from gateway.reasoning.formats import NAMES as REASONING_PARSERS
 from gateway.structured.limits import add_constraint_limits
-from gateway.tools.stream import PARSERS as TOOL_PARSERS
+from gateway.tools.formats import FORMATS as TOOL_PARSERS
 
 
 def add_targets(parser: argparse.ArgumentParser) -> None:
@@ -133,8 +134,17 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=("auto", *TOOL_PARSERS),
         default="auto",
-        help="how tool calls are read from the model's text; auto: from the chat template (hermes: "
-        "<tool_call> JSON, also the format of the tool prompt for templates that render no tools)",
+        help="how tool calls are read from the model's text (and forced calls written); auto: from the chat "
+        "template (hermes: <tool_call> JSON, also the format of the tool prompt for templates that render no "
+        "tools; llama3_json, mistral, qwen3_coder, pythonic: docs/tool-calling.md)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default="auto",
+        help="how a reasoning model's reasoning is split from its chat answers (reasoning_content); auto: "
+        "from the reasoning tags the chat template writes (qwen3, deepseek_r1: <think>; mistral: [THINK]); "
+        "none: never split (docs/reasoning.md)",
     )
     parser.add_argument(
         "--drain-timeout",

@@ -36,7 +36,7 @@ def append_token(seq: Sequence, token: int, eos: frozenset[int], tokenizer: "Pre
     if seq.constraint is not None:
         seq.constraint.accept(token)
     if seq.text is None:  # made at the first token, so forked samples get their own
-        seq.text = TextStream(Detokenizer(tokenizer), seq.sampling.stop)
+        seq.text = TextStream(Detokenizer(tokenizer, seq.keep_special), seq.sampling.stop)
     text = seq.text.append([token], match=seq.reached_min_tokens)
     seq.finish_reason = "stop" if seq.text.stopped else seq.stop_reason(eos)
     if seq.finish_reason:

@@ -130,6 +130,8 @@ class Sequence:
     outbox: queue.Queue = field(default_factory=queue.Queue)
     # The sample's detokenized text and stop strings; the engine creates it at the first token.
     text: TextStream | None = None
+    # Special tokens its detokenized text keeps (the tags its tool-call and reasoning parsers read).
+    keep_special: frozenset[int] = frozenset()
     # Constrained decoding: the sample's grammar matcher (None: unconstrained).
     constraint: Matcher | None = None
     # Its ForwardRequest.sparse entry, (sink, recent, topk) with topk 0 dense (gateway.sparse_request); None:

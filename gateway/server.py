@@ -15,6 +15,7 @@ from common.server import Server, channel, serve
 from gateway import metrics
 from gateway import tokenizer as tok
 from gateway.admission import Admission
+from gateway.chat_formats import ChatFormats
 from gateway.config import EngineConfig
 from gateway.edge import Edge, EdgeConfigError
 from gateway.embedding import Embeddings
@@ -22,10 +23,12 @@ from gateway.engine import Engine
 from gateway.generation import Generation
 from gateway.health import DownstreamWatcher
 from gateway.http import dashboard, metrics_route
+from gateway.http.anthropic.route import messages_api
 from gateway.http.app import create_app
 from gateway.http.bridge import Bridge
 from gateway.http.dashboard_state import DashboardSource
 from gateway.http.openai_api import Front, openai_api
+from gateway.http.responses.route import responses_api
 from gateway.http.serve import HttpServer
 from gateway.options import OPTIONS
 from gateway.recovery import PeerFault
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     admission = Admission()
     slots = StreamSlots(args.max_streams)
     grammars = Grammars(tokenizer, ConstraintLimits.from_args(args))
-    generation = Generation(engine, tokenizer, admission, slots, edge, grammars, args.tool_call_parser)
+    formats = _formats(args, tokenizer, logger)
+    generation = Generation(engine, tokenizer, admission, slots, edge, grammars, formats)
     servicer = GenerationServicer(generation)
     metrics.register(engine)
     psmetrics.serve_metrics(args.host, args.metrics_port, logger)
@@ -151,6 +155,18 @@ def main(argv: list[str] | None = None) -> None:
     server.handle_signals(drain=lambda: _drain(server, watcher, admission, args.drain_timeout, logger))
     watcher.start()
     server.wait(on_stop=lambda: (watcher.stop(), http and http.stop(), engine.stop()))
+
+
+def _formats(args: argparse.Namespace, tokenizer, log) -> ChatFormats:
+    """The chat formats of the flags; exits (status 1, the reason on stderr) when they cannot be served."""
+    try:
+        formats = ChatFormats.of(tokenizer, args.tool_call_parser, args.reasoning_parser)
+    except ValueError as err:
+        log.error("bad_chat_formats", error=str(err))
+        raise SystemExit(f"pagedserve gateway: {err}") from None
+    reasoning = formats.reasoning.name if formats.reasoning else None
+    log.info("chat_formats", tool_call_parser=formats.tools.name, reasoning_parser=reasoning)
+    return formats
 
 
 def _edge(args: argparse.Namespace, log) -> Edge:
@@ -192,7 +208,7 @@ def _serve_http(http: HttpServer, generation: Generation, server: Server, args, 
     cache = cache_pb2_grpc.CacheStub(channel(args.cache_target, internal))
     source = DashboardSource(generation.engine, cache, generation.edge.keys)
     source.start()
-    installers = [openai_api(front), dashboard.installer(source)]
+    installers = [openai_api(front), responses_api(front), messages_api(front), dashboard.installer(source)]
     http.start(create_app([*installers, metrics_route.install] if args.http_metrics == "on" else installers))
     scheme = "https" if http.tls else "http"
     log.info(

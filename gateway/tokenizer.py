@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import importlib
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,12 @@ if TYPE_CHECKING:
 
 # The chat roles of OpenAI's API; any other is refused, never rendered as the template sees fit.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# apply_chat_template's own arguments, which chat_template_kwargs may not set.
+RESERVED_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "tokenize", "add_generation_prompt",
+     "continue_final_message", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+     "tokenizer_kwargs", "return_assistant_tokens_mask"}
+)  # fmt: skip
 
 
 # transformers' environment variable that silences its advice, here that models need torch.
@@ -77,10 +84,12 @@ def encode(
         raise InvalidArgument("empty prompt: set one of prompt, token_ids or messages")
     if len(given) > 1:
         raise InvalidArgument(f"set exactly one of prompt, token_ids or messages, got {' and '.join(given)}")
+    if request.chat_template_kwargs and not request.messages:
+        raise InvalidArgument("chat_template_kwargs needs chat messages: send messages, not prompt")
     if request.token_ids:
         ids = list(request.token_ids)
     elif request.messages:
-        ids = _render_chat(tokenizer, request.messages, tools)
+        ids = _render_chat(tokenizer, request.messages, tools, template_kwargs(request.chat_template_kwargs))
     else:
         ids = tokenizer.encode(request.prompt, add_special_tokens=True)
     # NOTE: checked for text too: a tokenizer may know more tokens than the model (compute refuses those).
@@ -95,7 +104,27 @@ def check_vocabulary(ids: list[int], vocab_size: int, where: str = "") -> None:
         raise InvalidArgument(f"{where}token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
-def _render_chat(tokenizer: "PreTrainedTokenizerBase", messages, tools: ToolUse | None) -> list[int]:
+def template_kwargs(text: str) -> dict:
+    """chat_template_kwargs parsed: a JSON object whose keys are not apply_chat_template's own arguments."""
+    if not text:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except ValueError as err:
+        raise InvalidArgument(f"chat_template_kwargs is not valid JSON: {err}") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidArgument(f"chat_template_kwargs must be a JSON object, got {type(kwargs).__name__}")
+    reserved = sorted(RESERVED_KWARGS.intersection(kwargs))
+    if reserved:
+        raise InvalidArgument(
+            f"chat_template_kwargs.{reserved[0]} is set by the request itself, not by template variables"
+        )
+    return kwargs
+
+
+def _render_chat(
+    tokenizer: "PreTrainedTokenizerBase", messages, tools: ToolUse | None, kwargs: dict
+) -> list[int]:
     if tokenizer.chat_template is None:
         raise InvalidArgument("this model has no chat template: send prompt or token_ids instead of messages")
     for i, message in enumerate(messages):
@@ -105,7 +134,7 @@ def _render_chat(tokenizer: "PreTrainedTokenizerBase", messages, tools: ToolUse 
     conversation, listed = prompt.conversation(messages, tools, renders_tools(tokenizer))
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tools=listed, tokenize=False, add_generation_prompt=True
+            conversation, tools=listed, tokenize=False, add_generation_prompt=True, **kwargs
         )
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's to fix
         raise InvalidArgument(f"cannot render messages with the chat template: {exc}") from exc
@@ -125,16 +154,20 @@ class Detokenizer:
     across tokens comes out whole, and the surrounding window keeps spaces that depend on neighbours.
     """
 
-    __slots__ = ("_tokenizer", "_ids", "_prefix_offset", "_read_offset")
+    __slots__ = ("_tokenizer", "_skipped", "_ids", "_prefix_offset", "_read_offset")
 
-    def __init__(self, tokenizer: "PreTrainedTokenizerBase") -> None:
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", keep: frozenset[int] = frozenset()) -> None:
+        """`keep`: special tokens whose text stays in (a tool-call or reasoning format's tags)."""
         self._tokenizer = tokenizer
+        self._skipped = frozenset(tokenizer.all_special_ids) - keep if keep else None
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        if self._skipped is None:
+            return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode([t for t in ids if t not in self._skipped], skip_special_tokens=False)
 
     def step(self, new_ids: list[int]) -> str:
         self._ids.extend(new_ids)

@@ -63,6 +63,8 @@ class Chunk:
     tool_calls: list[ToolCall] = field(default_factory=list)
     # How often the request's stream broke and went on (resumed) before this chunk (sdk.resume).
     resumes: int = 0
+    # A reasoning model's: the reasoning text of this chunk (`text` is the answer's; docs/reasoning.md).
+    reasoning_text: str = ""
 
 
 @dataclass
@@ -76,6 +78,7 @@ class Completion:
     timings: Timings | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     resumes: int = 0
+    reasoning_text: str = ""
 
 
 def to_chunk(response: generation_pb2.GenerateResponse, resumes: int = 0) -> Chunk:
@@ -102,6 +105,7 @@ def to_chunk(response: generation_pb2.GenerateResponse, resumes: int = 0) -> Chu
         timings=timings,
         tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in response.tool_calls],
         resumes=resumes,
+        reasoning_text=response.reasoning_text,
     )
 
 
@@ -110,6 +114,7 @@ def add(result: Completion, chunk: Chunk) -> None:
     result.request_id = chunk.request_id
     result.token_ids.extend(chunk.token_ids)
     result.text += chunk.text
+    result.reasoning_text += chunk.reasoning_text
     result.tool_calls.extend(chunk.tool_calls)
     result.finish_reason, result.usage, result.timings = chunk.finish_reason, chunk.usage, chunk.timings
     result.resumes = chunk.resumes

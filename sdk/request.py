@@ -38,12 +38,14 @@ def build_request(
     tool_choice: str | None = None,
     parallel_tool_calls: bool | None = None,
     sparse_attention: bool | Mapping[str, int] | None = None,
+    chat_template_kwargs: Mapping | None = None,
 ) -> generation_pb2.GenerateRequest:
     """priority: lower values are served first (and preempted last); equal priorities go by arrival. At most
     one constraint (json_schema, json_object, regex, choice, grammar). A chat message may carry `tool_calls`
     (ToolCall or dicts of id, name, arguments) or, with role "tool", `tool_call_id`. sparse_attention:
     block-sparse decode (True), dense (False), or its settings ({"sink": S, "recent": R, "topk": K}, any of
-    them; the others the stack's); None: the stack's default (docs/sparse-attention.md)."""
+    them; the others the stack's); None: the stack's default (docs/sparse-attention.md). chat_template_kwargs:
+    variables for the chat template of `messages` (`{"enable_thinking": False}`; docs/reasoning.md)."""
     sampling = generation_pb2.SamplingParams(
         top_k=top_k,
         ignore_eos=ignore_eos,
@@ -90,6 +92,8 @@ def build_request(
         request.tool_choice.function = tool_choice
     if parallel_tool_calls is not None:
         request.parallel_tool_calls = parallel_tool_calls
+    if chat_template_kwargs is not None:
+        request.chat_template_kwargs = json.dumps(dict(chat_template_kwargs))
     if sparse_attention is not None:
         settings = {} if isinstance(sparse_attention, bool) else dict(sparse_attention)
         request.sparse_attention.CopyFrom(

@@ -26,6 +26,7 @@ SERVER_ERROR = (500, "server_error")
 _FIELDS = {
     *CONTROLS, "prompt", "messages", "token_ids", "cache_salt", "request_id", "token", "constraint", "tools",
     "tool_choice", "resume", "sparse_attention", "inputs", "input", "dimensions", "model",
+    "chat_template_kwargs",
 }  # fmt: skip
 _FIELD = re.compile(r"(?:sampling\.)?([a-z_]+)")
 

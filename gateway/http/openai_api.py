@@ -9,7 +9,7 @@ cache namespaces, the edge's limits, the stream slots, the admission gate and th
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -19,11 +19,11 @@ from grpc_health.v1 import health_pb2
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import PagedServeError
-from common.server import printable_ascii
 from gateway.http import openai_embeddings
 from gateway.http.app import Installer
-from gateway.http.bridge import Bridge, ClientGone, unless_disconnected
-from gateway.http.errors import HttpError, from_gateway, internal, invalid
+from gateway.http.bridge import Bridge, unless_disconnected
+from gateway.http.errors import HttpError, from_gateway, invalid
+from gateway.http.guard import REQUEST_ID_HEADER, guarded
 from gateway.http.openai_request import (
     ChatRequest,
     CompletionRequest,
@@ -33,10 +33,10 @@ from gateway.http.openai_request import (
     parse,
 )
 from gateway.http.openai_response import DONE, Rendering, event
+from gateway.http.responses.store import ResponseStore
 from protos import generation_pb2
 
 log = structlog.get_logger()
-REQUEST_ID_HEADER = "x-request-id"
 # Gateway fields under their chat names (a chat asks for top alternatives with top_logprobs).
 CHAT_RENAMES = {
     "logprobs": "top_logprobs",
@@ -45,8 +45,6 @@ CHAT_RENAMES = {
     "constraint": "response_format",
 }
 COMPLETION_RENAMES = {"constraint": "response_format"}
-# A response nobody reads: the client is gone (nginx's "client closed request").
-CLIENT_GONE = 499
 
 
 @dataclass
@@ -58,6 +56,8 @@ class Front:
     health: Callable[[], int]
     aliases: frozenset[str] = frozenset()
     started: int = field(default_factory=lambda: int(time.time()))
+    # The Responses API's stored responses (previous_response_id).
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
     @property
     def generation(self):
@@ -97,7 +97,7 @@ def _router(front: Front) -> APIRouter:
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        return await _guarded(request, openai_embeddings.RENAMES, lambda rid: _embed(front, request, rid))
+        return await guarded(request, lambda rid: _embed(front, request, rid), openai_embeddings.RENAMES)
 
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -146,46 +146,20 @@ async def _refusing(make: Callable[[], dict]) -> Response:
 async def _answer(front: Front, request: Request, chat: bool) -> Response:
     """One completion or chat completion, whole or streamed; any refusal in OpenAI's error JSON."""
     renames = CHAT_RENAMES if chat else COMPLETION_RENAMES
-    return await _guarded(
-        request, renames, lambda request_id: _generate(front, request, request_id, chat, renames)
+    return await guarded(
+        request, lambda request_id: _generate(front, request, request_id, chat, renames), renames
     )
 
 
 async def _embed(front: Front, request: Request, request_id: str) -> Response:
-    return await openai_embeddings.embeddings(front, request, request_id, await _json(request, front))
-
-
-async def _guarded(request: Request, renames: dict, serve: Callable[[str], Awaitable[Response]]) -> Response:
-    """`serve(request id)`'s response; any refusal in OpenAI's error JSON (gateway fields under their OpenAI
-    names: `renames`)."""
-    structlog.contextvars.clear_contextvars()
-    # NOTE: a caller's id takes --max-request-id-bytes; without one the gateway makes one (in the replies).
-    # Control and non-ASCII characters are escaped first, so the id the replies' header and body carry is one.
-    request_id = printable_ascii(request.headers.get(REQUEST_ID_HEADER, ""))
-    if request_id:
-        structlog.contextvars.bind_contextvars(request_id=request_id)
-    try:
-        return await serve(request_id)
-    except HttpError as err:
-        log.info("http_refused", status=err.status, error=err.message)
-        return err.response()
-    except PagedServeError as err:
-        refusal = from_gateway(err, renames)
-        log.info("http_refused", status=refusal.status, code=err.code.name, error=refusal.message)
-        return refusal.response()
-    except ClientGone:
-        log.info("client_gone")
-        return Response(status_code=CLIENT_GONE)
-    except Exception as exc:  # noqa: BLE001 - every failure gets OpenAI's error JSON
-        log.exception("http_failed")
-        return internal(exc).response()
+    return await openai_embeddings.embeddings(front, request, request_id, await read_json(request, front))
 
 
 async def _generate(front: Front, request: Request, request_id: str, chat: bool, renames: dict) -> Response:
     """The request checked and translated, then generated: its first reply awaited before the response
     starts (so that a refusal gets its status), the rest streamed as events or gathered into one object."""
     tenant = front.generation.edge.authenticate(request.headers.items())
-    body = parse(ChatRequest if chat else CompletionRequest, await _json(request, front))
+    body = parse(ChatRequest if chat else CompletionRequest, await read_json(request, front))
     info = front.generation.attached_model()
     if body.model not in (None, info.model, *front.aliases):
         raise model_error(body.model, info.model)
@@ -201,12 +175,12 @@ async def _generate(front: Front, request: Request, request_id: str, chat: bool,
         events = _events(first, replies, rendering, usage, renames)
         headers = {REQUEST_ID_HEADER: first.request_id}
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    gathered = await unless_disconnected(request, _all(replies))
+    gathered = await unless_disconnected(request, gather(replies))
     whole = rendering.whole(gathered, proto.sampling.HasField("logprobs"))
     return JSONResponse(whole, headers={REQUEST_ID_HEADER: rendering.request_id})
 
 
-async def _json(request: Request, front: Front) -> object:
+async def read_json(request: Request, front: Front) -> object:
     """The body parsed as JSON; 413 beyond --max-request-bytes (unread past it), 400 if not JSON."""
     limit = front.generation.edge.limits.max_request_bytes
     length = request.headers.get("content-length", "")
@@ -232,7 +206,7 @@ def _too_large(size: int, limit: int) -> HttpError:
     )
 
 
-async def _all(replies: AsyncIterator) -> list[generation_pb2.GenerateResponse]:
+async def gather(replies: AsyncIterator) -> list[generation_pb2.GenerateResponse]:
     return [reply async for reply in replies]
 
 

@@ -7,6 +7,7 @@ of declared fields pagedserve cannot serve (`echo`, `suffix`, `best_of` other th
 other than text).
 """
 
+import json
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -120,6 +121,8 @@ class ChatRequest(_Request):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: variables for the chat template (`{"enable_thinking": false}`)
+    chat_template_kwargs: dict | None = None
 
 
 def parse(kind: type["Body"], body: object) -> "Body":
@@ -194,6 +197,8 @@ def chat_request(body: ChatRequest, request_id: str, max_model_len: int) -> gene
         for call in message.tool_calls or ():
             added.tool_calls.add(id=call.id, name=call.function.name, arguments=call.function.arguments)
     set_tools(body.tools, body.tool_choice, body.parallel_tool_calls, request)
+    if body.chat_template_kwargs is not None:
+        request.chat_template_kwargs = json.dumps(body.chat_template_kwargs, ensure_ascii=False)
     return request
 
 

@@ -95,14 +95,16 @@ class Rendering:
         tokens = self._token_ids and reply.token_ids
         if not (
             reply.text or tokens or reply.logprobs or reply.finish_reason or reply.tool_calls
-            or (self.chat and first)
+            or reply.reasoning_text or (self.chat and first)
         ):  # fmt: skip
             return None
         choice = {"index": reply.index}
         if self.chat:
-            choice["delta"] = (
-                {"role": "assistant", "content": reply.text} if first else {"content": reply.text}
-            )
+            choice["delta"] = {"role": "assistant"} if first else {}
+            if reply.text or not reply.reasoning_text:
+                choice["delta"]["content"] = reply.text
+            if reply.reasoning_text:
+                choice["delta"]["reasoning_content"] = reply.reasoning_text
             if reply.tool_calls:
                 start = self._calls[reply.index]
                 self._calls[reply.index] += len(reply.tool_calls)
@@ -144,6 +146,9 @@ class Rendering:
         if self.chat:
             calls = [_call(call) for reply in replies for call in reply.tool_calls]
             choice["message"] = {"role": "assistant", "content": None if calls and not text.strip() else text}
+            reasoning = "".join(reply.reasoning_text for reply in replies)
+            if reasoning:
+                choice["message"]["reasoning_content"] = reasoning
             if calls:
                 choice["message"]["tool_calls"] = calls
         else:

@@ -17,8 +17,9 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 @dataclass(frozen=True, slots=True)
 class Spec:
-    """A constraint of one kind (json_schema, regex, choice, grammar; lark for the gateway's own) and its
-    text: a schema as JSON, a regex, a grammar, or the choices as a JSON list."""
+    """A constraint of one kind (json_schema, regex, choice, grammar; lark and top for the gateway's own) and
+    its text: a schema as JSON, a regex, a grammar, the choices as a JSON list, or (top) llguidance's
+    top-level grammar as JSON."""
 
     kind: str
     text: str
@@ -39,6 +40,8 @@ class Spec:
                 raise InvalidArgument(f"constraint.grammar: {err}") from None
         if self.kind == "lark":  # the gateway's own (gateway.tools)
             return llguidance.LLMatcher.grammar_from_lark(self.text)
+        if self.kind == "top":  # the gateway's own (gateway.reasoning)
+            return self.text
         if self.kind == "choice":
             return llguidance.grammar_from("choice", self.text)
         return llguidance.LLMatcher.grammar_from_json_schema(self.text, defaults=JSON_OPTIONS)

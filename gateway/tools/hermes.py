@@ -1,26 +1,16 @@
 """The Hermes/Qwen tool-call format: each call is a JSON object `{"name": ..., "arguments": {...}}` on its own
-line between `<tool_call>` and `</tool_call>` in the assistant's text. Its grammar (for forced calls),
-its parser, and how past calls and the tool list are written into a prompt whose chat template does not
-render tools."""
+line between `<tool_call>` and `</tool_call>` in the assistant's text. Its grammar (for forced calls), its
+parser, and how past calls and the tool list are written into a prompt whose chat template does not render
+tools."""
 
 import json
-import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
 
-from gateway.structured.spec import JSON_OPTIONS
+from gateway.structured.lark import Tags
+from gateway.tools.calls import Call, call_of, objects_schema, partial
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    id: str
-    name: str
-    arguments: str  # JSON text
-
-
-def new_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+MARKERS = (OPEN, CLOSE)
 
 
 def call_text(name: str, arguments: object) -> str:
@@ -28,21 +18,14 @@ def call_text(name: str, arguments: object) -> str:
     return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
 
 
-def grammar(functions: list[tuple[str, dict]], many: bool) -> str:
+def grammar(functions: list[tuple[str, dict]], many: bool, tags: Tags) -> str:
     """A Lark grammar (llguidance's, with %json) of one call, or of one or more (`many`), of these functions
     (name, parameters schema), with arguments that follow the function's schema."""
-    one_of = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for name, parameters in functions
-    ]
-    body = json.dumps({"oneOf": one_of, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
-    start = 'start: call ("\\n" call)*' if many else "start: call"
-    return f'{start}\ncall: "{OPEN}\\n" body "\\n{CLOSE}"\nbody: %json {body}\n'
+    start = f"start: call ({tags.literal(chr(10))} call)*" if many else "start: call"
+    return (
+        f"{start}\ncall: {tags.literal(OPEN + chr(10))} body {tags.literal(chr(10) + CLOSE)}\n"
+        f"body: %json {objects_schema(functions)}\n"
+    )
 
 
 def tools_prompt(tools: list[dict]) -> str:
@@ -65,7 +48,7 @@ class Parser:
     """One sample's text split into content and calls as it streams: text that may be the start of a call is
     held back until it is decided. A call whose JSON does not parse (or names no function) stays content."""
 
-    def __init__(self) -> None:
+    def __init__(self, schemas: Mapping[str, dict] | None = None) -> None:
         self._held = ""
         self._in_call = False
 
@@ -90,7 +73,7 @@ class Parser:
                 content += self._held[:start]
                 self._held, self._in_call = self._held[start + len(OPEN) :], True
                 continue
-            keep = _partial(self._held)
+            keep = partial(self._held, OPEN)
             content += self._held[: len(self._held) - keep]
             self._held = self._held[len(self._held) - keep :]
             return content, calls
@@ -105,17 +88,9 @@ class Parser:
         return ("", [call]) if call is not None else (OPEN + held, [])
 
 
-def _partial(text: str) -> int:
-    """Length of the longest end of `text` that is a proper start of OPEN."""
-    return next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if text.endswith(OPEN[:n])), 0)
-
-
 def _parse(body: str) -> Call | None:
     try:
         value = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    return Call(new_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+    return call_of(value)

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 def renders_tools(tokenizer: "PreTrainedTokenizerBase") -> bool:
     """Whether the chat template writes the `tools` it is given into the prompt."""
-    probe = [{"type": "function", "function": {"name": "probe_function_7f3a", "parameters": {}}}]
+    parameters = {"type": "object", "properties": {}}
+    probe = [{"type": "function", "function": {"name": "probe_function_7f3a", "parameters": parameters}}]
     messages = [{"role": "user", "content": "hi"}]
     try:
         text = tokenizer.apply_chat_template(

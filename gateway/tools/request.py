@@ -6,8 +6,9 @@ import re
 from dataclasses import dataclass
 
 from common.errors import InvalidArgument
+from gateway.structured.lark import Tags
 from gateway.structured.spec import Spec, check_schema
-from gateway.tools import hermes
+from gateway.tools.formats import ToolFormat
 from protos import generation_pb2
 
 # OpenAI's rule for function names.
@@ -29,14 +30,14 @@ class ToolUse:
     def schemas(self) -> list[tuple[str, dict]]:
         return [(tool["function"]["name"], tool["function"]["parameters"]) for tool in self.tools]
 
-    def constraint(self) -> Spec | None:
-        """The grammar of the calls a forcing choice requires; None for `auto`."""
+    def constraint(self, fmt: ToolFormat, tags: Tags) -> Spec | None:
+        """The grammar of the calls a forcing choice requires, in the model's format; None for `auto`."""
         if self.choice == "auto":
             return None
         if self.choice == "required":
-            return Spec("lark", hermes.grammar(self.schemas, many=self.parallel))
+            return Spec("lark", fmt.grammar(self.schemas, self.parallel, tags))
         named = [(name, schema) for name, schema in self.schemas if name == self.choice]
-        return Spec("lark", hermes.grammar(named, many=False))
+        return Spec("lark", fmt.grammar(named, False, tags))
 
 
 def from_request(

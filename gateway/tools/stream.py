@@ -3,21 +3,21 @@
 
 from collections.abc import Mapping
 
-from gateway.tools import hermes
+from gateway.tools.calls import Call
+from gateway.tools.formats import CallParser, ToolFormat
 from gateway.tools.request import ToolUse
 from protos import generation_pb2
 
-PARSERS = {"hermes": hermes.Parser}
-
 
 class CallStreams:
-    """One parser per sample of a request with tools (`parser`: a PARSERS name). A resumed request's
-    samples go on from the text their client received (`received`, by sample): the calls in it were sent."""
+    """One parser (of the model's format) per sample of a request with tools. A resumed request's samples go
+    on from the text their client received (`received`, by sample): the calls in it were sent."""
 
-    def __init__(self, tools: ToolUse, parser: str, received: Mapping[int, str] | None = None) -> None:
+    def __init__(self, tools: ToolUse, fmt: ToolFormat, received: Mapping[int, str] | None = None) -> None:
         self._tools = tools
-        self._make = PARSERS[parser]
-        self._parsers: dict[int, hermes.Parser] = {}
+        self._fmt = fmt
+        self._schemas = dict(tools.schemas)
+        self._parsers: dict[int, CallParser] = {}
         self._calls: dict[int, int] = {}
         for index, text in (received or {}).items():
             self._allowed(index, self._parser(index).feed(text)[1])
@@ -36,10 +36,12 @@ class CallStreams:
         if reply.finish_reason == generation_pb2.FINISH_REASON_STOP and self._calls[reply.index]:
             reply.finish_reason = generation_pb2.FINISH_REASON_TOOL_CALLS
 
-    def _parser(self, index: int) -> hermes.Parser:
-        return self._parsers.setdefault(index, self._make())
+    def _parser(self, index: int) -> CallParser:
+        if index not in self._parsers:
+            self._parsers[index] = self._fmt.parser(self._schemas)
+        return self._parsers[index]
 
-    def _allowed(self, index: int, calls: list[hermes.Call]) -> list[hermes.Call]:
+    def _allowed(self, index: int, calls: list[Call]) -> list[Call]:
         """The calls sample `index` may make of these (one in all unless parallel), counted."""
         made = self._calls.get(index, 0)
         if not self._tools.parallel:

@@ -11,9 +11,11 @@ from common.errors import InvalidArgument
 from common.model_files import local_copy
 from gateway import tokenizer as tok
 from gateway.structured.grammars import Grammars
+from gateway.structured.lark import Tags
 from gateway.structured.limits import ConstraintLimits
 from gateway.tools import hermes, prompt
 from gateway.tools import request as tool_request
+from gateway.tools.formats import FORMATS
 from gateway.tools.stream import CallStreams
 from protos import generation_pb2
 
@@ -25,6 +27,7 @@ WEATHER = generation_pb2.Tool(
     ),
 )
 TIME = generation_pb2.Tool(name="get_time", parameters="")
+HERMES = FORMATS["hermes"]
 USER = [generation_pb2.ChatMessage(role="user", content="Weather in Paris?")]
 
 
@@ -46,7 +49,7 @@ def tokenizer():
 # requests
 def test_tools_default_to_auto_and_parallel_calls():
     use = tools_of()
-    assert (use.choice, use.parallel, use.constraint()) == ("auto", True, None)
+    assert (use.choice, use.parallel, use.constraint(HERMES, Tags({}))) == ("auto", True, None)
     assert use.tools[1]["function"]["parameters"] == {"type": "object", "properties": {}}
     assert tools_of(tool_choice=generation_pb2.ToolChoice(mode="none")) is None
 
@@ -118,7 +121,7 @@ def test_a_call_that_is_not_json_stays_content_and_an_unclosed_whole_one_counts(
 
 
 def test_replies_carry_the_calls_and_finish_with_tool_calls():
-    streams = CallStreams(tools_of(), "hermes")
+    streams = CallStreams(tools_of(), HERMES)
     first = generation_pb2.GenerateResponse(
         text='<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     )
@@ -130,7 +133,7 @@ def test_replies_carry_the_calls_and_finish_with_tool_calls():
     streams.apply(last)
     assert (first.text, len(first.tool_calls), len(last.tool_calls)) == ("", 1, 1)
     assert last.finish_reason == generation_pb2.FINISH_REASON_TOOL_CALLS
-    single = CallStreams(tools_of(parallel_tool_calls=False), "hermes")
+    single = CallStreams(tools_of(parallel_tool_calls=False), HERMES)
     both = generation_pb2.GenerateResponse(
         text=first.text + last.text, finish_reason=generation_pb2.FINISH_REASON_LENGTH
     )
@@ -142,7 +145,7 @@ def test_replies_carry_the_calls_and_finish_with_tool_calls():
 
 def test_a_resumed_sample_goes_on_from_the_text_its_client_received():
     call = '<tool_call>{"name": "get_time"}</tool_call>'
-    streams = CallStreams(tools_of(parallel_tool_calls=False), "hermes", {0: call + '<tool_call>{"na'})
+    streams = CallStreams(tools_of(parallel_tool_calls=False), HERMES, {0: call + '<tool_call>{"na'})
     rest = generation_pb2.GenerateResponse(
         text='me": "get_weather"}</tool_call>', finish_reason=generation_pb2.FINISH_REASON_STOP
     )
@@ -163,7 +166,8 @@ def test_forced_calls_follow_the_function_schemas(tokenizer, choice, parallel):
         parallel_tool_calls=parallel,
     )
     grammars = Grammars(tokenizer, ConstraintLimits())
-    matcher = grammars.matcher(use.constraint(), len(tokenizer), [tokenizer.eos_token_id])
+    spec = use.constraint(HERMES, Tags.of(tokenizer))
+    matcher = grammars.matcher(spec, len(tokenizer), [tokenizer.eos_token_id])
 
     def accepts(text: str) -> bool:
         m = matcher.fresh()

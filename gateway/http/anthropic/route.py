@@ -1,0 +1,140 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Messages bodies generated (or only tokenized) through the
+same path as chat completions; the key may come as `x-api-key` (Anthropic's) or `Authorization: Bearer`;
+errors in Anthropic's JSON, `{"type": "error", "error": {"type", "message"}}`."""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import structlog
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from common.errors import PagedServeError
+from gateway.http.anthropic.output import MessageOutput, matched_stop
+from gateway.http.anthropic.request import CountRequest, MessagesRequest, generate_request
+from gateway.http.app import Installer
+from gateway.http.bridge import unless_disconnected
+from gateway.http.errors import HttpError, from_gateway
+from gateway.http.guard import REQUEST_ID_HEADER, guarded
+from gateway.http.openai_api import Front, gather, read_json
+from gateway.http.openai_request import model_error, parse
+from protos import generation_pb2
+
+log = structlog.get_logger()
+RENAMES = {"max_tokens": "max_tokens", "stop": "stop_sequences", "prompt": "messages"}
+# OpenAI error types under Anthropic's names (the others are the same).
+KINDS = {"service_unavailable_error": "overloaded_error", "server_error": "api_error",
+         "conflict_error": "invalid_request_error"}  # fmt: skip
+# The sample's last tokens a stop sequence is looked for in.
+STOP_TAIL_TOKENS = 16
+
+
+def messages_api(front: Front) -> Installer:
+    """The installer of the Messages API's routes."""
+    router = APIRouter()
+
+    @router.post("/v1/messages")
+    async def create(request: Request) -> Response:
+        return await guarded(
+            request, lambda request_id: _message(front, request, request_id), RENAMES, refusal
+        )
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await guarded(request, lambda request_id: _count(front, request, request_id), RENAMES, refusal)
+
+    def install(app: FastAPI) -> None:
+        app.include_router(router)
+
+    return install
+
+
+def refusal(err: HttpError) -> Response:
+    kind = "request_too_large" if err.status == 413 else KINDS.get(err.kind, err.kind)
+    return JSONResponse(
+        {"type": "error", "error": {"type": kind, "message": err.message}}, status_code=err.status
+    )
+
+
+def _tenant(front: Front, request: Request):
+    """The caller: `x-api-key` counts as `Authorization: Bearer` (the anthropic SDK sends the former)."""
+    headers = list(request.headers.items())
+    key = request.headers.get("x-api-key")
+    if key and "authorization" not in request.headers:
+        headers.append(("authorization", f"Bearer {key}"))
+    return front.generation.edge.authenticate(headers)
+
+
+async def _parsed(front: Front, request: Request, kind):
+    tenant = _tenant(front, request)
+    body = parse(kind, await read_json(request, front))
+    info = front.generation.attached_model()
+    if body.model not in (info.model, *front.aliases):
+        raise model_error(body.model, info.model)
+    return tenant, body, info
+
+
+async def _count(front: Front, request: Request, request_id: str) -> Response:
+    _, body, _ = await _parsed(front, request, CountRequest)
+    proto = generate_request(body, request_id)
+    tokens = await asyncio.to_thread(front.generation.count_prompt, proto)
+    return JSONResponse({"input_tokens": tokens})
+
+
+async def _message(front: Front, request: Request, request_id: str) -> Response:
+    tenant, body, info = await _parsed(front, request, MessagesRequest)
+    proto = generate_request(body, request_id)
+    tokenizer, eos = front.generation.tokenizer, frozenset(info.eos_token_ids)
+    tokens: list[int] = []
+
+    def stop_sequence(reply: generation_pb2.GenerateResponse) -> str | None:
+        if reply.finish_reason != generation_pb2.FINISH_REASON_STOP or not tokens or tokens[-1] in eos:
+            return None
+        return matched_stop(tokenizer.decode(tokens[-STOP_TAIL_TOKENS:]), body.stop_sequences or ())
+
+    output = MessageOutput(info.model, stop_sequence)
+    replies = _counted(front.bridge.replies(proto, tenant), tokens)
+    if body.stream:
+        first = await unless_disconnected(request, anext(replies))
+        headers = {REQUEST_ID_HEADER: first.request_id}
+        return StreamingResponse(
+            _events(first, replies, output), media_type="text/event-stream", headers=headers
+        )
+    gathered = await unless_disconnected(request, gather(replies))
+    for reply in gathered:
+        output.events(reply)
+    return JSONResponse(output.message(), headers={REQUEST_ID_HEADER: gathered[0].request_id})
+
+
+async def _counted(
+    replies: AsyncIterator, tokens: list[int]
+) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    """The replies, their token ids noted in `tokens` as they pass."""
+    try:
+        async for reply in replies:
+            tokens.extend(reply.token_ids)
+            yield reply
+    finally:
+        await replies.aclose()
+
+
+async def _events(first, replies: AsyncIterator, output: MessageOutput) -> AsyncIterator[str]:
+    try:
+        for event in [*output.start(), *output.events(first)]:
+            yield _sse(event)
+        async for reply in replies:
+            for event in output.events(reply):
+                yield _sse(event)
+        for event in output.end():
+            yield _sse(event)
+    except PagedServeError as err:
+        log.info("stream_failed", code=err.code.name, error=str(err))
+        body = json.loads(refusal(from_gateway(err, RENAMES)).body)
+        yield _sse(body)
+    finally:
+        await replies.aclose()
+
+
+def _sse(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"

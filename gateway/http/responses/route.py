@@ -1,0 +1,104 @@
+"""POST /v1/responses: a Responses body generated through the same path as chat completions (keys, limits,
+stream slots, admission, engine), answered whole or as the SDK's event stream; the conversation it ends kept
+for `previous_response_id` unless `store` is false."""
+
+import json
+from collections.abc import AsyncIterator
+
+import structlog
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from common.errors import PagedServeError
+from gateway.http.app import Installer
+from gateway.http.bridge import unless_disconnected
+from gateway.http.errors import from_gateway
+from gateway.http.guard import REQUEST_ID_HEADER, guarded
+from gateway.http.openai_api import Front, gather, read_json
+from gateway.http.openai_request import model_error, parse
+from gateway.http.responses.output import ResponseOutput
+from gateway.http.responses.request import ResponsesRequest, generate_request, input_messages, not_found
+from protos import generation_pb2
+
+log = structlog.get_logger()
+# Gateway fields under their Responses names.
+RENAMES = {"max_tokens": "max_output_tokens", "messages": "input", "constraint": "text", "prompt": "input"}
+
+
+def responses_api(front: Front) -> Installer:
+    """The installer of POST /v1/responses."""
+    router = APIRouter()
+
+    @router.post("/v1/responses")
+    async def create(request: Request) -> Response:
+        return await guarded(request, lambda request_id: _respond(front, request, request_id), RENAMES)
+
+    def install(app: FastAPI) -> None:
+        app.include_router(router)
+
+    return install
+
+
+async def _respond(front: Front, request: Request, request_id: str) -> Response:
+    tenant = front.generation.edge.authenticate(request.headers.items())
+    body = parse(ResponsesRequest, await read_json(request, front))
+    info = front.generation.attached_model()
+    if body.model not in (None, info.model, *front.aliases):
+        raise model_error(body.model, info.model)
+    history: tuple[generation_pb2.ChatMessage, ...] = ()
+    if body.previous_response_id is not None:
+        history = front.responses.get(tenant.name, body.previous_response_id)
+        if history is None:
+            raise not_found(body.previous_response_id)
+    proto = generate_request(body, request_id, info.max_model_len, history)
+    output = ResponseOutput(body, info.model, body.previous_response_id)
+    conversation = [*history, *input_messages(body)]
+
+    def keep() -> None:
+        if body.store:
+            front.responses.put(tenant.name, output.id, [*conversation, _assistant(output)])
+
+    replies = front.bridge.replies(proto, tenant)
+    if body.stream:
+        first = await unless_disconnected(request, anext(replies))
+        headers = {REQUEST_ID_HEADER: first.request_id}
+        return StreamingResponse(
+            _events(first, replies, output, keep), media_type="text/event-stream", headers=headers
+        )
+    gathered = await unless_disconnected(request, gather(replies))
+    for reply in gathered:
+        output.events(reply)
+    keep()
+    return JSONResponse(output.response(), headers={REQUEST_ID_HEADER: gathered[0].request_id})
+
+
+async def _events(first, replies: AsyncIterator, output: ResponseOutput, keep) -> AsyncIterator[str]:
+    """The stream: created, in progress, each reply's events, the closing ones; an error after the start comes
+    as an `error` event."""
+    try:
+        for event in [*output.start(), *output.events(first)]:
+            yield _sse(event)
+        async for reply in replies:
+            for event in output.events(reply):
+                yield _sse(event)
+        for event in output.end():
+            yield _sse(event)
+        keep()
+    except PagedServeError as err:
+        log.info("stream_failed", code=err.code.name, error=str(err))
+        refusal = from_gateway(err, RENAMES)
+        yield _sse(output.failed(refusal.code, refusal.message, refusal.param))
+    finally:
+        await replies.aclose()
+
+
+def _sse(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _assistant(output: ResponseOutput) -> generation_pb2.ChatMessage:
+    """The response's output as the assistant message of its conversation."""
+    message = generation_pb2.ChatMessage(role="assistant", content=output.text())
+    for call in output.calls():
+        message.tool_calls.add(id=call["call_id"], name=call["name"], arguments=call["arguments"])
+    return message

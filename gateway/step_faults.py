@@ -36,6 +36,8 @@ R = TypeVar("R")
 # run(rows): the stage again for these rows only (live and unfinished), its result (None: nothing to apply);
 # raises as the stage does.
 Run = Callable[[list[Sequence]], R | None]
+# Rows whose own code raised in a stage, each with its exception.
+Faulty = list[tuple[Sequence, Exception]]
 
 
 def max_reruns(rows: int) -> int:
@@ -58,7 +60,21 @@ class StepFaults:
     def __init__(self, live: LiveSeqs) -> None:
         self.live = live
 
-    def set_aside(self, faulty: list[tuple[Sequence, Exception]]) -> None:
+    @staticmethod
+    def row(faulty: Faulty, seq: Sequence, action: Callable[[], R]) -> R | None:
+        """`action()`, one row's part of a stage; if it raises, the row and its exception go to `faulty` (its
+        request to fail alone) and None is returned. A lost peer is raised as it came."""
+        try:
+            return action()
+        except PeerFault as fault:
+            if fault.lost:
+                raise
+            faulty.append((seq, fault))
+        except Exception as exc:  # noqa: BLE001 - that row's fault: its request fails alone
+            faulty.append((seq, exc))
+        return None
+
+    def set_aside(self, faulty: Faulty) -> None:
         """Rows whose own code raised (while scheduled, or while their token was applied): each one's request
         fails with its exception, alone."""
         for seq, exc in faulty:

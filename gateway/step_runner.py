@@ -32,7 +32,7 @@ from gateway.sampling import token_logprobs
 from gateway.scheduler import Scheduler
 from gateway.sequence import Sequence
 from gateway.step import ScheduledStep, StepResult
-from gateway.step_faults import StepFaults
+from gateway.step_faults import Faulty, StepFaults
 from gateway.step_hook import load_hook
 from gateway.step_pace import StepShape
 from gateway.step_timer import StepTimer
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = structlog.get_logger()
-Faulty = list[tuple[Sequence, Exception]]
 
 
 class StepRunner:
@@ -232,7 +231,7 @@ class StepRunner:
         shape = StepShape.of(result.seqs)
         with result.timer.phase("cache_rpc"):
             for seq in [seq for seq in result.seqs if seq.forks_now]:
-                self._fork(seq, faulty)
+                self.faults.row(faulty, seq, partial(self._fork, seq))
         pooling = pooled_rows(result.seqs)  # NOTE: before _advance moves the chunks on
         outputs = self._advance(result, faulty)
         outputs += take_pooled(result.seqs, pooling, result.reply, faulty)
@@ -253,17 +252,10 @@ class StepRunner:
             self.scheduler.pace.observe(shape, seconds)
         return held
 
-    def _fork(self, seq: Sequence, faulty: Faulty) -> None:
-        """The samples of `seq`'s request fork from it; a lost cache is raised (every row waits for it)."""
-        try:
-            with calling("cache"):
-                self.live.fork(seq)
-        except PeerFault as fault:
-            if fault.lost:
-                raise
-            faulty.append((seq, fault))
-        except Exception as exc:  # noqa: BLE001 - that row's fault: its request fails alone
-            faulty.append((seq, exc))
+    def _fork(self, seq: Sequence) -> None:
+        """The samples of `seq`'s request fork from it."""
+        with calling("cache"):
+            self.live.fork(seq)
 
     def _advance(self, result: StepResult, faulty: Faulty) -> list[tuple[Sequence, Output]]:
         """The step's chunks are computed; each sequence that sampled gets its token, and its Output."""
@@ -273,11 +265,8 @@ class StepRunner:
         outputs = []
         logprobs = token_logprobs(result.reply, sampled)
         for seq, token, token_logprob in zip(sampled, result.reply.token_ids, logprobs, strict=True):
-            try:
-                self._stage("update", [seq])
-                text = append_token(seq, token, self._eos, self.tokenizer)
-            except Exception as exc:  # noqa: BLE001 - that row's fault: its request fails alone
-                faulty.append((seq, exc))
+            text = self.faults.row(faulty, seq, partial(self._append, seq, token))
+            if text is None:
                 continue
             per_token = None if token_logprob is None else [token_logprob]
             outputs.append((seq, Output([token], seq.finish_reason, seq.index, text, per_token)))
@@ -306,6 +295,10 @@ class StepRunner:
             (seq, output) for seq, output in outputs if self.live.holds(seq) and seq.group_id not in doomed
         ]
 
+    def _append(self, seq: Sequence, token: int) -> str:
+        self._stage("update", [seq])
+        return append_token(seq, token, self._eos, self.tokenizer)
+
     # test hooks
     def _stage(self, name: str, seqs: list[Sequence]) -> None:
         if self._hook is not None:
@@ -313,10 +306,7 @@ class StepRunner:
 
     def _rows_raising(self, stage: str, seqs: list[Sequence]) -> Faulty:
         """The rows for which the hook raises as `stage` begins, with what it raised."""
-        faulty = []
+        faulty: Faulty = []
         for seq in seqs if self._hook is not None else ():
-            try:
-                self._hook.stage(stage, [seq])
-            except Exception as exc:  # noqa: BLE001 - that row's fault: its request fails alone
-                faulty.append((seq, exc))
+            self.faults.row(faulty, seq, partial(self._hook.stage, stage, [seq]))
         return faulty

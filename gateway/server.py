@@ -54,6 +54,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         key."""
         tenant = self._generation.edge.authenticate(context.invocation_metadata())
         return self._embeddings.embed(request, tenant, context.add_callback)
+    def Tokenize(self, request, context):
+        """The prompt's or chat's token ids, as Generate encodes them."""
+        self._generation.edge.authenticate(context.invocation_metadata())
+        return self._generation.tokenize(request)
+
+    def Detokenize(self, request, context):
+        self._generation.edge.authenticate(context.invocation_metadata())
+        return self._generation.detokenize(request)
 
     def GetInfo(self, request, context):
         self._generation.edge.authenticate(context.invocation_metadata())
@@ -193,7 +201,9 @@ def _serve_http(http: HttpServer, generation: Generation, server: Server, args, 
     source = DashboardSource(generation.engine, cache, generation.edge.keys)
     source.start()
     installers = [openai_api(front), dashboard.installer(source)]
-    http.start(create_app([*installers, metrics_route.install] if args.http_metrics == "on" else installers))
+    if args.http_metrics == "on":
+        installers.append(metrics_route.install)
+    http.start(create_app(installers, generation.edge.limits))
     scheme = "https" if http.tls else "http"
     log.info(
         "http_listening", url=f"{scheme}://{args.host}:{http.port}/v1", tls=http.tls, dashboard="/dashboard"

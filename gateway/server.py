@@ -54,6 +54,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         key."""
         tenant = self._generation.edge.authenticate(context.invocation_metadata())
         return self._embeddings.embed(request, tenant, context.add_callback)
+
     def Tokenize(self, request, context):
         """The prompt's or chat's token ids, as Generate encodes them."""
         self._generation.edge.authenticate(context.invocation_metadata())

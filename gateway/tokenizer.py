@@ -61,9 +61,13 @@ def encode(
     request: generation_pb2.GenerateRequest,
     vocab_size: int,
     tools: ToolUse | None = None,
+    add_special_tokens: bool | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """The prompt's token ids (chat messages rendered with `tools`); InvalidArgument unless exactly one of
-    prompt, token_ids, messages is given."""
+    prompt, token_ids, messages is given. The tokenizer's special tokens (BOS) are added to a prompt, not to
+    rendered messages (their template writes its own), unless `add_special_tokens` says otherwise; messages
+    end with the assistant's generation prompt unless `add_generation_prompt` is false."""
     given = [
         name
         for name, present in (
@@ -80,9 +84,10 @@ def encode(
     if request.token_ids:
         ids = list(request.token_ids)
     elif request.messages:
-        ids = _render_chat(tokenizer, request.messages, tools)
+        special = bool(add_special_tokens)
+        ids = _render_chat(tokenizer, request.messages, tools, special, add_generation_prompt)
     else:
-        ids = tokenizer.encode(request.prompt, add_special_tokens=True)
+        ids = tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens is not False)
     # NOTE: checked for text too: a tokenizer may know more tokens than the model (compute refuses those).
     check_vocabulary(ids, vocab_size)
     return ids
@@ -95,7 +100,13 @@ def check_vocabulary(ids: list[int], vocab_size: int, where: str = "") -> None:
         raise InvalidArgument(f"{where}token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
-def _render_chat(tokenizer: "PreTrainedTokenizerBase", messages, tools: ToolUse | None) -> list[int]:
+def _render_chat(
+    tokenizer: "PreTrainedTokenizerBase",
+    messages,
+    tools: ToolUse | None,
+    add_special_tokens: bool = False,
+    add_generation_prompt: bool = True,
+) -> list[int]:
     if tokenizer.chat_template is None:
         raise InvalidArgument("this model has no chat template: send prompt or token_ids instead of messages")
     for i, message in enumerate(messages):
@@ -105,11 +116,11 @@ def _render_chat(tokenizer: "PreTrainedTokenizerBase", messages, tools: ToolUse 
     conversation, listed = prompt.conversation(messages, tools, renders_tools(tokenizer))
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tools=listed, tokenize=False, add_generation_prompt=True
+            conversation, tools=listed, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's to fix
         raise InvalidArgument(f"cannot render messages with the chat template: {exc}") from exc
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,6 +1,6 @@
 """Prompt log-probabilities in compute (ForwardRequest.prompt_*): a prompt scored in two chunks beside another
 row, each target's log-probability, rank and top alternatives equal to transformers' own float32
-log_softmax within 1e-4; malformed targets refused naming the field."""
+log_softmax within 1e-4; malformed targets refused naming the field, and by ForwardSteps."""
 
 import re
 
@@ -9,7 +9,10 @@ import torch
 
 from common.errors import InvalidArgument
 from compute_service.batch import ForwardBatch
+from compute_service.multi_step import MultiStepPlan
 from compute_service.prompt_logprobs import reply_fields
+from compute_service.validation import Limits
+from protos import compute_pb2
 from tests.forward import forward_request
 from tests.paged_greedy import BLOCK_SIZE, PROMPT_A, PROMPT_B, Served, reference
 from tests.tiny_model import save_tiny_llama
@@ -88,3 +91,13 @@ def test_malformed_prompt_targets_are_refused_naming_the_field(tiny, asked, targ
     request.cu_prompt_targets.extend(cu)
     with pytest.raises(InvalidArgument, match=re.escape(message)):
         ForwardBatch.from_request(request, served.limits)
+
+
+def test_multi_step_calls_refuse_prompt_targets():
+    first = forward_request([[5], [6]], [4, 2], [[0, 1], [2, 3]], block_size=4)
+    first.prompt_logprobs[:] = [0, -1]
+    first.prompt_target_ids[:] = [7]
+    first.cu_prompt_targets[:] = [0, 1]
+    request = compute_pb2.StepsRequest(first=first, max_steps=[2, 2], cu_stop_token_ids=[0, 0, 0])
+    with pytest.raises(InvalidArgument, match="ForwardSteps scores no prompt tokens"):
+        MultiStepPlan.check(request, Limits(vocab_size=64, max_model_len=64, num_blocks=16, block_size=4))

@@ -26,8 +26,6 @@ class Output:
     logprobs: list[generation_pb2.TokenLogprobs] | None = None
     # An embedding input's pooled hidden states (gateway.pooled), on its one Output.
     embedding: np.ndarray | None = None
-    # Sample 0's first token, with sampling.prompt_logprobs: each prompt token's score but the first's.
-    prompt_logprobs: list[generation_pb2.TokenLogprobs] | None = None
 
 
 def append_token(seq: Sequence, token: int, eos: frozenset[int], tokenizer: "PreTrainedTokenizerBase") -> str:

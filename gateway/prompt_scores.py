@@ -28,11 +28,8 @@ def collect(seqs: list[Sequence], reply: compute_pb2.ForwardResponse) -> None:
             at += 1
 
 
-def handed(seq: Sequence) -> list[generation_pb2.TokenLogprobs] | None:
-    """What goes with the sequence's first token: every prompt token's score but the first's (None: it
-    scores no prompt)."""
-    if not seq.scores_prompt:
-        return None
+def handed(seq: Sequence) -> list[generation_pb2.TokenLogprobs]:
+    """What goes with sample 0's first token when it asked: every prompt token's score but the first's."""
     scores = seq.prompt_scores or [None]
-    assert all(score is not None for score in scores[1:]), (seq.seq_id, "a prompt token was not scored")
+    assert None not in scores[1:], (seq.seq_id, "a prompt token was not scored")
     return scores[1:]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gateway import metrics, resume
+from gateway import metrics, prompt_scores, resume
 from gateway.outputs import Output
 from gateway.sequence import Sequence
 from gateway.tools.stream import CallStreams
@@ -38,6 +38,7 @@ class Started:
         self.running = len(resumed.seqs) if resuming else seq.sampling.n
         self._by_index = {sample.index: sample for sample in resumed.seqs}
         self._first_token_at: float | None = None
+        self._scores_prompt = seq.sampling.prompt_logprobs is not None
 
     def submit(self, generation: "Generation", on_end: OnEnd, outbox=None) -> None:
         """Admits the request and hands its sequences to the engine, their Outputs to `outbox` (None: the
@@ -72,6 +73,11 @@ class Started:
         self._first_token_at = self._first_token_at or now
         self.completion_tokens[item.index] = self.completion_tokens.get(item.index, 0) + len(item.token_ids)
         reply = _response(item, self.seq)
+        if item.index == 0 and self._scores_prompt:
+            # NOTE: sample 0's first token: its prompt was scored in the steps before (gateway.prompt_scores).
+            self._scores_prompt = False
+            reply.prompt_token_ids.extend(self.seq.prompt_ids)
+            reply.prompt_logprobs.extend(prompt_scores.handed(self.seq))
         if self.calls is not None:
             self.calls.apply(reply)
         if item.finish_reason:
@@ -102,9 +108,6 @@ def _response(item: Output, seq: Sequence) -> generation_pb2.GenerateResponse:
     )
     if item.finish_reason:
         reply.finish_reason = FINISH_REASONS[item.finish_reason]
-    if item.prompt_logprobs is not None:
-        reply.prompt_token_ids.extend(seq.prompt_ids)
-        reply.prompt_logprobs.extend(item.prompt_logprobs)
     return reply
 
 

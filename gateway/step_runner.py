@@ -19,7 +19,6 @@ import grpc
 import structlog
 
 from common.errors import from_rpc_error
-from gateway import prompt_scores
 from gateway.config import EngineConfig
 from gateway.engine_view import EngineView
 from gateway.executor import StepExecutor
@@ -269,13 +268,11 @@ class StepRunner:
     def _advance(self, result: StepResult, faulty: Faulty) -> list[tuple[Sequence, Output]]:
         """The step's chunks are computed; each sequence that sampled gets its token, and its Output."""
         sampled = [seq for seq in result.seqs if seq.samples_now]
-        prompt_scores.collect(result.seqs, result.reply)
         for seq in result.seqs:
             seq.num_computed, seq.cached_prefix = seq.chunk_end, False
         outputs = []
         logprobs = token_logprobs(result.reply, sampled)
         for seq, token, token_logprob in zip(sampled, result.reply.token_ids, logprobs, strict=True):
-            prompt = prompt_scores.handed(seq)
             try:
                 self._stage("update", [seq])
                 text = append_token(seq, token, self._eos, self.tokenizer)
@@ -283,9 +280,7 @@ class StepRunner:
                 faulty.append((seq, exc))
                 continue
             per_token = None if token_logprob is None else [token_logprob]
-            outputs.append(
-                (seq, Output([token], seq.finish_reason, seq.index, text, per_token, prompt=prompt))
-            )
+            outputs.append((seq, Output([token], seq.finish_reason, seq.index, text, per_token)))
         ok = {id(seq) for seq, _ in outputs}
         prefetch([s.constraint for s in sampled if s.constraint and not s.finish_reason and id(s) in ok])
         return outputs

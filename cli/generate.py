@@ -75,7 +75,8 @@ def _sparse(text: str) -> bool | dict[str, int]:
 def add_parser(commands) -> None:
     p = commands.add_parser(
         "generate",
-        description="Streams the text to stdout; token logprobs (--logprobs) and a summary go to stderr.",
+        description="Streams the text to stdout; prompt and token logprobs (--prompt-logprobs, --logprobs) "
+        "and a summary go to stderr.",
     )
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
@@ -171,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     )
     logprobs: list[TokenLogprob] = []
+    prompt_logprobs: list[TokenLogprob] = []
     targets = ",".join(args.target or [DEFAULT_TARGET])
     try:
         constraint = constraint_kwargs(args)
@@ -203,11 +205,15 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 logprobs.extend(chunk.logprobs or ())
+                prompt_logprobs.extend(chunk.prompt_logprobs or ())
         except GenerationError as err:
             print(f"\nerror: {err}", file=sys.stderr)
             return 1
     u, t = chunk.usage, chunk.timings
     print()
+    for lp in prompt_logprobs:
+        alternatives = " ".join(f"{token}:{value:.3f}" for token, value in lp.top)
+        print(f"prompt\t{lp.token_id}\t{lp.logprob:.4f}\trank {lp.rank}\t{alternatives}", file=sys.stderr)
     for lp in logprobs:
         alternatives = " ".join(f"{token}:{value:.3f}" for token, value in lp.top)
         print(f"{lp.token_id}\t{lp.logprob:.4f}\t{alternatives}", file=sys.stderr)

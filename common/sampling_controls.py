@@ -112,7 +112,7 @@ CONTROLS = {
     c.name: c
     for c in (
         Control("max_tokens", Kind.INT, _GATEWAY, 16, "generated tokens at most (`finish_reason` `length`)",
-                Range(0, low_open=True)),
+                Range(0), note="0: none, the prompt's log-probabilities alone"),
         Control("temperature", Kind.FLOAT, _ROW, 1.0, "0 is greedy", Range(0), note="0 is greedy"),
         Control("top_k", Kind.INT, _ROW, 0, "keep the k most likely tokens", Range(0), off=0),
         Control("top_p", Kind.FLOAT, _ROW, 1.0,
@@ -145,6 +145,9 @@ CONTROLS = {
         Control("logprobs", Kind.INT, _ROW, None,
                 "return each token's log-probability and that many most likely alternatives",
                 Range(0, MAX_LOGPROBS), note="top alternatives per token"),
+        Control("prompt_logprobs", Kind.INT, _GATEWAY, None,
+                "return each prompt token's log-probability and that many most likely alternatives",
+                Range(0, MAX_LOGPROBS), note="top alternatives per prompt token"),
         # NOTE: sample i of n draws with (seed + i) mod 2**64: the gateway offsets it when it forks them.
         Control("n", Kind.INT, _GATEWAY, 1, "samples of one prompt (below)", Range(1, MAX_SAMPLES)),
     )

@@ -6,6 +6,7 @@ import torch
 
 from common import paging
 from common.sparse_settings import SparseAttention
+from compute_service.prompt_logprobs import PromptTargets, targets
 from compute_service.sampling import SamplingBatch
 from compute_service.validation import Limits, Sent, check_sent, check_writes, row_of_token
 from protos import compute_pb2
@@ -42,6 +43,8 @@ class ForwardBatch:
     # per KV group of the pool: its tables [N, W], the slots of the new tokens in them [T]; empty: one group
     group_tables: tuple[torch.Tensor, ...] = ()
     group_slots: tuple[torch.Tensor, ...] = ()
+    # the prompt tokens the step scores (ForwardRequest.prompt_*); None: no row asks
+    prompt_targets: PromptTargets | None = None
 
     @classmethod
     def from_request(cls, request: compute_pb2.ForwardRequest, limits: Limits) -> "ForwardBatch":
@@ -52,6 +55,10 @@ class ForwardBatch:
         batch = cls.derive(sent, limits.block_size)
         for slots in batch.group_slots or (batch.slot_mapping,):
             check_writes(slots, batch.cu_seqlens_q)
+        fields = (request.prompt_logprobs, request.prompt_target_ids, request.cu_prompt_targets)
+        batch.prompt_targets = targets(
+            *(torch.tensor(f, dtype=torch.int64) for f in fields), batch.cu_seqlens_q, limits.vocab_size
+        )
         return batch
 
     @classmethod

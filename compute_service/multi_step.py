@@ -38,6 +38,10 @@ class MultiStepPlan:
                 "ForwardSteps runs decodes only: every row of its first step has one new token and samples "
                 "(send prompt chunks with Forward)"
             )
+        if first.prompt_target_ids:
+            raise InvalidArgument(
+                "ForwardSteps scores no prompt tokens: its rows decode (send prompt targets with Forward)"
+            )
         if first.constraint_rows:
             raise InvalidArgument(
                 "ForwardSteps runs no constrained rows: their masks follow each sampled token (send them "

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from compute_service import architectures, kernels
+from compute_service import architectures, kernels, prompt_logprobs
 from compute_service.attention.block_summaries import BlockSummaries
 from compute_service.attention.context import build_context, reset_context, set_context
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
@@ -16,6 +16,7 @@ from compute_service.greedy import greedy, is_plain_greedy
 from compute_service.plan import ExecutionPlan
 from compute_service.pool_layout import PoolLayout
 from compute_service.pooling import pool
+from compute_service.prompt_logprobs import PromptScores
 from compute_service.sampling import Sampled, sample
 
 
@@ -81,9 +82,10 @@ class Runner:
     @torch.inference_mode()
     def outputs(
         self, batch: ForwardBatch, times: StepTimes | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits (see `logits`) and the pooled hidden states [P, hidden] float32 of the sequences in
-        `pool_rows`, in order (None when no row pools)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, PromptScores | None]:
+        """The logits (see `logits`), the pooled hidden states [P, hidden] float32 of the sequences in
+        `pool_rows`, in order (None when no row pools), and the scores of the step's prompt targets (None:
+        none asked), all from the same forward."""
         assert self.k_caches, "no pool attached"
         times = times or StepTimes()
         start = time.perf_counter()
@@ -108,19 +110,26 @@ class Runner:
         finally:
             reset_context()
         pooled = pool(self.pooling, hidden, batch.cu_seqlens_q, batch.pool_rows) if batch.pool_rows else None
+        prompt = None
+        if batch.prompt_targets is not None:
+            prompt = prompt_logprobs.score(hidden, self._head, batch.prompt_targets)
         if batch.logit_tokens is not None:
             hidden = hidden[batch.logit_tokens.to(hidden.device)]
-        logits = self.model.lm_head(hidden)
-        if self.final_softcap:
-            # as transformers' causal LM heads (Gemma 2) cap them, in the model's dtype
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        logits = logits.float().cpu()
+        logits = self._head(hidden).float().cpu()
         times.prepare += built - start
         times.model += time.perf_counter() - built
         times.attention += context.attention_s
         if context.sparse is not None and context.sparse.derived is not None:
             times.sparse_rows += context.sparse.derived.rows
-        return logits, pooled
+        return logits, pooled, prompt
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits of hidden states, in its dtype."""
+        logits = self.model.lm_head(hidden)
+        if self.final_softcap:
+            # as transformers' causal LM heads (Gemma 2) cap them, in the model's dtype
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def _sparse(self, batch: ForwardBatch) -> SparseDecode | None:
         """The step's block-sparse decode (None: every row dense); the summaries of the blocks the step
@@ -146,10 +155,10 @@ class Runner:
         return SparseDecode(rows, summaries, batch.prompt_chunks, tuple(groups[g] for g in sparse_groups))
 
     def forward(self, batch: ForwardBatch, times: StepTimes | None = None) -> Sampled:
-        """The sampled token (and log-probabilities) of each sequence with `sample` set, in order, and the
-        pooled hidden states of those in `pool_rows`; `times` gains the split."""
+        """The sampled token (and log-probabilities) of each sequence with `sample` set, in order, the pooled
+        hidden states of those in `pool_rows` and the step's prompt scores; `times` gains the split."""
         times = times or StepTimes()
-        logits, pooled = self.outputs(batch, times)
+        logits, pooled, prompt = self.outputs(batch, times)
         start = time.perf_counter()
         if is_plain_greedy(batch.sampling):
             result = greedy(logits, self.kernels)
@@ -157,5 +166,5 @@ class Runner:
             # the sampled token takes the position right after the sequence's context
             result = sample(logits, batch.sampling, batch.context_lens[batch.sample])
         times.sample += time.perf_counter() - start
-        result.pooled = pooled
+        result.pooled, result.prompt = pooled, prompt
         return result

@@ -4,12 +4,16 @@ top-k, top-p and min-p from one sort, per-row seeds; log-probabilities of the ra
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.sampling_controls import CONTROLS, ROW_CONTROLS, Kind, read
 from compute_service import constraints
 from protos import compute_pb2
+
+if TYPE_CHECKING:
+    from compute_service.prompt_logprobs import PromptScores
 
 
 def _floats(values) -> torch.Tensor:
@@ -177,6 +181,8 @@ class Sampled:
     # [rows with pool set, hidden] float32: their pooled hidden states (compute_service.pooling); None: no row
     # pools. Set by the runner, beside the sampled rows.
     pooled: torch.Tensor | None = None
+    # the step's prompt targets' scores (compute_service.prompt_logprobs); None: no row asked
+    prompt: "PromptScores | None" = None
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) -> Sampled:

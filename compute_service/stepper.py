@@ -15,6 +15,7 @@ from compute_service.batch import ForwardBatch
 from compute_service.fencing import StepFence
 from compute_service.model_loader import ModelSpec
 from compute_service.pool_layout import PoolLayout
+from compute_service.prompt_logprobs import reply_fields
 from compute_service.runner import Runner, StepTimes
 from compute_service.threads import ThreadPolicy
 from compute_service.validation import Limits
@@ -118,6 +119,7 @@ class Stepper:
             attention_ms=times.attention * 1e3,
             sample_ms=times.sample * 1e3,
             sparse_rows=times.sparse_rows,
+            **reply_fields(sampled.prompt),
         )
         if sampled.pooled is not None:
             reply.pooled = sampled.pooled.numpy().astype("<f4").tobytes()

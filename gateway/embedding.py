@@ -66,7 +66,7 @@ class Embeddings:
             embeddings = _gather(seqs)
         return generation_pb2.EmbedResponse(
             request_id=request_id,
-            model=generation.attached_model().model,
+            model=generation.model_name(generation.attached_model()),
             embeddings=[
                 generation_pb2.Embedding(values=_finish(vector, dimensions, pooling.normalize).tolist())
                 for vector in embeddings

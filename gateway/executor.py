@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 
 from common.server import request_metadata
+from gateway import prompt_scores
 from gateway.config import EngineConfig
 from gateway.forward import forward_request
 from gateway.kv_view import KVView
@@ -79,6 +80,7 @@ class StepExecutor:
             start = time.monotonic()
             reply = self._compute.Forward(request, timeout=self._deadline.timeout(tokens), metadata=metadata)
         self._deadline.observe(time.monotonic() - start, tokens)
+        prompt_scores.collect(seqs, reply)
         return reply
 
     def _multi_step(self, seqs: list[Sequence], steps: int, timer: StepTimer) -> Iterator[StepResult]:

@@ -39,7 +39,22 @@ def forward_request(
         sparse=_sparse_rows(seqs),
         pool=_flags([seq.pools_now for seq in seqs]),
         **forward_sampling([seq for seq in seqs if seq.samples_now], eos_ids),
+        **_prompt_targets(seqs),
     )
+
+
+def _prompt_targets(seqs: list[Sequence]) -> dict:
+    """The ForwardRequest fields of the rows that score their prompt (none when no row does): each new
+    token's next prompt token is its target, so a prompt's last token (which samples) has none."""
+    scoring = [seq for seq in seqs if seq.scores_prompt]
+    if not scoring:
+        return {}
+    targets = [seq.prompt_ids[seq.num_computed + 1 : seq.chunk_end + 1] for seq in scoring]
+    return {
+        "prompt_logprobs": [seq.sampling.prompt_logprobs if seq.scores_prompt else -1 for seq in seqs],
+        "prompt_target_ids": [t for row in targets for t in row],
+        "cu_prompt_targets": list(accumulate((len(row) for row in targets), initial=0)),
+    }
 
 
 def _flags(flags: list[bool]) -> list[bool]:

@@ -2,6 +2,7 @@
 GenerateRequest and its caller in, GenerateResponses out, through the same checks, limits, stream slots,
 admission gate and engine."""
 
+import queue
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -9,7 +10,7 @@ from collections.abc import Callable, Iterator
 import structlog
 
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from gateway import metrics, resume, sparse_request
+from gateway import metrics, prompt_batch, resume, sparse_request, token_ids
 from gateway import tokenizer as tok
 from gateway.admission import Admission
 from gateway.auth import Tenant, salted
@@ -17,12 +18,12 @@ from gateway.chat_formats import ChatFormats
 from gateway.edge import Edge
 from gateway.engine import Engine
 from gateway.limits import check_queue, check_request, check_request_id
-from gateway.outputs import Output
 from gateway.reasoning import formats as reasoning_formats
 from gateway.reasoning.constraint import after_reasoning
 from gateway.reasoning.stream import ReasoningStreams
 from gateway.sampling import resolve_sampling
 from gateway.sequence import Sequence
+from gateway.started import OnEnd, Started
 from gateway.streams import StreamSlots
 from gateway.structured import spec as constraint_spec
 from gateway.structured.grammars import Grammars
@@ -32,11 +33,8 @@ from gateway.tools.stream import CallStreams
 from protos import generation_pb2
 
 log = structlog.get_logger()
-FINISH_REASONS = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP}
 # The prompt's last tokens in which a template's opening of the reasoning is looked for.
 PROMPT_TAIL_TOKENS = 32
-# Registers a callback to run when the call ends, whatever the reason (gRPC: context.add_callback).
-OnEnd = Callable[[Callable[[], None]], object]
 
 
 class Generation:
@@ -59,6 +57,12 @@ class Generation:
         self.edge = edge
         self.grammars = grammars
         self.formats = formats
+        # --served-model-name: the names requests may give; the first is the one responses carry.
+        self.served_names: tuple[str, ...] = ()
+
+    def model_name(self, info) -> str:
+        """The name responses carry: the first --served-model-name, else the attached model's."""
+        return self.served_names[0] if self.served_names else info.model
 
     def attached_model(self):
         """The model info of the attached compute; Unavailable while the gateway is still attaching."""
@@ -68,19 +72,41 @@ class Generation:
             )
         return self.engine.model_info
 
+    def tokenize(self, request: generation_pb2.TokenizeRequest) -> generation_pb2.TokenizeResponse:
+        """The request's token ids as `stream` would encode them (gateway.token_ids)."""
+        info = self.attached_model()
+        return token_ids.tokenize(self.tokenizer, request, info, self.edge.limits, self.grammars.limits)
+
+    def detokenize(self, request: generation_pb2.DetokenizeRequest) -> generation_pb2.DetokenizeResponse:
+        info = self.attached_model()
+        return token_ids.detokenize(self.tokenizer, request, info.vocab_size, info.max_model_len)
+
     def stream(
         self, request: generation_pb2.GenerateRequest, tenant: Tenant, on_end: OnEnd
     ) -> Iterator[generation_pb2.GenerateResponse]:
-        """One response per token (of each of the n samples); ends at finish, or raises the request's error.
+        """One response per token (of each of the n samples, of each prompt); ends at finish, or raises the
+        request's error.
 
         The request id (the request's, else the `request_id` bound in the log context, else a new one) is in
         every response and in the gateway, cache and compute logs of the steps that serve it. Refused at
         once: RESOURCE_EXHAUSTED beyond --max-streams concurrent streams (--max-streams-per-key of one key)
-        or a full queue, INVALID_ARGUMENT beyond a limit. `on_end` callbacks abort the sequence (freeing its
-        blocks) and release its admission when the call ends early (cancel, deadline, disconnect).
+        or a full queue, INVALID_ARGUMENT beyond a limit. `on_end` callbacks abort the sequences (freeing
+        their blocks) and release their admission when the call ends early (cancel, deadline, disconnect).
+        A request of several prompts (GenerateRequest.prompts) runs them all at once, each checked before any
+        starts (gateway.prompt_batch).
         """
         with self.slots.hold(), self.edge.stream_slot(tenant):
-            yield from self._generate(request, tenant, on_end)
+            request_id = self._request_id(request)
+            parts = prompt_batch.split(request, self.edge.limits.max_prompts)
+            started = [self._prepare(part, request_id, tenant) for part in parts]
+            if len(started) == 1:
+                started[0].submit(self, on_end)
+                yield from started[0].replies()
+                return
+            outbox = queue.Queue()
+            for number, part in enumerate(started):
+                part.submit(self, on_end, prompt_batch.Tagged(outbox, number))
+            yield from prompt_batch.merged(started, outbox)
 
     def count_prompt(self, request: generation_pb2.GenerateRequest) -> int:
         """The tokens of the request's prompt as Generate renders it (chat template, tools, template
@@ -93,15 +119,24 @@ class Generation:
         )
         return len(tok.encode(self.tokenizer, request, info.vocab_size, tools))
 
-    def _generate(self, request, tenant: Tenant, on_end: OnEnd):
-        info = self.attached_model()
-        check_request(request, self.edge.limits, info.max_model_len)
+    def _request_id(self, request: generation_pb2.GenerateRequest) -> str:
+        """The request's id (see `stream`), bound to the log context; INVALID_ARGUMENT if too long."""
         request_id = request.request_id or structlog.contextvars.get_contextvars().get("request_id")
         check_request_id(request_id or "", self.edge.limits)
         if request.resume and not request_id:
             raise InvalidArgument("resume needs the request_id its responses carried: the one to continue")
         request_id = request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
+        return request_id
+
+    def _prepare(self, request, request_id: str, tenant: Tenant) -> Started:
+        """One prompt's sequences, checked and made, not yet submitted."""
+        info = self.attached_model()
+        check_request(request, self.edge.limits, info.max_model_len)
+        if request.resume and request.sampling.HasField("prompt_logprobs"):
+            raise InvalidArgument(
+                "sampling.prompt_logprobs cannot be combined with resume: the first stream carried them"
+            )
         seq, tools, reasoning = self._new_sequence(request, request_id, tenant, info)
         resumed = resume.samples(
             seq, request.resume, frozenset(info.eos_token_ids), self.tokenizer, info.vocab_size
@@ -111,22 +146,8 @@ class Generation:
             reasoning = ReasoningStreams(self.formats.reasoning, reasoning, received)
             received = reasoning.answers
         calls = CallStreams(tools, self.formats.tools, received) if tools is not None else None
-        # NOTE: a resumed sample's usage counts the tokens its client received before too.
-        completion_tokens = {sample.index: len(sample.output_ids) for sample in resumed.seqs}
-        if request.resume:
-            metrics.RESUMED.inc()
-            ended = resume.take_over(self.admission, request_id, tenant.name)
-            log.info("resumed", received_tokens=completion_tokens, taken_over=ended)
-        self.admission.enter(seq)
-        on_end(lambda: self.admission.leave(seq.seq_id))
         timer = metrics.RequestTimer(info.model)
-        log.info("request", prompt_tokens=len(seq.prompt_ids), n=seq.sampling.n, seq_id=seq.seq_id)
-        for sample in resumed.seqs:
-            self.engine.submit(sample)
-        on_end(lambda: self.engine.abort(seq.group_id))
-        # NOTE: unresumed, sample 0 forks the others: its n samples all end here.
-        running = len(resumed.seqs) if request.resume else seq.sampling.n
-        yield from _replies(seq, resumed.seqs, completion_tokens, timer, running, reasoning, calls)
+        return Started(seq, resumed, reasoning, calls, timer, bool(request.resume))
 
     def _new_sequence(
         self, request: generation_pb2.GenerateRequest, request_id: str, tenant: Tenant, info
@@ -224,71 +245,3 @@ class CallEnd:
             callbacks, self._callbacks, self._ended = self._callbacks, [], True
         for callback in callbacks:
             callback()
-
-
-def _response(item: Output, request_id: str) -> generation_pb2.GenerateResponse:
-    reply = generation_pb2.GenerateResponse(
-        request_id=request_id,
-        token_ids=item.token_ids,
-        text=item.text,
-        index=item.index,
-        logprobs=item.logprobs,
-    )
-    if item.finish_reason:
-        reply.finish_reason = FINISH_REASONS[item.finish_reason]
-    return reply
-
-
-def _replies(
-    seq: Sequence,
-    samples: list[Sequence],
-    completion_tokens: dict[int, int],
-    timer: metrics.RequestTimer,
-    running: int,
-    reasoning: ReasoningStreams | None,
-    calls: CallStreams | None,
-) -> Iterator[generation_pb2.GenerateResponse]:
-    """The request's responses until `running` samples finished, or its error; `reasoning` moves the reasoning
-    out of their text, then `calls` the tool calls."""
-    by_index = {sample.index: sample for sample in samples}
-    first_token_at = None
-    while running:
-        item = seq.outbox.get()
-        if isinstance(item, Exception):
-            raise item
-        now = timer.token()
-        first_token_at = first_token_at or now
-        completion_tokens[item.index] = completion_tokens.get(item.index, 0) + len(item.token_ids)
-        reply = _response(item, seq.request_id)
-        if reasoning is not None:
-            reasoning.apply(reply)
-        if calls is not None:
-            calls.apply(reply)
-        if item.finish_reason:
-            # NOTE: forked samples have sample 0's prompt, cached tokens and times.
-            sample = by_index.get(item.index, seq)
-            reply.usage.CopyFrom(_usage(sample, completion_tokens[item.index]))
-            reply.timings.CopyFrom(_timings(sample, first_token_at, now))
-        yield reply
-        running -= bool(item.finish_reason)
-    timer.finish(item.finish_reason, len(seq.prompt_ids), samples[0].scheduled_at - seq.arrival)
-    log.info("finished", finish_reason=item.finish_reason, completion_tokens=sum(completion_tokens.values()))
-
-
-def _usage(seq: Sequence, completion_tokens: int) -> generation_pb2.Usage:
-    """A sample's usage: cached_tokens counts the prompt's only (a resumed sample's received tokens may be
-    cached too)."""
-    prompt_tokens = len(seq.prompt_ids)
-    return generation_pb2.Usage(
-        prompt_tokens=prompt_tokens,
-        cached_tokens=min(seq.cached_tokens, prompt_tokens),
-        completion_tokens=completion_tokens,
-    )
-
-
-def _timings(seq: Sequence, first_token_at: float, now: float) -> generation_pb2.Timings:
-    return generation_pb2.Timings(
-        queue_s=seq.scheduled_at - seq.arrival,
-        time_to_first_token_s=first_token_at - seq.arrival,
-        total_s=now - seq.arrival,
-    )

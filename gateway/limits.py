@@ -30,12 +30,16 @@ class EdgeLimits:
     max_request_bytes: int = limit(
         8 * 2**20, "bytes of one request message; gRPC refuses a larger one before reading it", capacity=True
     )
+    max_request_depth: int = limit(
+        64, "nesting depth of an HTTP request body's arrays and objects (HTTP 400)"
+    )
     max_prompt_bytes: int = limit(
         0,
         f"bytes of prompt (or all messages' roles and contents); 0: {PROMPT_BYTES_PER_TOKEN} x max_model_len",
     )
     max_messages: int = limit(256, "chat messages of one request")
     max_embed_inputs: int = limit(256, "inputs of one embeddings request")
+    max_prompts: int = limit(64, "prompts of one request (a list of prompts)")
     max_stop_bytes: int = limit(256, "bytes of each stop string")
     max_stop_token_ids: int = limit(64, "entries of sampling.stop_token_ids")
     max_logit_bias: int = limit(300, "entries of sampling.logit_bias")

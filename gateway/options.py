@@ -147,6 +147,19 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "none: never split (docs/reasoning.md)",
     )
     parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEXT",
+        help="the Jinja chat template chat requests are rendered with (a file, or the template itself), in "
+        "place of the model's own; for models whose files carry none",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="the name(s) requests give as `model` and responses carry (the first); default: the model's",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,

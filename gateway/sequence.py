@@ -73,6 +73,8 @@ class Sampling:
     ignore_eos: bool = _DEFAULT["ignore_eos"]
     # Top alternatives reported per token; None: no logprobs.
     logprobs: int | None = _DEFAULT["logprobs"]
+    # Top alternatives reported per prompt token; None: no prompt logprobs.
+    prompt_logprobs: int | None = _DEFAULT["prompt_logprobs"]
     n: int = _DEFAULT["n"]
 
     @property
@@ -83,7 +85,9 @@ class Sampling:
         """Sample `index`'s controls: seeded with seed + index (mod 2**64: seeds are uint64), so that its
         draw at each position is the same wherever and whenever it runs."""
         # NOTE: unwrapped, seed 2**64 - 1 made a RowSampling that failed the whole step (INTERNAL).
-        return replace(self, seed=None if self.seed is None else (self.seed + index) % 2**64)
+        seed = None if self.seed is None else (self.seed + index) % 2**64
+        # NOTE: sample 0 alone scores the prompt (the others fork after it).
+        return replace(self, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
 
 @dataclass(slots=True, frozen=True)
@@ -141,6 +145,9 @@ class Sequence:
     # computed chunks pooled so far; "": a generation.
     pooling: str = ""
     pooled: np.ndarray | None = None
+    # With sampling.prompt_logprobs: per prompt position, the score of its token (position 0: None), as the
+    # steps of its prompt compute them.
+    prompt_scores: list | None = None
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.seq_id
@@ -166,6 +173,13 @@ class Sequence:
         return self.chunk_end - self.num_computed
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether its steps score its prompt tokens: asked, and its first token not sampled yet. Such a
+        sequence is kept out of the prefix cache (`prefix_cached`): every prompt token is computed, so
+        scored."""
+        return self.sampling.prompt_logprobs is not None and not self.output_ids
+
+    @property
     def is_decode(self) -> bool:
         """Whether the scheduled chunk is one token after all the computed ones: a decode."""
         return self.chunk_len == 1
@@ -189,8 +203,9 @@ class Sequence:
         """Whether its prompt shares the prefix cache (looks cached blocks up, leaves its own there). An
         embedding input pooled by mean or CLS needs every token's hidden state, so it computes them all and
         keeps nothing cached; one pooled by its last token reuses cached blocks as a prompt does (exact:
-        the last token's hidden state sees the others only through their K/V)."""
-        return self.pooling in ("", "last")
+        the last token's hidden state sees the others only through their K/V). A prompt being scored
+        (`scores_prompt`) computes every token too."""
+        return self.pooling in ("", "last") and not self.scores_prompt
 
     @property
     def forks_now(self) -> bool:

@@ -2,6 +2,7 @@
 serving through gateway.generation; the engine loop, the health watcher, the drain."""
 
 import argparse
+import sys
 import threading
 
 import structlog
@@ -11,8 +12,9 @@ from common import logging as pslogging
 from common import metrics as psmetrics
 from common import transport
 from common.model_files import local_copy
+from common.options import REFUSED
 from common.server import Server, channel, serve
-from gateway import metrics
+from gateway import chat_template, metrics
 from gateway import tokenizer as tok
 from gateway.admission import Admission
 from gateway.chat_formats import ChatFormats
@@ -30,6 +32,7 @@ from gateway.http.dashboard_state import DashboardSource
 from gateway.http.openai_api import Front, openai_api
 from gateway.http.responses.route import responses_api
 from gateway.http.serve import HttpServer
+from gateway.http.tokenize_api import tokenize_api
 from gateway.options import OPTIONS
 from gateway.recovery import PeerFault
 from gateway.streams import StreamSlots
@@ -58,12 +61,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         tenant = self._generation.edge.authenticate(context.invocation_metadata())
         return self._embeddings.embed(request, tenant, context.add_callback)
 
+    def Tokenize(self, request, context):
+        """The prompt's or chat's token ids, as Generate encodes them."""
+        self._generation.edge.authenticate(context.invocation_metadata())
+        return self._generation.tokenize(request)
+
+    def Detokenize(self, request, context):
+        self._generation.edge.authenticate(context.invocation_metadata())
+        return self._generation.detokenize(request)
+
     def GetInfo(self, request, context):
         self._generation.edge.authenticate(context.invocation_metadata())
         info = self._generation.attached_model()
         engine = self._generation.engine
         return generation_pb2.GetInfoResponse(
-            model=info.model,
+            model=self._generation.model_name(info),
             dtype=info.dtype,
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
@@ -91,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     edge = _edge(args, logger)
     http = _bind_http(args, logger)
     tokenizer = tok.load(str(local_copy(args.model).path))
+    if args.chat_template is not None:
+        tokenizer.chat_template = _chat_template(args.chat_template, logger)
     internal = transport.credentials_of(args, "gateway")
     engine = Engine(
         EngineConfig(
@@ -117,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     grammars = Grammars(tokenizer, ConstraintLimits.from_args(args))
     formats = _formats(args, tokenizer, logger)
     generation = Generation(engine, tokenizer, admission, slots, edge, grammars, formats)
+    generation.served_names = tuple(name for name in (args.served_model_name or "").split(",") if name)
     servicer = GenerationServicer(generation)
     metrics.register(engine)
     psmetrics.serve_metrics(args.host, args.metrics_port, logger)
@@ -169,6 +184,16 @@ def _formats(args: argparse.Namespace, tokenizer, log) -> ChatFormats:
     return formats
 
 
+def _chat_template(value: str, log) -> str:
+    """--chat-template's template; exits (status 2, the reason on stderr) when it cannot be used."""
+    try:
+        return chat_template.resolve(value)
+    except chat_template.ChatTemplateError as err:
+        log.error("bad_chat_template", error=str(err))
+        print(f"pagedserve gateway: {err}", file=sys.stderr)
+        raise SystemExit(REFUSED) from None
+
+
 def _edge(args: argparse.Namespace, log) -> Edge:
     """The edge from the flags; exits (status 1, the reason on stderr) when it cannot be served."""
     try:
@@ -204,12 +229,17 @@ def _serve_http(http: HttpServer, generation: Generation, server: Server, args, 
         request = health_pb2.HealthCheckRequest(service=SERVICE)
         return server.health.Check(request, None).status
 
-    front = Front(Bridge(generation), health, aliases=frozenset({args.model}))
+    # NOTE: without --served-model-name, requests may name the model as --model gives it too.
+    aliases = frozenset(generation.served_names) or frozenset({args.model})
+    front = Front(Bridge(generation), health, aliases=aliases)
     cache = cache_pb2_grpc.CacheStub(channel(args.cache_target, internal))
     source = DashboardSource(generation.engine, cache, generation.edge.keys)
     source.start()
-    installers = [openai_api(front), responses_api(front), messages_api(front), dashboard.installer(source)]
-    http.start(create_app([*installers, metrics_route.install] if args.http_metrics == "on" else installers))
+    installers = [openai_api(front), responses_api(front), messages_api(front), tokenize_api(front)]
+    installers.append(dashboard.installer(source))
+    if args.http_metrics == "on":
+        installers.append(metrics_route.install)
+    http.start(create_app(installers, generation.edge.limits))
     scheme = "https" if http.tls else "http"
     log.info(
         "http_listening", url=f"{scheme}://{args.host}:{http.port}/v1", tls=http.tls, dashboard="/dashboard"

@@ -68,9 +68,13 @@ def encode(
     request: generation_pb2.GenerateRequest,
     vocab_size: int,
     tools: ToolUse | None = None,
+    add_special_tokens: bool | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """The prompt's token ids (chat messages rendered with `tools`); InvalidArgument unless exactly one of
-    prompt, token_ids, messages is given."""
+    prompt, token_ids, messages is given. The tokenizer's special tokens (BOS) are added to a prompt, not to
+    rendered messages (their template writes its own), unless `add_special_tokens` says otherwise; messages
+    end with the assistant's generation prompt unless `add_generation_prompt` is false."""
     given = [
         name
         for name, present in (
@@ -89,9 +93,11 @@ def encode(
     if request.token_ids:
         ids = list(request.token_ids)
     elif request.messages:
-        ids = _render_chat(tokenizer, request.messages, tools, template_kwargs(request.chat_template_kwargs))
+        kwargs = template_kwargs(request.chat_template_kwargs)
+        special = bool(add_special_tokens)
+        ids = _render_chat(tokenizer, request.messages, tools, kwargs, special, add_generation_prompt)
     else:
-        ids = tokenizer.encode(request.prompt, add_special_tokens=True)
+        ids = tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens is not False)
     # NOTE: checked for text too: a tokenizer may know more tokens than the model (compute refuses those).
     check_vocabulary(ids, vocab_size)
     return ids
@@ -123,7 +129,12 @@ def template_kwargs(text: str) -> dict:
 
 
 def _render_chat(
-    tokenizer: "PreTrainedTokenizerBase", messages, tools: ToolUse | None, kwargs: dict
+    tokenizer: "PreTrainedTokenizerBase",
+    messages,
+    tools: ToolUse | None,
+    kwargs: dict,
+    add_special_tokens: bool = False,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     if tokenizer.chat_template is None:
         raise InvalidArgument("this model has no chat template: send prompt or token_ids instead of messages")
@@ -134,11 +145,11 @@ def _render_chat(
     conversation, listed = prompt.conversation(messages, tools, renders_tools(tokenizer))
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tools=listed, tokenize=False, add_generation_prompt=True, **kwargs
+            conversation, tools=listed, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's to fix
         raise InvalidArgument(f"cannot render messages with the chat template: {exc}") from exc
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 @functools.lru_cache(maxsize=4)

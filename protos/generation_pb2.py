@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\rpagedserve.v1\"}\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x90\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xb2\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12@\n\nlogit_bias\x18\r \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12\x0c\n\x04stop\x18\x10 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_nB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\xaa\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12-\n\nconstraint\x18\x08 \x01(\x0b\x32\x19.pagedserve.v1.Constraint\x12\"\n\x05tools\x18\t \x03(\x0b\x32\x13.pagedserve.v1.Tool\x12.\n\x0btool_choice\x18\n \x01(\x0b\x32\x19.pagedserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0b \x01(\x08H\x00\x88\x01\x01\x12,\n\x06resume\x18\x0c \x03(\x0b\x32\x1c.pagedserve.v1.ResumedSample\x12=\n\x10sparse_attention\x18\r \x01(\x0b\x32\x1e.pagedserve.v1.SparseAttentionH\x01\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18\x14 \x01(\tB\x16\n\x14_parallel_tool_callsB\x13\n\x11_sparse_attention\"z\n\x0fSparseAttention\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\x04sink\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06recent\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x11\n\x04topk\x18\x04 \x01(\x05H\x02\x88\x01\x01\x42\x07\n\x05_sinkB\t\n\x07_recentB\x07\n\x05_topk\"C\n\rResumedSample\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"\xcd\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\'\n\x07timings\x18\n \x01(\x0b\x32\x16.pagedserve.v1.Timings\x12+\n\ntool_calls\x18\x0b \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x16\n\x0ereasoning_text\x18\x14 \x01(\t\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"J\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"\x87\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06inputs\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.EmbedInput\x12\x17\n\ndimensions\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x04 \x01(\x05\x42\r\n\x0b_dimensions\"-\n\nEmbedInput\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x8a\x01\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\nembeddings\x18\x03 \x03(\x0b\x32\x18.pagedserve.v1.Embedding\x12(\n\x05usage\x18\x04 \x01(\x0b\x32\x19.pagedserve.v1.EmbedUsage\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\":\n\nEmbedUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\"\x10\n\x0eGetInfoRequest\"\xdd\x02\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x03\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x10\n\x08kv_dtype\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\n \x01(\t\x12\x0f\n\x07weights\x18\x0b \x01(\t\x12\x0f\n\x07pooling\x18\x0c \x01(\t\x12\x1c\n\x14\x65mbedding_dimensions\x18\r \x01(\x05\x12\x1c\n\x14\x65mbedding_matryoshka\x18\x0e \x01(\x08\x12\'\n\x1f\x65mbedding_matryoshka_dimensions\x18\x0f \x03(\x05*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x32\xe9\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12H\n\x07GetInfo\x12\x1d.pagedserve.v1.GetInfoRequest\x1a\x1e.pagedserve.v1.GetInfoResponse\x12\x42\n\x05\x45mbed\x12\x1b.pagedserve.v1.EmbedRequest\x1a\x1c.pagedserve.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\rpagedserve.v1\"}\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x90\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xe4\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12@\n\nlogit_bias\x18\r \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12\x0c\n\x04stop\x18\x10 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_nB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xd2\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12-\n\nconstraint\x18\x08 \x01(\x0b\x32\x19.pagedserve.v1.Constraint\x12\"\n\x05tools\x18\t \x03(\x0b\x32\x13.pagedserve.v1.Tool\x12.\n\x0btool_choice\x18\n \x01(\x0b\x32\x19.pagedserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0b \x01(\x08H\x00\x88\x01\x01\x12,\n\x06resume\x18\x0c \x03(\x0b\x32\x1c.pagedserve.v1.ResumedSample\x12=\n\x10sparse_attention\x18\r \x01(\x0b\x32\x1e.pagedserve.v1.SparseAttentionH\x01\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18\x14 \x01(\t\x12&\n\x07prompts\x18\x0e \x03(\x0b\x32\x15.pagedserve.v1.PromptB\x16\n\x14_parallel_tool_callsB\x13\n\x11_sparse_attention\")\n\x06Prompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"z\n\x0fSparseAttention\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\x04sink\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06recent\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x11\n\x04topk\x18\x04 \x01(\x05H\x02\x88\x01\x01\x42\x07\n\x05_sinkB\t\n\x07_recentB\x07\n\x05_topk\"C\n\rResumedSample\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"\x9e\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\'\n\x07timings\x18\n \x01(\x0b\x32\x16.pagedserve.v1.Timings\x12+\n\ntool_calls\x18\x0b \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x16\n\x0ereasoning_text\x18\x14 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\x05\x12\x35\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"J\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"\x87\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06inputs\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.EmbedInput\x12\x17\n\ndimensions\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x04 \x01(\x05\x42\r\n\x0b_dimensions\"-\n\nEmbedInput\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x8a\x01\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\nembeddings\x18\x03 \x03(\x0b\x32\x18.pagedserve.v1.Embedding\x12(\n\x05usage\x18\x04 \x01(\x0b\x32\x19.pagedserve.v1.EmbedUsage\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\":\n\nEmbedUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\"\x10\n\x0eGetInfoRequest\"\xdd\x02\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x03\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x10\n\x08kv_dtype\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\n \x01(\t\x12\x0f\n\x07weights\x18\x0b \x01(\t\x12\x0f\n\x07pooling\x18\x0c \x01(\t\x12\x1c\n\x14\x65mbedding_dimensions\x18\r \x01(\x05\x12\x1c\n\x14\x65mbedding_matryoshka\x18\x0e \x01(\x08\x12\'\n\x1f\x65mbedding_matryoshka_dimensions\x18\x0f \x03(\x05\"\xa2\x02\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x05tools\x18\x03 \x03(\x0b\x32\x13.pagedserve.v1.Tool\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x06 \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x07 \x01(\tB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"P\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\ntoken_strs\x18\x03 \x03(\t\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x32\x89\x03\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12H\n\x07GetInfo\x12\x1d.pagedserve.v1.GetInfoRequest\x1a\x1e.pagedserve.v1.GetInfoResponse\x12\x42\n\x05\x45mbed\x12\x1b.pagedserve.v1.EmbedRequest\x1a\x1c.pagedserve.v1.EmbedResponse\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3215
-  _globals['_FINISHREASON']._serialized_end=3340
+  _globals['_FINISHREASON']._serialized_start=3894
+  _globals['_FINISHREASON']._serialized_end=4019
   _globals['_CHATMESSAGE']._serialized_start=42
   _globals['_CHATMESSAGE']._serialized_end=167
   _globals['_CONSTRAINT']._serialized_start=170
@@ -48,37 +48,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOLCALL']._serialized_start=467
   _globals['_TOOLCALL']._serialized_end=522
   _globals['_SAMPLINGPARAMS']._serialized_start=525
-  _globals['_SAMPLINGPARAMS']._serialized_end=1087
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=937
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=985
-  _globals['_GENERATEREQUEST']._serialized_start=1090
-  _globals['_GENERATEREQUEST']._serialized_end=1644
-  _globals['_SPARSEATTENTION']._serialized_start=1646
-  _globals['_SPARSEATTENTION']._serialized_end=1768
-  _globals['_RESUMEDSAMPLE']._serialized_start=1770
-  _globals['_RESUMEDSAMPLE']._serialized_end=1837
-  _globals['_USAGE']._serialized_start=1839
-  _globals['_USAGE']._serialized_end=1919
-  _globals['_GENERATERESPONSE']._serialized_start=1922
-  _globals['_GENERATERESPONSE']._serialized_end=2255
-  _globals['_TOKENLOGPROBS']._serialized_start=2257
-  _globals['_TOKENLOGPROBS']._serialized_end=2352
-  _globals['_TIMINGS']._serialized_start=2354
-  _globals['_TIMINGS']._serialized_end=2428
-  _globals['_EMBEDREQUEST']._serialized_start=2431
-  _globals['_EMBEDREQUEST']._serialized_end=2566
-  _globals['_EMBEDINPUT']._serialized_start=2568
-  _globals['_EMBEDINPUT']._serialized_end=2613
-  _globals['_EMBEDRESPONSE']._serialized_start=2616
-  _globals['_EMBEDRESPONSE']._serialized_end=2754
-  _globals['_EMBEDDING']._serialized_start=2756
-  _globals['_EMBEDDING']._serialized_end=2783
-  _globals['_EMBEDUSAGE']._serialized_start=2785
-  _globals['_EMBEDUSAGE']._serialized_end=2843
-  _globals['_GETINFOREQUEST']._serialized_start=2845
-  _globals['_GETINFOREQUEST']._serialized_end=2861
-  _globals['_GETINFORESPONSE']._serialized_start=2864
-  _globals['_GETINFORESPONSE']._serialized_end=3213
-  _globals['_GENERATION']._serialized_start=3343
-  _globals['_GENERATION']._serialized_end=3576
+  _globals['_SAMPLINGPARAMS']._serialized_end=1137
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=967
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1015
+  _globals['_GENERATEREQUEST']._serialized_start=1140
+  _globals['_GENERATEREQUEST']._serialized_end=1734
+  _globals['_PROMPT']._serialized_start=1736
+  _globals['_PROMPT']._serialized_end=1777
+  _globals['_SPARSEATTENTION']._serialized_start=1779
+  _globals['_SPARSEATTENTION']._serialized_end=1901
+  _globals['_RESUMEDSAMPLE']._serialized_start=1903
+  _globals['_RESUMEDSAMPLE']._serialized_end=1970
+  _globals['_USAGE']._serialized_start=1972
+  _globals['_USAGE']._serialized_end=2052
+  _globals['_GENERATERESPONSE']._serialized_start=2055
+  _globals['_GENERATERESPONSE']._serialized_end=2469
+  _globals['_TOKENLOGPROBS']._serialized_start=2471
+  _globals['_TOKENLOGPROBS']._serialized_end=2580
+  _globals['_TIMINGS']._serialized_start=2582
+  _globals['_TIMINGS']._serialized_end=2656
+  _globals['_EMBEDREQUEST']._serialized_start=2659
+  _globals['_EMBEDREQUEST']._serialized_end=2794
+  _globals['_EMBEDINPUT']._serialized_start=2796
+  _globals['_EMBEDINPUT']._serialized_end=2841
+  _globals['_EMBEDRESPONSE']._serialized_start=2844
+  _globals['_EMBEDRESPONSE']._serialized_end=2982
+  _globals['_EMBEDDING']._serialized_start=2984
+  _globals['_EMBEDDING']._serialized_end=3011
+  _globals['_EMBEDUSAGE']._serialized_start=3013
+  _globals['_EMBEDUSAGE']._serialized_end=3071
+  _globals['_GETINFOREQUEST']._serialized_start=3073
+  _globals['_GETINFOREQUEST']._serialized_end=3089
+  _globals['_GETINFORESPONSE']._serialized_start=3092
+  _globals['_GETINFORESPONSE']._serialized_end=3441
+  _globals['_TOKENIZEREQUEST']._serialized_start=3444
+  _globals['_TOKENIZEREQUEST']._serialized_end=3734
+  _globals['_TOKENIZERESPONSE']._serialized_start=3736
+  _globals['_TOKENIZERESPONSE']._serialized_end=3816
+  _globals['_DETOKENIZEREQUEST']._serialized_start=3818
+  _globals['_DETOKENIZEREQUEST']._serialized_end=3856
+  _globals['_DETOKENIZERESPONSE']._serialized_start=3858
+  _globals['_DETOKENIZERESPONSE']._serialized_end=3892
+  _globals['_GENERATION']._serialized_start=4022
+  _globals['_GENERATION']._serialized_end=4415
 # @@protoc_insertion_point(module_scope)

@@ -27,7 +27,7 @@ from common.server import CHANNEL_OPTIONS, channel
 from protos import generation_pb2, generation_pb2_grpc
 from sdk.embeddings import Embeddings, EmbedUsage, Inputs, embed_request, to_embeddings
 from sdk.messages import Chunk, Completion, TokenLogprob, ToolCall, Usage, add, to_chunk
-from sdk.request import build_request
+from sdk.request import build_request, tokenize_request
 from sdk.resume import RECONNECT_OPTIONS, RESUME_TIMEOUT_S, Call, Targets, target_list
 
 __all__ = [
@@ -142,21 +142,34 @@ class Client:
         """One embedding per input (a text, a list of token ids, or a list of either), in order;
         `dimensions` truncates them where the model allows (docs/embeddings.md). GenerationError on a
         refused or failed request."""
-        request = embed_request(inputs, dimensions, priority, request_id)
-        try:
-            reply = self._stubs[self._targets.current].Embed(
-                request, timeout=self.timeout, metadata=self._metadata
-            )
-        except grpc.RpcError as err:
-            raise _error(err) from None
-        return to_embeddings(reply)
+        return to_embeddings(self._unary("Embed", embed_request(inputs, dimensions, priority, request_id)))
+
+    def generate_batch(
+        self, prompts: Sequence[str | Sequence[int]], n: int = 1, **kwargs
+    ) -> list[Completion]:
+        """n samples of each prompt (texts or token-id lists) in one request: prompt p's sample i at
+        p * n + i. A batch that breaks is not resumed (its error is raised)."""
+        results = [Completion() for _ in range(len(prompts) * n)]
+        for chunk in self.stream(prompts=prompts, n=n, **kwargs):
+            add(results[chunk.index], chunk)
+        return results
+
+    def tokenize(self, prompt: str | None = None, **kwargs) -> generation_pb2.TokenizeResponse:
+        """A prompt's or chat's (messages=) token ids as generate encodes them; TokenizeRequest's other fields
+        as keywords."""
+        return self._unary("Tokenize", tokenize_request(prompt, **kwargs))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self._unary("Detokenize", generation_pb2.DetokenizeRequest(token_ids=token_ids)).text
 
     def info(self) -> generation_pb2.GetInfoResponse:
         """The current gateway's model and cache."""
+        return self._unary("GetInfo", generation_pb2.GetInfoRequest())
+
+    def _unary(self, method: str, request):
         try:
-            return self._stubs[self._targets.current].GetInfo(
-                generation_pb2.GetInfoRequest(), timeout=self.timeout, metadata=self._metadata
-            )
+            call = getattr(self._stubs[self._targets.current], method)
+            return call(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise _error(err) from None
 
@@ -233,21 +246,34 @@ class AsyncClient:
         self, inputs: Inputs, dimensions: int | None = None, priority: int = 0, request_id: str = ""
     ) -> Embeddings:
         """One embedding per input, in order (see Client.embed)."""
-        request = embed_request(inputs, dimensions, priority, request_id)
-        try:
-            reply = await self._stubs[self._targets.current].Embed(
-                request, timeout=self.timeout, metadata=self._metadata
-            )
-        except grpc.RpcError as err:
-            raise _error(err) from None
-        return to_embeddings(reply)
+        return to_embeddings(
+            await self._unary("Embed", embed_request(inputs, dimensions, priority, request_id))
+        )
+
+    async def generate_batch(
+        self, prompts: Sequence[str | Sequence[int]], n: int = 1, **kwargs
+    ) -> list[Completion]:
+        """As Client.generate_batch."""
+        results = [Completion() for _ in range(len(prompts) * n)]
+        async for chunk in self.stream(prompts=prompts, n=n, **kwargs):
+            add(results[chunk.index], chunk)
+        return results
+
+    async def tokenize(self, prompt: str | None = None, **kwargs) -> generation_pb2.TokenizeResponse:
+        """As Client.tokenize."""
+        return await self._unary("Tokenize", tokenize_request(prompt, **kwargs))
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return (await self._unary("Detokenize", generation_pb2.DetokenizeRequest(token_ids=token_ids))).text
 
     async def info(self) -> generation_pb2.GetInfoResponse:
         """The current gateway's model and cache."""
+        return await self._unary("GetInfo", generation_pb2.GetInfoRequest())
+
+    async def _unary(self, method: str, request):
         try:
-            return await self._stubs[self._targets.current].GetInfo(
-                generation_pb2.GetInfoRequest(), timeout=self.timeout, metadata=self._metadata
-            )
+            call = getattr(self._stubs[self._targets.current], method)
+            return await call(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise _error(err) from None
 

@@ -20,12 +20,15 @@ class Usage:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A generated token's log-probability (raw model logits) and the `logprobs` most likely alternatives."""
+    """A token's log-probability (raw model logits) and the `logprobs` (`prompt_logprobs` for a prompt
+    token) most likely alternatives."""
 
     token_id: int
     logprob: float
     # (token id, log-probability), most likely first
     top: list[tuple[int, float]]
+    # A prompt token's rank among all tokens at its position (1: the most likely); 0 for generated ones.
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,10 @@ class Chunk:
     resumes: int = 0
     # A reasoning model's: the reasoning text of this chunk (`text` is the answer's; docs/reasoning.md).
     reasoning_text: str = ""
+    # With prompt_logprobs, on sample 0's first chunk (of each prompt): the prompt's ids, and a score per
+    # prompt token after the first.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -79,6 +86,8 @@ class Completion:
     tool_calls: list[ToolCall] = field(default_factory=list)
     resumes: int = 0
     reasoning_text: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def to_chunk(response: generation_pb2.GenerateResponse, resumes: int = 0) -> Chunk:
@@ -97,16 +106,21 @@ def to_chunk(response: generation_pb2.GenerateResponse, resumes: int = 0) -> Chu
         finish_reason=_FINISH_REASONS.get(response.finish_reason),
         usage=usage,
         index=response.index,
-        logprobs=[
-            TokenLogprob(lp.token_id, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs, strict=True)))
-            for lp in response.logprobs
-        ]
-        or None,
+        logprobs=[_logprob(lp) for lp in response.logprobs] or None,
         timings=timings,
         tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in response.tool_calls],
         resumes=resumes,
         reasoning_text=response.reasoning_text,
+        prompt_token_ids=list(response.prompt_token_ids),
+        prompt_logprobs=[_logprob(lp) for lp in response.prompt_logprobs]
+        if response.prompt_token_ids
+        else None,
     )
+
+
+def _logprob(lp: generation_pb2.TokenLogprobs) -> TokenLogprob:
+    top = list(zip(lp.top_token_ids, lp.top_logprobs, strict=True))
+    return TokenLogprob(lp.token_id, lp.logprob, top, lp.rank)
 
 
 def add(result: Completion, chunk: Chunk) -> None:
@@ -118,6 +132,8 @@ def add(result: Completion, chunk: Chunk) -> None:
     result.tool_calls.extend(chunk.tool_calls)
     result.finish_reason, result.usage, result.timings = chunk.finish_reason, chunk.usage, chunk.timings
     result.resumes = chunk.resumes
+    if chunk.prompt_logprobs is not None:
+        result.prompt_token_ids, result.prompt_logprobs = chunk.prompt_token_ids, chunk.prompt_logprobs
     if chunk.logprobs is not None:
         result.logprobs = result.logprobs or []
         result.logprobs.extend(chunk.logprobs)

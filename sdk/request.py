@@ -39,13 +39,18 @@ def build_request(
     parallel_tool_calls: bool | None = None,
     sparse_attention: bool | Mapping[str, int] | None = None,
     chat_template_kwargs: Mapping | None = None,
+    prompt_logprobs: int | None = None,
+    prompts: Sequence[str | Sequence[int]] = (),
 ) -> generation_pb2.GenerateRequest:
     """priority: lower values are served first (and preempted last); equal priorities go by arrival. At most
     one constraint (json_schema, json_object, regex, choice, grammar). A chat message may carry `tool_calls`
     (ToolCall or dicts of id, name, arguments) or, with role "tool", `tool_call_id`. sparse_attention:
     block-sparse decode (True), dense (False), or its settings ({"sink": S, "recent": R, "topk": K}, any of
     them; the others the stack's); None: the stack's default (docs/sparse-attention.md). chat_template_kwargs:
-    variables for the chat template of `messages` (`{"enable_thinking": False}`; docs/reasoning.md)."""
+    variables for the chat template of `messages` (`{"enable_thinking": False}`; docs/reasoning.md).
+    prompt_logprobs: each prompt token's log-probability and that many alternatives, on sample 0's first
+    chunk. prompts: several prompts (texts or token-id lists) in one request, instead of prompt or
+    token_ids."""
     sampling = generation_pb2.SamplingParams(
         top_k=top_k,
         ignore_eos=ignore_eos,
@@ -65,6 +70,7 @@ def build_request(
         ("min_p", min_p),
         ("repetition_penalty", repetition_penalty),
         ("logprobs", logprobs),
+        ("prompt_logprobs", prompt_logprobs),
     ):
         if value is not None:
             setattr(sampling, name, value)
@@ -73,6 +79,10 @@ def build_request(
         prompt=prompt or "",
         token_ids=token_ids or (),
         messages=[_message(m) for m in messages or ()],
+        prompts=[
+            generation_pb2.Prompt(text=p) if isinstance(p, str) else generation_pb2.Prompt(token_ids=p)
+            for p in prompts
+        ],
         sampling=sampling,
         cache_salt=cache_salt,
         priority=priority,
@@ -131,3 +141,25 @@ def _message(m: Mapping) -> generation_pb2.ChatMessage:
         ],
         tool_call_id=m.get("tool_call_id", ""),
     )
+
+
+def tokenize_request(
+    prompt: str | None = None,
+    messages: Sequence[dict] | None = None,
+    tools: Sequence[Mapping] = (),
+    add_special_tokens: bool | None = None,
+    add_generation_prompt: bool | None = None,
+    return_token_strs: bool = False,
+) -> generation_pb2.TokenizeRequest:
+    """The TokenizeRequest of a prompt or chat messages (with tools), as build_request writes them."""
+    request = generation_pb2.TokenizeRequest(
+        prompt=prompt or "",
+        messages=[_message(m) for m in messages or ()],
+        tools=build_request(tools=tools).tools,
+        return_token_strs=return_token_strs,
+    )
+    if add_special_tokens is not None:
+        request.add_special_tokens = add_special_tokens
+    if add_generation_prompt is not None:
+        request.add_generation_prompt = add_generation_prompt
+    return request

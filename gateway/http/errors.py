@@ -25,7 +25,7 @@ SERVER_ERROR = (500, "server_error")
 # The request fields an error message may start with (`sampling.top_p must be ...`, `prompt has ...`).
 _FIELDS = {
     *CONTROLS, "prompt", "messages", "token_ids", "cache_salt", "request_id", "token", "constraint", "tools",
-    "tool_choice", "resume", "sparse_attention", "inputs", "input", "dimensions", "model",
+    "tool_choice", "resume", "sparse_attention", "inputs", "input", "dimensions", "model", "prompts",
     "chat_template_kwargs",
 }  # fmt: skip
 _FIELD = re.compile(r"(?:sampling\.)?([a-z_]+)")

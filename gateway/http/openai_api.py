@@ -4,10 +4,9 @@
 
 Each request goes through the gRPC front's path: the same API keys (`Authorization: Bearer`) and prefix-
 cache namespaces, the edge's limits, the stream slots, the admission gate and the engine
-(gateway.generation). A body larger than --max-request-bytes is refused (413) before it is parsed.
+(gateway.generation). Bodies arrive parsed and bounded (gateway.http.body).
 """
 
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common.errors import PagedServeError
 from gateway.http import openai_embeddings
 from gateway.http.app import Installer
+from gateway.http.body import request_json
 from gateway.http.bridge import Bridge, unless_disconnected
 from gateway.http.errors import HttpError, from_gateway, invalid
 from gateway.http.guard import REQUEST_ID_HEADER, guarded
@@ -28,11 +28,13 @@ from gateway.http.openai_request import (
     ChatRequest,
     CompletionRequest,
     chat_request,
+    completion_prompts,
     completion_request,
     model_error,
     parse,
 )
 from gateway.http.openai_response import DONE, Rendering, event
+from gateway.http.prompt_echo import PromptEcho
 from gateway.http.responses.store import ResponseStore
 from protos import generation_pb2
 
@@ -44,7 +46,7 @@ CHAT_RENAMES = {
     "prompt": "messages",
     "constraint": "response_format",
 }
-COMPLETION_RENAMES = {"constraint": "response_format"}
+COMPLETION_RENAMES = {"constraint": "response_format", "prompts": "prompt"}
 
 
 @dataclass
@@ -126,7 +128,7 @@ def _card(front: Front, request: Request) -> dict:
     front.generation.edge.authenticate(request.headers.items())
     info = front.generation.attached_model()
     return {
-        "id": info.model,
+        "id": front.generation.model_name(info),
         "object": "model",
         "created": front.started,
         "owned_by": "pagedserve",
@@ -152,22 +154,26 @@ async def _answer(front: Front, request: Request, chat: bool) -> Response:
 
 
 async def _embed(front: Front, request: Request, request_id: str) -> Response:
-    return await openai_embeddings.embeddings(front, request, request_id, await read_json(request, front))
+    return await openai_embeddings.embeddings(front, request, request_id, request_json(request))
 
 
 async def _generate(front: Front, request: Request, request_id: str, chat: bool, renames: dict) -> Response:
     """The request checked and translated, then generated: its first reply awaited before the response
     starts (so that a refusal gets its status), the rest streamed as events or gathered into one object."""
     tenant = front.generation.edge.authenticate(request.headers.items())
-    body = parse(ChatRequest if chat else CompletionRequest, await read_json(request, front))
+    body = parse(ChatRequest if chat else CompletionRequest, request_json(request))
     info = front.generation.attached_model()
-    if body.model not in (None, info.model, *front.aliases):
-        raise model_error(body.model, info.model)
+    name = front.generation.model_name(info)
+    if body.model not in (None, name, *front.aliases):
+        raise model_error(body.model, name)
+    tokenizer = front.generation.tokenizer
     if chat:
         proto = chat_request(body, request_id, info.max_model_len)
     else:
         proto = completion_request(body, request_id)
-    rendering = Rendering(chat, info.model, front.generation.tokenizer, body.return_token_ids, proto.resume)
+    n = proto.sampling.n or 1
+    prompts = PromptEcho(tokenizer, n, _echoed(body, tokenizer), body.logprobs, body.prompt_logprobs)
+    rendering = Rendering(chat, name, tokenizer, body.return_token_ids, proto.resume, n, prompts)
     replies = front.bridge.replies(proto, tenant)
     if body.stream:
         first = await unless_disconnected(request, anext(replies))
@@ -180,30 +186,13 @@ async def _generate(front: Front, request: Request, request_id: str, chat: bool,
     return JSONResponse(whole, headers={REQUEST_ID_HEADER: rendering.request_id})
 
 
-async def read_json(request: Request, front: Front) -> object:
-    """The body parsed as JSON; 413 beyond --max-request-bytes (unread past it), 400 if not JSON."""
-    limit = front.generation.edge.limits.max_request_bytes
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise _too_large(int(length), limit)
-    data = bytearray()
-    async for chunk in request.stream():
-        data += chunk
-        if len(data) > limit:
-            raise _too_large(len(data), limit)
-    try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise invalid(f"the request body is not valid JSON: {err}") from None
-
-
-def _too_large(size: int, limit: int) -> HttpError:
-    return HttpError(
-        413,
-        f"the request body has at least {size} bytes; the limit is {limit} (--max-request-bytes)",
-        "invalid_request_error",
-        code="request_too_large",
-    )
+def _echoed(body: CompletionRequest | ChatRequest, tokenizer) -> list[str] | None:
+    """Each prompt's text as completions' echo shows it (token ids decoded); None without echo."""
+    if isinstance(body, ChatRequest) or not body.echo:
+        return None
+    if body.resume:
+        raise invalid("echo cannot be combined with resume: the first stream echoed the prompt", "echo")
+    return [p if isinstance(p, str) else tokenizer.decode(p) for p in completion_prompts(body.prompt)]
 
 
 async def gather(replies: AsyncIterator) -> list[generation_pb2.GenerateResponse]:

@@ -75,8 +75,9 @@ async def embeddings(front, request: Request, request_id: str, body: object) -> 
     tenant = front.generation.edge.authenticate(request.headers.items())
     parsed = parse(EmbeddingRequest, body)
     info = front.generation.attached_model()
-    if parsed.model not in (None, info.model, *front.aliases):
-        raise model_error(parsed.model, info.model)
+    name = front.generation.model_name(info)
+    if parsed.model not in (None, name, *front.aliases):
+        raise model_error(parsed.model, name)
     call = front.bridge.embed(embed_request(parsed, request_id), tenant)
     try:
         reply = await unless_disconnected(request, call)

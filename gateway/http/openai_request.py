@@ -3,8 +3,8 @@ GenerateRequest; the gateway then checks the values as it checks any gRPC reques
 
 Every parameter the bodies declare is honoured. `user` is accepted and ignored (it only labels the caller
 at OpenAI). Any other field is refused (400, naming it) rather than silently ignored, and so are values
-of declared fields pagedserve cannot serve (`echo`, `suffix`, `best_of` other than `n`, chat content parts
-other than text).
+of declared fields pagedserve cannot serve (`suffix`, `best_of` other than `n`, chat content parts other
+than text).
 """
 
 import json
@@ -28,7 +28,7 @@ Uint64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 # Sampling fields whose OpenAI/vLLM name and meaning are the gateway's own.
 SAME = (
     "temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty",
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "prompt_logprobs",
 )  # fmt: skip
 
 
@@ -81,6 +81,7 @@ class _Request(Constrained):
     stop_token_ids: list[Int32] | None = None
     cache_salt: str | None = None
     priority: Int32 | None = None
+    prompt_logprobs: Int32 | None = None
     # pagedserve's: each choice's token ids in its chunks, and resuming a broken stream (docs/api.md)
     return_token_ids: bool = False
     resume: list[ResumedSample] | None = None
@@ -91,8 +92,16 @@ class _Request(Constrained):
 Body = TypeVar("Body", bound=_Request)
 
 
+# A completions prompt: text, token ids, or a list of either (several prompts).
+PromptField = str | list[str] | list[Int32] | list[list[Int32]]
+PROMPT_SHAPES = (
+    "prompt must be a string, a list of token ids (integers), or a list of strings or of token-id lists "
+    "(several prompts)"
+)
+
+
 class CompletionRequest(_Request):
-    prompt: str | list[Int32]
+    prompt: PromptField
     logprobs: Int32 | None = None
     echo: bool = False
     suffix: str | None = None
@@ -140,6 +149,8 @@ def parse(kind: type["Body"], body: object) -> "Body":
             raise invalid(
                 f"unsupported parameter {where!r}: pagedserve does not implement it", param
             ) from None
+        if param == "prompt" and kind is CompletionRequest:
+            raise invalid(PROMPT_SHAPES, param) from None
         same = [e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]]
         what = dict.fromkeys(f"{_where(e['loc'])}: {e['msg']}" for e in same)
         raise invalid("; or ".join(list(what)[:3]), param) from None
@@ -161,19 +172,40 @@ def _where(loc: tuple) -> str:
 
 
 def completion_request(body: CompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
-    """The GenerateRequest of a completions body; 400 for what pagedserve does not serve."""
-    if body.echo:
-        raise invalid("echo is not supported: the response holds the completion only", "echo")
+    """The GenerateRequest of a completions body (several prompts: GenerateRequest.prompts); 400 for what
+    pagedserve does not serve. With echo and logprobs the prompt's tokens are scored too (prompt_logprobs at
+    least as wide as logprobs)."""
     if body.suffix:
         raise invalid("suffix is not supported (no insertion mode)", "suffix")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise invalid("best_of is not supported: ask for n samples instead", "best_of")
+    prompts = completion_prompts(body.prompt)
     request = _request(body, request_id, body.max_tokens, body.logprobs)
-    if isinstance(body.prompt, str):
-        request.prompt = body.prompt
+    if body.echo and body.logprobs is not None:
+        request.sampling.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
+    if len(prompts) > 1:
+        request.prompts.extend(
+            generation_pb2.Prompt(text=p) if isinstance(p, str) else generation_pb2.Prompt(token_ids=p)
+            for p in prompts
+        )
+    elif isinstance(prompts[0], str):
+        request.prompt = prompts[0]
     else:
-        request.token_ids.extend(body.prompt)
+        request.token_ids.extend(prompts[0])
     return request
+
+
+def completion_prompts(prompt: PromptField) -> list[str | list[int]]:
+    """The body's prompts, one per choice group (a token-id list is one prompt); 400 for an empty one."""
+    one = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+    prompts = [prompt] if one else list(prompt)
+    if not prompts:
+        raise invalid("prompt is an empty list: give a string, token ids, or a list of either", "prompt")
+    for i, one in enumerate(prompts):
+        if not one:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise invalid(f"{where} is empty: give some text or token ids", "prompt")
+    return prompts
 
 
 def chat_request(body: ChatRequest, request_id: str, max_model_len: int) -> generation_pb2.GenerateRequest:
@@ -188,18 +220,32 @@ def chat_request(body: ChatRequest, request_id: str, max_model_len: int) -> gene
         max_tokens = max_model_len
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     request = _request(body, request_id, max_tokens, logprobs)
-    for message in body.messages:
-        content = message.content or ""
-        text = content if isinstance(content, str) else "".join(part.text for part in content)
-        added = request.messages.add(
-            role=message.role, content=text, tool_call_id=message.tool_call_id or "", name=message.name or ""
-        )
-        for call in message.tool_calls or ():
-            added.tool_calls.add(id=call.id, name=call.function.name, arguments=call.function.arguments)
+    request.messages.extend(chat_messages(body.messages))
     set_tools(body.tools, body.tool_choice, body.parallel_tool_calls, request)
     if body.chat_template_kwargs is not None:
         request.chat_template_kwargs = json.dumps(body.chat_template_kwargs, ensure_ascii=False)
     return request
+
+
+def chat_messages(messages: list[Message]) -> list[generation_pb2.ChatMessage]:
+    """The chat messages as the gateway takes them (text parts joined)."""
+    converted = []
+    for message in messages:
+        content = message.content or ""
+        text = content if isinstance(content, str) else "".join(part.text for part in content)
+        converted.append(
+            generation_pb2.ChatMessage(
+                role=message.role,
+                content=text,
+                tool_call_id=message.tool_call_id or "",
+                name=message.name or "",
+                tool_calls=[
+                    generation_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                    for c in message.tool_calls or ()
+                ],
+            )
+        )
+    return converted
 
 
 def _request(

@@ -6,6 +6,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 
+from gateway.http.prompt_echo import PromptEcho
 from gateway.resume import finished_tokens
 from protos import generation_pb2
 
@@ -24,7 +25,9 @@ def event(data: dict) -> str:
 
 class Rendering:
     """One request's responses rendered for completions (`chat` False) or chat completions: per reply a
-    streamed chunk, or all of them as one object; usage counted as they pass.
+    streamed chunk, or all of them as one object; usage counted as they pass (each prompt's once).
+    `prompts` shows the prompts (echo, prompt logprobs; gateway.http.prompt_echo); a choice's prompt is
+    its index // n.
 
     `token_ids` (return_token_ids): each choice carries its token ids too. A resumed request's (`resumed`:
     GenerateRequest.resume) choices continue the broken stream's: no second assistant role, logprobs'
@@ -38,6 +41,8 @@ class Rendering:
         tokenizer,
         token_ids: bool = False,
         resumed: Sequence[generation_pb2.ResumedSample] = (),
+        n: int = 1,
+        prompts: PromptEcho | None = None,
     ) -> None:
         self.chat = chat
         # The gateway's id of the request, from its first reply.
@@ -51,7 +56,10 @@ class Rendering:
         self._started = {sample.index for sample in resumed if sample.token_ids or sample.finished}
         # Tool calls streamed so far, per sample (a streamed call's index).
         self._calls: dict[int, int] = defaultdict(int)
-        self._prompt_tokens = self._cached_tokens = 0
+        self._n = n
+        self.prompts = prompts or PromptEcho(tokenizer, n)
+        # per prompt: its tokens and those of them the cache held
+        self._prompt_tokens: dict[int, tuple[int, int]] = {}
         self._completion_tokens = finished_tokens(resumed)
 
     @property
@@ -71,18 +79,20 @@ class Rendering:
         """Notes the request id; adds a sample's last reply's usage (prompt counted once, completion tokens
         of every sample)."""
         self.request_id = self.request_id or reply.request_id
+        self.prompts.note(reply)
         if reply.finish_reason:
-            self._prompt_tokens = reply.usage.prompt_tokens
-            self._cached_tokens = reply.usage.cached_tokens
-            self._completion_tokens += reply.usage.completion_tokens
+            usage = reply.usage
+            self._prompt_tokens[reply.index // self._n] = (usage.prompt_tokens, usage.cached_tokens)
+            self._completion_tokens += usage.completion_tokens
 
     def usage(self) -> dict:
-        prompt, completion = self._prompt_tokens, self._completion_tokens
+        prompt = sum(tokens for tokens, _ in self._prompt_tokens.values())
+        completion = self._completion_tokens
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": self._cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": sum(c for _, c in self._prompt_tokens.values())},
         }
 
     # streamed
@@ -93,9 +103,10 @@ class Rendering:
         first = reply.index not in self._started
         self._started.add(reply.index)
         tokens = self._token_ids and reply.token_ids
+        shows_prompt = first and bool(self.prompts.text(reply.index) or self.prompts.vllm(reply.index))
         if not (
             reply.text or tokens or reply.logprobs or reply.finish_reason or reply.tool_calls
-            or reply.reasoning_text or (self.chat and first)
+            or reply.reasoning_text or (self.chat and first) or shows_prompt
         ):  # fmt: skip
             return None
         choice = {"index": reply.index}
@@ -112,12 +123,14 @@ class Rendering:
                     {"index": start + i, **_call(call)} for i, call in enumerate(reply.tool_calls)
                 ]
         else:
-            choice["text"] = reply.text
+            choice["text"] = self.prompts.text(reply.index) + reply.text if first else reply.text
         if self._token_ids:
             choice["token_ids"] = list(reply.token_ids)
-        choice["logprobs"] = self._logprobs(reply) if reply.logprobs else None
+        choice["logprobs"] = self._logprobs(reply, first) if reply.logprobs or first else None
         choice["finish_reason"] = FINISH.get(reply.finish_reason)
         chunk = self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        if first:
+            self._prompt_logprobs(chunk, choice, reply.index)
         if with_usage:
             chunk["usage"] = None
         return chunk
@@ -137,8 +150,17 @@ class Rendering:
             by_index[reply.index].append(reply)
         choices = [self._choice(index, by_index[index], logprobs) for index in sorted(by_index)]
         whole = self._object("chat.completion" if self.chat else "text_completion", choices)
+        for choice in choices:
+            self._prompt_logprobs(whole, choice, choice["index"])
         whole["usage"] = self.usage()
         return whole
+
+    def _prompt_logprobs(self, response: dict, choice: dict, index: int) -> None:
+        """vLLM's prompt_logprobs, when asked: on each completions choice; on a chat response (its one
+        prompt's)."""
+        entries = self.prompts.vllm(index)
+        if entries is not None:
+            (response if self.chat else choice)["prompt_logprobs"] = entries
 
     def _choice(self, index: int, replies: list, logprobs: bool) -> dict:
         text = "".join(reply.text for reply in replies)
@@ -152,12 +174,13 @@ class Rendering:
             if calls:
                 choice["message"]["tool_calls"] = calls
         else:
-            choice["text"] = text
+            choice["text"] = self.prompts.text(index) + text
         if self._token_ids:
             choice["token_ids"] = [t for reply in replies for t in reply.token_ids]
         choice["logprobs"] = None
         if logprobs:
-            parts = [self._logprobs(reply) for reply in replies if reply.logprobs]
+            parts = [self._logprobs(reply, i == 0) for i, reply in enumerate(replies)]
+            parts = [part for part in parts if part is not None]
             choice["logprobs"] = {key: [v for part in parts for v in part[key]] for key in self._keys()}
         choice["finish_reason"] = FINISH.get(replies[-1].finish_reason)
         return choice
@@ -169,19 +192,25 @@ class Rendering:
     def _token(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])
 
-    def _logprobs(self, reply: generation_pb2.GenerateResponse) -> dict:
-        """The reply's tokens' logprobs: chat's `{"content": [...]}`, or completions' four lists."""
+    def _logprobs(self, reply: generation_pb2.GenerateResponse, first: bool = False) -> dict | None:
+        """The reply's tokens' logprobs: chat's `{"content": [...]}`, or completions' four lists, after its
+        prompt's on a choice's `first` reply with echo; None when there are none."""
+        echoed = not self.chat and first and self.prompts.echoes_logprobs(reply.index)
+        if not (reply.logprobs or echoed):
+            return None
         if self.chat:
             return {"content": [self._chat_logprob(lp) for lp in reply.logprobs]}
         tokens = [self._token(lp.token_id) for lp in reply.logprobs]
         if reply.index not in self._text_offsets:
             received = self._resumed.get(reply.index, ())
             self._text_offsets[reply.index] = sum(len(self._token(t)) for t in received)
+            if echoed:
+                self._text_offsets[reply.index] += self.prompts.text_length(reply.index)
         offsets = []
         for token in tokens:
             offsets.append(self._text_offsets[reply.index])
             self._text_offsets[reply.index] += len(token)
-        return {
+        lists = {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in reply.logprobs],
             "top_logprobs": [
@@ -190,6 +219,10 @@ class Rendering:
             ],
             "text_offset": offsets,
         }
+        if echoed:
+            prompt = self.prompts.logprobs(reply.index)
+            lists = {key: prompt[key] + values for key, values in lists.items()}
+        return lists
 
     def _chat_logprob(self, lp: generation_pb2.TokenLogprobs) -> dict:
         entry = self._chat_token(lp.token_id, lp.logprob)

@@ -145,13 +145,24 @@ def set_tools(
     parallel: bool | None,
     request: generation_pb2.GenerateRequest,
 ) -> None:
-    for tool in tools or ():
-        f = tool.function
-        parameters = "" if f.parameters is None else json.dumps(f.parameters, ensure_ascii=False)
-        request.tools.add(name=f.name, description=f.description or "", parameters=parameters)
+    request.tools.extend(function_tools(tools))
     if isinstance(choice, str):
         request.tool_choice.mode = choice
     elif choice is not None:
         request.tool_choice.function = choice.function.name
     if parallel is not None:
         request.parallel_tool_calls = parallel
+
+
+def function_tools(tools: list[ToolDef] | None) -> list[generation_pb2.Tool]:
+    """The request's tools as the gateway takes them (parameters as JSON text)."""
+    return [
+        generation_pb2.Tool(
+            name=tool.function.name,
+            description=tool.function.description or "",
+            parameters=""
+            if tool.function.parameters is None
+            else json.dumps(tool.function.parameters, ensure_ascii=False),
+        )
+        for tool in tools or ()
+    ]

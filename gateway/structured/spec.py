@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import llguidance
 
 from common.errors import InvalidArgument
+from common.json_depth import json_depth
 from protos import generation_pb2
 
 # JSON is generated compactly, as json.dumps writes it: no free whitespace for a model to loop in. A schema's
@@ -79,27 +80,16 @@ def from_request(constraint: generation_pb2.Constraint, max_bytes: int, max_dept
 def check_schema(text: str, max_depth: int, where: str) -> object:
     """The schema parsed; InvalidArgument unless it is a JSON object (or boolean) nested at most max_depth
     deep."""
+    # NOTE: measured on the text before json.loads, which recurses per level (RecursionError near 1000).
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise InvalidArgument(
+            f"{where} is nested {depth} levels deep; the limit is {max_depth} (--max-constraint-depth)"
+        )
     try:
         schema = json.loads(text)
     except ValueError as err:
         raise InvalidArgument(f"{where} is not valid JSON: {err}") from None
     if not isinstance(schema, dict | bool):
         raise InvalidArgument(f"{where} must be a JSON object (a schema), got {type(schema).__name__}")
-    depth = nesting(schema)
-    if depth > max_depth:
-        raise InvalidArgument(
-            f"{where} is nested {depth} levels deep; the limit is {max_depth} (--max-constraint-depth)"
-        )
     return schema
-
-
-def nesting(value: object) -> int:
-    """How deep objects and arrays nest in a parsed JSON value (a scalar: 0), without recursion."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, depth = todo.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is not None:
-            deepest = max(deepest, depth)
-            todo.extend((child, depth + 1) for child in children)
-    return deepest

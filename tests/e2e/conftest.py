@@ -42,6 +42,23 @@ def stack_fp32(model_dir, logs):
     stack.stop()
 
 
+# The scoring stack's chat template (--chat-template TEXT) and names (--served-model-name).
+SCORING_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+SCORING_NAMES = ("smol", "smol-alias")
+
+
+@pytest.fixture(scope="session")
+def stack_scoring(model_dir, logs):
+    """The real model in float32, prompts cut into 40-token chunks (so that a prompt is scored over several
+    steps), a chat template and served names of its own: test_completions.py and test_lm_eval.py."""
+    stack = start_stack(
+        logs, "--dtype", "float32", "--kv-blocks", "256", "--max-batched-tokens", "40",
+        "--chat-template", SCORING_TEMPLATE, "--served-model-name", ",".join(SCORING_NAMES),
+    )  # fmt: skip
+    yield stack
+    assert stack.stop() == 0
+
+
 @pytest.fixture(scope="session")
 def stack_bf16(model_dir, logs):
     # NOTE: bfloat16 GEMMs round by row count here (test_generation.py, TIES): a prompt cut into chunks

@@ -54,12 +54,12 @@ def test_sampling_controls_match_the_sync_client(stack_fp32):
 def test_refused_request_raises_generation_error_with_code(stack_fp32):
     async def refused():
         async with AsyncClient(stack_fp32.target, timeout=60) as client:
-            await client.generate(prompt="hi", max_tokens=0)
+            await client.generate(prompt="hi", max_tokens=-1)
 
     with pytest.raises(GenerationError) as err:
         _run(refused())
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "max_tokens must be > 0" in err.value.details
+    assert "max_tokens must be >= 0" in err.value.details
 
 
 def test_deadline_ends_the_request_and_frees_its_blocks(stack_fp32):

@@ -9,6 +9,7 @@ import json
 import subprocess
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -108,6 +109,11 @@ def test_enable_thinking_false_reaches_the_template(gateways):
     message = direct.choices[0].message
     assert getattr(message, "reasoning_content", None) is None and message.content == ANSWER
     assert direct.usage.prompt_tokens > thinking.usage.prompt_tokens, "the empty think block is in the prompt"
+    tokenize = gateways["qwen3"][0].removesuffix("/v1") + "/tokenize"
+    for kwargs, expected in (({}, thinking), ({"enable_thinking": False}, direct)):
+        body = {"messages": ASK, **({"chat_template_kwargs": kwargs} if kwargs else {})}
+        rendered = httpx.post(tokenize, json=body, timeout=60).json()
+        assert rendered["count"] == expected.usage.prompt_tokens, "/tokenize renders as the chat does"
     with pytest.raises(
         openai.BadRequestError, match="chat_template_kwargs: Input should be a valid dictionary"
     ):

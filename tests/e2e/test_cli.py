@@ -67,11 +67,11 @@ def test_generate_command_streams_to_stdout(small_stack):
 
 def test_generate_command_reports_errors(small_stack):
     out = subprocess.run(
-        [*PAGEDSERVE, "generate", "hi", "--max-tokens", "0", "--target", small_stack.target],
+        [*PAGEDSERVE, "generate", "hi", "--max-tokens", "-1", "--target", small_stack.target],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 1
-    assert "INVALID_ARGUMENT" in out.stderr and "max_tokens must be > 0" in out.stderr
+    assert "INVALID_ARGUMENT" in out.stderr and "max_tokens must be >= 0" in out.stderr
 
 
 def test_prompt_larger_than_the_pool_is_resource_exhausted(small_stack, tokenizer):

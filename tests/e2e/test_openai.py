@@ -140,8 +140,8 @@ def test_bad_parameters_are_400_naming_the_parameter(api, model):
     functions = [{"name": "f", "parameters": {}}]
     err = bad_request(lambda: api.chat.completions.create(model=model, messages=CHAT, functions=functions))
     assert err.param == "functions" and "unsupported parameter" in err.message
-    err = bad_request(lambda: api.completions.create(model=model, prompt=PROMPT, echo=True))
-    assert err.param == "echo"
+    err = bad_request(lambda: api.completions.create(model=model, prompt=PROMPT, suffix="and so on"))
+    assert err.param == "suffix"
     hacker = [{"role": "hacker", "content": "Name three colours."}]
     err = bad_request(lambda: api.chat.completions.create(model=model, messages=hacker))
     assert "messages[0] has role 'hacker': use one of system, developer, user, assistant, tool" in err.message

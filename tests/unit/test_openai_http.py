@@ -121,7 +121,6 @@ def test_chat_runs_to_the_context_unless_bounded_and_asks_logprobs_with_top_logp
     ("body", "param", "says"),
     [
         ({"tools": []}, "tools", "unsupported parameter 'tools'"),
-        ({"echo": True}, "echo", "echo is not supported"),
         ({"suffix": "end"}, "suffix", "suffix is not supported"),
         ({"best_of": 3, "n": 2}, "best_of", "best_of is not supported"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
@@ -131,8 +130,12 @@ def test_chat_runs_to_the_context_unless_bounded_and_asks_logprobs_with_top_logp
         ({"seed": -1}, "seed", "greater than or equal to 0"),
         ({"max_tokens": 2**31}, "max_tokens", "less than or equal to"),
         ({"logit_bias": {"x": 1}}, "logit_bias", "logit_bias keys are token ids"),
-        ({"prompt": [1, "a"]}, "prompt", "prompt[1]: Input should be a valid integer"),
-        ({"prompt": ["one", "two"]}, "prompt", "prompt: Input should be a valid string"),
+        ({"prompt": [1, "a"]}, "prompt", "prompt must be a string, a list of token ids"),
+        ({"prompt": [["a"]]}, "prompt", "or a list of strings or of token-id lists"),
+        ({"prompt": []}, "prompt", "prompt is an empty list"),
+        ({"prompt": ["a", ""]}, "prompt", "prompt[1] is empty"),
+        ({"prompt": [[]]}, "prompt", "prompt is empty"),
+        ({"prompt_logprobs": "1"}, "prompt_logprobs", "valid integer"),
     ],
 )
 def test_completions_refuse_what_they_cannot_serve_naming_the_parameter(body, param, says):
@@ -284,7 +287,7 @@ def test_whole_responses_join_each_sample_and_sum_their_completion_tokens():
         reply(0, "b", finish=STOP, logprobs=[logprob(22, -1.0, (4, -0.75), (22, -1.0))], usage=USAGE),
         reply(1, "y", finish=LENGTH, logprobs=[logprob(5, -0.5, (5, -0.5), (6, -3.0))], usage=USAGE),
     ]
-    whole = Rendering(False, "m", Tokenizer()).whole(replies, logprobs=True)
+    whole = Rendering(False, "m", Tokenizer(), n=2).whole(replies, logprobs=True)
     assert [(c["index"], c["text"], c["finish_reason"]) for c in whole["choices"]] == [
         (0, "ab", "stop"),
         (1, "xy", "length"),

@@ -145,6 +145,7 @@ def test_the_sdk_takes_exactly_the_declared_controls():
     other |= {"json_schema", "json_object", "regex", "choice", "grammar", "tools", "tool_choice"}
     other |= {"parallel_tool_calls"}
     other |= {"sparse_attention"}  # the attention a request's decodes use (docs/sparse-attention.md)
+    other |= {"prompts"}  # several prompts in one request (docs/api.md)
     assert sorted(set(params) - other) == sorted(CONTROLS)
     for name, control in CONTROLS.items():
         default = params[name].default
@@ -163,7 +164,8 @@ def test_the_cli_has_one_flag_per_control_and_sends_only_those_given():
         parse("--temperature", "0", "--top-k", "0", "--logit-bias", "5=-100", "--logit-bias", "6=1",
               "--stop", ",", "--stop-token-id", "7", "--ignore-eos", "--seed", "3", "--logprobs", "2",
               "--min-p", "0.1", "--top-p", "0.9", "--repetition-penalty", "1.2", "--presence-penalty", "1",
-              "--frequency-penalty", "-1", "--min-tokens", "2", "--max-tokens", "8")
+              "--frequency-penalty", "-1", "--min-tokens", "2", "--max-tokens", "8",
+                  "--prompt-logprobs", "1")
     )  # fmt: skip
     assert sorted(given) == sorted(set(CONTROLS) - {"n"})
     assert (given["temperature"], given["top_k"], given["logit_bias"]) == (0.0, 0, {5: -100.0, 6: 1.0})

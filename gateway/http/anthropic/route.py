@@ -14,10 +14,11 @@ from common.errors import PagedServeError
 from gateway.http.anthropic.output import MessageOutput, matched_stop
 from gateway.http.anthropic.request import CountRequest, MessagesRequest, generate_request
 from gateway.http.app import Installer
+from gateway.http.body import request_json
 from gateway.http.bridge import unless_disconnected
 from gateway.http.errors import HttpError, from_gateway
 from gateway.http.guard import REQUEST_ID_HEADER, guarded
-from gateway.http.openai_api import Front, gather, read_json
+from gateway.http.openai_api import Front, gather
 from gateway.http.openai_request import model_error, parse
 from protos import generation_pb2
 
@@ -68,10 +69,11 @@ def _tenant(front: Front, request: Request):
 
 async def _parsed(front: Front, request: Request, kind):
     tenant = _tenant(front, request)
-    body = parse(kind, await read_json(request, front))
+    body = parse(kind, request_json(request))
     info = front.generation.attached_model()
-    if body.model not in (info.model, *front.aliases):
-        raise model_error(body.model, info.model)
+    name = front.generation.model_name(info)
+    if body.model not in (name, *front.aliases):
+        raise model_error(body.model, name)
     return tenant, body, info
 
 
@@ -93,7 +95,7 @@ async def _message(front: Front, request: Request, request_id: str) -> Response:
             return None
         return matched_stop(tokenizer.decode(tokens[-STOP_TAIL_TOKENS:]), body.stop_sequences or ())
 
-    output = MessageOutput(info.model, stop_sequence)
+    output = MessageOutput(front.generation.model_name(info), stop_sequence)
     replies = _counted(front.bridge.replies(proto, tenant), tokens)
     if body.stream:
         first = await unless_disconnected(request, anext(replies))

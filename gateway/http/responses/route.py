@@ -11,10 +11,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import PagedServeError
 from gateway.http.app import Installer
+from gateway.http.body import request_json
 from gateway.http.bridge import unless_disconnected
 from gateway.http.errors import from_gateway
 from gateway.http.guard import REQUEST_ID_HEADER, guarded
-from gateway.http.openai_api import Front, gather, read_json
+from gateway.http.openai_api import Front, gather
 from gateway.http.openai_request import model_error, parse
 from gateway.http.responses.output import ResponseOutput
 from gateway.http.responses.request import ResponsesRequest, generate_request, input_messages, not_found
@@ -41,17 +42,18 @@ def responses_api(front: Front) -> Installer:
 
 async def _respond(front: Front, request: Request, request_id: str) -> Response:
     tenant = front.generation.edge.authenticate(request.headers.items())
-    body = parse(ResponsesRequest, await read_json(request, front))
+    body = parse(ResponsesRequest, request_json(request))
     info = front.generation.attached_model()
-    if body.model not in (None, info.model, *front.aliases):
-        raise model_error(body.model, info.model)
+    name = front.generation.model_name(info)
+    if body.model not in (None, name, *front.aliases):
+        raise model_error(body.model, name)
     history: tuple[generation_pb2.ChatMessage, ...] = ()
     if body.previous_response_id is not None:
         history = front.responses.get(tenant.name, body.previous_response_id)
         if history is None:
             raise not_found(body.previous_response_id)
     proto = generate_request(body, request_id, info.max_model_len, history)
-    output = ResponseOutput(body, info.model, body.previous_response_id)
+    output = ResponseOutput(body, name, body.previous_response_id)
     conversation = [*history, *input_messages(body)]
 
     def keep() -> None:

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from cache_service.tiers import registry as tiers
 from cache_service.tiers.options import add_tier_settings
-from cli.bench import driver, embeddings, engines, peers, profile, report, roofline, shapes, soak
+from cli.bench import client_race, driver, embeddings, engines, peers, profile, report, roofline, shapes, soak
 from cli.bench.workloads import WORKLOADS, Workload, build
 from cli.launch import Stack
 from cli.scrape import scrape
@@ -37,7 +37,8 @@ STEP_SIZING_FLAGS = (
 
 def add_parser(commands) -> None:
     p = commands.add_parser("bench")
-    p.add_argument("--workload", choices=[*WORKLOADS, soak.NAME, embeddings.NAME], required=True)
+    p.add_argument("--workload", choices=[*WORKLOADS, soak.NAME, embeddings.NAME])
+    client_race.add_flags(p)
     p.add_argument("--target", help="gateway HOST:PORT of a running stack (default: start one)")
     p.add_argument(
         "--cache-target",
@@ -174,6 +175,7 @@ def _tier_label(args) -> str:
 
 def _check(args) -> None:
     """SystemExit for flags that do not go together."""
+    client_race.check_flags(args)
     engines.check_flags(args)
     soak.check_flags(args)
     if args.model_shape and args.model != DEFAULT_MODEL:
@@ -206,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"model shape {args.model_shape}: random weights (built once)", file=sys.stderr)
         args.model = str(shapes.model_dir(args.model_shape))
     try:
+        if args.client:
+            return _client(args)
         if args.workload == embeddings.NAME:
             return _embeddings(args)
         return _soak(args) if args.workload == soak.NAME else _run(args)
@@ -217,6 +221,14 @@ def run(args: argparse.Namespace) -> int:
 def _soak(args: argparse.Namespace) -> int:
     result = soak.run(args, lambda: _start(args))
     print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _client(args: argparse.Namespace) -> int:
+    result = client_race.run(args, lambda: _start(args))
+    print(client_race.table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from cli.bench import report, results, summary
+from cli.bench import client_race, report, results, summary
 
 PLOT = "performance.png"
 COMMAND = "python -m cli.bench.page docs/bench --out docs/performance.md"
@@ -45,7 +45,9 @@ def render(root: Path, out: Path) -> str:
             )
         for runs in by_workload.values():
             # NOTE: runs with peers keep a table each, so that every peer figure stays beside its run's.
-            if len(runs) == 1 or any(result.get("peers") for _, result, _ in runs):
+            if any("client" in result for _, result, _ in runs):
+                sections.extend(_client(*run) for run in runs)
+            elif len(runs) == 1 or any(result.get("peers") for _, result, _ in runs):
                 sections.extend(_one(*run, named=len(runs) > 1) for run in runs)
             else:
                 sections.append(_several(runs))
@@ -90,6 +92,13 @@ def _one(path: str, result: dict, recorded: dict, named: bool = False) -> str:
     header = ["figure", "pagedserve", *names, *(f"vs {p}" for p in names)]
     title = f"### {result['workload']}: {result['description']}"
     title += f" (`{Path(path).stem}`)" if named else ""
+    return "\n".join([title, "", *_facts(path, result, recorded), "", *_table(header, rows)])
+
+
+def _client(path: str, result: dict, recorded: dict) -> str:
+    """A race through a real client (`bench --client`): a row per concurrency."""
+    header, rows = client_race.rows(result)
+    title = f"### {result['workload']}: {result['description']}"
     return "\n".join([title, "", *_facts(path, result, recorded), "", *_table(header, rows)])
 
 

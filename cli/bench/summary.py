@@ -39,7 +39,8 @@ def _runs_by_peer(root: Path) -> tuple[list, list]:
         peer = report.FIRST if directory == root else report.LLAMACPP
         for path, result in files:
             recorded = results.recorded(result, provenance.get(Path(path).name, {}))
-            if not recorded["superseded"] and peer in result.get("peers", {}):
+            # NOTE: a race through a real client (`bench --client`) has figures per concurrency: no row
+            if not recorded["superseded"] and peer in result.get("peers", {}) and "client" not in result:
                 by_peer[peer].append((peer, result, recorded))
     return by_peer[report.FIRST], by_peer[report.LLAMACPP]
 

@@ -52,6 +52,8 @@ def argv(
         "--random-output-len", str(shape.output_len), "--num-prompts", str(shape.prompts),
         "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--seed", str(seed),
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--disable-tqdm",
+        # NOTE: the per-request lists (the driver keeps the first errors of them) come back only with this.
+        "--save-detailed",
     ]  # fmt: skip
 
 
@@ -60,7 +62,10 @@ def figures(result: dict, shape: Shape) -> dict:
     its output_len tokens (ignore_eos)."""
     completed, failed = result.get("completed"), result.get("failed")
     if completed != shape.prompts or failed:
-        raise ValueError(f"the client completed {completed} of {shape.prompts} requests ({failed} failed)")
+        errors = "".join(f": {error}" for error in result.get("first_errors", [])[:1])
+        raise ValueError(
+            f"the client completed {completed} of {shape.prompts} requests ({failed} failed){errors}"
+        )
     expected = shape.prompts * shape.output_len
     if result.get("total_output_tokens") != expected:
         counted = result.get("total_output_tokens")

@@ -6,7 +6,8 @@ imports nothing from pagedserve and nothing but the standard library at module l
 
 - input (stdin): {"protocol": 1, "runs": [[argument, ...], ...]}: each run's arguments of `vllm bench serve`
 - output (the file): {"protocol": 1, "vllm_version": V, "results": [{...}, ...]}: per run, the result dict
-  the client's `main` returns (the JSON its `--save-result` writes), its per-request lists left out
+  the client's `main` returns (the JSON its `--save-result` writes), its per-request lists left out but for
+  the first ERRORS of its requests' errors ("first_errors")
 """
 
 import argparse
@@ -14,6 +15,7 @@ import json
 import sys
 
 PROTOCOL = 1
+ERRORS = 3
 
 
 def read_runs(text: str) -> list[list[str]]:
@@ -30,8 +32,10 @@ def read_runs(text: str) -> list[list[str]]:
 
 
 def summary(result: dict) -> dict:
-    """The client's result without its per-request lists (a value per request: prompts, texts, times)."""
-    return {key: value for key, value in result.items() if not isinstance(value, list)}
+    """The client's result without its per-request lists (a value per request: prompts, texts, times), with
+    the first ERRORS errors its requests met."""
+    kept = {key: value for key, value in result.items() if not isinstance(value, list)}
+    return {**kept, "first_errors": [error for error in result.get("errors", []) if error][:ERRORS]}
 
 
 def main() -> int:

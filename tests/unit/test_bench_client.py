@@ -94,7 +94,10 @@ def test_the_figures_are_the_clients_medians_and_99th_percentiles():
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"completed": 30, "failed": 2}, "completed 30 of 32 requests \\(2 failed\\)"),
+        (
+            {"completed": 30, "failed": 2, "first_errors": ["HTTP 400"]},
+            "of 32 requests \\(2 failed\\): HTTP 400",
+        ),
         ({"total_output_tokens": 2000}, "counted 2000 output tokens, not 2048"),
         ({"median_tpot_ms": None}, None),
     ],
@@ -195,7 +198,8 @@ def test_the_client_driver_reads_runs_and_keeps_the_results_summary():
     ):
         with pytest.raises(ValueError, match=message):
             vllm_client_driver.read_runs(json.dumps(bad))
-    assert vllm_client_driver.summary({"duration": 1.0, "ttfts": [0.1, 0.2]}) == {"duration": 1.0}
+    result = {"duration": 1.0, "ttfts": [0.1, 0.2], "errors": ["", "HTTP 400", "", "a", "b", "c"]}
+    assert vllm_client_driver.summary(result) == {"duration": 1.0, "first_errors": ["HTTP 400", "a", "b"]}
 
 
 def test_the_client_driver_imports_the_standard_library_at_module_level_and_vllm_inside_only():

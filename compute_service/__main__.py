@@ -1,3 +1,10 @@
-from compute_service.server import main
+import os
+
+from compute_service.openmp import bound_spin
+
+# NOTE: before anything imports torch, which loads the OpenMP runtime that reads it.
+bound_spin(os.environ)
+
+from compute_service.server import main  # noqa: E402
 
 main()

@@ -10,14 +10,17 @@ stack stops; then vLLM's server (cli/bench/vllm_server.py: the same model direct
 """
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 from cli.bench import binding, client_runs, report, vllm_peer, vllm_server
 from cli.bench.client_runs import Shape
+from cli.processes import children_of, cpu_seconds, services_of
 from common.cpu import describe
 from common.model_files import local_copy
 from sdk.client import Client
@@ -25,6 +28,10 @@ from sdk.client import Client
 NAME = "http-client"
 CLIENTS = {"vllm": "vLLM's benchmark client (`vllm bench serve`, vllm.benchmarks.serve)"}
 CONCURRENCY = (1, 4, 16)
+# A server's processes to read the CPU of, by name (one name may stand for several).
+Processes = Callable[[], dict[str, list[int]]]
+# The figure of the CPU seconds a process (named after the prefix) spent in a run.
+CPU_PREFIX = "cpu_s_"
 # The figures of each concurrency, as the tables show them.
 ROWS = [
     ("total_tokens_per_s", "total tokens/s", "{:.0f}"),
@@ -88,25 +95,48 @@ def runs(base_url: str, model_dir: Path, served: str, args: argparse.Namespace) 
     return [warm_up, *measured]
 
 
-def figures(answer: dict, args: argparse.Namespace) -> dict[str, dict]:
-    """Per concurrency (its number as text), the median figures of its runs in the client's answer to
-    `runs` (the warm-up first, left out)."""
+def figures(results: list[dict], args: argparse.Namespace) -> dict[str, dict]:
+    """Per concurrency (its number as text), the median figures of its runs: the client's results of the
+    measured `runs` in order, each with the CPU seconds each of the server's processes spent in it
+    ("cpu_seconds", figures `cpu_s_NAME`)."""
     shape, count = Shape(args.client_prompts), len(args.concurrency)
-    results = answer["results"][1:]
+
+    def one(result: dict) -> dict:
+        spent = {f"{CPU_PREFIX}{name}": seconds for name, seconds in result["cpu_seconds"].items()}
+        return {**client_runs.figures(result, shape), **spent}
+
     return {
-        str(c): client_runs.median_of(
-            [client_runs.figures(results[r * count + i], shape) for r in range(args.repeat)]
-        )
+        str(c): client_runs.median_of([one(results[r * count + i]) for r in range(args.repeat)])
         for i, c in enumerate(args.concurrency)
     }
 
 
 def _measure(
-    base_url: str, model_dir: Path, served: str, args: argparse.Namespace, who: str
+    base_url: str, model_dir: Path, served: str, args: argparse.Namespace, who: str, processes: Processes
 ) -> tuple[dict, str]:
+    """The server's figures per concurrency and the client's version: the warm-up, then each measured run
+    by a client of its own, the CPU of the server's processes (`processes()`) read around it."""
     print(f"{NAME}: {who}, concurrency {', '.join(map(str, args.concurrency))}", file=sys.stderr)
-    answer = client_runs.run(args.vllm_python, runs(base_url, model_dir, served, args))
-    return figures(answer, args), answer.get("vllm_version")
+    warm_up, *measured = runs(base_url, model_dir, served, args)
+    version = client_runs.run(args.vllm_python, [warm_up]).get("vllm_version")
+    results = []
+    for argv in measured:
+        tree = processes()
+        before = {name: sum(map(cpu_seconds, pids)) for name, pids in tree.items()}
+        result = client_runs.run(args.vllm_python, [argv])["results"][0]
+        spent = {name: sum(map(cpu_seconds, pids)) - before[name] for name, pids in tree.items()}
+        results.append({**result, "cpu_seconds": spent})
+    return figures(results, args), version
+
+
+def _services(up_pid: int) -> dict[str, list[int]]:
+    """A stack's services (cache, compute, gateway), by the pid of its `pagedserve up`."""
+    return {name: [pid] for name, pid in services_of(up_pid).items()}
+
+
+def _vllm_processes(pid: int) -> dict[str, list[int]]:
+    """vLLM's server: its API server process, and the processes it started (its engine core)."""
+    return {"api server": [pid], "engine": children_of(pid)}
 
 
 def run(args: argparse.Namespace, start) -> dict:
@@ -117,7 +147,8 @@ def run(args: argparse.Namespace, start) -> dict:
         with Client(stack.target) as client:
             info = client.info()
         base_url = stack.http_url.removesuffix("/v1")
-        ours, version = _measure(base_url, model_dir, info.model, args, "pagedserve")
+        services = functools.partial(_services, stack.proc.pid)
+        ours, version = _measure(base_url, model_dir, info.model, args, "pagedserve", services)
     finally:
         stack.stop()
     levels = ", ".join(map(str, args.concurrency))
@@ -152,8 +183,9 @@ def _race_vllm(args: argparse.Namespace, result: dict, model_dir: Path, info) ->
             with vllm_server.server(
                 args.vllm_python, model_dir, info.model, dtype, args.vllm_kv_memory, model_len,
                 args.vllm_bind, log,
-            ) as base_url:  # fmt: skip
-                theirs, version = _measure(base_url, model_dir, info.model, args, "vLLM's server")
+            ) as (base_url, pid):  # fmt: skip
+                tree = functools.partial(_vllm_processes, pid)
+                theirs, version = _measure(base_url, model_dir, info.model, args, "vLLM's server", tree)
             bound = vllm_server.binding_lines(log)
     except (RuntimeError, ValueError) as error:
         print(f"{NAME}: vLLM's server failed: {error}", file=sys.stderr)
@@ -200,6 +232,24 @@ def rows(result: dict) -> tuple[list[str], list[list[str]]]:
     return header, table
 
 
+def cpu_rows(result: dict) -> tuple[list[str], list[list[str]]]:
+    """CPU seconds (user + system) each server process spent in a run, a row per concurrency: pagedserve's
+    services, then vLLM's server's processes when it ran."""
+    engines = {"pagedserve": result["pagedserve"], **result.get("peers", {})}
+    columns = [
+        (engine, key)
+        for engine, levels in engines.items()
+        for key in next(iter(levels.values()))
+        if key.startswith(CPU_PREFIX)
+    ]
+    header = ["concurrency", *(f"{engine} {key.removeprefix(CPU_PREFIX)} CPU (s)" for engine, key in columns)]
+    body = [
+        [level, *(f"{engines[engine][level][key]:.1f}" for engine, key in columns)]
+        for level in result["pagedserve"]
+    ]
+    return header, body
+
+
 def table(result: dict) -> str:
     """The race as the bench prints it."""
     lines = [
@@ -208,4 +258,5 @@ def table(result: dict) -> str:
     ]
     lines += [f"({result[key]})" for key in ("setup", "vllm_setup") if key in result]
     header, body = rows(result)
-    return "\n".join([*lines, *report.aligned([header, *body])])
+    cpu_header, cpu_body = cpu_rows(result)
+    return "\n".join([*lines, *report.aligned([header, *body]), "", *report.aligned([cpu_header, *cpu_body])])

@@ -99,7 +99,8 @@ def _client(path: str, result: dict, recorded: dict) -> str:
     """A race through a real client (`bench --client`): a row per concurrency."""
     header, rows = client_race.rows(result)
     title = f"### {result['workload']}: {result['description']}"
-    return "\n".join([title, "", *_facts(path, result, recorded), "", *_table(header, rows)])
+    cpu = _table(*client_race.cpu_rows(result))
+    return "\n".join([title, "", *_facts(path, result, recorded), "", *_table(header, rows), "", *cpu])
 
 
 def _several(files: list[tuple[str, dict, dict]]) -> str:

@@ -64,8 +64,9 @@ def server(
     max_model_len: int,
     bind: str,
     log_path: Path,
-) -> Iterator[str]:
-    """The server's base URL (http://127.0.0.1:PORT) once its /health answers 200; its output in log_path.
+) -> Iterator[tuple[str, int]]:
+    """The server's base URL (http://127.0.0.1:PORT) and pid once its /health answers 200; its output in
+    log_path.
     RuntimeError with the log's tail if it exits or is not healthy in time. Its process group (the API server
     and its engine core) is stopped on the way out."""
     port = free_port()
@@ -85,7 +86,7 @@ def server(
                 waited = f"{START_TIMEOUT_S:.0f} s"
                 raise RuntimeError(f"vLLM's server not healthy after {waited}:\n{_tail(log_path)}")
             time.sleep(1.0)
-        yield base_url
+        yield base_url, proc.pid
     finally:
         _stop(proc)
 

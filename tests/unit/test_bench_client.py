@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cli import processes
 from cli.bench import (
     binding,
     client_race,
@@ -111,19 +112,25 @@ def test_a_run_that_lost_requests_or_tokens_is_an_error(changes, message):
         client_runs.figures(result, Shape())
 
 
-def test_each_concurrency_gets_the_median_of_its_runs_the_warm_up_left_out():
+def test_each_concurrency_gets_the_median_of_its_runs_with_the_cpu_its_processes_spent():
     args = _bench("--client", "vllm", "--repeat", "3", "--concurrency", "1", "16")
-    warm_up = _result(ttft=1.0, prompts=16, output_len=4)
-    runs = [_result(ttft=100.0 * (r + 1), tpot=c) for r in range(3) for c in (10.0, 20.0)]
-    figures = client_race.figures({"results": [warm_up, *runs]}, args)
+    runs = [
+        _result(ttft=100.0 * (r + 1), tpot=c) | {"cpu_seconds": {"compute": c * (r + 1), "gateway": 1.0}}
+        for r in range(3)
+        for c in (10.0, 20.0)
+    ]
+    figures = client_race.figures(runs, args)
     assert list(figures) == ["1", "16"]
     assert figures["1"]["ttft_p50_ms"] == 200.0 and figures["1"]["tpot_p50_ms"] == 10.0
     assert figures["16"]["tpot_p50_ms"] == 20.0
+    assert figures["16"]["cpu_s_compute"] == 40.0 and figures["1"]["cpu_s_gateway"] == 1.0
 
 
 def _race(peer: bool = True) -> dict:
     ours = {"1": client_runs.figures(_result(ttft=643.0, tpot=32.9), Shape())}
     ours["16"] = client_runs.figures(_result(ttft=2300.0, tpot=250.0, total_token_throughput=266.0), Shape())
+    for level, cpu in (("1", 30.0), ("16", 54.6)):
+        ours[level] |= {"cpu_s_compute": cpu, "cpu_s_gateway": 2.8}
     result = {
         "workload": client_race.NAME, "description": "vLLM's client over HTTP", "date": "2026-12-07T10:00:00",
         "machine": "AMD EPYC, 2 vCPUs, AVX2", "client": {"name": "vllm", "version": "0.32.0"},
@@ -136,6 +143,8 @@ def _race(peer: bool = True) -> dict:
                 _result(ttft=4400.0, tpot=145.0, total_token_throughput=328.0), Shape()
             ),
         }
+        for level, cpu in (("1", 25.0), ("16", 50.0)):
+            theirs[level] |= {"cpu_s_api server": 3.0, "cpu_s_engine": cpu}
         result |= {"peers": {"vLLM": theirs}, "vllm_setup": "vLLM 0.32.0: its OpenAI server"}
         result["peer_settings"] = {"vLLM": {"binding_log": ["\tlocal_rank=0, core ids=[0, 1]"]}}
     return result
@@ -157,6 +166,16 @@ def test_the_table_has_a_row_per_concurrency_ours_theirs_and_the_ratio():
     assert "(vLLM 0.32.0: its OpenAI server)" in text and "266 / 328 (0.81×)" in text
 
 
+def test_the_cpu_each_servers_processes_spent_is_a_table_of_its_own():
+    header, rows = client_race.cpu_rows(_race())
+    assert header == [
+        "concurrency", "pagedserve compute CPU (s)", "pagedserve gateway CPU (s)", "vLLM api server CPU (s)",
+        "vLLM engine CPU (s)",
+    ]  # fmt: skip
+    assert rows == [["1", "30.0", "2.8", "3.0", "25.0"], ["16", "54.6", "2.8", "3.0", "50.0"]]
+    assert client_race.cpu_rows(_race(peer=False))[0][1:] == header[1:3], "no peer, no peer columns"
+
+
 def test_the_page_shows_the_race_and_the_readme_table_leaves_it_out(tmp_path):
     root = tmp_path / "docs" / "bench"
     (root / "http-client").mkdir(parents=True)
@@ -166,6 +185,7 @@ def test_the_page_shows_the_race_and_the_readme_table_leaves_it_out(tmp_path):
     assert "### http-client: vLLM's client over HTTP" in section
     assert "| 16 | 266 / 328 (0.81×) |" in section and "AMD EPYC, 2 vCPUs, AVX2" in section
     assert "CPU binding: vLLM logged local_rank=0, core ids=[0, 1]" in section
+    assert "| 16 | 54.6 | 2.8 | 3.0 | 50.0 |" in section, "the CPU table too"
     (root / "http-client.json").write_text(json.dumps(_race()))
     with pytest.raises(ValueError, match="no bench JSON file under .* ran vLLM"):
         summary.table(root)
@@ -251,10 +271,11 @@ def test_vllms_server_is_bound_waited_for_and_stopped_with_its_children(tmp_path
     python.write_text(textwrap.dedent(STAND_IN.format(python=sys.executable, pids=str(pids))))
     python.chmod(0o755)
     log = tmp_path / "server.log"
-    with vllm_server.server(str(python), MODEL, "m", "float32", 2**28, 2048, binding.ALL, log) as base_url:
-        assert base_url.startswith("http://127.0.0.1:")
+    with vllm_server.server(str(python), MODEL, "m", "float32", 2**28, 2048, binding.ALL, log) as (url, pid):
+        assert url.startswith("http://127.0.0.1:")
         child = int(pids.read_text())
-        assert Path(f"/proc/{child}").exists()
+        assert processes.children_of(pid) == [child], "its engine core, as vLLM's server starts one"
+        assert processes.cpu_seconds(pid) > 0
     assert vllm_server.binding_lines(log) == ["INFO core ids=[0, 1] bind=0-1"], "bound to every CPU"
     stat = Path(f"/proc/{child}/stat")
     assert not stat.exists() or stat.read_text().split()[2] == "Z", "its child stopped with it"

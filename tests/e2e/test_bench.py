@@ -45,14 +45,15 @@ def test_bench_latency_writes_the_table_json_and_profile(stack_fp32, tmp_path):
     for kind in (prefill, decode):
         phases = kind["phases_ms"]
         assert 0 < phases["compute_attention"] < phases["compute_model"]
-        assert phases["compute_model"] + phases["compute_sample"] < kind["step_ms"]
         assert phases["compute_rpc"] < kind["step_ms"]
         assert phases["cache_rpc"] > 0 and phases["compute_prepare"] > 0
-        assert 0 < kind["overhead_pct"] < 100
     # a Forward's wait holds compute's whole step; in a multi-step call compute runs the next step while the
-    # gateway handles a reply, so a decode's wait for its reply may be shorter than compute's step
+    # gateway handles a reply, so the gateway's wall between decode replies is compute's step, give or take
+    # the two processes' clocks: the model's share of a decode step is near all of it, never far over
     phases = prefill["phases_ms"]
     assert phases["compute_model"] + phases["compute_sample"] < phases["compute_rpc"]
+    assert 0 < prefill["overhead_pct"] < 100
+    assert -5 < decode["overhead_pct"] < 100
 
 
 def test_bench_refuses_plain_linear_against_a_running_stack():

@@ -5,7 +5,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from cache_service.admission import Admission, Agreed
 from cache_service.allocators.base import BlockAllocator
-from cache_service.block_pool import BlockPool
+from cache_service.block_pool import BlockPool, Parting
 from cache_service.invariants import table_holders
 from cache_service.prefix_cache import root_hash
 from cache_service.prefix_match import Candidate, candidates
@@ -241,18 +241,42 @@ class BlockManager:
         InvalidArgument (listed twice, bad num_computed, appended tokens beyond the table); on any error
         nothing changed.
         """
+        return sum(
+            self.block_pool.let_go(*entry)
+            for parting in self.detach(seq_ids, num_computed, appended)
+            for entry in reversed(parting)
+            if entry is not None
+        )
+
+    def detach(
+        self,
+        seq_ids: Sequence[str],
+        num_computed: Mapping[str, int] | None = None,
+        appended: Mapping[str, Sequence[int]] | None = None,
+    ) -> list[list[Parting | None]]:
+        """`free` up to letting the blocks go: drops the tables (all or nothing, raising as `free` does) and
+        indexes their written blocks; returns per sequence, per table index, the block to let go
+        (BlockPool.let_go) or None. The caller lets them go tail first, so a prompt's last blocks are
+        evicted before the prefix blocks others may share; a sliding window's released entries name the
+        block the index still keeps for them, so it ranks by its position, not by when the window passed."""
         num_computed, appended = num_computed or {}, appended or {}
         check_free(seq_ids, num_computed, self._seqs, appended, self.block_size)
-        released = 0
+        partings = []
         for seq_id in seq_ids:
             seq = self._seqs.pop(seq_id)
             held = [block_id for block_id in seq.block_table if block_id != self.null_block]
             self._counters.account(-seq.num_tokens, -len(held))
             seq.append(appended.get(seq_id, ()))
             self._tables.register(seq, num_computed.get(seq_id, 0))
-            # NOTE: tail blocks first, so they are evicted before the prefix blocks others may share.
-            released += sum(self.block_pool.release(block_id) for block_id in reversed(held))
-        return released
+            partings.append([self._parting(seq, index) for index in range(len(seq.block_table))])
+        return partings
+
+    def _parting(self, seq: SeqState, index: int) -> Parting | None:
+        block_id = seq.block_table[index]
+        if block_id != self.null_block:
+            return block_id, True
+        kept = self.block_pool.prefix.lookup(seq.hashes[index]) if index < len(seq.hashes) else None
+        return None if kept is None else (kept, False)
 
     # queries
 

@@ -7,6 +7,8 @@ from cache_service.allocators.base import BlockAllocator
 from cache_service.prefix_cache import BlockHash, PrefixCache
 from common.errors import InvalidArgument, ResourceExhausted
 
+Parting = tuple[int, bool]  # a freed table's block, and whether the table held it (BlockPool.let_go)
+
 
 class BlockPool:
     """Every block is in exactly one place: free (in the allocator), used (refcount > 0) or cached (in the
@@ -64,6 +66,15 @@ class BlockPool:
         else:
             self.allocator.free([block_id])
         return True
+
+    def let_go(self, block_id: int, held: bool) -> bool:
+        """A block a freed table held (`release`), or one of its sliding window's past that the index still
+        keeps evictable, made the most recently used; returns whether a held block left use."""
+        if held:
+            return self.release(block_id)
+        if self.prefix.is_evictable(block_id):
+            self.prefix.touch(block_id)
+        return False
 
     def refcount(self, block_id: int) -> int:
         """How many block tables hold the block; InvalidArgument if it is out of range."""

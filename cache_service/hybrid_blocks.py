@@ -106,8 +106,18 @@ class HybridBlocks:
         num_computed: Mapping[str, int] | None = None,
         appended: Mapping[str, Sequence[int]] | None = None,
     ) -> int:
-        """BlockManager.free in every group; returns the blocks that left use, all groups together."""
-        return sum(manager.free(seq_ids, num_computed, appended) for manager in self.managers)
+        """BlockManager.free in every group; returns the blocks that left use, all groups together. Each
+        sequence's blocks go tail first, one table index in every group at a time, so eviction cuts every
+        group's prefix alike (a hit holds only as far as every group holds it)."""
+        # NOTE: every group holds the same sequences, so the first group's checks raise for all of them.
+        partings = [manager.detach(seq_ids, num_computed, appended) for manager in self.managers]
+        released = 0
+        for per_group in zip(*partings, strict=True):
+            for index in reversed(range(max(map(len, per_group)))):
+                for parting in per_group:
+                    if index < len(parting) and parting[index] is not None:
+                        released += self.block_pool.let_go(*parting[index])
+        return released
 
     def index_written(self, num_computed: Mapping[str, int]) -> None:
         """BlockManager.index_written in every group (without prefix caching it only checks the counts)."""

@@ -133,6 +133,10 @@ class PrefixCache:
         assert block_id in self._entry and block_id not in self._evictable, block_id
         self._evictable[block_id] = None
 
+    def touch(self, block_id: int) -> None:
+        """An evictable block becomes the most recently used (its prefix's other blocks were released now)."""
+        self._evictable.move_to_end(block_id)
+
     def revive(self, block_id: int) -> None:
         """An evictable block is referenced again by a prefix hit."""
         del self._evictable[block_id]

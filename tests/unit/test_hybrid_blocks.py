@@ -192,6 +192,39 @@ def test_no_hit_holds_without_the_window_of_its_first_token():
     blocks.check_invariants()
 
 
+def test_a_freed_prompt_is_evicted_tail_first_in_every_group_alike():
+    # the sliding group released blocks 0-5 while the prompt ran; at its end they rank by their position
+    # beside the full group's, so evicting six blocks takes both groups' last three, not the window's past
+    blocks = hybrid([0, WINDOW], num_blocks=1 + 20 + 4, prefix_caching=True)
+    tokens = list(range(40))
+    run(blocks, "a", tokens, 8)
+    blocks.reserve([SeqRequest("x", 20, list(range(100, 120)))], ())
+    assert blocks.block_pool.prefix.num_evictions == 6
+    blocks.free(["x"])
+    request = SeqRequest("b", 25, [*tokens[:24], 99])
+    assert len(blocks.prefix_blocks(request)) == 6, "a's first 24 tokens hold in both groups"
+    blocks.reserve([request], ())
+    assert blocks.stats().prefix_hit_tokens == 24
+    blocks.check_invariants()
+
+
+def test_a_hit_past_the_window_keeps_the_blocks_before_it_as_recent_as_its_own():
+    # b's sliding table reads a's blocks 4 and 5 only; at b's end, a's blocks 0-3 of the sliding group rank
+    # by their position beside b's, so evicting eight blocks takes both groups' blocks 4-7, not 0-3
+    blocks = hybrid([0, WINDOW], num_blocks=1 + 20 + 4, prefix_caching=True)
+    tokens = list(range(40))
+    run(blocks, "a", tokens, 8)
+    blocks.reserve([SeqRequest("x", 16, list(range(100, 116)))], ())
+    blocks.free(["x"])
+    evictions = blocks.block_pool.prefix.num_evictions
+    run(blocks, "b", [*tokens[:24], 99], 25)
+    blocks.reserve([SeqRequest("y", 32, list(range(200, 232)))], ())
+    blocks.free(["y"])
+    assert blocks.block_pool.prefix.num_evictions == evictions + 8
+    assert len(blocks.prefix_blocks(SeqRequest("c", 17, [*tokens[:16], 98]))) == 4
+    blocks.check_invariants()
+
+
 def test_one_sliding_group_keeps_prefix_caching():
     blocks = hybrid([WINDOW], prefix_caching=True)
     tokens = list(range(40))

@@ -10,21 +10,13 @@ from collections.abc import Iterator
 from common.server import request_metadata
 from gateway import prompt_scores
 from gateway.config import EngineConfig
-from gateway.forward import forward_request
 from gateway.kv_view import KVView
 from gateway.lease import Lease
-from gateway.multi_step import (
-    ReplyDeadline,
-    StepExpired,
-    multi_step_request,
-    row_limit,
-    select_rows,
-    with_lookup,
-)
 from gateway.recovery import PeerFault, calling
 from gateway.sequence import Sequence
 from gateway.step import ScheduledStep, StepResult
-from gateway.step_deadline import StepDeadline
+from gateway.step_deadline import ReplyDeadline, StepDeadline, StepExpired
+from gateway.step_request import forward_request, multi_step_request, row_limit, with_lookup
 from gateway.step_timer import StepTimer
 from protos import compute_pb2, compute_pb2_grpc
 
@@ -147,3 +139,23 @@ def _messages(first: compute_pb2.StepsRequest, stop: threading.Event) -> Iterato
     stops after the step it runs)."""
     yield first
     stop.wait()
+
+
+def select_rows(
+    reply: compute_pb2.ForwardResponse, seqs: list[Sequence], keep: list[bool]
+) -> compute_pb2.ForwardResponse:
+    """The reply's tokens (and logprobs) of the sampling rows `seqs` that `keep` marks, in order."""
+    if all(keep):
+        return reply
+    width, part, asked = reply.top_logprobs_width, compute_pb2.ForwardResponse(), 0
+    part.top_logprobs_width = width
+    for seq, kept, token, logprob in zip(seqs, keep, reply.token_ids, reply.logprobs, strict=True):
+        span = slice(asked * width, (asked + 1) * width)
+        if kept:
+            part.token_ids.append(token)
+            part.logprobs.append(logprob)
+            if seq.sampling.logprobs is not None:
+                part.top_token_ids.extend(reply.top_token_ids[span])
+                part.top_logprobs.extend(reply.top_logprobs[span])
+        asked += seq.sampling.logprobs is not None
+    return part

@@ -95,6 +95,23 @@ class Scheduler:
                 seq.forget_prefix()
         return step if step.seqs or step.faulty else None
 
+    def multi_steps(self, step: ScheduledStep, max_steps: int, news: bool) -> int:
+        """How many steps an all-decode step may run as one multi-step call (1: a plain Forward): while no
+        request waits (for room the lookahead blocks would hold) or is new (`news`), `max_steps`, halved
+        until the slots its rows may still write fit above the watermark."""
+        kv = self.kv
+        if max_steps <= 1 or news or self.waiting:
+            return 1
+        if not can_multi_step(step.seqs) or not all(map(kv.holds, step.seqs)):
+            return 1
+        room, steps = kv.available_blocks - self.watermark, max_steps
+        while steps > 1 and self._lookahead_blocks(step, steps) > room:
+            steps //= 2
+        return steps
+
+    def _lookahead_blocks(self, step: ScheduledStep, steps: int) -> int:
+        return sum(self.kv.blocks_needed(s, s.chunk_end + s.lookahead(steps)) for s in step.seqs)
+
     def _prompt_budget(self, step: ScheduledStep, budget: int, start: int) -> int:
         """What is left of `budget` for prompt tokens (the next from context position `start`): with decodes
         in the step, at most prefill_tokens_with_decodes of prompt tokens in all, and at most what the pace
@@ -190,6 +207,15 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
+
+
+def can_multi_step(seqs: list[Sequence]) -> bool:
+    """Whether the step can run as several (a multi-step: one Compute.ForwardSteps call that runs up to k
+    steps, compute feeding each row's sampled token into the next): every row decodes one token and samples
+    it, none forks, none is constrained (its next mask follows the token it samples: gateway.structured)."""
+    return all(
+        seq.is_decode and seq.samples_now and not seq.forks_now and seq.constraint is None for seq in seqs
+    )
 
 
 def _prefills(seq: Sequence) -> bool:

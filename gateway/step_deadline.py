@@ -1,7 +1,12 @@
 """How long one compute Forward may take before compute counts as lost (hung or dead): set, or derived
-from the recent steps, so that a stopped compute is noticed in seconds instead of at the RPC timeout."""
+from the recent steps, so that a stopped compute is noticed in seconds instead of at the RPC timeout; and
+the per-reply deadline of a multi-step call."""
 
+import threading
+import time
 from collections import deque
+
+import grpc
 
 WINDOW = 200
 # Steps seen before the derived deadline applies; until then the RPC timeout does.
@@ -38,3 +43,47 @@ class StepDeadline:
 def _p99(values: deque[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+class ReplyDeadline:
+    """Cancels a streaming call whose next reply does not come within `seconds` of the last one (or of
+    the start): each step of a ForwardSteps call gets a step's deadline, not the whole call's. One thread
+    per call; `expired` tells that it cancelled the call."""
+
+    def __init__(self, call: grpc.Future, seconds: float) -> None:
+        self.expired = False
+        self._call, self._seconds = call, seconds
+        self._due = time.monotonic() + seconds
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, daemon=True, name="multi-step-deadline").start()
+
+    def replied(self, seconds: float) -> None:
+        """A reply came; the next one has `seconds`."""
+        self._due = time.monotonic() + seconds
+
+    def close(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(max(0.0, self._due - time.monotonic())):
+            if time.monotonic() >= self._due:
+                self.expired = True
+                self._call.cancel()
+                return
+
+
+class StepExpired(grpc.RpcError):
+    """What a ForwardSteps call cancelled by its ReplyDeadline counts as: DEADLINE_EXCEEDED (compute lost)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self._seconds = seconds
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return f"no reply of compute's ForwardSteps call within the step deadline ({self._seconds:.1f} s)"
+
+    def trailing_metadata(self) -> tuple:
+        return ()

@@ -24,7 +24,6 @@ from gateway.engine_view import EngineView
 from gateway.executor import StepExecutor
 from gateway.lease import Lease
 from gateway.live_seqs import LiveSeqs
-from gateway.multi_step import multi_steps
 from gateway.outputs import Output, append_token
 from gateway.pooled import pooled_rows, take_pooled
 from gateway.recovery import PeerFault, calling
@@ -128,7 +127,7 @@ class StepRunner:
                 self.kv.free(step.preempted)
             log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
             return
-        lookahead = multi_steps(step, self.scheduler, self.decode_steps, news) - 1
+        lookahead = self.scheduler.multi_steps(step, self.decode_steps, news) - 1
         step.num_steps = self._reserve_rows(step, lookahead) + 1
 
     def _reserve_rows(self, step: ScheduledStep, lookahead: int) -> int:

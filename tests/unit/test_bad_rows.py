@@ -19,9 +19,9 @@ from common.server import (
 )
 from compute_service.batch import ForwardBatch
 from compute_service.validation import Limits
-from gateway.forward import forward_request as gateway_request
 from gateway.sampling import resolve_sampling
 from gateway.sequence import Sampling, Sequence
+from gateway.step_request import forward_request as gateway_request
 from gateway.tokenizer import encode
 from protos import common_pb2, compute_pb2, generation_pb2
 from tests.fake_peers import RpcError

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from common.errors import InvalidArgument
 from compute_service.batch import ForwardBatch
 from compute_service.validation import Limits
-from gateway.forward import forward_request as gateway_request
+from gateway.step_request import forward_request as gateway_request
 from protos import compute_pb2
 from tests.forward import forward_request, gateway_seq
 from tests.forward import replace_field as _replace

@@ -1,6 +1,6 @@
-"""Multi-step decode in the gateway (gateway/multi_step.py, gateway/executor.py) over the fake peers: the
-same tokens as one Forward per step, fewer calls, a call ended early by news, a stop string's blocks held
-until the call is over; and the compute side's plan (compute_service/multi_step.py)."""
+"""Multi-step decode in the gateway (gateway/scheduler.py, step_request.py, executor.py) over the fake
+peers: the same tokens as one Forward per step, fewer calls, a call ended early by news, a stop string's
+blocks held until the call is over; and the compute side's plan (compute_service/multi_step.py)."""
 
 import threading
 import time
@@ -13,8 +13,10 @@ from common.errors import InvalidArgument, RowsRefused
 from compute_service.batch import ForwardBatch
 from compute_service.multi_step import MultiStepPlan
 from compute_service.validation import Limits
-from gateway.multi_step import ReplyDeadline, RowLimit, row_limit, select_rows
+from gateway.executor import select_rows
 from gateway.sequence import Sampling, Sequence
+from gateway.step_deadline import ReplyDeadline
+from gateway.step_request import RowLimit, row_limit
 from protos import compute_pb2
 from tests.fake_engine import BLOCKS, GREEDY, PROMPTS, collect, run_all, start, submit, tokenizer
 from tests.forward import forward_request

@@ -1,6 +1,5 @@
 """The gateway's scheduler: chunked prefill, admission, preemption, priorities, forks."""
 
-from gateway.multi_step import multi_steps
 from gateway.sequence import Status
 from tests.scheduling import make, run, seq, step_runner
 
@@ -221,11 +220,11 @@ def test_a_multi_step_call_halves_its_steps_until_their_blocks_fit():
     need = {n: sum(kv.blocks_needed(s, s.chunk_end + n - 1) for s in step.seqs) for n in (32, 16, 8, 4)}
     fitting = max(n for n, blocks in need.items() if blocks <= room)
     assert need[32] > room and fitting < 32, "the pool is too small for every step count"
-    assert multi_steps(step, scheduler, 32, news=False) == fitting
-    assert multi_steps(step, scheduler, fitting, news=False) == fitting
-    assert multi_steps(step, scheduler, 32, news=True) == 1
+    assert scheduler.multi_steps(step, 32, news=False) == fitting
+    assert scheduler.multi_steps(step, fitting, news=False) == fitting
+    assert scheduler.multi_steps(step, 32, news=True) == 1
     scheduler.add(seq("c", 4))
-    assert multi_steps(step, scheduler, 32, news=False) == 1, "a waiting request keeps the lookahead room"
+    assert scheduler.multi_steps(step, 32, news=False) == 1, "a waiting request keeps the lookahead room"
 
 
 def test_a_multi_step_call_holds_no_slot_past_what_its_rows_may_still_sample():
@@ -237,7 +236,7 @@ def test_a_multi_step_call_holds_no_slot_past_what_its_rows_may_still_sample():
     run(scheduler, scheduler.schedule())
     step = scheduler.schedule()
     assert all(s.is_decode and s.tokens_left == 3 for s in step.seqs)
-    assert multi_steps(step, scheduler, 32, news=False) == 32
+    assert scheduler.multi_steps(step, 32, news=False) == 32
     available = scheduler.kv.available_blocks
     step_runner(scheduler).reserve(step, news=False)
     assert step.num_steps == 32

@@ -14,9 +14,9 @@ from common.sparse_settings import SparseAttention, SparseMode
 from compute_service.batch import ForwardBatch
 from compute_service.model_info import sparse_support
 from compute_service.validation import Limits
-from gateway.forward import forward_request as gateway_request
 from gateway.http.openai_request import CompletionRequest, completion_request, parse
 from gateway.sparse_request import DENSE, resolve
+from gateway.step_request import forward_request as gateway_request
 from protos import compute_pb2, generation_pb2
 from sdk.request import build_request
 from tests.forward import forward_request, gateway_seq

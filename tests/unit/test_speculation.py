@@ -13,8 +13,8 @@ from compute_service.batch import ForwardBatch
 from compute_service.multi_step import MultiStepPlan
 from compute_service.speculation import Lookup, replies_by_depth, step_batch, verified
 from compute_service.validation import Limits
-from gateway.multi_step import multi_step_request, with_lookup
 from gateway.sequence import Sampling, Sequence
+from gateway.step_request import multi_step_request, with_lookup
 from protos import compute_pb2
 from tests.forward import forward_request
 

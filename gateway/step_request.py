@@ -1,13 +1,25 @@
-"""The Forward request of a scheduled step: what only the gateway knows (the new tokens, how many tokens each
-sequence already has in the KV cache, the block tables, sampling); compute derives positions and slots."""
+"""What a scheduled step sends compute: the Forward request (what only the gateway knows: the new tokens, how
+many tokens each sequence already has in the KV cache, the block tables, sampling; compute derives positions
+and slots), and for a multi-step the ForwardSteps call's first message, with each row's limit and its lookup
+tokens for drafting."""
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import numpy as np
 
 from gateway.sampling import forward_sampling
-from gateway.sequence import Sequence
+from gateway.sequence import Sampling, Sequence
 from protos import compute_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class RowLimit:
+    """Where compute stops a row: after `max_steps` steps, or after sampling one of `stop_ids` (each reply
+    says which rows it runs on: ForwardResponse.running)."""
+
+    max_steps: int
+    stop_ids: frozenset[int]
 
 
 def forward_request(
@@ -68,3 +80,48 @@ def _sparse_rows(seqs: list[Sequence]) -> list[compute_pb2.SparseRow]:
         return []
     rows = [seq.sparse or (0, 0, 0) for seq in seqs]
     return [compute_pb2.SparseRow(sink=sink, recent=recent, topk=topk) for sink, recent, topk in rows]
+
+
+def row_limit(seq: Sequence, steps: int, eos_ids: frozenset[int]) -> RowLimit:
+    """A row goes at most `steps` steps and never past its max_tokens or the longest sequence; it stops on
+    the ids that end it (EOS unless ignore_eos) once min_tokens is reached (before, they are suppressed)."""
+    s = seq.sampling
+    stop_ids = s.stop_token_ids if s.ignore_eos else s.stop_token_ids | eos_ids
+    return RowLimit(seq.lookahead(steps) + 1, frozenset(stop_ids))
+
+
+def multi_step_request(
+    seqs: list[Sequence],
+    tables: list[list[list[int]]],
+    epoch: str,
+    eos_ids: frozenset[int],
+    limits: list[RowLimit],
+    session_epoch: int = 0,
+) -> compute_pb2.StepsRequest:
+    """The call's first message: the step as a Forward would send it, and each row's limit."""
+    request = compute_pb2.StepsRequest(
+        first=forward_request(seqs, tables, epoch, eos_ids, session_epoch),
+        max_steps=[limit.max_steps for limit in limits],
+        cu_stop_token_ids=[0],
+    )
+    for limit in limits:
+        request.stop_token_ids.extend(sorted(limit.stop_ids))
+        request.cu_stop_token_ids.append(len(request.stop_token_ids))
+    return request
+
+
+def with_lookup(request: compute_pb2.StepsRequest, seqs: list[Sequence], draft_tokens: int) -> None:
+    """Each row's tokens so far as its lookup tokens, when the call may draft: draft_tokens > 0 and every row
+    plain greedy (compute checks that itself, min_tokens included: it drafts only for plain greedy rows)."""
+    if not draft_tokens or not all(_plain_greedy(seq.sampling) for seq in seqs):
+        return
+    request.draft_tokens = draft_tokens
+    request.cu_lookup_token_ids.append(0)
+    for seq in seqs:
+        request.lookup_token_ids.extend(seq.prompt_ids)
+        request.lookup_token_ids.extend(seq.output_ids)
+        request.cu_lookup_token_ids.append(len(request.lookup_token_ids))
+
+
+def _plain_greedy(s: Sampling) -> bool:
+    return s.temperature == 0 and s.logprobs is None and not s.penalized and not s.logit_bias

@@ -106,6 +106,33 @@ def test_responses_function_call_round_trip_by_items_and_by_previous_response(ap
     assert streamed[-1].type == "response.completed"
 
 
+def test_a_stored_response_is_retrieved_its_input_listed_and_deleted(api, model):
+    asked = [{"role": "user", "content": "Hello."}, {"role": "user", "content": ASK}]
+    created = api.responses.create(model=model, input=asked, max_output_tokens=5, temperature=0)
+    retrieved = api.responses.retrieve(created.id)
+    assert retrieved.id == created.id and retrieved.output_text == created.output_text
+    assert retrieved.status == created.status and retrieved.usage.output_tokens == created.usage.output_tokens
+    newest_first = api.responses.input_items.list(created.id)
+    assert [item.content[0].text for item in newest_first.data] == [ASK, "Hello."]
+    first = api.responses.input_items.list(created.id, order="asc", limit=1)
+    assert first.data[0].content[0].text == "Hello." and first.has_more
+    rest = api.responses.input_items.list(created.id, order="asc", after=first.data[0].id)
+    assert [item.id for item in rest.data] == [newest_first.data[0].id] and not rest.has_more
+    with pytest.raises(openai.BadRequestError, match="limit"):
+        api.responses.input_items.list(created.id, limit=101)
+    api.responses.delete(created.id)
+    for gone in (
+        lambda: api.responses.retrieve(created.id),
+        lambda: api.responses.delete(created.id),
+        lambda: api.responses.create(model=model, input=ASK, previous_response_id=created.id),
+    ):
+        with pytest.raises(openai.NotFoundError, match="is not stored here"):
+            gone()
+    unkept = api.responses.create(model=model, input=ASK, max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError, match="store false"):
+        api.responses.input_items.list(unkept.id)
+
+
 def test_responses_text_format_follows_the_schema(api, model):
     schema = {
         "type": "object",

@@ -3,21 +3,16 @@ a message, function calls, in the order the model wrote them), status and usage;
 events of the openai SDK (`response.created` ... `response.output_text.delta` ... `response.completed`)."""
 
 import time
-import uuid
 
-from gateway.http.responses.request import ResponsesRequest
+from gateway.http.responses.request import ResponsesRequest, new_id
 from protos import generation_pb2
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 class ResponseOutput:
     """One response's output, grown reply by reply; `events(reply)` gives the stream's events for it."""
 
     def __init__(self, body: ResponsesRequest, model: str, previous: str | None) -> None:
-        self.id = _id("resp")
+        self.id = new_id("resp")
         self._body, self._model, self._previous = body, model, previous
         self.created = int(time.time())
         self.items: list[dict] = []
@@ -103,7 +98,7 @@ class ResponseOutput:
             events.append(self._delta("response.output_text.delta", reply.text, logprobs=[]))
         for call in reply.tool_calls:
             events += self._close()
-            item = {"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": call.name,
+            item = {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
                     "arguments": call.arguments, "status": "completed"}  # fmt: skip
             index = len(self.items)
             self.items.append(item)
@@ -135,10 +130,10 @@ class ResponseOutput:
         events = self._close()
         if kind == "reasoning":
             part = {"type": "reasoning_text", "text": ""}
-            item = {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [part]}
+            item = {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [part]}
         else:
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            item = {"type": "message", "id": _id("msg"), "status": "completed", "role": "assistant",
+            item = {"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
                     "content": [part]}  # fmt: skip
         self._open = item
         self.items.append(item)

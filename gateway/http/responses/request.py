@@ -3,6 +3,7 @@ message, `input` (a string, or message, function_call and function_call_output i
 conversation of `previous_response_id`, `text.format` as the constraint, function tools."""
 
 import json
+import uuid
 from typing import Annotated, Literal
 
 from pydantic import Discriminator, Field, Tag
@@ -188,6 +189,42 @@ def input_messages(body: ResponsesRequest) -> list[generation_pb2.ChatMessage]:
     if not messages:
         raise invalid("input holds no message: give a string or at least one message item", "input")
     return messages
+
+
+# The id prefix of each input item type, for the items a request sends without one.
+ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def input_items(body: ResponsesRequest) -> list[dict]:
+    """`input` as the API's input items (GET /v1/responses/{id}/input_items): a string is one user message,
+    a message's string content one input_text part, each item given an id if it came without one."""
+    if isinstance(body.input, str):
+        items: list[dict] = [{"type": "message", "role": "user", "content": body.input}]
+    else:
+        items = [item.model_dump(exclude_none=True) for item in body.input]
+    for item in items:
+        item.setdefault("type", "message")
+        item.setdefault("id", new_id(ITEM_PREFIXES[item["type"]]))
+        if item["type"] == "message":
+            item.setdefault("status", "completed")
+            if isinstance(item["content"], str):
+                item["content"] = [{"type": "input_text", "text": item["content"]}]
+    return items
+
+
+def not_stored(response_id: str) -> HttpError:
+    return HttpError(
+        404,
+        f"response {response_id[:80]!r} is not stored here: it was made with store false, by another API "
+        "key or gateway, deleted, or dropped as the oldest (docs/api.md, Responses)",
+        "invalid_request_error",
+        None,
+        "response_not_found",
+    )
 
 
 def _text(content: str | list[InputText]) -> str:

@@ -286,4 +286,6 @@ class BlockManager:
 
     def _new_state(self, request: SeqRequest) -> SeqState:
         tokens = list(request.token_ids) if self.prefix_caching and request.token_ids else None
-        return SeqState(request.num_tokens, root_hash(self._model, request.cache_salt), tokens)
+        return SeqState(
+            request.num_tokens, root_hash(self._model, request.cache_salt, request.adapter), tokens
+        )

@@ -9,9 +9,11 @@ from typing import NewType
 BlockHash = NewType("BlockHash", bytes)
 
 
-def root_hash(model: str, cache_salt: str) -> BlockHash:
-    """The parent key of a sequence's first block: only requests with equal model and salt share blocks."""
-    return BlockHash(hashlib.blake2b(f"{model}\0{cache_salt}".encode(), digest_size=16).digest())
+def root_hash(model: str, cache_salt: str, adapter: str = "") -> BlockHash:
+    """The parent key of a sequence's first block: only requests with equal model, salt and LoRA adapter
+    (SeqRequest.adapter; empty: the base model) share blocks."""
+    key = f"{model}\0{cache_salt}" + (f"\0{adapter}" if adapter else "")
+    return BlockHash(hashlib.blake2b(key.encode(), digest_size=16).digest())
 
 
 def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:

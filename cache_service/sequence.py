@@ -32,6 +32,14 @@ class SeqRequest(NamedTuple):
     cache_salt: str = ""
     max_compute: int = 0
     lookahead: int = 0
+    # the LoRA adapter the sequence runs (compute's id, its name; 0 and "": the base model)
+    lora_id: int = 0
+    lora_name: str = ""
+
+    @property
+    def adapter(self) -> str:
+        """The adapter's part of the sequence's prefix root (prefix_cache.root_hash): empty for the base."""
+        return f"{self.lora_id}:{self.lora_name}" if self.lora_id else ""
 
 
 @dataclass(frozen=True, slots=True)

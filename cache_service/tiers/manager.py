@@ -144,7 +144,9 @@ class TierManager(PrefixListener):
         stop, loaded = (request.num_tokens - 1) // block_size, 0
         sliding = [bool(group.window) and len(groups) > 1 for group in groups]
         for index in sorted(range(len(groups)), key=sliding.__getitem__):
-            root = root_hash(group_identity(self._pool.identity, index, len(groups)), request.cache_salt)
+            root = root_hash(
+                group_identity(self._pool.identity, index, len(groups)), request.cache_salt, request.adapter
+            )
             start = groups[index].first_kept(stop * block_size, block_size) if sliding[index] else 0
             reach, count = self._load_chain(root, request, start, stop, budget - loaded)
             loaded += count

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from cache_service.prefix_cache import BlockHash
+from cache_service.prefix_cache import BlockHash, LoraTag
 from common.errors import AlreadyExists, InvalidArgument, NotFound
 from common.paging import blocks_for
 
@@ -65,6 +65,8 @@ class SeqState:
     block_table: list[int] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)
     cached_tokens: int = 0
+    # the LoRA adapter its KV runs through (SeqRequest.lora_id, lora_name); None: the base model
+    lora: LoraTag | None = None
 
     @property
     def last_hash(self) -> BlockHash:

@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=spec.max_model_len,
     )
     spec = replace(spec, pooling=pooling)
+    if adapters is not None:
+        spec = replace(spec, plan=replace(spec.plan, lora=lora_adapters.plan_choice(spec.plan)))
     log.info("execution_plan", **spec.plan.summary())
     log.info("pooling", **({"mode": None} if pooling is None else asdict(pooling)))
     COMPUTE_INFO.info(

@@ -3,8 +3,10 @@ re-read from compute when a request names one not yet seen (an operator may load
 directly), and loaded or unloaded through compute (POST /v1/load_lora_adapter, /v1/unload_lora_adapter)."""
 
 import threading
+import time
 
 import grpc
+from prometheus_client.core import GaugeMetricFamily
 
 from common.errors import FailedPrecondition, InvalidArgument, NotFound, PagedServeError, Unavailable
 from common.server import channel
@@ -82,3 +84,20 @@ class LoraAdapters:
         except grpc.RpcError as err:
             error: type[PagedServeError] = _PASSED_ON.get(err.code(), Unavailable)
             raise error(f"compute: {err.details()}") from err
+
+
+def requests_info(info, scheduler) -> GaugeMetricFamily:
+    """vLLM's `vllm:lora_requests_info`: the time of the scrape, labelled with --max-loras and the adapters
+    of the waiting and of the running sequences (names, comma-separated); no sample without LoRA."""
+    family = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Scrape time (Unix seconds), labelled with the adapters of the running and waiting sequences.",
+        labels=("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+    )
+    if info is not None and scheduler is not None and info.lora_limits.enabled:
+        waiting, running = (
+            ",".join(sorted({seq.lora_name for seq in seqs if seq.lora_name}))
+            for seqs in (scheduler.waiting, scheduler.running)
+        )
+        family.add_metric([str(info.lora_limits.max_loras), waiting, running], time.time())
+    return family

@@ -11,7 +11,7 @@ import torch
 from cache_service.block_manager import BlockManager
 from cache_service.hybrid_blocks import group_identity
 from cache_service.kv_pool import KVPool
-from cache_service.prefix_cache import BlockHash, PrefixListener, block_tokens, chain, root_hash
+from cache_service.prefix_cache import BlockHash, LoraTag, PrefixListener, block_tokens, chain, root_hash
 from cache_service.sequence import SeqRequest, check_prompt
 from cache_service.tiers import record, registry
 from cache_service.tiers.base import KVTier, TierError
@@ -89,7 +89,12 @@ class TierManager(PrefixListener):
     # writing (PrefixListener: under the cache's lock, inside Reserve or Free)
 
     def cached(
-        self, block_id: int, hash_: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]
+        self,
+        block_id: int,
+        hash_: BlockHash,
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        lora: LoraTag | None = None,
     ) -> None:
         self._cached[block_id] = entry = _Cached(hash_, self._lookups)
         if self.hot_threshold == 0.0:

@@ -12,6 +12,7 @@ from common.errors import InvalidArgument
 from compute_service.lora import peft_files
 from compute_service.lora.layers import Site, StepRows, wrap_targets
 from compute_service.lora.peft_files import AdapterError
+from compute_service.plan import Choice, ExecutionPlan
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,20 @@ class Adapters:
                     f"adapter {name!r}: layer {layer} {target} is [{b.shape[0]}, {a.shape[1]}] in the "
                     f"adapter but [{out}, {inputs}] in the model: it was trained on another base"
                 )
+
+
+def plan_choice(plan: ExecutionPlan) -> Choice:
+    """The execution plan's `lora` stage: which path a step's adapter rows run on."""
+    stack = (
+        " and keep all-decode steps with adapter rows off the native decode stack"
+        if plan.native_decode
+        else ""
+    )
+    return Choice(
+        f"segmented shrink/expand on the {plan.layers.implementation} layers",
+        "each target linear adds one x·Aᵀ·Bᵀ product per adapter in the step over that adapter's rows "
+        f"(compute_service/lora){stack}; steps of base rows only run as planned",
+    )
 
 
 def from_flags(

@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 
+from protos import compute_pb2
 from sdk.client import GenerationError
 from tests.architectures import save_tiny
 from tests.e2e.greedy import hf_greedy
@@ -88,6 +89,15 @@ def test_base_and_three_adapters_in_one_batch_give_peft_tokens(served):
     for (prompt, adapter), result in zip(rows, results, strict=True):
         assert result.token_ids == _reference(reference, adapter, prompt), adapter or "base"
     assert len({tuple(result.token_ids) for result in results}) == len(rows), "each adapter changes tokens"
+
+
+def test_model_info_lists_the_adapters_and_the_plan_their_path(served):
+    stack, _, _ = served
+    info = stack.compute().GetModelInfo(compute_pb2.GetModelInfoRequest(), timeout=10)
+    assert [(a.name, a.rank) for a in info.lora_adapters] == [("sql", 4), ("chat", 8), ("code", 2)]
+    assert (info.lora_limits.max_loras, info.lora_limits.max_lora_rank) == (4, 8)
+    stages = {stage.stage: stage.implementation for stage in info.execution_plan.stages}
+    assert stages["lora"] == f"segmented shrink/expand on the {stages['layers']} layers"
 
 
 def test_prefix_hits_stay_within_an_adapter(served):

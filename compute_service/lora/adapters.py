@@ -34,7 +34,14 @@ class Adapters:
         self.sites, self.dtype, self.max_loras, self.max_rank = sites, dtype, max_loras, max_rank
         self.by_name: dict[str, Adapter] = {}
         self.by_id: dict[int, Adapter] = {}
+        # adapter id -> the slot of its weights in every LoraLinear
+        self.slot_of: dict[int, int] = {}
         self._next_id = 1
+        for linear in self._linears():
+            linear.reserve(max_loras, max_rank, dtype)
+
+    def _linears(self) -> list:
+        return list({id(site.linear): site.linear for site in self.sites.values()}.values())
 
     @classmethod
     def on(cls, model: nn.Module, max_loras: int, max_rank: int) -> "Adapters":
@@ -56,25 +63,27 @@ class Adapters:
                 f"adapter {name!r} has rank {weights.rank}, over --max-lora-rank {self.max_rank}"
             )
         self._check(name, weights.pairs)
+        slot = min(set(range(self.max_loras)) - set(self.slot_of.values()))
         adapter = Adapter(self._next_id, name, str(Path(path)), weights.rank, tuple(weights.targets))
         self._next_id += 1
         by_linear: dict[int, tuple[Site, list]] = {}
-        for key in sorted(weights.pairs, key=lambda key: self.sites[key].start):
+        for key, (a, b) in weights.pairs.items():
             site = self.sites[key]
             by_linear.setdefault(id(site.linear), (site, []))[1].append(
-                (site.start, site.end, *weights.pairs[key])
+                (site.piece, site.start, site.end, a, b)
             )
         for site, pieces in by_linear.values():
-            site.linear.add(adapter.id, pieces)
-        self.by_name[name], self.by_id[adapter.id] = adapter, adapter
+            site.linear.add(slot, pieces)
+        self.by_name[name], self.by_id[adapter.id], self.slot_of[adapter.id] = adapter, adapter, slot
         return adapter
 
     def unload(self, name: str) -> Adapter:
         """Drops the adapter `name`; KeyError when none is resident by that name."""
         adapter = self.by_name.pop(name)
         del self.by_id[adapter.id]
-        for linear in {id(site.linear): site.linear for site in self.sites.values()}.values():
-            linear.remove(adapter.id)
+        slot = self.slot_of.pop(adapter.id)
+        for linear in self._linears():
+            linear.remove(slot)
         return adapter
 
     def rows(self, adapter_ids: torch.Tensor, cu_seqlens_q: torch.Tensor) -> StepRows | None:
@@ -85,7 +94,8 @@ class Adapters:
             raise InvalidArgument(
                 f"lora_ids {unknown} name no resident adapter (GetModelInfo.lora_adapters lists them)"
             )
-        return StepRows.of(adapter_ids, cu_seqlens_q)
+        slots = torch.tensor([self.slot_of.get(adapter, -1) for adapter in adapter_ids.tolist()])
+        return StepRows.of(slots, cu_seqlens_q)
 
     def _check(self, name: str, pairs: dict) -> None:
         served = sorted({target for _, target in self.sites})

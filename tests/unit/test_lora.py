@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from common.errors import InvalidArgument
 from compute_service.batch import ForwardBatch
 from compute_service.lora.adapters import Adapters
+from compute_service.lora.layers import LoraLinear, StepRows, set_rows
 from compute_service.lora.peft_files import WEIGHTS, AdapterError
 from compute_service.model_loader import load
 from compute_service.runner import Runner
@@ -117,3 +118,44 @@ def test_adapters_that_do_not_fit_are_refused_at_load(served, tmp_path):
     with pytest.raises(AdapterError, match="must hold adapter_config.json"):
         adapters.load("missing", str(tmp_path / "nowhere"))
     assert adapters.by_name == before
+
+
+@pytest.mark.parametrize(
+    ("lengths", "slots", "padded"),
+    [
+        ((1, 1, 1, 1, 1, 1), (0, 2, 0, -1, 2, 1), True),  # decodes: one batched shrink and expand
+        ((5, 1, 3, 2), (1, -1, 0, 1), True),  # padded groups, the padding left out
+        ((40, 1, 1), (2, 0, 1), False),  # a long prompt beside decodes: a product pair per group
+    ],
+)
+def test_grouped_rows_add_each_rows_own_adapter(lengths, slots, padded):
+    torch.manual_seed(0)
+    base = torch.nn.Linear(12, 10)
+    linear = LoraLinear(base, 12, 10, pieces=2)
+    linear.reserve(3, 4, torch.float32)
+    pairs = {}
+    for slot, rank in enumerate((4, 2, 3)):
+        a1, b1, a2, b2 = (
+            torch.randn(rank, 12),
+            torch.randn(6, rank),
+            torch.randn(rank, 12),
+            torch.randn(4, rank),
+        )
+        linear.add(slot, [(0, 0, 6, a1, b1), (1, 6, 10, a2, b2)])
+        pairs[slot] = (a1, b1, a2, b2)
+    x = torch.randn(sum(lengths), 12)
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    rows = StepRows.of(torch.tensor(slots), cu)
+    assert (rows.padded is not None) == padded
+    set_rows(rows)
+    try:
+        y = linear(x)
+    finally:
+        set_rows(None)
+    expected = base(x)
+    for seq, slot in enumerate(slots):
+        if slot >= 0:
+            a1, b1, a2, b2 = pairs[slot]
+            part = x[cu[seq] : cu[seq + 1]]
+            expected[cu[seq] : cu[seq + 1]] += torch.cat((part @ a1.T @ b1.T, part @ a2.T @ b2.T), dim=1)
+    torch.testing.assert_close(y, expected)

@@ -17,6 +17,7 @@ from compute_service.lora.layers import LoraLinear, StepRows, set_rows
 from compute_service.lora.peft_files import WEIGHTS, AdapterError
 from compute_service.model_loader import load
 from compute_service.runner import Runner
+from compute_service.speculation import step_batch
 from compute_service.validation import Limits
 from tests.architectures import save_tiny
 from tests.e2e.greedy import hf_greedy
@@ -159,3 +160,13 @@ def test_grouped_rows_add_each_rows_own_adapter(lengths, slots, padded):
             part = x[cu[seq] : cu[seq + 1]]
             expected[cu[seq] : cu[seq + 1]] += torch.cat((part @ a1.T @ b1.T, part @ a2.T @ b2.T), dim=1)
     torch.testing.assert_close(y, expected)
+
+
+def test_following_and_drafting_steps_keep_each_rows_adapter():
+    request = forward_request([[5], [6], [7]], [8, 8, 8], [[0, 1], [2, 3], [4, 5]], block_size=BLOCK)
+    request.lora_ids.extend([2, 0, 1])
+    first = ForwardBatch.from_request(request, Limits(256, 512, 6, BLOCK))
+    following = first.following(torch.tensor([9, 9, 9]), [0, 2], BLOCK)
+    assert following.lora_ids.tolist() == [2, 1]
+    drafting = step_batch(first, [1, 2], [[9, 10], [9]], [9, 9], BLOCK)
+    assert drafting.lora_ids.tolist() == [0, 1]

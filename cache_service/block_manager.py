@@ -218,7 +218,7 @@ class BlockManager:
         for child_id in child_ids:
             tokens = list(parent.token_ids) if parent.token_ids is not None else None
             self._seqs[child_id] = SeqState(
-                parent.num_tokens, parent.root, tokens, list(shared), list(parent.hashes)
+                parent.num_tokens, parent.root, tokens, list(shared), list(parent.hashes), lora=parent.lora
             )
             for block_id in held:
                 self.block_pool.reference(block_id)
@@ -310,4 +310,6 @@ class BlockManager:
 
     def _new_state(self, request: SeqRequest) -> SeqState:
         tokens = list(request.token_ids) if self.prefix_caching and request.token_ids else None
-        return SeqState(request.num_tokens, root_hash(self._model, request.cache_salt), tokens)
+        lora = (request.lora_id, request.lora_name) if request.lora_id else None
+        root = root_hash(self._model, request.cache_salt, request.adapter)
+        return SeqState(request.num_tokens, root, tokens, lora=lora)

@@ -4,7 +4,7 @@ of cached blocks (the K/V data itself is in the KV pool tensor, never here)."""
 from collections.abc import Sequence
 
 from cache_service.allocators.base import BlockAllocator
-from cache_service.prefix_cache import BlockHash, PrefixCache
+from cache_service.prefix_cache import BlockHash, LoraTag, PrefixCache
 from common.errors import InvalidArgument, ResourceExhausted
 
 Parting = tuple[int, bool]  # a freed table's block, and whether the table held it (BlockPool.let_go)
@@ -83,7 +83,13 @@ class BlockPool:
         return self.refcounts[block_id]
 
     def register(
-        self, block_id: int, hash_: BlockHash, parent: BlockHash, token_ids: Sequence[int], first: bool
+        self,
+        block_id: int,
+        hash_: BlockHash,
+        parent: BlockHash,
+        token_ids: Sequence[int],
+        first: bool,
+        lora: LoraTag | None = None,
     ) -> None:
         """Publishes a used, full block whose K/V is written, under hash_ = hash(parent, token_ids); `first`:
         its sequence's first block. An evictable block indexed under the same hash is freed, the block in
@@ -94,7 +100,7 @@ class BlockPool:
             self.prefix.take_over(stale, block_id)
             self.allocator.free([stale])
         else:
-            self.prefix.register(block_id, hash_, parent, token_ids, first)
+            self.prefix.register(block_id, hash_, parent, token_ids, first, lora)
 
     def must_copy(self, block_id: int, already_copied: int = 0) -> bool:
         """A block about to be written is copied first if another table holds it or the index publishes it

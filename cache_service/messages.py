@@ -17,6 +17,8 @@ def seq_request(seq: cache_pb2.SequenceRequest) -> SeqRequest:
         seq.cache_salt,
         seq.max_compute_tokens,
         seq.lookahead_tokens,
+        seq.lora_id,
+        seq.lora_name,
     )
 
 

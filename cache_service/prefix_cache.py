@@ -7,11 +7,15 @@ from collections.abc import Iterator, Sequence
 from typing import NewType
 
 BlockHash = NewType("BlockHash", bytes)
+# The LoRA adapter whose KV a block holds: compute's id and the adapter's name (None: the base model's).
+LoraTag = tuple[int, str]
 
 
-def root_hash(model: str, cache_salt: str) -> BlockHash:
-    """The parent key of a sequence's first block: only requests with equal model and salt share blocks."""
-    return BlockHash(hashlib.blake2b(f"{model}\0{cache_salt}".encode(), digest_size=16).digest())
+def root_hash(model: str, cache_salt: str, adapter: str = "") -> BlockHash:
+    """The parent key of a sequence's first block: only requests with equal model, salt and LoRA adapter
+    (SeqRequest.adapter; empty: the base model) share blocks."""
+    key = f"{model}\0{cache_salt}" + (f"\0{adapter}" if adapter else "")
+    return BlockHash(hashlib.blake2b(key.encode(), digest_size=16).digest())
 
 
 def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
@@ -33,10 +37,16 @@ class PrefixListener:
     bytes copies them before returning (an evicted block is handed out right after)."""
 
     def cached(
-        self, block_id: int, hash_: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]
+        self,
+        block_id: int,
+        hash_: BlockHash,
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        lora: LoraTag | None = None,
     ) -> None:
         """The block's K/V is written and indexed under hash_ = hash(parent's hash, token_ids); parent is
-        None for a sequence's first block (its parent key is the root, no block's)."""
+        None for a sequence's first block (its parent key is the root, no block's); `lora`: the adapter the
+        K/V was computed through (None: the base model)."""
 
     def reused(self, hits: Sequence[tuple[int, BlockHash]]) -> None:
         """A new sequence (with token ids) looked the index up; it shares these (block, hash) hits."""
@@ -93,16 +103,23 @@ class PrefixCache:
         return block_id in self._evictable
 
     def register(
-        self, block_id: int, hash_: BlockHash, parent: BlockHash, token_ids: Sequence[int], first: bool
+        self,
+        block_id: int,
+        hash_: BlockHash,
+        parent: BlockHash,
+        token_ids: Sequence[int],
+        first: bool,
+        lora: LoraTag | None = None,
     ) -> None:
         """Indexes a written, full, used block under hash_ = hash(parent, token_ids), unless that hash (or
-        the block) is indexed already; `first`: it is its sequence's first block (parent is the root)."""
+        the block) is indexed already; `first`: it is its sequence's first block (parent is the root);
+        `lora`: its sequence's adapter, for the listeners."""
         if hash_ not in self._by_hash and block_id not in self._entry:
             self._by_hash[hash_] = block_id
             self._entry[block_id] = (hash_, parent, tuple(token_ids))
             self._children.setdefault(parent, set()).add(block_id)
             for listener in self.listeners:
-                listener.cached(block_id, hash_, None if first else parent, token_ids)
+                listener.cached(block_id, hash_, None if first else parent, token_ids, lora)
 
     def take_over(self, stale: int, block_id: int) -> None:
         """block_id (used, unindexed, its K/V written) stands for evictable `stale`'s hash from now on: stale

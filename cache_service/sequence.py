@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from cache_service.prefix_cache import BlockHash
+from cache_service.prefix_cache import BlockHash, LoraTag
 from common.errors import AlreadyExists, InvalidArgument, NotFound
 from common.paging import blocks_for
 
@@ -32,6 +32,14 @@ class SeqRequest(NamedTuple):
     cache_salt: str = ""
     max_compute: int = 0
     lookahead: int = 0
+    # the LoRA adapter the sequence runs (compute's id, its name; 0 and "": the base model)
+    lora_id: int = 0
+    lora_name: str = ""
+
+    @property
+    def adapter(self) -> str:
+        """The adapter's part of the sequence's prefix root (prefix_cache.root_hash): empty for the base."""
+        return f"{self.lora_id}:{self.lora_name}" if self.lora_id else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +65,8 @@ class SeqState:
     block_table: list[int] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)
     cached_tokens: int = 0
+    # the LoRA adapter its KV runs through (SeqRequest.lora_id, lora_name); None: the base model
+    lora: LoraTag | None = None
 
     @property
     def last_hash(self) -> BlockHash:

@@ -51,7 +51,9 @@ class Tables:
         bs = self.block_size
         for index, hash_ in chain(seq.last_hash, seq.token_ids, bs, len(seq.hashes), num_computed // bs):
             tokens = block_tokens(seq.token_ids, index, bs)
-            self.block_pool.register(seq.block_table[index], hash_, seq.last_hash, tokens, first=index == 0)
+            self.block_pool.register(
+                seq.block_table[index], hash_, seq.last_hash, tokens, first=index == 0, lora=seq.lora
+            )
             seq.hashes.append(hash_)
 
     def copy_on_write(self, seq: SeqState, first_written: int) -> None:

@@ -94,6 +94,13 @@ def add_parser(commands) -> None:
         "--priority", type=int, default=0, help="lower is served first, equal ones by arrival (default 0)"
     )
     p.add_argument(
+        "--lora-adapter",
+        default="",
+        metavar="NAME",
+        help="generate with this LoRA adapter, by name (GetInfo and GET /v1/models list them; "
+        "docs/adapters.md); default: the base model",
+    )
+    p.add_argument(
         "--sparse-attention",
         type=_sparse,
         default=None,
@@ -198,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
                 priority=args.priority,
                 sparse_attention=args.sparse_attention,
                 chat_template_kwargs=args.chat_template_kwargs,
+                lora_adapter=args.lora_adapter,
             ):
                 if chunk.reasoning_text:
                     sys.stderr.write(chunk.reasoning_text)

@@ -111,7 +111,11 @@ class ServiceOptions:
         # NOTE: argparse has no public list of a parser's actions; _actions is the one it keeps.
         for action in declared._actions:
             value, flag = getattr(args, action.dest), action.option_strings[0]
-            assert action.nargs in (None, 0), f"{flag}: only switches and single-value flags are forwarded"
-            if value != action.default:
+            assert action.nargs in (None, 0, "+"), f"{flag}: only switches and value flags are forwarded"
+            if value == action.default:
+                continue
+            if action.nargs == "+":
+                argv += [flag, *map(str, value)]
+            else:
                 argv += [flag] if action.nargs == 0 else [flag, str(value)]
         return argv

@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common import paging
+from common.errors import InvalidArgument
 from common.sparse_settings import SparseAttention
 from compute_service.prompt_logprobs import PromptTargets, targets
 from compute_service.sampling import SamplingBatch
@@ -45,6 +46,8 @@ class ForwardBatch:
     group_slots: tuple[torch.Tensor, ...] = ()
     # the prompt tokens the step scores (ForwardRequest.prompt_*); None: no row asks
     prompt_targets: PromptTargets | None = None
+    # [N] the LoRA adapter id of each sequence (0: the base model); None: every row the base's
+    lora_ids: torch.Tensor | None = None
 
     @classmethod
     def from_request(cls, request: compute_pb2.ForwardRequest, limits: Limits) -> "ForwardBatch":
@@ -59,6 +62,13 @@ class ForwardBatch:
         batch.prompt_targets = targets(
             *(torch.tensor(f, dtype=torch.int64) for f in fields), batch.cu_seqlens_q, limits.vocab_size
         )
+        if request.lora_ids:
+            if len(request.lora_ids) != len(batch.context_lens):
+                raise InvalidArgument(
+                    f"lora_ids has {len(request.lora_ids)} entries for {len(batch.context_lens)} sequences: "
+                    "send one per sequence (0: the base model) or none"
+                )
+            batch.lora_ids = torch.tensor(request.lora_ids, dtype=torch.int64)
         return batch
 
     @classmethod
@@ -137,4 +147,5 @@ class ForwardBatch:
             pool_rows=[],
             group_tables=groups if several else (),
             group_slots=slots if several else (),
+            lora_ids=None if self.lora_ids is None else pick(self.lora_ids),
         )

@@ -1,13 +1,15 @@
 """GetModelInfo's reply: the model's shape and limits, and its execution plan (compute_service.plan)."""
 
 from common.sparse_settings import SparseMode
+from compute_service.lora.adapters import Adapter, Adapters
 from compute_service.model_loader import ModelSpec
 from compute_service.plan import ExecutionPlan
 from compute_service.pooling import Pooling
-from protos import compute_pb2
+from protos import common_pb2, compute_pb2
 
 
-def model_info(spec: ModelSpec) -> compute_pb2.ModelInfo:
+def model_info(spec: ModelSpec, adapters: Adapters | None = None) -> compute_pb2.ModelInfo:
+    """The model's info, with its resident LoRA adapters (`adapters` None: LoRA off)."""
     return compute_pb2.ModelInfo(
         model=spec.name,
         num_layers=spec.num_layers,
@@ -26,6 +28,18 @@ def model_info(spec: ModelSpec) -> compute_pb2.ModelInfo:
         sliding_windows=spec.sliding_windows,
         sparse_attention=sparse_support(spec.plan.sparse_attention),
         pooling=pooling_message(spec.pooling),
+        lora_adapters=[adapter_message(a) for a in adapters.by_id.values()] if adapters else [],
+        lora_limits=compute_pb2.LoraLimits(
+            enabled=True, max_loras=adapters.max_loras, max_lora_rank=adapters.max_rank
+        )
+        if adapters
+        else None,
+    )
+
+
+def adapter_message(adapter: Adapter) -> common_pb2.LoraAdapter:
+    return common_pb2.LoraAdapter(
+        id=adapter.id, name=adapter.name, path=adapter.path, rank=adapter.rank, target_modules=adapter.targets
     )
 
 

@@ -29,6 +29,7 @@ from compute_service.attention.context import Context
 from compute_service.linear import Linear
 from compute_service.linear_kernels import OneDnn, Panels
 from compute_service.llama_layer import FusedLlamaLayer
+from compute_service.lora.layers import current_rows
 
 # The architectures (transformers model_type) whose fused layers decode_layers.cpp computes: every one the
 # fused forward rebuilds (compute_service.fused.ARCHITECTURES).
@@ -89,8 +90,9 @@ class NativeDecode:
 
     @staticmethod
     def serves(ctx: Context) -> bool:
-        """Whether this step runs natively: every sequence decodes one token."""
-        return not ctx.prompt_rows
+        """Whether this step runs natively: every sequence decodes one token, none through a LoRA adapter
+        (adapter rows run the fused layers, compute_service.lora)."""
+        return not ctx.prompt_rows and current_rows() is None
 
     def run(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: Context) -> None:
         """Every layer over residual [T, hidden] in place (see decode_layers.cpp), each by its KV group's

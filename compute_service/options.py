@@ -93,6 +93,45 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         f"{INT4_GROUP_SIZE}); int8 in a float32 model runs native int8 panels, the rest torch's weight-only "
         "kernels on decode-sized batches",
     )
+    add_lora(parser)
+
+
+def _lora_module(text: str) -> str:
+    """--lora-modules: NAME=DIR, a name and a PEFT LoRA directory."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=DIR (an adapter name and its PEFT directory)")
+    return text
+
+
+def add_lora(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters, loaded at run time (POST /v1/load_lora_adapter, LoadLoraAdapter); implied "
+        "by --lora-modules (docs/adapters.md)",
+    )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=DIR",
+        help="LoRA adapters in PEFT's format (adapter_config.json, adapter_model.safetensors) resident from "
+        "the start; a request names one by `model` (OpenAI) or lora_adapter (gRPC)",
+    )
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=4,
+        help="adapters resident at once (default 4); a step mixes any of them beside the base model",
+    )
+    parser.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="the largest adapter rank served (default 16)",
+    )
 
 
 OPTIONS = ServiceOptions(

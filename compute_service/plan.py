@@ -113,6 +113,8 @@ class ExecutionPlan:
     # --sparse-attention: which decodes of the full-attention layers may attend to some blocks only, and which
     # do by default (None: every decode dense, requests may not ask).
     sparse_attention: SparseMode | None = None
+    # LoRA adapters (--enable-lora, --lora-modules): how a step's adapter rows run (None: LoRA off).
+    lora: Choice | None = None
 
     @property
     def fused(self) -> bool:
@@ -138,7 +140,8 @@ class ExecutionPlan:
             self.greedy,
             self.sampling,
         )
-        return dict(zip(STAGES, choices, strict=True))
+        stages = dict(zip(STAGES, choices, strict=True))
+        return stages if self.lora is None else {**stages, "lora": self.lora}
 
     def summary(self) -> dict[str, str]:
         """The plan as flat strings, for the start-up log line: what it was resolved for, and each stage's

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from common.errors import InvalidArgument
 from compute_service import architectures, kernels, prompt_logprobs
 from compute_service.attention.block_summaries import BlockSummaries
 from compute_service.attention.context import build_context, reset_context, set_context
@@ -13,6 +14,8 @@ from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.sparse import SparseDecode
 from compute_service.batch import ForwardBatch
 from compute_service.greedy import greedy, is_plain_greedy
+from compute_service.lora.adapters import Adapters
+from compute_service.lora.layers import StepRows, set_rows
 from compute_service.plan import ExecutionPlan
 from compute_service.pool_layout import PoolLayout
 from compute_service.pooling import pool
@@ -41,11 +44,13 @@ class Runner:
         scales: KVScales = NO_SCALES,
         plan: ExecutionPlan | None = None,
         pooling: str = "",
+        adapters: Adapters | None = None,
     ) -> None:
         """`plan`: the model's execution plan, whose `sampling.greedy` choice this follows (None: torch's);
         `pooling`: how rows that ask for it are pooled (compute_service.pooling; empty: the model does not
-        pool)."""
+        pool); `adapters`: the model's resident LoRA adapters (None: LoRA off, rows naming one refused)."""
         self.model = model
+        self.adapters = adapters
         self.pooling = pooling
         self.scales = scales
         self.kernels = kernels.load() if plan is not None and plan.native_greedy else None
@@ -89,6 +94,7 @@ class Runner:
         assert self.k_caches, "no pool attached"
         times = times or StepTimes()
         start = time.perf_counter()
+        rows = self._adapter_rows(batch)
         context = build_context(
             self.k_caches,
             self.v_caches,
@@ -99,6 +105,7 @@ class Runner:
             self.layer_groups,
         )
         set_context(context)
+        set_rows(rows)
         built = time.perf_counter()
         try:
             # NOTE: the step's metadata stays on the cpu (backends move what their kernels read, once).
@@ -109,6 +116,7 @@ class Runner:
             ).last_hidden_state[0]
         finally:
             reset_context()
+            set_rows(None)
         pooled = pool(self.pooling, hidden, batch.cu_seqlens_q, batch.pool_rows) if batch.pool_rows else None
         prompt = None
         if batch.prompt_targets is not None:
@@ -122,6 +130,19 @@ class Runner:
         if context.sparse is not None and context.sparse.derived is not None:
             times.sparse_rows += context.sparse.derived.rows
         return logits, pooled, prompt
+
+    def _adapter_rows(self, batch: ForwardBatch) -> StepRows | None:
+        """The step's rows grouped by LoRA adapter (None: all the base's); InvalidArgument for rows naming an
+        adapter that is not resident."""
+        if batch.lora_ids is None:
+            return None
+        if self.adapters is None:
+            if batch.lora_ids.any():
+                raise InvalidArgument(
+                    "lora_ids name adapters, but compute serves none: start it with --enable-lora"
+                )
+            return None
+        return self.adapters.rows(batch.lora_ids, batch.cu_seqlens_q)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's logits of hidden states, in its dtype."""

@@ -12,7 +12,7 @@ from transformers import AutoConfig
 
 from common import transport
 from common.devices import CPU, Device
-from common.errors import InvalidArgument
+from common.errors import FailedPrecondition, InvalidArgument, NotFound
 from common.logging import configure
 from common.metrics import serve_metrics
 from common.options import REFUSED
@@ -24,7 +24,10 @@ from compute_service import kernels, kv_pool
 from compute_service.attention.registry import require_block_size
 from compute_service.callers import CALLERS
 from compute_service.forward_steps import ForwardSteps
-from compute_service.model_info import model_info
+from compute_service.lora import adapters as lora_adapters
+from compute_service.lora.adapters import Adapters
+from compute_service.lora.peft_files import AdapterError
+from compute_service.model_info import adapter_message, model_info
 from compute_service.model_loader import ModelSpec, load_planned, plan_for
 from compute_service.options import OPTIONS
 from compute_service.planning import Flags
@@ -66,7 +69,31 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         self.multi_steps = ForwardSteps(self.stepper, self.steps)
 
     def GetModelInfo(self, request, context) -> compute_pb2.ModelInfo:
-        return model_info(self.spec)
+        return model_info(self.spec, self.stepper.runner.adapters)
+
+    def LoadLoraAdapter(self, request: compute_pb2.LoraLoadRequest, context) -> common_pb2.LoraAdapter:
+        adapters = self._adapters()
+        try:
+            adapter = self.steps.call(adapters.load, request.name, request.path)
+        except AdapterError as err:
+            raise InvalidArgument(str(err)) from err
+        self.log.info("lora_loaded", name=adapter.name, id=adapter.id, rank=adapter.rank, path=adapter.path)
+        return adapter_message(adapter)
+
+    def UnloadLoraAdapter(self, request: compute_pb2.LoraUnloadRequest, context) -> common_pb2.LoraAdapter:
+        adapters = self._adapters()
+        try:
+            adapter = self.steps.call(adapters.unload, request.name)
+        except KeyError as err:
+            raise NotFound(f"no LoRA adapter named {request.name!r} is resident") from err
+        self.log.info("lora_unloaded", name=adapter.name, id=adapter.id)
+        return adapter_message(adapter)
+
+    def _adapters(self) -> Adapters:
+        adapters = self.stepper.runner.adapters
+        if adapters is None:
+            raise FailedPrecondition("compute serves no LoRA adapters: start it with --enable-lora")
+        return adapters
 
     def AttachPool(self, handle: common_pb2.PoolHandle, context) -> compute_pb2.AttachPoolResponse:
         """Maps the pool only if the handle fits the model and its segment is the one the cache created for
@@ -151,6 +178,14 @@ def main(argv: list[str] | None = None) -> None:
         files, plan = plan_for(args.model, flags)
         pooling = resolve_pooling(args.pooling, files.path, AutoConfig.from_pretrained(files.path))
         model, spec = steps.call(load_planned, files, plan)
+        adapters = steps.call(
+            lora_adapters.from_flags,
+            model,
+            args.enable_lora,
+            args.lora_modules,
+            args.max_loras,
+            args.max_lora_rank,
+        )
     except (FileNotFoundError, ValueError) as exc:
         print(f"compute_service: {exc}", file=sys.stderr)
         raise SystemExit(REFUSED) from exc
@@ -169,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=spec.max_model_len,
     )
     spec = replace(spec, pooling=pooling)
+    if adapters is not None:
+        spec = replace(spec, plan=replace(spec.plan, lora=lora_adapters.plan_choice(spec.plan)))
     log.info("execution_plan", **spec.plan.summary())
     log.info("pooling", **({"mode": None} if pooling is None else asdict(pooling)))
     COMPUTE_INFO.info(
@@ -181,7 +218,14 @@ def main(argv: list[str] | None = None) -> None:
             "attention_backend": spec.attention_backend,
         }
     )
-    runner = Runner(model, spec.kv_scales, spec.plan, pooling.mode if pooling else "")
+    if adapters is not None:
+        log.info(
+            "lora",
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            adapters=list(adapters.by_name),
+        )
+    runner = Runner(model, spec.kv_scales, spec.plan, pooling.mode if pooling else "", adapters)
     servicer = ComputeServicer(runner, spec, log, args.kv_device, threads, steps)
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(

@@ -57,8 +57,8 @@ def step_batch(
     ForwardBatch.following does. Unchecked, as that one: the call's plan verified up front that every row's
     slots for all its steps lie in its table (the feeds never go past them: see MultiStepPlan.room).
 
-    NOTE: the rows' sampling is the first step's, as `following` carries it on; a plain greedy row reads none
-    of it."""
+    NOTE: the rows' sampling and LoRA adapters are the first step's, as `following` carries them on; a plain
+    greedy row reads none of its sampling."""
     picked = torch.tensor(rows)
     groups = first.group_tables or (first.block_tables,)
     lengths = torch.tensor([len(feed) for feed in feeds])
@@ -75,7 +75,8 @@ def step_batch(
         prompt_chunk=torch.zeros(0, dtype=torch.bool),
         sparse=torch.zeros((0, 3), dtype=torch.int64),
     )
-    return replace(ForwardBatch.derive(sent, block_size), logit_tokens=None)
+    lora_ids = None if first.lora_ids is None else first.lora_ids[picked]
+    return replace(ForwardBatch.derive(sent, block_size), logit_tokens=None, lora_ids=lora_ids)
 
 
 def verified(feeds: list[list[int]], chosen: list[int]) -> list[list[int]]:

@@ -18,6 +18,7 @@ from gateway.chat_formats import ChatFormats
 from gateway.edge import Edge
 from gateway.engine import Engine
 from gateway.limits import check_queue, check_request, check_request_id
+from gateway.lora import LoraAdapters
 from gateway.reasoning import formats as reasoning_formats
 from gateway.reasoning.constraint import after_reasoning
 from gateway.reasoning.stream import ReasoningStreams
@@ -59,6 +60,7 @@ class Generation:
         self.formats = formats
         # --served-model-name: the names requests may give; the first is the one responses carry.
         self.served_names: tuple[str, ...] = ()
+        self.adapters = LoraAdapters(engine)
 
     def model_name(self, info) -> str:
         """The name responses carry: the first --served-model-name, else the attached model's."""
@@ -171,6 +173,7 @@ class Generation:
             raise InvalidArgument(
                 "ignore_eos cannot be combined with a constraint: the constraint ends the text"
             )
+        adapter = self.adapters.resolve(request.lora_adapter)
         prompt_ids = tok.encode(self.tokenizer, request, info.vocab_size, tools)
         reasoning = self._opened(request, prompt_ids)
         if spec is not None and reasoning is not None:
@@ -203,6 +206,8 @@ class Generation:
             constraint=self._matcher(spec, info),
             sparse=sparse,
             keep_special=self.formats.keep(tools is not None, reasoning is not None),
+            lora_id=adapter.id if adapter else 0,
+            lora_name=adapter.name if adapter else "",
         )
         return seq, tools, reasoning
 

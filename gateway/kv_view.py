@@ -316,4 +316,6 @@ def _seq_request(
         num_computed=seq.num_computed,
         cache_salt=seq.cache_salt,
         max_compute_tokens=max_compute,
+        lora_id=seq.lora_id,
+        lora_name=seq.lora_name,
     )

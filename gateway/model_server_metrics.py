@@ -14,6 +14,8 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway import lora
+
 if TYPE_CHECKING:
     from gateway.engine import Engine
 
@@ -119,3 +121,4 @@ class EngineCollector(Collector):
             hits.add_metric(labels, totals.cached_tokens)
             config.add_metric([str(kv.block_size), str(kv.num_blocks), ENGINE], 1)
         yield from (running, waiting, usage, preemptions, queries, hits, config)
+        yield lora.requests_info(info, scheduler)

@@ -148,6 +148,9 @@ class Sequence:
     # With sampling.prompt_logprobs: per prompt position, the score of its token (position 0: None), as the
     # steps of its prompt compute them.
     prompt_scores: list | None = None
+    # The LoRA adapter it runs (compute's id and its name, gateway.lora; 0 and "": the base model).
+    lora_id: int = 0
+    lora_name: str = ""
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.seq_id

@@ -29,6 +29,7 @@ from gateway.http.anthropic.route import messages_api
 from gateway.http.app import create_app
 from gateway.http.bridge import Bridge
 from gateway.http.dashboard_state import DashboardSource
+from gateway.http.lora_api import lora_api
 from gateway.http.openai_api import Front, openai_api
 from gateway.http.responses.route import responses_api
 from gateway.http.serve import HttpServer
@@ -90,6 +91,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             embedding_dimensions=info.pooling.dimensions if info.pooling.type else 0,
             embedding_matryoshka=info.pooling.matryoshka,
             embedding_matryoshka_dimensions=info.pooling.matryoshka_dimensions,
+            lora_adapters=self._generation.adapters.listed(),
         )
 
 
@@ -236,6 +238,7 @@ def _serve_http(http: HttpServer, generation: Generation, server: Server, args, 
     source = DashboardSource(generation.engine, cache, generation.edge.keys)
     source.start()
     installers = [openai_api(front), responses_api(front), messages_api(front), tokenize_api(front)]
+    installers.append(lora_api(front))
     installers.append(dashboard.installer(source))
     if args.http_metrics == "on":
         installers.append(metrics_route.install)

@@ -50,6 +50,7 @@ def forward_request(
         prompt_chunk=_flags([seq.chunk_end <= len(seq.prompt_ids) for seq in seqs]),
         sparse=_sparse_rows(seqs),
         pool=_flags([seq.pools_now for seq in seqs]),
+        lora_ids=[seq.lora_id for seq in seqs] if any(seq.lora_id for seq in seqs) else [],
         **forward_sampling([seq for seq in seqs if seq.samples_now], eos_ids),
         **_prompt_targets(seqs),
     )

@@ -52,7 +52,7 @@ class CreatePoolRequest(_message.Message):
     def __init__(self, geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., attention_backend: _Optional[str] = ..., sliding_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "token_ids", "num_computed", "cache_salt", "max_compute_tokens", "lookahead_tokens")
+    __slots__ = ("seq_id", "num_tokens", "token_ids", "num_computed", "cache_salt", "max_compute_tokens", "lookahead_tokens", "lora_id", "lora_name")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,8 @@ class SequenceRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MAX_COMPUTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     num_tokens: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -67,7 +69,9 @@ class SequenceRequest(_message.Message):
     cache_salt: str
     max_compute_tokens: int
     lookahead_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_compute_tokens: _Optional[int] = ..., lookahead_tokens: _Optional[int] = ...) -> None: ...
+    lora_id: int
+    lora_name: str
+    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_compute_tokens: _Optional[int] = ..., lookahead_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("new_seqs", "running_seqs", "session_id")

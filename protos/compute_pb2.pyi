@@ -7,12 +7,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoraLoadRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoraUnloadRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class LoraLimits(_message.Message):
+    __slots__ = ("enabled", "max_loras", "max_lora_rank")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, enabled: _Optional[bool] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "kv_dtype", "kv_scales_id", "weights", "execution_plan", "sliding_windows", "sparse_attention", "pooling")
+    __slots__ = ("model", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "kv_dtype", "kv_scales_id", "weights", "execution_plan", "sliding_windows", "sparse_attention", "pooling", "lora_adapters", "lora_limits")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +54,8 @@ class ModelInfo(_message.Message):
     SLIDING_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LORA_LIMITS_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     num_attention_heads: int
@@ -47,7 +73,9 @@ class ModelInfo(_message.Message):
     sliding_windows: _containers.RepeatedScalarFieldContainer[int]
     sparse_attention: SparseSupport
     pooling: Pooling
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., weights: _Optional[str] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., sliding_windows: _Optional[_Iterable[int]] = ..., sparse_attention: _Optional[_Union[SparseSupport, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]
+    lora_limits: LoraLimits
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., weights: _Optional[str] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., sliding_windows: _Optional[_Iterable[int]] = ..., sparse_attention: _Optional[_Union[SparseSupport, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapter, _Mapping]]] = ..., lora_limits: _Optional[_Union[LoraLimits, _Mapping]] = ...) -> None: ...
 
 class Pooling(_message.Message):
     __slots__ = ("type", "normalize", "dimensions", "matryoshka", "matryoshka_dimensions", "source")
@@ -118,7 +146,7 @@ class AttachPoolResponse(_message.Message):
     def __init__(self, epoch: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("pool_epoch", "token_ids", "cu_seqlens_q", "num_computed", "block_tables", "block_table_width", "num_kv_groups", "sample", "sampling", "history_token_ids", "cu_history", "history_prompt_lens", "output_lens", "session_epoch", "cached_prefix", "prompt_chunk", "sparse", "constraint_rows", "constraint_bitmask", "pool", "prompt_logprobs", "prompt_target_ids", "cu_prompt_targets")
+    __slots__ = ("pool_epoch", "token_ids", "cu_seqlens_q", "num_computed", "block_tables", "block_table_width", "num_kv_groups", "sample", "sampling", "history_token_ids", "cu_history", "history_prompt_lens", "output_lens", "session_epoch", "cached_prefix", "prompt_chunk", "sparse", "constraint_rows", "constraint_bitmask", "pool", "prompt_logprobs", "prompt_target_ids", "cu_prompt_targets", "lora_ids")
     POOL_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CU_SEQLENS_Q_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +170,7 @@ class ForwardRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TARGET_IDS_FIELD_NUMBER: _ClassVar[int]
     CU_PROMPT_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    LORA_IDS_FIELD_NUMBER: _ClassVar[int]
     pool_epoch: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cu_seqlens_q: _containers.RepeatedScalarFieldContainer[int]
@@ -165,7 +194,8 @@ class ForwardRequest(_message.Message):
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[int]
     prompt_target_ids: _containers.RepeatedScalarFieldContainer[int]
     cu_prompt_targets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool_epoch: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., block_table_width: _Optional[int] = ..., num_kv_groups: _Optional[int] = ..., sample: _Optional[_Iterable[bool]] = ..., sampling: _Optional[_Iterable[_Union[RowSampling, _Mapping]]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., cu_history: _Optional[_Iterable[int]] = ..., history_prompt_lens: _Optional[_Iterable[int]] = ..., output_lens: _Optional[_Iterable[int]] = ..., session_epoch: _Optional[int] = ..., cached_prefix: _Optional[_Iterable[bool]] = ..., prompt_chunk: _Optional[_Iterable[bool]] = ..., sparse: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., constraint_rows: _Optional[_Iterable[int]] = ..., constraint_bitmask: _Optional[bytes] = ..., pool: _Optional[_Iterable[bool]] = ..., prompt_logprobs: _Optional[_Iterable[int]] = ..., prompt_target_ids: _Optional[_Iterable[int]] = ..., cu_prompt_targets: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool_epoch: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., block_table_width: _Optional[int] = ..., num_kv_groups: _Optional[int] = ..., sample: _Optional[_Iterable[bool]] = ..., sampling: _Optional[_Iterable[_Union[RowSampling, _Mapping]]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., cu_history: _Optional[_Iterable[int]] = ..., history_prompt_lens: _Optional[_Iterable[int]] = ..., output_lens: _Optional[_Iterable[int]] = ..., session_epoch: _Optional[int] = ..., cached_prefix: _Optional[_Iterable[bool]] = ..., prompt_chunk: _Optional[_Iterable[bool]] = ..., sparse: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., constraint_rows: _Optional[_Iterable[int]] = ..., constraint_bitmask: _Optional[bytes] = ..., pool: _Optional[_Iterable[bool]] = ..., prompt_logprobs: _Optional[_Iterable[int]] = ..., prompt_target_ids: _Optional[_Iterable[int]] = ..., cu_prompt_targets: _Optional[_Iterable[int]] = ..., lora_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RowSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "min_tokens", "suppress_token_ids")

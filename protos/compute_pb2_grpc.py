@@ -56,6 +56,16 @@ class ComputeStub:
                 request_serializer=protos_dot_compute__pb2.StepsRequest.SerializeToString,
                 response_deserializer=protos_dot_compute__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pagedserve.v1.Compute/LoadLoraAdapter',
+                request_serializer=protos_dot_compute__pb2.LoraLoadRequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.LoraAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pagedserve.v1.Compute/UnloadLoraAdapter',
+                request_serializer=protos_dot_compute__pb2.LoraUnloadRequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.LoraAdapter.FromString,
+                _registered_method=True)
 
 
 class ComputeServicer:
@@ -95,6 +105,21 @@ class ComputeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Makes a PEFT LoRA directory resident under a name (docs/adapters.md); INVALID_ARGUMENT, nothing changed,
+        when it does not fit the model or the limits (ModelInfo.lora_limits). Runs between steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Drops a resident adapter by name (NOT_FOUND: none is); steps naming its id are refused after.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ComputeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,6 +142,16 @@ def add_ComputeServicer_to_server(servicer, server):
                     servicer.ForwardSteps,
                     request_deserializer=protos_dot_compute__pb2.StepsRequest.FromString,
                     response_serializer=protos_dot_compute__pb2.ForwardResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_compute__pb2.LoraLoadRequest.FromString,
+                    response_serializer=protos_dot_common__pb2.LoraAdapter.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_compute__pb2.LoraUnloadRequest.FromString,
+                    response_serializer=protos_dot_common__pb2.LoraAdapter.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +263,60 @@ class Compute:
             '/pagedserve.v1.Compute/ForwardSteps',
             protos_dot_compute__pb2.StepsRequest.SerializeToString,
             protos_dot_compute__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Compute/LoadLoraAdapter',
+            protos_dot_compute__pb2.LoraLoadRequest.SerializeToString,
+            protos_dot_common__pb2.LoraAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Compute/UnloadLoraAdapter',
+            protos_dot_compute__pb2.LoraUnloadRequest.SerializeToString,
+            protos_dot_common__pb2.LoraAdapter.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,3 +1,4 @@
+from protos import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -126,7 +127,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "token_ids", "messages", "sampling", "cache_salt", "priority", "constraint", "tools", "tool_choice", "parallel_tool_calls", "resume", "sparse_attention", "chat_template_kwargs", "prompts")
+    __slots__ = ("request_id", "prompt", "token_ids", "messages", "sampling", "cache_salt", "priority", "constraint", "tools", "tool_choice", "parallel_tool_calls", "resume", "sparse_attention", "chat_template_kwargs", "prompts", "lora_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +143,7 @@ class GenerateRequest(_message.Message):
     SPARSE_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -157,7 +159,8 @@ class GenerateRequest(_message.Message):
     sparse_attention: SparseAttention
     chat_template_kwargs: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., resume: _Optional[_Iterable[_Union[ResumedSample, _Mapping]]] = ..., sparse_attention: _Optional[_Union[SparseAttention, _Mapping]] = ..., chat_template_kwargs: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., resume: _Optional[_Iterable[_Union[ResumedSample, _Mapping]]] = ..., sparse_attention: _Optional[_Union[SparseAttention, _Mapping]] = ..., chat_template_kwargs: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class Prompt(_message.Message):
     __slots__ = ("text", "token_ids")
@@ -302,7 +305,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "max_model_len", "vocab_size", "block_size", "num_blocks", "eos_token_ids", "kv_dtype", "device", "attention_backend", "weights", "pooling", "embedding_dimensions", "embedding_matryoshka", "embedding_matryoshka_dimensions")
+    __slots__ = ("model", "dtype", "max_model_len", "vocab_size", "block_size", "num_blocks", "eos_token_ids", "kv_dtype", "device", "attention_backend", "weights", "pooling", "embedding_dimensions", "embedding_matryoshka", "embedding_matryoshka_dimensions", "lora_adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +321,7 @@ class GetInfoResponse(_message.Message):
     EMBEDDING_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     max_model_len: int
@@ -333,7 +337,8 @@ class GetInfoResponse(_message.Message):
     embedding_dimensions: int
     embedding_matryoshka: bool
     embedding_matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., weights: _Optional[str] = ..., pooling: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., embedding_matryoshka: _Optional[bool] = ..., embedding_matryoshka_dimensions: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., weights: _Optional[str] = ..., pooling: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., embedding_matryoshka: _Optional[bool] = ..., embedding_matryoshka_dimensions: _Optional[_Iterable[int]] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt", "return_token_strs", "chat_template_kwargs")

@@ -41,6 +41,7 @@ def build_request(
     chat_template_kwargs: Mapping | None = None,
     prompt_logprobs: int | None = None,
     prompts: Sequence[str | Sequence[int]] = (),
+    lora_adapter: str = "",
 ) -> generation_pb2.GenerateRequest:
     """priority: lower values are served first (and preempted last); equal priorities go by arrival. At most
     one constraint (json_schema, json_object, regex, choice, grammar). A chat message may carry `tool_calls`
@@ -50,7 +51,7 @@ def build_request(
     variables for the chat template of `messages` (`{"enable_thinking": False}`; docs/reasoning.md).
     prompt_logprobs: each prompt token's log-probability and that many alternatives, on sample 0's first
     chunk. prompts: several prompts (texts or token-id lists) in one request, instead of prompt or
-    token_ids."""
+    token_ids. lora_adapter: generate with that LoRA adapter (GetInfo lists them; docs/adapters.md)."""
     sampling = generation_pb2.SamplingParams(
         top_k=top_k,
         ignore_eos=ignore_eos,
@@ -86,6 +87,7 @@ def build_request(
         sampling=sampling,
         cache_salt=cache_salt,
         priority=priority,
+        lora_adapter=lora_adapter,
         tools=[
             generation_pb2.Tool(
                 name=t["name"],

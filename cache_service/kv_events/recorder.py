@@ -5,7 +5,7 @@ import threading
 from collections.abc import Sequence
 
 from cache_service.kv_events import wire
-from cache_service.prefix_cache import BlockHash, PrefixListener
+from cache_service.prefix_cache import BlockHash, LoraTag, PrefixListener
 
 
 class EventRecorder(PrefixListener):
@@ -19,7 +19,12 @@ class EventRecorder(PrefixListener):
         self._events: list[wire.Event] = []
 
     def cached(
-        self, block_id: int, hash_: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]
+        self,
+        block_id: int,
+        hash_: BlockHash,
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        lora: LoraTag | None = None,
     ) -> None:
         with self._lock:
             last = self._events[-1] if self._events else None
@@ -27,7 +32,7 @@ class EventRecorder(PrefixListener):
                 last.block_hashes.append(hash_)
                 last.token_ids.extend(token_ids)
             else:
-                self._events.append(wire.stored(hash_, parent, list(token_ids), self.block_size))
+                self._events.append(wire.stored(hash_, parent, list(token_ids), self.block_size, lora))
         self.wake.set()
 
     def evicted(self, block_id: int, hash_: BlockHash) -> None:

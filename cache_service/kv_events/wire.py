@@ -51,8 +51,17 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
-def stored(block_hash: bytes, parent: bytes | None, token_ids: list[int], block_size: int) -> BlockStored:
-    return BlockStored([block_hash], parent, token_ids, block_size, None, MEDIUM, None, GROUP)
+def stored(
+    block_hash: bytes,
+    parent: bytes | None,
+    token_ids: list[int],
+    block_size: int,
+    lora: tuple[int, str] | None = None,
+) -> BlockStored:
+    """A block's BlockStored; `lora`: the (lora_id, lora_name) of the adapter its K/V ran through (None:
+    the base model's, both fields None as vLLM sends them)."""
+    lora_id, lora_name = lora if lora is not None else (None, None)
+    return BlockStored([block_hash], parent, token_ids, block_size, lora_id, MEDIUM, lora_name, GROUP)
 
 
 def removed(block_hash: bytes) -> BlockRemoved:

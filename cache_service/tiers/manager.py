@@ -11,7 +11,7 @@ import torch
 from cache_service.block_manager import BlockManager
 from cache_service.hybrid_blocks import group_identity
 from cache_service.kv_pool import KVPool
-from cache_service.prefix_cache import BlockHash, PrefixListener, block_tokens, chain, root_hash
+from cache_service.prefix_cache import BlockHash, LoraTag, PrefixListener, block_tokens, chain, root_hash
 from cache_service.sequence import SeqRequest, check_prompt
 from cache_service.tiers import record, registry
 from cache_service.tiers.base import KVTier, TierError
@@ -89,7 +89,12 @@ class TierManager(PrefixListener):
     # writing (PrefixListener: under the cache's lock, inside Reserve or Free)
 
     def cached(
-        self, block_id: int, hash_: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]
+        self,
+        block_id: int,
+        hash_: BlockHash,
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        lora: LoraTag | None = None,
     ) -> None:
         self._cached[block_id] = entry = _Cached(hash_, self._lookups)
         if self.hot_threshold == 0.0:
@@ -144,7 +149,9 @@ class TierManager(PrefixListener):
         stop, loaded = (request.num_tokens - 1) // block_size, 0
         sliding = [bool(group.window) and len(groups) > 1 for group in groups]
         for index in sorted(range(len(groups)), key=sliding.__getitem__):
-            root = root_hash(group_identity(self._pool.identity, index, len(groups)), request.cache_salt)
+            root = root_hash(
+                group_identity(self._pool.identity, index, len(groups)), request.cache_salt, request.adapter
+            )
             start = groups[index].first_kept(stop * block_size, block_size) if sliding[index] else 0
             reach, count = self._load_chain(root, request, start, stop, budget - loaded)
             loaded += count

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import PagedServeError
-from gateway.http import openai_embeddings
+from gateway.http import lora_api, openai_embeddings
 from gateway.http.app import Installer
 from gateway.http.body import request_json
 from gateway.http.bridge import Bridge, unless_disconnected
@@ -30,7 +30,6 @@ from gateway.http.openai_request import (
     chat_request,
     completion_prompts,
     completion_request,
-    model_error,
     parse,
 )
 from gateway.http.openai_response import DONE, Rendering, event
@@ -103,15 +102,20 @@ def _router(front: Front) -> APIRouter:
 
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
-        return await _refusing(lambda: {"object": "list", "data": [_card(front, request)]})
+        def listed() -> dict:
+            card = _card(front, request)
+            return {"object": "list", "data": [card, *lora_api.adapter_cards(front, card)]}
+
+        return await _refusing(listed)
 
     @router.get("/v1/models/{model:path}")
     async def model(request: Request, model: str) -> Response:
         def card() -> dict:
             found = _card(front, request)
-            if model != found["id"] and model not in front.aliases:
-                raise model_error(model, found["id"])
-            return found
+            if model == found["id"] or model in front.aliases:
+                return found
+            lora_api.adapter_of(front, model, found["id"])
+            return next(card for card in lora_api.adapter_cards(front, found) if card["id"] == model)
 
         return await _refusing(card)
 
@@ -164,16 +168,16 @@ async def _generate(front: Front, request: Request, request_id: str, chat: bool,
     body = parse(ChatRequest if chat else CompletionRequest, request_json(request))
     info = front.generation.attached_model()
     name = front.generation.model_name(info)
-    if body.model not in (None, name, *front.aliases):
-        raise model_error(body.model, name)
+    adapter = lora_api.adapter_of(front, body.model, name)
     tokenizer = front.generation.tokenizer
     if chat:
         proto = chat_request(body, request_id, info.max_model_len)
     else:
         proto = completion_request(body, request_id)
+    proto.lora_adapter = adapter
     n = proto.sampling.n or 1
     prompts = PromptEcho(tokenizer, n, _echoed(body, tokenizer), body.logprobs, body.prompt_logprobs)
-    rendering = Rendering(chat, name, tokenizer, body.return_token_ids, proto.resume, n, prompts)
+    rendering = Rendering(chat, adapter or name, tokenizer, body.return_token_ids, proto.resume, n, prompts)
     replies = front.bridge.replies(proto, tenant)
     if body.stream:
         first = await unless_disconnected(request, anext(replies))

@@ -72,6 +72,19 @@ def test_indexed_blocks_are_stored_as_one_chain_and_evicted_ones_removed():
     assert recorder.take() == [], "taken events are gone"
 
 
+def test_blocks_of_an_adapter_are_rooted_at_it_and_their_events_name_it():
+    blocks, recorder = recorded_manager(num_blocks=8)
+    tokens = list(range(8))
+    written(blocks, "base", tokens)
+    allocate(blocks, [SeqRequest("sql", len(tokens), tokens, lora_id=3, lora_name="sql")])
+    assert blocks.cached_tokens("sql") == 0, "the base model's blocks are not the adapter's KV"
+    extend(blocks, [SeqRequest("sql", len(tokens), (), num_computed=len(tokens))])
+    base, sql = recorder.take()
+    assert (base.lora_id, base.lora_name) == (None, None)
+    assert (sql.lora_id, sql.lora_name) == (3, "sql")
+    assert sql.block_hashes[0] == block_hash(root_hash("m", "", "3:sql"), tokens[:4]) != base.block_hashes[0]
+
+
 def test_blocks_of_separate_chains_are_separate_events():
     blocks, recorder = recorded_manager(num_blocks=8)
     written(blocks, "a", list(range(8)))

@@ -31,6 +31,7 @@ VALUES |= {
     "--kv-tier": "rocksdb",
     "--kv-tier-hot": "0.5",
     "--sparse-attention": "sink=1,recent=2,topk=4",
+    "--lora-modules": "sql=/adapters/sql",
 }
 
 

@@ -1,0 +1,183 @@
+"""Multi-LoRA through `pagedserve up` (docs/adapters.md): three PEFT adapters of different ranks and targets
+named at start (--lora-modules), requested beside the base model in one concurrent batch, prompts prefilled
+in chunks, give peft's PeftModel greedy tokens, on Llama (fused layers, native decode stack for base steps)
+and Phi-3 (transformers' layers, fused QKV and gate/up targets); prefix hits stay within one adapter; the
+OpenAI API names adapters by `model` and lists them with their parent; adapters load and unload at run time;
+bad adapters and unknown names are refused, nothing else changed."""
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+import torch
+
+from protos import compute_pb2
+from sdk.client import GenerationError
+from tests.architectures import save_tiny
+from tests.e2e.greedy import hf_greedy
+from tests.e2e.stack import start_stack
+from tests.lora_adapters import LLAMA_ATTENTION, LLAMA_MLP, peft_model, save_adapter
+
+pytestmark = pytest.mark.e2e
+
+NEW_TOKENS = 6
+# A step's budget below every prompt: each is prefilled in chunks (beside the others' decodes).
+FLAGS = (
+    *("--dtype", "float32", "--kv-blocks", "128", "--block-size", "8", "--max-batched-tokens", "24"),
+    *("--max-loras", "4", "--max-lora-rank", "8"),
+)
+# per architecture: name -> (rank, targets, rsLoRA); the fourth is loaded at run time
+ADAPTERS = {
+    "llama3-rope": {
+        "sql": (4, ["q_proj", "v_proj"], False),
+        "chat": (8, LLAMA_ATTENTION + LLAMA_MLP, True),
+        "code": (2, ["o_proj", "gate_proj", "down_proj"], False),
+        "late": (8, ["k_proj", "up_proj"], False),
+    },
+    "phi3": {
+        "sql": (4, ["qkv_proj"], False),
+        "chat": (8, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], True),
+        "code": (2, ["down_proj", "o_proj"], False),
+        "late": (8, ["gate_up_proj"], False),
+    },
+}
+_generator = torch.Generator().manual_seed(17)
+# The API's tests run on one architecture: what they check is the gateway's.
+LLAMA_ONLY = pytest.mark.parametrize("served", ["llama3-rope"], indirect=True)
+PROMPTS = [torch.randint(3, 256, (n,), generator=_generator).tolist() for n in (41, 33, 57, 29)]
+
+
+@pytest.fixture(scope="module", params=list(ADAPTERS))
+def served(request, tmp_path_factory, tokenizer, logs):
+    """(stack, adapter directories, peft's model with every adapter)."""
+    root = tmp_path_factory.mktemp("lora")
+    model_dir = save_tiny(request.param, root / "model")
+    tokenizer.save_pretrained(model_dir)
+    paths = {
+        name: save_adapter(model_dir, root / name, rank, targets, seed=i, rslora=rslora)
+        for i, (name, (rank, targets, rslora)) in enumerate(ADAPTERS[request.param].items())
+    }
+    modules = [f"{name}={paths[name]}" for name in ("sql", "chat", "code")]
+    stack = start_stack(logs, "--model", str(model_dir), *FLAGS, "--lora-modules", *modules)
+    yield stack, paths, peft_model(model_dir, paths)
+    assert stack.stop() == 0
+
+
+def _reference(model, adapter: str, prompt: list[int]) -> list[int]:
+    if not adapter:
+        with model.disable_adapter():
+            return hf_greedy(model, prompt, NEW_TOKENS)
+    model.set_adapter(adapter)
+    return hf_greedy(model, prompt, NEW_TOKENS)
+
+
+def _generate(client, prompt: list[int], adapter: str):
+    return client.generate(
+        token_ids=prompt, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, lora_adapter=adapter
+    )
+
+
+def test_base_and_three_adapters_in_one_batch_give_peft_tokens(served):
+    stack, _, reference = served
+    rows = list(zip(PROMPTS, ["", "sql", "chat", "code"], strict=True))
+    with stack.client() as client, ThreadPoolExecutor(len(rows)) as pool:
+        results = list(pool.map(lambda row: _generate(client, *row), rows))
+    for (prompt, adapter), result in zip(rows, results, strict=True):
+        assert result.token_ids == _reference(reference, adapter, prompt), adapter or "base"
+    assert len({tuple(result.token_ids) for result in results}) == len(rows), "each adapter changes tokens"
+
+
+def test_model_info_lists_the_adapters_and_the_plan_their_path(served):
+    stack, _, _ = served
+    info = stack.compute().GetModelInfo(compute_pb2.GetModelInfoRequest(), timeout=10)
+    assert [(a.name, a.rank) for a in info.lora_adapters] == [("sql", 4), ("chat", 8), ("code", 2)]
+    assert (info.lora_limits.max_loras, info.lora_limits.max_lora_rank) == (4, 8)
+    stages = {stage.stage: stage.implementation for stage in info.execution_plan.stages}
+    assert stages["lora"] == f"segmented shrink/expand on the {stages['layers']} layers"
+
+
+def test_prefix_hits_stay_within_an_adapter(served):
+    stack, _, reference = served
+    first, again = PROMPTS[2], PROMPTS[2][:32] + PROMPTS[0][:9]
+    with stack.client() as client:
+        _generate(client, first, "chat")
+        hits = stack.stats().prefix_hit_tokens
+        other = _generate(client, again, "code")
+        assert stack.stats().prefix_hit_tokens == hits, "another adapter's blocks are not this one's KV"
+        same = _generate(client, again, "chat")
+        assert stack.stats().prefix_hit_tokens >= hits + 32, "the adapter's own 32 tokens are read"
+    assert other.token_ids == _reference(reference, "code", again)
+    assert same.token_ids == _reference(reference, "chat", again)
+
+
+@LLAMA_ONLY
+def test_openai_names_adapters_by_model_and_lists_them(served):
+    stack, paths, reference = served
+    with openai.OpenAI(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=300) as client:
+        listed = {card.id: card.model_dump() for card in client.models.list().data}
+        base = next(name for name, card in listed.items() if card.get("parent") is None)
+        assert {name: listed[name]["parent"] for name in ("sql", "chat", "code")} == dict.fromkeys(
+            ("sql", "chat", "code"), base
+        )
+        assert listed["sql"]["root"] == str(paths["sql"])
+        completion = client.completions.create(
+            model="sql",
+            prompt=PROMPTS[1],
+            max_tokens=NEW_TOKENS,
+            temperature=0.0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+        with pytest.raises(openai.NotFoundError, match="'nope' does not exist"):
+            client.completions.create(model="nope", prompt=PROMPTS[1], max_tokens=1)
+    assert completion.model == "sql"
+    assert completion.choices[0].model_dump()["token_ids"] == _reference(reference, "sql", PROMPTS[1])
+
+
+@LLAMA_ONLY
+def test_an_unknown_adapter_is_refused_by_name(served):
+    stack, _, _ = served
+    with (
+        stack.client() as client,
+        pytest.raises(GenerationError, match="no LoRA adapter named 'nope'") as err,
+    ):
+        _generate(client, PROMPTS[0], "nope")
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@LLAMA_ONLY
+def test_adapters_load_and_unload_at_run_time(served):
+    stack, paths, reference = served
+    assert _post(stack, "load_lora_adapter", lora_name="late", lora_path=str(paths["late"])) == 200
+    with stack.client() as client:
+        assert "late" in [adapter.name for adapter in client.info().lora_adapters]
+        loaded = _generate(client, PROMPTS[3], "late")
+        assert _post(stack, "unload_lora_adapter", lora_name="late") == 200
+        with pytest.raises(GenerationError, match="no LoRA adapter named 'late'"):
+            _generate(client, PROMPTS[3], "late")
+        assert [adapter.name for adapter in client.info().lora_adapters] == ["sql", "chat", "code"]
+    assert loaded.token_ids == _reference(reference, "late", PROMPTS[3])
+
+
+@LLAMA_ONLY
+def test_bad_loads_are_refused_and_change_nothing(served, tmp_path):
+    stack, paths, _ = served
+    assert _post(stack, "load_lora_adapter", lora_name="sql", lora_path=str(paths["late"])) == 400
+    assert _post(stack, "load_lora_adapter", lora_name="x", lora_path=str(tmp_path)) == 400
+    assert _post(stack, "unload_lora_adapter", lora_name="never") == 404
+    with stack.client() as client:
+        assert [adapter.name for adapter in client.info().lora_adapters] == ["sql", "chat", "code"]
+
+
+def _post(stack, route: str, **body) -> int:
+    request = urllib.request.Request(
+        f"{stack.http_url}/{route}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status
+    except urllib.error.HTTPError as err:
+        return err.code

@@ -1,0 +1,37 @@
+"""PEFT LoRA adapters of a saved model, written by peft itself (adapter_config.json and
+adapter_model.safetensors), with random non-zero A and B so that each changes the model's tokens."""
+
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+LLAMA_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+LLAMA_MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+def save_adapter(
+    model_dir: Path, path: Path, rank: int, targets: list[str], seed: int, alpha: float = 16, rslora=False
+) -> Path:
+    """A LoRA adapter of the model at `model_dir`, of `rank` on `targets`, saved at `path`."""
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False
+    )
+    model = get_peft_model(base, config)
+    model.save_pretrained(path)
+    return path
+
+
+def peft_model(model_dir: Path, adapters: dict[str, Path]) -> PeftModel:
+    """transformers' eager model of `model_dir` with every adapter loaded under its name (set_adapter picks
+    one; `disable_adapter()` gives the base)."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    names = iter(adapters.items())
+    first, path = next(names)
+    model = PeftModel.from_pretrained(base, path, adapter_name=first)
+    for name, path in names:
+        model.load_adapter(path, adapter_name=name)
+    return model.eval()

@@ -26,6 +26,7 @@ def model_info(spec: ModelSpec) -> compute_pb2.ModelInfo:
         sliding_windows=spec.sliding_windows,
         sparse_attention=sparse_support(spec.plan.sparse_attention),
         pooling=pooling_message(spec.pooling),
+        tensor_parallel_size=spec.tensor_parallel_size,
     )
 
 

@@ -1,0 +1,119 @@
+"""Megatron-style tensor parallelism of an unmodified Hugging Face decoder (--tensor-parallel-size N): each
+rank keeps 1/N of every layer's attention heads and KV heads (q/k/v projections split by output rows, the
+output projection by input columns) and 1/N of its MLP columns (gate/up by rows, down by columns); the two
+row-split products end in one all-reduce each, so a layer costs two all-reduces of [tokens, hidden]. The
+embedding, the norms and the LM head stay whole on every rank (replicated): the hidden states after each
+all-reduce are the same everywhere, and only rank 0 applies the head and samples (docs/scaling.md).
+
+transformers' attention modules shape their projections by `-1` heads of head_dim, so a layer of fewer
+heads runs unchanged; the paged attention backend sees this rank's heads and this rank's pool.
+"""
+
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from compute_service.plan import ExecutionPlan
+from compute_service.planning import Flags
+
+# The model types whose layers are sharded here: q/k/v/o projections and a gate/up/down MLP, the only
+# products that carry heads or MLP columns.
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+COLUMN_ATTENTION = ("q_proj", "k_proj", "v_proj")
+COLUMN_MLP = ("gate_proj", "up_proj")
+
+
+def flags(flags: Flags) -> Flags:
+    """The flags a rank loads with: transformers' layer forward on plain linears, whose weights it splits
+    (the fused layers and packed kernels would hold the whole ones)."""
+    return replace(flags, fused=False, plain_linear=True)
+
+
+def check(config: PretrainedConfig, plan: ExecutionPlan, size: int) -> None:
+    """ValueError, in one line naming what is served, unless `size` ranks can shard this model under
+    `plan`."""
+    if size == 1:
+        return
+    served = f"--tensor-parallel-size serves {', '.join(ARCHITECTURES)} models"
+    if config.model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"--tensor-parallel-size {size}: a {config.model_type} model is not sharded (its experts or "
+            f"fused projections are not split); {served}, or run it with --tensor-parallel-size 1"
+        )
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    counts = {
+        "attention heads": config.num_attention_heads,
+        "KV heads": kv_heads,
+        "MLP columns": config.intermediate_size,
+    }
+    for name, count in counts.items():
+        if count % size:
+            raise ValueError(
+                f"--tensor-parallel-size {size}: the model's {name} ({count}) do not split over {size} "
+                f"ranks; {served} whose attention heads, KV heads and MLP columns the size divides"
+            )
+    if plan.weights != plan.dtype:
+        raise ValueError(
+            f"--tensor-parallel-size {size} with --weights {plan.weights}: {served} in their own dtype "
+            "(--weights auto); quantised weights are not split"
+        )
+    if plan.kv_dtype != plan.dtype:
+        raise ValueError(
+            f"--tensor-parallel-size {size} with --kv-dtype {plan.kv_dtype}: {served} with K/V stored in the "
+            "weights' dtype (--kv-dtype auto)"
+        )
+    if plan.sparse_attention is not None:
+        raise ValueError(
+            f"--tensor-parallel-size {size} with --sparse-attention: {served} with dense attention only"
+        )
+
+
+class RowParallel(nn.Module):
+    """A linear layer of which this rank holds the input columns of its heads or MLP columns: its partial
+    product summed over the group by one all-reduce, the bias added once after it."""
+
+    def __init__(self, linear: nn.Linear, rank: int, size: int) -> None:
+        super().__init__()
+        width = linear.in_features // size
+        weight = linear.weight.detach()[:, rank * width : (rank + 1) * width].contiguous()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = linear.bias
+        self.reduce_s = 0.0  # time spent in the all-reduce, summed (tools/ and docs/scaling.md read it)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = nn.functional.linear(x, self.weight)
+        start = time.perf_counter()
+        dist.all_reduce(out)
+        self.reduce_s += time.perf_counter() - start
+        return out if self.bias is None else out + self.bias
+
+
+def _split_rows(linear: nn.Linear, rank: int, size: int) -> None:
+    """Keeps this rank's output rows (its heads or MLP columns) of `linear`, and of its bias."""
+    rows = linear.out_features // size
+    part = slice(rank * rows, (rank + 1) * rows)
+    linear.weight = nn.Parameter(linear.weight.detach()[part].contiguous(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach()[part].contiguous(), requires_grad=False)
+    linear.out_features = rows
+
+
+def shard(model: PreTrainedModel, rank: int, size: int) -> None:
+    """Splits every decoder layer of `model` in place to rank `rank` of `size` (check() passed)."""
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        for name in COLUMN_ATTENTION:
+            _split_rows(getattr(attention, name), rank, size)
+        for name in COLUMN_MLP:
+            _split_rows(getattr(mlp, name), rank, size)
+        attention.o_proj = RowParallel(attention.o_proj, rank, size)
+        mlp.down_proj = RowParallel(mlp.down_proj, rank, size)
+
+
+def reduce_seconds(model: PreTrainedModel) -> float:
+    """The time this rank's all-reduces took so far, summed over layers."""
+    return sum(module.reduce_s for module in model.modules() if isinstance(module, RowParallel))

@@ -93,9 +93,12 @@ class Runner:
         `pool_rows`, in order (None when no row pools), and the scores of the step's prompt targets (None:
         none asked), all from the same forward."""
         times = times or StepTimes()
-        if self.group is not None:
-            self.group.send((STEP, batch))
-        hidden = self.hidden(batch, times)
+        if self.group is None:
+            hidden = self.hidden(batch, times)
+        else:
+            with self.group.in_step():
+                self.group.send((STEP, batch))
+                hidden = self.hidden(batch, times)
         start = time.perf_counter()
         pooled = pool(self.pooling, hidden, batch.cu_seqlens_q, batch.pool_rows) if batch.pool_rows else None
         prompt = None

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -32,6 +34,8 @@ STEP, ATTACH, DETACH = "step", "attach", "detach"
 # closed connection or by the process watch, never by this timeout.
 IDLE_TIMEOUT = timedelta(days=365)
 WATCH_S = 0.5
+# Set once rank 0 stops its ranks itself: their exits are then no loss.
+_stopping = threading.Event()
 
 
 @dataclass
@@ -45,6 +49,17 @@ class ShardGroup:
 
     def send(self, message: tuple) -> None:
         dist.broadcast_object_list([message], src=0)
+
+    @contextmanager
+    def in_step(self) -> Iterator[None]:
+        """Rank 0's part of a step: an error inside it (a rank gone mid-collective, or one on this rank alone)
+        leaves the ranks out of step, so it ends the process, and the group with it, rather than a reply."""
+        try:
+            yield
+        except Exception as exc:
+            structlog.get_logger().error("shard_group_broken", error=str(exc), action="stopping the group")
+            stop(self.ranks)
+            os._exit(1)
 
     def attach(self, handle: common_pb2.PoolHandle) -> None:
         """Every other rank maps its own pool of `handle`'s segment."""
@@ -85,7 +100,11 @@ def start(argv: list[str], size: int, init_addr: str) -> tuple[list[subprocess.P
     of this host's loopback); the processes and the address."""
     init_addr = init_addr or f"127.0.0.1:{_free_port()}"
     command = [sys.executable, "-m", "compute_service", *argv, "--dist-init-addr", init_addr]
-    ranks = [subprocess.Popen([*command, "--shard-rank", str(rank)]) for rank in range(1, size)]
+    # NOTE: a session of their own: a signal to the launcher's process group reaches rank 0, which stops them.
+    ranks = [
+        subprocess.Popen([*command, "--shard-rank", str(rank)], start_new_session=True)
+        for rank in range(1, size)
+    ]
     return ranks, init_addr
 
 
@@ -115,7 +134,7 @@ def _watch(group: ShardGroup) -> None:
         time.sleep(WATCH_S)
         if group.rank == 0:
             lost = [rank for rank in group.ranks if rank.poll() is not None]
-            if lost:
+            if lost and not _stopping.is_set():
                 log.error("shard_rank_lost", returncode=lost[0].returncode, action="stopping the group")
                 stop(group.ranks)
                 os._exit(1)
@@ -125,7 +144,8 @@ def _watch(group: ShardGroup) -> None:
 
 
 def stop(ranks: list[subprocess.Popen]) -> None:
-    """Stops the ranks this process started (SIGTERM, then SIGKILL after 5 s)."""
+    """Stops the ranks this process started (SIGTERM, then SIGKILL after 5 s), as this process ends."""
+    _stopping.set()
     for rank in ranks:
         if rank.poll() is None:
             rank.terminate()

@@ -163,9 +163,10 @@ def main(argv: list[str] | None = None) -> None:
         shard = partial(tensor_parallel.shard, rank=rank, size=size)
     ranks, init_addr = [], args.dist_init_addr
     try:
+        tensor_parallel.check_flags(flags, size)
         files, plan = plan_for(args.model, flags)
         config = AutoConfig.from_pretrained(files.path)
-        tensor_parallel.check(config, plan, size)
+        tensor_parallel.check(config, size)
         pooling = resolve_pooling(args.pooling, files.path, config)
         if rank == 0 and size > 1 and shard_group.starts_ranks(init_addr):
             ranks, init_addr = shard_group.start(sys.argv[1:] if argv is None else argv, size, init_addr)

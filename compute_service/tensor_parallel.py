@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from compute_service.plan import ExecutionPlan
 from compute_service.planning import Flags
 
 # The model types whose layers are sharded here: q/k/v/o projections and a gate/up/down MLP, the only
@@ -25,6 +24,7 @@ from compute_service.planning import Flags
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 COLUMN_ATTENTION = ("q_proj", "k_proj", "v_proj")
 COLUMN_MLP = ("gate_proj", "up_proj")
+SERVED = f"--tensor-parallel-size serves {', '.join(ARCHITECTURES)} models"
 
 
 def flags(flags: Flags) -> Flags:
@@ -33,16 +33,35 @@ def flags(flags: Flags) -> Flags:
     return replace(flags, fused=False, plain_linear=True)
 
 
-def check(config: PretrainedConfig, plan: ExecutionPlan, size: int) -> None:
-    """ValueError, in one line naming what is served, unless `size` ranks can shard this model under
-    `plan`."""
+def check_flags(flags: Flags, size: int) -> None:
+    """ValueError, in one line naming what is served, unless `size` ranks can split a model under `flags`
+    (checked before the flags' own plan, so a refusal names the flag given)."""
     if size == 1:
         return
-    served = f"--tensor-parallel-size serves {', '.join(ARCHITECTURES)} models"
+    if flags.weights not in ("auto", flags.dtype_name):
+        raise ValueError(
+            f"--tensor-parallel-size {size} with --weights {flags.weights}: {SERVED} in their own dtype "
+            "(--weights auto); quantised weights are not split"
+        )
+    if flags.kv_dtype_name != flags.dtype_name:
+        raise ValueError(
+            f"--tensor-parallel-size {size} with --kv-dtype {flags.kv_dtype_name}: {SERVED} with K/V stored "
+            "in the weights' dtype (--kv-dtype auto)"
+        )
+    if flags.sparse_attention is not None:
+        raise ValueError(
+            f"--tensor-parallel-size {size} with --sparse-attention: {SERVED} with dense attention only"
+        )
+
+
+def check(config: PretrainedConfig, size: int) -> None:
+    """ValueError, in one line naming what is served, unless `size` ranks can split a model of `config`."""
+    if size == 1:
+        return
     if config.model_type not in ARCHITECTURES:
         raise ValueError(
             f"--tensor-parallel-size {size}: a {config.model_type} model is not sharded (its experts or "
-            f"fused projections are not split); {served}, or run it with --tensor-parallel-size 1"
+            f"fused projections are not split); {SERVED}, or run it with --tensor-parallel-size 1"
         )
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     counts = {
@@ -54,22 +73,8 @@ def check(config: PretrainedConfig, plan: ExecutionPlan, size: int) -> None:
         if count % size:
             raise ValueError(
                 f"--tensor-parallel-size {size}: the model's {name} ({count}) do not split over {size} "
-                f"ranks; {served} whose attention heads, KV heads and MLP columns the size divides"
+                f"ranks; {SERVED} whose attention heads, KV heads and MLP columns the size divides"
             )
-    if plan.weights != plan.dtype:
-        raise ValueError(
-            f"--tensor-parallel-size {size} with --weights {plan.weights}: {served} in their own dtype "
-            "(--weights auto); quantised weights are not split"
-        )
-    if plan.kv_dtype != plan.dtype:
-        raise ValueError(
-            f"--tensor-parallel-size {size} with --kv-dtype {plan.kv_dtype}: {served} with K/V stored in the "
-            "weights' dtype (--kv-dtype auto)"
-        )
-    if plan.sparse_attention is not None:
-        raise ValueError(
-            f"--tensor-parallel-size {size} with --sparse-attention: {served} with dense attention only"
-        )
 
 
 class RowParallel(nn.Module):

@@ -74,7 +74,8 @@ class ShardGroup:
             dist.broadcast_object_list(message, src=0)
             kind, *args = message[0]
             if kind == STEP:
-                runner.hidden(args[0])
+                # rank 0's products: its head's all-gathers take this rank's part of the vocabulary
+                runner.outputs(args[0])
             elif kind == ATTACH:
                 handle = common_pb2.PoolHandle.FromString(args[0])
                 handle.shard_rank = self.rank

@@ -2,8 +2,9 @@
 rank keeps 1/N of every layer's attention heads and KV heads (q/k/v projections split by output rows, the
 output projection by input columns) and 1/N of its MLP columns (gate/up by rows, down by columns); the two
 row-split products end in one all-reduce each, so a layer costs two all-reduces of [tokens, hidden]. The
-embedding, the norms and the LM head stay whole on every rank (replicated): the hidden states after each
-all-reduce are the same everywhere, and only rank 0 applies the head and samples (docs/scaling.md).
+embedding and the norms stay whole on every rank (the hidden states after each all-reduce are the same
+everywhere); the LM head is split by vocabulary, each rank's part of the logits put together by one
+all-gather (measured faster than a head replicated on rank 0: docs/scaling.md). Only rank 0 samples.
 
 transformers' attention modules shape their projections by `-1` heads of head_dim, so a layer of fewer
 heads runs unchanged; the paged attention backend sees this rank's heads and this rank's pool.
@@ -38,6 +39,11 @@ def check_flags(flags: Flags, size: int) -> None:
     (checked before the flags' own plan, so a refusal names the flag given)."""
     if size == 1:
         return
+    if flags.device_type != "cpu":
+        raise ValueError(
+            f"--tensor-parallel-size {size} on {flags.device}: the ranks run on the cpu (gloo); {SERVED} "
+            "with --kv-device cpu"
+        )
     if flags.weights not in ("auto", flags.dtype_name):
         raise ValueError(
             f"--tensor-parallel-size {size} with --weights {flags.weights}: {SERVED} in their own dtype "
@@ -97,6 +103,29 @@ class RowParallel(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class VocabParallel(nn.Module):
+    """The LM head of which this rank holds 1/N of the vocabulary's rows (the last part padded with zero
+    rows): each rank multiplies its part, one all-gather puts the logits together on every rank."""
+
+    def __init__(self, head: nn.Linear, rank: int, size: int) -> None:
+        super().__init__()
+        assert head.bias is None, "a causal LM head without a bias"
+        self.in_features, self.out_features, self.size = head.in_features, head.out_features, size
+        part = -(-head.out_features // size)
+        weight = head.weight.detach()[rank * part : (rank + 1) * part]
+        padding = weight.new_zeros(part - len(weight), head.in_features)
+        self.weight = nn.Parameter(torch.cat([weight, padding]).contiguous(), requires_grad=False)
+        self.reduce_s = 0.0  # time spent in the all-gather, summed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mine = nn.functional.linear(x, self.weight).contiguous()
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        start = time.perf_counter()
+        dist.all_gather(parts, mine)
+        self.reduce_s += time.perf_counter() - start
+        return torch.cat(parts, -1)[..., : self.out_features]
+
+
 def _split_rows(linear: nn.Linear, rank: int, size: int) -> None:
     """Keeps this rank's output rows (its heads or MLP columns) of `linear`, and of its bias."""
     rows = linear.out_features // size
@@ -117,8 +146,10 @@ def shard(model: PreTrainedModel, rank: int, size: int) -> None:
             _split_rows(getattr(mlp, name), rank, size)
         attention.o_proj = RowParallel(attention.o_proj, rank, size)
         mlp.down_proj = RowParallel(mlp.down_proj, rank, size)
+    model.lm_head = VocabParallel(model.lm_head, rank, size)
 
 
 def reduce_seconds(model: PreTrainedModel) -> float:
-    """The time this rank's all-reduces took so far, summed over layers."""
-    return sum(module.reduce_s for module in model.modules() if isinstance(module, RowParallel))
+    """The time this rank's all-reduces and the head's all-gathers took so far, summed."""
+    parts = (RowParallel, VocabParallel)
+    return sum(module.reduce_s for module in model.modules() if isinstance(module, parts))

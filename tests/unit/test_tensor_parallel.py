@@ -46,6 +46,7 @@ def test_a_model_the_ranks_cannot_split_is_refused_in_one_line(config, refusal):
 @pytest.mark.parametrize(
     ("flags", "refusal"),
     [
+        (Flags(device="cuda:0"), "on cuda:0: the ranks run on the cpu (gloo)"),
         (Flags(weights="int8"), "--weights int8: "),
         (Flags(kv_dtype=torch.bfloat16), "--kv-dtype bfloat16: "),
         (Flags(sparse_attention=parse("on")), "--sparse-attention: "),

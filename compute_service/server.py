@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         pooling = resolve_pooling(args.pooling, files.path, config)
         if rank == 0 and size > 1 and shard_group.starts_ranks(init_addr):
             ranks, init_addr = shard_group.start(sys.argv[1:] if argv is None else argv, size, init_addr)
+        if size > 1:
+            shard_group.watch(rank, ranks)
         model, spec = steps.call(load_planned, files, plan, shard)
     except (FileNotFoundError, ValueError) as exc:
         shard_group.stop(ranks)

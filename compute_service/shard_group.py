@@ -117,30 +117,34 @@ def _free_port() -> int:
 
 def join(rank: int, size: int, init_addr: str, ranks: list[subprocess.Popen] | None = None) -> ShardGroup:
     """This process as rank `rank` of `size` (gloo), after rendezvous at `init_addr` (host:port of rank 0's
-    TCP store; empty: torchrun's environment). Blocks until every rank joined. The group's lifetime is
-    then watched (see the module's doc)."""
+    TCP store; empty: torchrun's environment). Blocks until every rank joined (`watch` ends a wait for a
+    rank that is gone)."""
     method = f"tcp://{init_addr}" if init_addr else "env://"
     dist.init_process_group("gloo", init_method=method, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
     group = ShardGroup(rank, size, list(ranks or ()))
-    threading.Thread(target=_watch, args=(group,), name="shard-watch", daemon=True).start()
     return group
 
 
-def _watch(group: ShardGroup) -> None:
-    """Ends this process when the group lost a rank: rank 0 when a rank it started exited (the others are
-    stopped first), another rank when the process that started it is gone."""
+def watch(rank: int, ranks: list[subprocess.Popen]) -> None:
+    """From now on, ends this process when its group lost a rank, loading and joining included: rank 0 when
+    one of the `ranks` it started exited (the others are stopped first), another rank when the process that
+    started it is gone."""
+    threading.Thread(target=_watch, args=(rank, ranks), name="shard-watch", daemon=True).start()
+
+
+def _watch(rank: int, ranks: list[subprocess.Popen]) -> None:
     parent = os.getppid()
     log = structlog.get_logger()
     while True:
         time.sleep(WATCH_S)
-        if group.rank == 0:
-            lost = [rank for rank in group.ranks if rank.poll() is not None]
+        if rank == 0:
+            lost = [process for process in ranks if process.poll() is not None]
             if lost and not _stopping.is_set():
                 log.error("shard_rank_lost", returncode=lost[0].returncode, action="stopping the group")
-                stop(group.ranks)
+                stop(ranks)
                 os._exit(1)
         elif parent != 1 and os.getppid() != parent:
-            log.error("shard_leader_lost", rank=group.rank, action="exiting")
+            log.error("shard_leader_lost", rank=rank, action="exiting")
             os._exit(1)
 
 

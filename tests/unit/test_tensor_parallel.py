@@ -4,9 +4,14 @@ refused in one line naming what is served, before any weight loads; the flags a 
 import pytest
 import torch
 
+from cache_service.kv_pool import KVPool, pool_groups, shard_ranks, spec_from_request
+from common.devices import CPU
+from common.errors import InvalidArgument
+from common.kv_groups import group_size
 from common.sparse_settings import parse
-from compute_service import planning, tensor_parallel
+from compute_service import kv_pool, planning, tensor_parallel
 from compute_service.planning import Flags
+from protos import cache_pb2, common_pb2
 from tests.architectures import tiny_config
 from tests.tiny_model import tiny_llama_config
 
@@ -62,3 +67,37 @@ def test_flags_the_ranks_cannot_split_under_are_refused_in_one_line(flags, refus
 def test_one_rank_serves_anything_served():
     tensor_parallel.check(tiny_config("mixtral"), 1)
     tensor_parallel.check_flags(Flags(weights="int8"), 1)
+
+
+def test_the_cache_keeps_one_pool_per_rank_that_each_rank_maps_alone():
+    """A CreatePool of 2 ranks: one segment of two pools rank-major in the layer slots, each of one rank's
+    KV heads; the handle carries the ranks, and a handle with shard_rank r maps rank r's pool only."""
+    request = cache_pb2.CreatePoolRequest(
+        geometry=cache_pb2.PoolGeometry(num_layers=3, num_kv_heads=1, head_dim=8),
+        block_size=4,
+        kv_dtype="float32",
+        num_blocks=5,
+        shard_ranks=2,
+    )
+    groups = pool_groups(request)
+    spec = spec_from_request(request, 0, 0, group_size(groups) * shard_ranks(request))
+    pool = KVPool.create(spec, "tiny", "freelist", True, groups=groups, ranks=2)
+    try:
+        assert list(pool.handle.shape) == [6, 2, 5, 4, 1, 8] and pool.handle.shard_ranks == 2
+        ranks = []
+        for rank in range(2):
+            handle = common_pb2.PoolHandle()
+            handle.CopyFrom(pool.handle)
+            handle.shard_rank = rank
+            ranks.append(kv_pool.map_kv_pool(handle, CPU))
+        assert [list(mine.shape) for mine in ranks] == [[3, 2, 5, 4, 1, 8]] * 2
+        assert ranks[1].is_contiguous(), "a rank's pool is contiguous"
+        pool.tensor[3:, :, 2].fill_(7.0)
+        assert ranks[1][:, :, 2].eq(7.0).all() and not ranks[0].any(), "rank 1's slots only"
+    finally:
+        pool.release()
+
+
+def test_a_shard_ranks_below_zero_is_refused():
+    with pytest.raises(InvalidArgument, match="shard_ranks must be >= 0, got -1"):
+        shard_ranks(cache_pb2.CreatePoolRequest(shard_ranks=-1))

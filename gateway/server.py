@@ -90,6 +90,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             embedding_dimensions=info.pooling.dimensions if info.pooling.type else 0,
             embedding_matryoshka=info.pooling.matryoshka,
             embedding_matryoshka_dimensions=info.pooling.matryoshka_dimensions,
+            tensor_parallel_size=info.tensor_parallel_size or 1,
         )
 
 

@@ -302,7 +302,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "max_model_len", "vocab_size", "block_size", "num_blocks", "eos_token_ids", "kv_dtype", "device", "attention_backend", "weights", "pooling", "embedding_dimensions", "embedding_matryoshka", "embedding_matryoshka_dimensions")
+    __slots__ = ("model", "dtype", "max_model_len", "vocab_size", "block_size", "num_blocks", "eos_token_ids", "kv_dtype", "device", "attention_backend", "weights", "pooling", "embedding_dimensions", "embedding_matryoshka", "embedding_matryoshka_dimensions", "tensor_parallel_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +318,7 @@ class GetInfoResponse(_message.Message):
     EMBEDDING_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     max_model_len: int
@@ -333,7 +334,8 @@ class GetInfoResponse(_message.Message):
     embedding_dimensions: int
     embedding_matryoshka: bool
     embedding_matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., weights: _Optional[str] = ..., pooling: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., embedding_matryoshka: _Optional[bool] = ..., embedding_matryoshka_dimensions: _Optional[_Iterable[int]] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., weights: _Optional[str] = ..., pooling: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., embedding_matryoshka: _Optional[bool] = ..., embedding_matryoshka_dimensions: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt", "return_token_strs", "chat_template_kwargs")

@@ -6,7 +6,6 @@ attention and final soft-caps). A rank killed mid-stream takes its group down, `
 stream goes on from the KV the cache kept, with transformers' tokens. A model the ranks cannot split is
 refused at start-up in one line."""
 
-import json
 import os
 import signal
 import subprocess
@@ -25,7 +24,7 @@ from protos import compute_pb2
 from tests.architectures import save_tiny
 from tests.e2e.greedy import concurrent_greedy, hf_greedy
 from tests.e2e.stack import start_stack
-from tests.helpers import ROOT
+from tests.helpers import ROOT, log_events
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -58,6 +57,8 @@ def test_two_ranks_give_transformers_greedy_tokens(served):
     stack, reference = served
     info = stack.compute().GetModelInfo(compute_pb2.GetModelInfoRequest(), timeout=10)
     assert info.tensor_parallel_size == 2
+    with stack.client() as client:
+        assert client.info().tensor_parallel_size == 2
     results = concurrent_greedy(stack, PROMPTS, NEW_TOKENS)
     for prompt, result in zip(PROMPTS, results, strict=True):
         assert result.token_ids == hf_greedy(reference, prompt, NEW_TOKENS), f"prompt of {len(prompt)}"
@@ -109,7 +110,7 @@ def test_a_rank_killed_mid_stream_restarts_the_group_and_the_stream_goes_on(serv
     assert gone(compute), "rank 0 went down with its group"
     log = stack.proc.log_path.read_text()
     assert "compute exited (exit code 1)" in log
-    events = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    events = list(log_events(stack.proc.log_path))
     assert {"shard_rank_lost", "shard_group_broken"} & {event["event"] for event in events}
     (attached,) = [event for event in events if event["event"] == "attached" and event["again"]]
     assert attached["kept_running"] == 1, "the stream went on from the KV the cache kept"

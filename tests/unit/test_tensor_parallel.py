@@ -1,6 +1,8 @@
 """--tensor-parallel-size's start-up checks (compute_service.tensor_parallel): what the ranks cannot split is
 refused in one line naming what is served, before any weight loads; the flags a rank loads with."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from common.kv_groups import group_size
 from common.sparse_settings import parse
 from compute_service import kv_pool, planning, tensor_parallel
 from compute_service.planning import Flags
+from compute_service.server import ComputeServicer
 from protos import cache_pb2, common_pb2
 from tests.architectures import tiny_config
 from tests.tiny_model import tiny_llama_config
@@ -101,3 +104,27 @@ def test_the_cache_keeps_one_pool_per_rank_that_each_rank_maps_alone():
 def test_a_shard_ranks_below_zero_is_refused():
     with pytest.raises(InvalidArgument, match="shard_ranks must be >= 0, got -1"):
         shard_ranks(cache_pb2.CreatePoolRequest(shard_ranks=-1))
+
+
+def test_compute_refuses_a_pool_of_another_rank_count():
+    request = cache_pb2.CreatePoolRequest(
+        geometry=cache_pb2.PoolGeometry(num_layers=2, num_kv_heads=2, head_dim=8),
+        block_size=4,
+        kv_dtype="float32",
+        num_blocks=3,
+    )
+    pool = KVPool.create(spec_from_request(request, 0, 0), "tiny", "freelist", True)
+    spec = SimpleNamespace(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        kv_dtype_name="float32",
+        sliding_windows=(0, 0),
+        tensor_parallel_size=2,
+    )
+    servicer = ComputeServicer(SimpleNamespace(group=None), spec, SimpleNamespace())
+    try:
+        with pytest.raises(InvalidArgument, match="the pool holds 1 tensor-parallel ranks' pools"):
+            servicer.AttachPool(pool.handle, None)
+    finally:
+        pool.release()

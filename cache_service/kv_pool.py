@@ -84,6 +84,13 @@ def pool_groups(request: cache_pb2.CreatePoolRequest) -> tuple[KVGroup, ...]:
     return group_layers(windows) if windows else (KVGroup(tuple(range(num_layers))),)
 
 
+def shard_ranks(request: cache_pb2.CreatePoolRequest) -> int:
+    """The tensor-parallel ranks whose pools the segment holds (0 is read as 1). InvalidArgument below 0."""
+    if request.shard_ranks < 0:
+        raise InvalidArgument(f"shard_ranks must be >= 0, got {request.shard_ranks}")
+    return request.shard_ranks or 1
+
+
 def group_layouts(groups: tuple[KVGroup, ...]) -> list[common_pb2.KVGroupLayout]:
     """The groups as a PoolHandle carries them."""
     return [common_pb2.KVGroupLayout(layers=group.layers, window=group.window) for group in groups]
@@ -127,18 +134,21 @@ class KVPool:
         kv_scales_id: str = "",
         device: Device = CPU,
         groups: tuple[KVGroup, ...] = (),
+        ranks: int = 1,
     ) -> "KVPool":
         """A new zeroed pool with a new epoch on `device` (a shm segment on the cpu; see
         cache_service/device_room.py otherwise); the caller must `release` it. ResourceExhausted, before
         anything is allocated (the allocator's state too), unless the host or device can back it. `groups`
         (`pool_groups`, of spec.num_layers layers each; none: one full group): the tables each sequence
-        holds, and the windows they keep."""
-        groups = groups or (KVGroup(tuple(range(spec.num_layers))),)
-        assert group_size(groups) == spec.num_layers, (groups, spec)
+        holds, and the windows they keep; `ranks`: the tensor-parallel ranks' pools the segment holds,
+        rank-major in the layer slots (spec.num_layers is ranks x group_size), one block table for all."""
+        groups = groups or (KVGroup(tuple(range(spec.num_layers // ranks))),)
+        assert group_size(groups) * ranks == spec.num_layers, (groups, spec, ranks)
         host_memory.require_room_here(*_host_share(spec, device))
         allocator_ = registry.create(allocator, spec.num_blocks)
         tensor, handle = device_room.create(spec, device, group_layouts(groups))
         handle.kv_scales_id = kv_scales_id
+        handle.shard_ranks = ranks if ranks > 1 else 0
         try:
             fence = SessionFence.create(handle)
         except BaseException:

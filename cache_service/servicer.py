@@ -8,7 +8,7 @@ from cache_service import block_map, messages
 from cache_service.block_manager import BlockManager
 from cache_service.hybrid_blocks import HybridBlocks
 from cache_service.kv_events import publisher as kv_events
-from cache_service.kv_pool import KVPool, pool_groups, spec_from_request
+from cache_service.kv_pool import KVPool, pool_groups, shard_ranks, spec_from_request
 from cache_service.options import DEFAULT_SESSION_TTL_S
 from cache_service.sequence import check_prompt
 from cache_service.sessions import Sessions
@@ -56,7 +56,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def CreatePool(self, request: cache_pb2.CreatePoolRequest, context) -> common_pb2.PoolHandle:
         with self._lock:
             groups = pool_groups(request)
-            slots = group_size(groups)
+            slots = group_size(groups) * shard_ranks(request)
             spec = spec_from_request(request, self._default_blocks, self._default_memory, slots)
             if self._pool is not None:
                 self._pool.require_layout(spec, request.model, request.kv_scales_id, groups)
@@ -72,6 +72,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 request.kv_scales_id,
                 self._device,
                 groups,
+                shard_ranks(request),
             )
             self._log.info(
                 "pool_created",

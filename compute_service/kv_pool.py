@@ -13,7 +13,16 @@ from protos import common_pb2
 
 
 def map_kv_pool(handle: common_pb2.PoolHandle, device: Device) -> torch.Tensor:
-    """The KV pool tensor on `device`; the checks of open_pool on that device (identity, epoch, geometry)."""
+    """The KV pool tensor on `device`; the checks of open_pool on that device (identity, epoch, geometry). A
+    segment of several tensor-parallel ranks' pools (handle.shard_ranks) gives handle.shard_rank's."""
+    pool = _map(handle, device)
+    if handle.shard_ranks <= 1:
+        return pool
+    slots = len(pool) // handle.shard_ranks
+    return pool[handle.shard_rank * slots : (handle.shard_rank + 1) * slots]
+
+
+def _map(handle: common_pb2.PoolHandle, device: Device) -> torch.Tensor:
     if device.type != "cpu":
         return device_pool.open_pool(handle, device, ipc_for(device))
     if handle.WhichOneof("payload") in ("cuda", "npu"):

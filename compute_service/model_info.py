@@ -28,6 +28,7 @@ def model_info(spec: ModelSpec, adapters: Adapters | None = None) -> compute_pb2
         sliding_windows=spec.sliding_windows,
         sparse_attention=sparse_support(spec.plan.sparse_attention),
         pooling=pooling_message(spec.pooling),
+        tensor_parallel_size=spec.tensor_parallel_size,
         lora_adapters=[adapter_message(a) for a in adapters.by_id.values()] if adapters else [],
         lora_limits=compute_pb2.LoraLimits(
             enabled=True, max_loras=adapters.max_loras, max_lora_rank=adapters.max_rank

@@ -1,6 +1,7 @@
 """Loads a Hugging Face causal LM unmodified, its attention routed to a registered paged backend, and builds
 it to its execution plan (compute_service.plan): fused layers, linear kernels, the native decode stack."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import structlog
@@ -47,6 +48,8 @@ class ModelSpec:
     sliding_windows: tuple[int, ...] = ()
     # How the model pools embeddings (compute_service.pooling; None: it does not pool).
     pooling: Pooling | None = None
+    # The ranks the model's heads are split over (--tensor-parallel-size; compute_service.tensor_parallel).
+    tensor_parallel_size: int = 1
 
     @property
     def attention_backend(self) -> str:
@@ -105,8 +108,11 @@ def plan_for(model: str, flags: Flags) -> tuple[ModelFiles, ExecutionPlan]:
     return files, planning.resolve(AutoConfig.from_pretrained(files.path), flags, machine)
 
 
-def load_planned(files: ModelFiles, plan: ExecutionPlan) -> tuple[PreTrainedModel, ModelSpec]:
-    """The model of `files` built to `plan` (see `load`)."""
+def load_planned(
+    files: ModelFiles, plan: ExecutionPlan, shard: Callable[[PreTrainedModel], None] | None = None
+) -> tuple[PreTrainedModel, ModelSpec]:
+    """The model of `files` built to `plan` (see `load`); `shard` splits it in place once loaded, before
+    anything else is built on its weights (compute_service.tensor_parallel)."""
     dtype, kv_dtype = dtype_from_name(plan.dtype), dtype_from_name(plan.kv_dtype)
     hf_model = (
         AutoModelForCausalLM.from_pretrained(
@@ -115,6 +121,8 @@ def load_planned(files: ModelFiles, plan: ExecutionPlan) -> tuple[PreTrainedMode
         .eval()
         .to(plan.device)
     )
+    if shard is not None:
+        shard(hf_model)
     spec = model_spec(hf_model, files.name, plan, kv_dtype)
     spec = replace(spec, kv_scales=calibrate(hf_model, files.path, kv_dtype))
     if plan.fused:

@@ -28,6 +28,41 @@ def _sparse(text: str) -> sparse_settings.SparseMode | None:
         raise argparse.ArgumentTypeError(str(err)) from err
 
 
+def _ranks(text: str) -> int:
+    """--tensor-parallel-size: a rank count >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rank count (an integer >= 1)")
+    return int(text)
+
+
+def add_parallel(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=_ranks,
+        default=1,
+        help="split the model's attention heads, KV heads and MLP columns over this many ranks (processes "
+        "on torch.distributed, gloo on the cpu; docs/scaling.md), rank 0 serving the gateway (default 1)",
+    )
+
+
+def add_rank(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dist-init-addr",
+        default="",
+        metavar="HOST:PORT",
+        help="with --tensor-parallel-size: where the ranks meet (rank 0's torch.distributed TCP store); "
+        "default: rank 0 starts the other ranks itself on a free loopback port, or torchrun's environment "
+        "(MASTER_ADDR/MASTER_PORT) for a rank > 0",
+    )
+    parser.add_argument(
+        "--shard-rank",
+        type=int,
+        default=0,
+        help="this process's rank in the group (default 0, the one that serves the gateway and starts the "
+        "others unless --dist-init-addr is given; RANK under torchrun); a rank > 0 serves no gRPC",
+    )
+
+
 def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention-backend",
@@ -137,6 +172,6 @@ def add_lora(parser: argparse.ArgumentParser) -> None:
 OPTIONS = ServiceOptions(
     "compute_service",
     50053,
-    settings=(add_model, add_dtype, add_kv_dtype, add_kv_device, add_settings, add_logging),
-    wiring=(add_listen,),
+    settings=(add_model, add_dtype, add_kv_dtype, add_kv_device, add_settings, add_parallel, add_logging),
+    wiring=(add_listen, add_rank),
 )

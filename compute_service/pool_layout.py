@@ -30,7 +30,7 @@ def pool_layout(handle: common_pb2.PoolHandle, windows: tuple[int, ...]) -> Pool
     if held != list(range(len(windows))):
         problem = f"its groups hold layers {held}, the model has {len(windows)} layers, each in one group"
     elif any(len(layers) != size for layers, _ in layouts) or (
-        handle.kv_groups and list(handle.shape[:1]) != [size]
+        handle.kv_groups and list(handle.shape[:1]) != [size * (handle.shard_ranks or 1)]
     ):
         sizes = [len(layers) for layers, _ in layouts]
         problem = f"groups of {sizes} layers for {list(handle.shape[:1])} layer slots"

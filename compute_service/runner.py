@@ -21,6 +21,7 @@ from compute_service.pool_layout import PoolLayout
 from compute_service.pooling import pool
 from compute_service.prompt_logprobs import PromptScores
 from compute_service.sampling import Sampled, sample
+from compute_service.shard_group import DETACH, STEP, ShardGroup
 
 
 @dataclass(slots=True)
@@ -45,12 +46,16 @@ class Runner:
         plan: ExecutionPlan | None = None,
         pooling: str = "",
         adapters: Adapters | None = None,
+        group: ShardGroup | None = None,
     ) -> None:
         """`plan`: the model's execution plan, whose `sampling.greedy` choice this follows (None: torch's);
         `pooling`: how rows that ask for it are pooled (compute_service.pooling; empty: the model does not
-        pool); `adapters`: the model's resident LoRA adapters (None: LoRA off, rows naming one refused)."""
+        pool); `adapters`: the model's resident LoRA adapters (None: LoRA off, rows naming one refused);
+        `group`: the tensor-parallel group whose rank 0 this is (compute_service.shard_group; None: one
+        process), each step and detach sent to the other ranks first."""
         self.model = model
         self.adapters = adapters
+        self.group = group
         self.pooling = pooling
         self.scales = scales
         self.kernels = kernels.load() if plan is not None and plan.native_greedy else None
@@ -78,6 +83,8 @@ class Runner:
 
     def detach(self) -> None:
         """Drops the per-layer views: the pool is unmapped once the caller holds no tensor of it either."""
+        if self.group is not None:
+            self.group.send((DETACH,))
         self.k_caches, self.v_caches, self.summaries, self.layer_groups = [], [], None, ()
 
     def logits(self, batch: ForwardBatch, times: StepTimes | None = None) -> torch.Tensor:
@@ -91,6 +98,28 @@ class Runner:
         """The logits (see `logits`), the pooled hidden states [P, hidden] float32 of the sequences in
         `pool_rows`, in order (None when no row pools), and the scores of the step's prompt targets (None:
         none asked), all from the same forward."""
+        times = times or StepTimes()
+        if self.group is None:
+            hidden = self.hidden(batch, times)
+        else:
+            with self.group.in_step():
+                self.group.send((STEP, batch))
+                hidden = self.hidden(batch, times)
+        start = time.perf_counter()
+        pooled = pool(self.pooling, hidden, batch.cu_seqlens_q, batch.pool_rows) if batch.pool_rows else None
+        prompt = None
+        if batch.prompt_targets is not None:
+            prompt = prompt_logprobs.score(hidden, self._head, batch.prompt_targets)
+        if batch.logit_tokens is not None:
+            hidden = hidden[batch.logit_tokens.to(hidden.device)]
+        logits = self._head(hidden).float().cpu()
+        times.model += time.perf_counter() - start
+        return logits, pooled, prompt
+
+    @torch.inference_mode()
+    def hidden(self, batch: ForwardBatch, times: StepTimes | None = None) -> torch.Tensor:
+        """The model's last hidden states [T, hidden] of the step's tokens, their K/V written to the pool;
+        `times` gains the split."""
         assert self.k_caches, "no pool attached"
         times = times or StepTimes()
         start = time.perf_counter()
@@ -117,19 +146,12 @@ class Runner:
         finally:
             reset_context()
             set_rows(None)
-        pooled = pool(self.pooling, hidden, batch.cu_seqlens_q, batch.pool_rows) if batch.pool_rows else None
-        prompt = None
-        if batch.prompt_targets is not None:
-            prompt = prompt_logprobs.score(hidden, self._head, batch.prompt_targets)
-        if batch.logit_tokens is not None:
-            hidden = hidden[batch.logit_tokens.to(hidden.device)]
-        logits = self._head(hidden).float().cpu()
         times.prepare += built - start
         times.model += time.perf_counter() - built
         times.attention += context.attention_s
         if context.sparse is not None and context.sparse.derived is not None:
             times.sparse_rows += context.sparse.derived.rows
-        return logits, pooled, prompt
+        return hidden
 
     def _adapter_rows(self, batch: ForwardBatch) -> StepRows | None:
         """The step's rows grouped by LoRA adapter (None: all the base's); InvalidArgument for rows naming an

@@ -5,6 +5,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import asdict, replace
+from functools import partial
 
 import torch
 from prometheus_client import Info
@@ -20,7 +21,7 @@ from common.precision import resolve_dtype, resolve_kv_dtype
 from common.server import serve
 from common.session_fence import SessionFence
 from common.shared_pool import dtype_from_name
-from compute_service import kernels, kv_pool
+from compute_service import kernels, kv_pool, shard_group, tensor_parallel
 from compute_service.attention.registry import require_block_size
 from compute_service.callers import CALLERS
 from compute_service.forward_steps import ForwardSteps
@@ -132,7 +133,15 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                 "blocks, block_size, kv_heads, head_dim]; pass the handle CreatePool returned"
             )
         layout = pool_layout(handle, spec.sliding_windows or (0,) * spec.num_layers)
-        expected = [layout.group_size, 2, shape[2], shape[3], spec.num_kv_heads, spec.head_dim]
+        ranks = spec.tensor_parallel_size
+        if (handle.shard_ranks or 1) != ranks:
+            raise InvalidArgument(
+                f"the pool holds {handle.shard_ranks or 1} tensor-parallel ranks' pools, this compute "
+                f"service runs {ranks} ranks: create the pool with the shard_ranks GetModelInfo reports "
+                "(tensor_parallel_size; a cache holding the old pool must be restarted)"
+            )
+        heads = spec.num_kv_heads // ranks
+        expected = [layout.group_size * ranks, 2, shape[2], shape[3], heads, spec.head_dim]
         if shape != expected or min(shape) < 1 or handle.dtype != spec.kv_dtype_name:
             raise InvalidArgument(
                 f"pool does not fit the model: expected shape [layer slots, 2, blocks, block_size, kv_heads, "
@@ -174,10 +183,24 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=args.max_model_len,
         sparse_attention=args.sparse_attention,
     )
+    size, rank = args.tensor_parallel_size, shard_group.rank_of(args.shard_rank)
+    shard = None
+    if size > 1:
+        flags = tensor_parallel.flags(flags)
+        shard = partial(tensor_parallel.shard, rank=rank, size=size)
+    ranks, init_addr = [], args.dist_init_addr
     try:
+        tensor_parallel.check_flags(flags, size)
         files, plan = plan_for(args.model, flags)
-        pooling = resolve_pooling(args.pooling, files.path, AutoConfig.from_pretrained(files.path))
-        model, spec = steps.call(load_planned, files, plan)
+        tensor_parallel.check_lora(args.enable_lora or bool(args.lora_modules), size)
+        config = AutoConfig.from_pretrained(files.path)
+        tensor_parallel.check(config, size)
+        pooling = resolve_pooling(args.pooling, files.path, config)
+        if rank == 0 and size > 1 and shard_group.starts_ranks(init_addr):
+            ranks, init_addr = shard_group.start(sys.argv[1:] if argv is None else argv, size, init_addr)
+        if size > 1:
+            shard_group.watch(rank, ranks)
+        model, spec = steps.call(load_planned, files, plan, shard)
         adapters = steps.call(
             lora_adapters.from_flags,
             model,
@@ -187,8 +210,16 @@ def main(argv: list[str] | None = None) -> None:
             args.max_lora_rank,
         )
     except (FileNotFoundError, ValueError) as exc:
+        shard_group.stop(ranks)
         print(f"compute_service: {exc}", file=sys.stderr)
         raise SystemExit(REFUSED) from exc
+    spec = replace(spec, tensor_parallel_size=size)
+    group = steps.call(shard_group.join, rank, size, init_addr, ranks) if size > 1 else None
+    if rank > 0:
+        log.info("shard_rank_serving", rank=rank, size=size)
+        windows = spec.sliding_windows or (0,) * spec.num_layers
+        steps.call(group.serve, Runner(model, spec.kv_scales, spec.plan), windows, args.kv_device)
+        return
     native = spec.plan.machine.kernels and spec.attention_backend == "cpu-native"
     log.info(
         "model_loaded",
@@ -225,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
             max_lora_rank=args.max_lora_rank,
             adapters=list(adapters.by_name),
         )
-    runner = Runner(model, spec.kv_scales, spec.plan, pooling.mode if pooling else "", adapters)
+    runner = Runner(model, spec.kv_scales, spec.plan, pooling.mode if pooling else "", adapters, group)
     servicer = ComputeServicer(runner, spec, log, args.kv_device, threads, steps)
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(
@@ -241,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     server.handle_signals()
     server.set_serving(SERVICE_NAME, True)
     server.wait(on_stop=stop.set)
+    shard_group.stop(ranks)
 
 
 def _watch_segment(servicer: ComputeServicer, stop: threading.Event) -> None:

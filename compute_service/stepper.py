@@ -56,6 +56,8 @@ class Stepper:
         """Steps run on `pool` (the handle's, already checked against the model) from now on."""
         num_blocks, block_size = pool.shape[2], pool.shape[3]
         with self.lock:
+            if self.runner.group is not None:
+                self.runner.group.attach(handle)
             self.runner.attach(pool, layout)
             self.fence.close()
             self.fence = StepFence(fence)

@@ -21,8 +21,10 @@ def handshake(
     """
     with calling("compute"):
         info = compute.GetModelInfo(compute_pb2.GetModelInfoRequest(), wait_for_ready=wait, timeout=timeout)
+    # NOTE: a tensor-parallel compute's ranks each keep their share of the KV heads, in a pool of their own.
+    ranks = info.tensor_parallel_size or 1
     geometry = cache_pb2.PoolGeometry(
-        num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim
+        num_layers=info.num_layers, num_kv_heads=info.num_kv_heads // ranks, head_dim=info.head_dim
     )
     # NOTE: compute owns the KV dtype (it writes and reads K/V); one that names none stores the weights'.
     request = cache_pb2.CreatePoolRequest(
@@ -33,6 +35,7 @@ def handshake(
         kv_scales_id=info.kv_scales_id,
         attention_backend=info.attention_backend,
         sliding_windows=info.sliding_windows,
+        shard_ranks=info.tensor_parallel_size,
     )
     with calling("cache"):
         handle = cache.CreatePool(request, wait_for_ready=wait, timeout=timeout)

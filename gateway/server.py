@@ -92,6 +92,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             embedding_matryoshka=info.pooling.matryoshka,
             embedding_matryoshka_dimensions=info.pooling.matryoshka_dimensions,
             lora_adapters=self._generation.adapters.listed(),
+            tensor_parallel_size=info.tensor_parallel_size or 1,
         )
 
 

@@ -30,7 +30,7 @@ class PoolGeometry(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
-    __slots__ = ("geometry", "block_size", "kv_dtype", "num_blocks", "memory_bytes", "model", "kv_scales_id", "attention_backend", "sliding_windows")
+    __slots__ = ("geometry", "block_size", "kv_dtype", "num_blocks", "memory_bytes", "model", "kv_scales_id", "attention_backend", "sliding_windows", "shard_ranks")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class CreatePoolRequest(_message.Message):
     KV_SCALES_ID_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_RANKS_FIELD_NUMBER: _ClassVar[int]
     geometry: PoolGeometry
     block_size: int
     kv_dtype: str
@@ -49,7 +50,8 @@ class CreatePoolRequest(_message.Message):
     kv_scales_id: str
     attention_backend: str
     sliding_windows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., attention_backend: _Optional[str] = ..., sliding_windows: _Optional[_Iterable[int]] = ...) -> None: ...
+    shard_ranks: int
+    def __init__(self, geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., attention_backend: _Optional[str] = ..., sliding_windows: _Optional[_Iterable[int]] = ..., shard_ranks: _Optional[int] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
     __slots__ = ("seq_id", "num_tokens", "token_ids", "num_computed", "cache_salt", "max_compute_tokens", "lookahead_tokens", "lora_id", "lora_name")

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PoolHandle(_message.Message):
-    __slots__ = ("device", "shape", "dtype", "strides", "epoch", "shm", "cuda", "npu", "kv_scales_id", "fence", "kv_groups")
+    __slots__ = ("device", "shape", "dtype", "strides", "epoch", "shm", "cuda", "npu", "kv_scales_id", "fence", "kv_groups", "shard_ranks", "shard_rank")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,8 @@ class PoolHandle(_message.Message):
     KV_SCALES_ID_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_RANK_FIELD_NUMBER: _ClassVar[int]
     device: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
@@ -30,7 +32,9 @@ class PoolHandle(_message.Message):
     kv_scales_id: str
     fence: SharedMemoryHandle
     kv_groups: _containers.RepeatedCompositeFieldContainer[KVGroupLayout]
-    def __init__(self, device: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., epoch: _Optional[str] = ..., shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda: _Optional[_Union[DeviceIpcHandle, _Mapping]] = ..., npu: _Optional[_Union[DeviceIpcHandle, _Mapping]] = ..., kv_scales_id: _Optional[str] = ..., fence: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroupLayout, _Mapping]]] = ...) -> None: ...
+    shard_ranks: int
+    shard_rank: int
+    def __init__(self, device: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., epoch: _Optional[str] = ..., shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda: _Optional[_Union[DeviceIpcHandle, _Mapping]] = ..., npu: _Optional[_Union[DeviceIpcHandle, _Mapping]] = ..., kv_scales_id: _Optional[str] = ..., fence: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroupLayout, _Mapping]]] = ..., shard_ranks: _Optional[int] = ..., shard_rank: _Optional[int] = ...) -> None: ...
 
 class KVGroupLayout(_message.Message):
     __slots__ = ("layers", "window")

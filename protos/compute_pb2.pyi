@@ -36,7 +36,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "kv_dtype", "kv_scales_id", "weights", "execution_plan", "sliding_windows", "sparse_attention", "pooling", "lora_adapters", "lora_limits")
+    __slots__ = ("model", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "kv_dtype", "kv_scales_id", "weights", "execution_plan", "sliding_windows", "sparse_attention", "pooling", "lora_adapters", "lora_limits", "tensor_parallel_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class ModelInfo(_message.Message):
     POOLING_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     LORA_LIMITS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     num_attention_heads: int
@@ -75,7 +76,8 @@ class ModelInfo(_message.Message):
     pooling: Pooling
     lora_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]
     lora_limits: LoraLimits
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., weights: _Optional[str] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., sliding_windows: _Optional[_Iterable[int]] = ..., sparse_attention: _Optional[_Union[SparseSupport, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapter, _Mapping]]] = ..., lora_limits: _Optional[_Union[LoraLimits, _Mapping]] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., weights: _Optional[str] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., sliding_windows: _Optional[_Iterable[int]] = ..., sparse_attention: _Optional[_Union[SparseSupport, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapter, _Mapping]]] = ..., lora_limits: _Optional[_Union[LoraLimits, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class Pooling(_message.Message):
     __slots__ = ("type", "normalize", "dimensions", "matryoshka", "matryoshka_dimensions", "source")

@@ -305,7 +305,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "max_model_len", "vocab_size", "block_size", "num_blocks", "eos_token_ids", "kv_dtype", "device", "attention_backend", "weights", "pooling", "embedding_dimensions", "embedding_matryoshka", "embedding_matryoshka_dimensions", "lora_adapters")
+    __slots__ = ("model", "dtype", "max_model_len", "vocab_size", "block_size", "num_blocks", "eos_token_ids", "kv_dtype", "device", "attention_backend", "weights", "pooling", "embedding_dimensions", "embedding_matryoshka", "embedding_matryoshka_dimensions", "lora_adapters", "tensor_parallel_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +322,7 @@ class GetInfoResponse(_message.Message):
     EMBEDDING_MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     max_model_len: int
@@ -338,7 +339,8 @@ class GetInfoResponse(_message.Message):
     embedding_matryoshka: bool
     embedding_matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
     lora_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., weights: _Optional[str] = ..., pooling: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., embedding_matryoshka: _Optional[bool] = ..., embedding_matryoshka_dimensions: _Optional[_Iterable[int]] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapter, _Mapping]]] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., weights: _Optional[str] = ..., pooling: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., embedding_matryoshka: _Optional[bool] = ..., embedding_matryoshka_dimensions: _Optional[_Iterable[int]] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapter, _Mapping]]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt", "return_token_strs", "chat_template_kwargs")

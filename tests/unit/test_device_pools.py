@@ -129,9 +129,10 @@ def test_the_cache_creates_a_device_pool_and_compute_attaches_it(fake):
             plan=SimpleNamespace(sparse_attention=None),
             sliding_windows=(0, 0),
             pooling=None,
+            tensor_parallel_size=1,
         )
         spec.vocab_size, spec.max_model_len, spec.attention_backend = 10, 64, "cuda"
-        runner = SimpleNamespace(attach=lambda pool, layout: setattr(runner, "pool", pool))
+        runner = SimpleNamespace(attach=lambda pool, layout: setattr(runner, "pool", pool), group=None)
         servicer = ComputeServicer(runner, spec, SimpleNamespace(info=lambda *a, **k: None), CUDA0)
         reply = servicer.AttachPool(kv.handle, None)
         assert (reply.epoch, reply.num_blocks) == (kv.handle.epoch, 3)

@@ -16,6 +16,8 @@ from tests.helpers import ROOT
 # What up decides for each service itself instead of taking it as a flag of the same meaning.
 PLACEMENT = {"--host", "--port", "--http-port", "--metrics-port", "--cache-target", "--compute-target"}
 PLACEMENT |= {"--socket", "--internal-certs", "--insecure"}
+# A tensor-parallel group's rendezvous and ranks: compute's rank 0 places the others (or torchrun, a pod).
+PLACEMENT |= {"--dist-init-addr", "--shard-rank"}
 # The placement flags up gives each service: cache and compute listen on unix sockets only.
 UP_PLACES = {
     "cache": {"--host", "--socket", "--metrics-port"},

@@ -1,6 +1,6 @@
 """The forward batch: a checked ForwardRequest and everything compute derives from it, once per step."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -9,6 +9,7 @@ from common.sparse_settings import SparseAttention
 from compute_service.prompt_logprobs import PromptTargets, targets
 from compute_service.sampling import SamplingBatch
 from compute_service.validation import Limits, Sent, check_sent, check_writes, row_of_token
+from compute_service.vision import StepImage, step_images
 from protos import compute_pb2
 
 
@@ -45,6 +46,8 @@ class ForwardBatch:
     group_slots: tuple[torch.Tensor, ...] = ()
     # the prompt tokens the step scores (ForwardRequest.prompt_*); None: no row asks
     prompt_targets: PromptTargets | None = None
+    # the images whose placeholder tokens the step's new tokens cover (compute_service.vision)
+    images: list[StepImage] = field(default_factory=list)
 
     @classmethod
     def from_request(cls, request: compute_pb2.ForwardRequest, limits: Limits) -> "ForwardBatch":
@@ -59,6 +62,7 @@ class ForwardBatch:
         batch.prompt_targets = targets(
             *(torch.tensor(f, dtype=torch.int64) for f in fields), batch.cu_seqlens_q, limits.vocab_size
         )
+        batch.images = step_images(request, batch.token_ids, limits.image_token_id)
         return batch
 
     @classmethod

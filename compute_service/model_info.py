@@ -26,6 +26,9 @@ def model_info(spec: ModelSpec) -> compute_pb2.ModelInfo:
         sliding_windows=spec.sliding_windows,
         sparse_attention=sparse_support(spec.plan.sparse_attention),
         pooling=pooling_message(spec.pooling),
+        vision=compute_pb2.VisionInfo(family=spec.vision.family, image_token_id=spec.vision.image_token_id)
+        if spec.vision
+        else None,
     )
 
 

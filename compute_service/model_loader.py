@@ -10,7 +10,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, P
 from common.model_files import ModelFiles, local_copy
 from common.shared_pool import dtype_from_name, dtype_name
 from common.sparse_settings import SparseMode
-from compute_service import architectures, kernels, planning
+from compute_service import architectures, kernels, planning, vision
 from compute_service.attention.context import timed
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend
@@ -23,6 +23,7 @@ from compute_service.native_decode import NativeDecode
 from compute_service.plan import TRANSFORMERS, ExecutionPlan
 from compute_service.planning import Flags
 from compute_service.pooling import Pooling
+from compute_service.vision import VisionSpec
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class ModelSpec:
     sliding_windows: tuple[int, ...] = ()
     # How the model pools embeddings (compute_service.pooling; None: it does not pool).
     pooling: Pooling | None = None
+    # A vision-language model's family and image token (compute_service.vision; None: a text model).
+    vision: VisionSpec | None = None
 
     @property
     def attention_backend(self) -> str:
@@ -102,19 +105,22 @@ def plan_for(model: str, flags: Flags) -> tuple[ModelFiles, ExecutionPlan]:
     machine = planning.this_machine()
     planning.check(flags, machine)
     files = local_copy(model)
-    return files, planning.resolve(AutoConfig.from_pretrained(files.path), flags, machine)
+    config = vision.text_config(AutoConfig.from_pretrained(files.path))
+    return files, planning.resolve(config, flags, machine)
 
 
 def load_planned(files: ModelFiles, plan: ExecutionPlan) -> tuple[PreTrainedModel, ModelSpec]:
     """The model of `files` built to `plan` (see `load`)."""
     dtype, kv_dtype = dtype_from_name(plan.dtype), dtype_from_name(plan.kv_dtype)
-    hf_model = (
-        AutoModelForCausalLM.from_pretrained(
-            files.path, dtype=dtype, attn_implementation=register_attention(plan.attention_backend)
+    attention = register_attention(plan.attention_backend)
+    if vision.is_vision(AutoConfig.from_pretrained(files.path)):
+        hf_model = vision.load(files.path, dtype, attention, plan.device)
+    else:
+        hf_model = (
+            AutoModelForCausalLM.from_pretrained(files.path, dtype=dtype, attn_implementation=attention)
+            .eval()
+            .to(plan.device)
         )
-        .eval()
-        .to(plan.device)
-    )
     spec = model_spec(hf_model, files.name, plan, kv_dtype)
     spec = replace(spec, kv_scales=calibrate(hf_model, files.path, kv_dtype))
     if plan.fused:
@@ -176,6 +182,7 @@ def model_spec(
         eos_token_ids=_eos_token_ids(config.eos_token_id, model.generation_config.eos_token_id),
         plan=plan,
         kv_dtype=model.dtype if kv_dtype is None else kv_dtype,
+        vision=model.vision.spec if hasattr(model, "vision") else None,
     )
 
 

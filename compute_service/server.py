@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=spec.max_model_len,
     )
     spec = replace(spec, pooling=pooling)
+    if spec.vision is not None:
+        model.vision.cache_images = args.encoder_cache_images
     log.info("execution_plan", **spec.plan.summary())
     log.info("pooling", **({"mode": None} if pooling is None else asdict(pooling)))
     COMPUTE_INFO.info(

@@ -7,6 +7,7 @@ import numpy as np
 
 from gateway.sampling import forward_sampling
 from gateway.sequence import Sequence
+from gateway.vision import forward_images
 from protos import compute_pb2
 
 
@@ -40,6 +41,7 @@ def forward_request(
         pool=_flags([seq.pools_now for seq in seqs]),
         **forward_sampling([seq for seq in seqs if seq.samples_now], eos_ids),
         **_prompt_targets(seqs),
+        images=forward_images(seqs),
     )
 
 

@@ -5,6 +5,7 @@ from gateway.kv_view import KVView
 from gateway.sequence import Sequence, Status
 from gateway.step import ScheduledStep
 from gateway.step_pace import StepPace, StepShape
+from gateway.vision import EncoderBudget
 
 
 class Scheduler:
@@ -42,6 +43,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # The image tokens a step may cover (gateway.vision); one without a limit by default.
+        self.encoder = EncoderBudget(0)
 
     @property
     def watermark(self) -> int:
@@ -63,12 +66,14 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int, free: int) -> int:
         """How many of the sequence's tokens to compute (after its computed or cached ones, its chunk_start)
         fit in `budget` tokens and `free` blocks: cached prefix tokens cost no budget."""
-        return max(0, min(seq.num_tokens - seq.chunk_start, budget, self.kv.room(seq, free)))
+        n = max(0, min(seq.num_tokens - seq.chunk_start, budget, self.kv.room(seq, free)))
+        return self.encoder.fit(seq, n) if seq.images else n
 
     def schedule(self) -> ScheduledStep | None:
         """The next step, or None when there is nothing to run. A sequence whose own chunk cannot be sized
         (the code raises for it) is left out, in the step's `faulty`, and the others are scheduled."""
         budget, free, step = self.max_batched_tokens, self.kv.available_blocks, ScheduledStep()
+        self.encoder.start_step()
         # running: decodes first, then the next chunks of partly computed prompts
         running = sorted(self.running, key=lambda s: s.rank)
         for seq in sorted(running, key=_prefills):

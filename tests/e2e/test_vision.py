@@ -6,6 +6,7 @@ image after the same text never shares its blocks; bad images are refused with a
 
 import base64
 import io
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -16,6 +17,7 @@ from transformers import AutoProcessor, GenerationConfig, LlavaForConditionalGen
 
 from cli.scrape import scrape
 from tests.e2e.stack import start_stack
+from tests.helpers import PAGEDSERVE
 from tests.vision_model import IMAGE_TOKENS, png, save_tiny_llava
 
 pytestmark = pytest.mark.e2e
@@ -135,3 +137,37 @@ def test_a_bad_image_is_a_400_naming_it(served, url, says):
     with pytest.raises(openai.BadRequestError) as caught:
         ask(api, messages)
     assert says in caught.value.message
+
+
+def test_the_sdk_sends_image_parts_over_grpc(served):
+    stack = served[0]
+    image = png(7)
+    message = {
+        "role": "user",
+        "content": [{"type": "image", "image": image}, {"type": "text", "text": QUESTION}],
+    }
+    with stack.client() as client:
+        result = client.generate(messages=[message], max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert result.token_ids == expected(served, image)[0]
+
+
+def test_the_generate_command_sends_image_files(served, tmp_path):
+    stack, _, _, processor = served
+    image = tmp_path / "picture.png"
+    image.write_bytes(png(8))
+    out = subprocess.run(
+        [*PAGEDSERVE, "generate", QUESTION, "--image", str(image), "--max-tokens", str(NEW_TOKENS),
+         "--temperature", "0", "--ignore-eos", "--target", stack.target],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    tokens, ids = expected(served, image.read_bytes())
+    assert out.stdout.rstrip("\n") == processor.tokenizer.decode(tokens, skip_special_tokens=True).rstrip(
+        "\n"
+    )
+    assert f"{len(ids)} prompt tokens" in out.stderr
+    missing = subprocess.run(
+        [*PAGEDSERVE, "generate", QUESTION, "--image", str(tmp_path / "none.png"), "--target", stack.target],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "cannot read --image" in missing.stderr

@@ -88,6 +88,8 @@ def encode(
         raise InvalidArgument("empty prompt: set one of prompt, token_ids or messages")
     if len(given) > 1:
         raise InvalidArgument(f"set exactly one of prompt, token_ids or messages, got {' and '.join(given)}")
+    if any(part.WhichOneof("part") == "image" for m in request.messages for part in m.parts):
+        raise InvalidArgument("image parts are taken by Generate and chat completions only (docs/vision.md)")
     if request.chat_template_kwargs and not request.messages:
         raise InvalidArgument("chat_template_kwargs needs chat messages: send messages, not prompt")
     if request.token_ids:

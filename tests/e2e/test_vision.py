@@ -139,6 +139,24 @@ def test_a_bad_image_is_a_400_naming_it(served, url, says):
     assert says in caught.value.message
 
 
+def image_part(image: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(image)}}
+
+
+def test_too_many_images_and_a_decompression_bomb_are_refused_before_decoding(served):
+    _, api, _, _ = served
+    bomb = io.BytesIO()
+    Image.new("L", (5001, 5001)).save(bomb, format="PNG")
+    refusals = [
+        ([image_part(png(1, (8, 8)))] * 9, "images has 9 entries; the limit is 8 (--max-images-per-prompt)"),
+        ([image_part(bomb.getvalue())], "image 0 is 5001x5001 pixels; the limit is 25000000 pixels"),
+    ]
+    for content, says in refusals:
+        with pytest.raises(openai.BadRequestError) as caught:
+            ask(api, [{"role": "user", "content": content}])
+        assert says in caught.value.message
+
+
 def test_the_sdk_sends_image_parts_over_grpc(served):
     stack = served[0]
     image = png(7)

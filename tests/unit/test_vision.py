@@ -9,6 +9,7 @@ from transformers import Qwen2VLConfig
 from common.errors import InvalidArgument
 from compute_service import architectures
 from compute_service import vision as compute_vision
+from gateway import tokenizer as tok
 from gateway.http.errors import HttpError
 from gateway.http.image_parts import data_url_bytes
 from gateway.sequence import Sampling, Sequence
@@ -132,3 +133,12 @@ def test_a_vision_language_family_not_served_is_refused_naming_those_served():
         compute_vision.text_config(Qwen2VLConfig())
     message = str(caught.value)
     assert "model_type 'qwen2_vl' is a vision-language model" in message and "llava" in message
+
+
+def test_tokenize_refuses_image_parts():
+
+    request = generation_pb2.GenerateRequest(
+        messages=[generation_pb2.ChatMessage(role="user", parts=[generation_pb2.ImagePart(image=b"x")])]
+    )
+    with pytest.raises(InvalidArgument, match="image parts are taken by Generate"):
+        tok.encode(None, request, 100)

@@ -63,10 +63,14 @@ class Scheduler:
         assert all(seq.status is Status.RUNNING for seq in seqs), [seq.seq_id for seq in seqs]
         self.running.extend(seqs)
 
-    def _chunk(self, seq: Sequence, budget: int, free: int) -> int:
+    def _tokens(self, seq: Sequence, budget: int, free: int) -> int:
         """How many of the sequence's tokens to compute (after its computed or cached ones, its chunk_start)
         fit in `budget` tokens and `free` blocks: cached prefix tokens cost no budget."""
-        n = max(0, min(seq.num_tokens - seq.chunk_start, budget, self.kv.room(seq, free)))
+        return max(0, min(seq.num_tokens - seq.chunk_start, budget, self.kv.room(seq, free)))
+
+    def _chunk(self, seq: Sequence, budget: int, free: int) -> int:
+        """`_tokens`, stopped before an image the step's encoder budget has no room for."""
+        n = self._tokens(seq, budget, free)
         return self.encoder.fit(seq, n) if seq.images else n
 
     def schedule(self) -> ScheduledStep | None:
@@ -81,13 +85,16 @@ class Scheduler:
             if budget == 0:
                 break
             try:
-                n = self._chunk(seq, budget, free)
+                room = self._tokens(seq, budget, free)
+                n = self.encoder.fit(seq, room) if seq.images else room
                 taken = self._take(seq, n) if n else 0
             except Exception as exc:  # noqa: BLE001 - that sequence's fault: the engine fails it alone
                 step.faulty.append((seq, exc))
                 continue
-            if n == 0:
+            if room == 0:
                 return ScheduledStep(preempted=[self._preempt(running[-1])], faulty=step.faulty)
+            if n == 0:
+                continue  # its next image waits for a step with encoder budget left
             budget, free = budget - n, free - taken
             step.seqs.append(seq)
         first = min(self.waiting, key=lambda s: s.rank, default=None)

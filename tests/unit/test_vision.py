@@ -2,6 +2,8 @@
 image's positions, data: URLs, compute's checks of a step's images and the refusal of vision-language
 families not served."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import Qwen2VLConfig
@@ -15,6 +17,8 @@ from gateway.http.image_parts import data_url_bytes
 from gateway.sequence import Sampling, Sequence
 from gateway.vision import EncoderBudget, SeqImage, encode_prompt
 from protos import compute_pb2, generation_pb2
+from tests.scheduling import make, run
+from tests.scheduling import seq as scheduled_seq
 
 IMAGE_TOKEN = 9
 PIXELS = compute_pb2.ImageTensor(name="pixel_values", shape=[3, 2, 2], data=bytes(4 * 12))
@@ -142,3 +146,30 @@ def test_tokenize_refuses_image_parts():
     )
     with pytest.raises(InvalidArgument, match="image parts are taken by Generate"):
         tok.encode(None, request, 100)
+
+
+def test_each_step_covers_one_image_under_a_budget_of_one_and_nobody_is_preempted():
+    scheduler = make(block_size=16, num_blocks=200, max_batched_tokens=64, max_seqs=8)
+    scheduler.encoder = EncoderBudget(30)
+    # NOTE: a running prompt's next chunk reaches its image in a step whose budget another image took.
+    seqs = [
+        replace(scheduled_seq(name, length), images=(image(offset, 25),))
+        for name, length, offset in (("a", 40, 14), ("b", 62, 2), ("c", 47, 16))
+    ]
+    for s in seqs:
+        scheduler.add(s)
+    waited = 0
+    while not all(s.output_ids for s in seqs):
+        step = scheduler.schedule()
+        assert not step.preempted
+        covered = [
+            (s.seq_id, im.offset)
+            for s in step.seqs
+            for im in s.images
+            if im.offset < s.chunk_end and s.num_computed < im.end
+        ]
+        assert len(covered) <= 1, covered
+        prompts_left = [s for s in scheduler.running if s.num_computed < len(s.prompt_ids)]
+        waited += len([s for s in prompts_left if s not in step.seqs])
+        run(scheduler, step)
+    assert waited > 0, "some prompt's image waited for a later step"

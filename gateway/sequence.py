@@ -264,7 +264,7 @@ class Sequence:
             return self.token_ids
         ids = self.token_ids
         for image in self.images:
-            ids[image.offset : image.end] = image.cache_ids()
+            ids[image.offset : image.end] = image.cache_ids
         return ids
 
     @property

@@ -28,24 +28,33 @@ CACHE_ID_BITS = 31
 
 @dataclass(frozen=True, slots=True)
 class SeqImage:
-    """One image of a prompt: its placeholder tokens are prompt positions [offset, offset + num_tokens)."""
+    """One image of a prompt: its placeholder tokens are prompt positions [offset, offset + num_tokens), and
+    the prefix cache sees `cache_ids` there."""
 
     offset: int
     num_tokens: int
     content_hash: bytes
     pixels: compute_pb2.ImageTensor
+    cache_ids: tuple[int, ...]
+
+    @classmethod
+    def of(
+        cls, offset: int, num_tokens: int, content_hash: bytes, pixels: compute_pb2.ImageTensor
+    ) -> "SeqImage":
+        return cls(offset, num_tokens, content_hash, pixels, cache_ids(content_hash, num_tokens))
 
     @property
     def end(self) -> int:
         return self.offset + self.num_tokens
 
-    def cache_ids(self) -> list[int]:
-        """The ids the prefix cache sees at its positions: each from the digest and the position."""
-        ids = []
-        for j in range(self.num_tokens):
-            word = hashlib.blake2b(j.to_bytes(4, "little"), key=self.content_hash, digest_size=4).digest()
-            ids.append(-1 - (int.from_bytes(word, "little") & (2**CACHE_ID_BITS - 1)))
-        return ids
+
+def cache_ids(content_hash: bytes, num_tokens: int) -> tuple[int, ...]:
+    """The ids the prefix cache sees at an image's positions: each from the digest and the position."""
+    ids = []
+    for j in range(num_tokens):
+        word = hashlib.blake2b(j.to_bytes(4, "little"), key=content_hash, digest_size=4).digest()
+        ids.append(-1 - (int.from_bytes(word, "little") & (2**CACHE_ID_BITS - 1)))
+    return tuple(ids)
 
 
 def has_images(request: generation_pb2.GenerateRequest) -> bool:
@@ -109,7 +118,7 @@ class ImageInputs:
             digest = hashlib.blake2b(np.asarray(image.shape, dtype="<i8").tobytes(), digest_size=HASH_BYTES)
             digest.update(data)
             tensor = compute_pb2.ImageTensor(name="pixel_values", shape=image.shape, data=data)
-            images.append(SeqImage(run[0], per_image, digest.digest(), tensor))
+            images.append(SeqImage.of(run[0], per_image, digest.digest(), tensor))
         return images
 
     def _decode(self, index: int, data: bytes):

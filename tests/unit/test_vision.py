@@ -25,7 +25,7 @@ PIXELS = compute_pb2.ImageTensor(name="pixel_values", shape=[3, 2, 2], data=byte
 
 
 def image(offset: int, num_tokens: int, digest: bytes = b"a" * 16) -> SeqImage:
-    return SeqImage(offset, num_tokens, digest, PIXELS)
+    return SeqImage.of(offset, num_tokens, digest, PIXELS)
 
 
 def seq(*images: SeqImage, chunk_start: int = 0) -> Sequence:
@@ -49,11 +49,11 @@ def test_a_chunk_stops_before_an_image_beyond_the_budget_unless_the_step_has_non
 
 def test_the_cache_sees_an_images_positions_as_ids_of_its_digest():
     one, other = image(2, 6, b"a" * 16), image(2, 6, b"b" * 16)
-    assert all(i < 0 for i in one.cache_ids()), "never a token id"
-    assert one.cache_ids() == image(2, 6, b"a" * 16).cache_ids()
-    assert all(a != b for a, b in zip(one.cache_ids(), other.cache_ids(), strict=True))
+    assert all(i < 0 for i in one.cache_ids), "never a token id"
+    assert one.cache_ids == image(2, 6, b"a" * 16).cache_ids
+    assert all(a != b for a, b in zip(one.cache_ids, other.cache_ids, strict=True))
     s = seq(one)
-    assert s.cache_token_ids[:2] == [0, 1] and s.cache_token_ids[2:8] == one.cache_ids()
+    assert s.cache_token_ids[:2] == [0, 1] and s.cache_token_ids[2:8] == list(one.cache_ids)
     assert s.cache_token_ids[8:] == s.token_ids[8:] and s.token_ids[2:8] == [2, 3, 4, 5, 6, 7]
 
 

@@ -11,6 +11,8 @@ from transformers import Qwen2VLConfig
 from common.errors import InvalidArgument
 from compute_service import architectures
 from compute_service import vision as compute_vision
+from compute_service.model_loader import plan_for
+from compute_service.planning import Flags
 from gateway import tokenizer as tok
 from gateway.http.errors import HttpError
 from gateway.http.image_parts import data_url_bytes
@@ -132,11 +134,13 @@ def test_a_text_model_refuses_a_step_with_images():
         compute_vision.step_images(forward([1], vision_image(0, 1)), torch.tensor([1]), None)
 
 
-def test_a_vision_language_family_not_served_is_refused_naming_those_served():
+def test_a_vision_language_family_not_served_is_refused_before_its_weights_naming_those_served(tmp_path):
+    Qwen2VLConfig().save_pretrained(tmp_path)
     with pytest.raises(architectures.UnsupportedModel) as caught:
-        compute_vision.text_config(Qwen2VLConfig())
+        plan_for(str(tmp_path), Flags())
     message = str(caught.value)
-    assert "model_type 'qwen2_vl' is a vision-language model" in message and "llava" in message
+    assert "model_type 'qwen2_vl' is a vision-language model" in message
+    assert "vision-language types llava and the text types llama" in message
 
 
 def test_tokenize_refuses_image_parts():

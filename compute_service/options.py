@@ -83,7 +83,7 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         type=_length,
         default=64,
         help="vision-language models: the encoded images compute keeps (least recently used dropped first), "
-        "so that a repeated image skips the vision encoder (default 64; docs/vision.md)",
+        "so that a repeated image skips the vision encoder (default 64; 0: none; docs/vision.md)",
     )
     parser.add_argument(
         "--unfused",

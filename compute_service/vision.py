@@ -133,32 +133,40 @@ class VisionEncoder:
 
     def embeddings(self, images: list[StepImage], embed: torch.Tensor) -> tuple[int, int, float]:
         """Writes each image's rows into `embed` [T, hidden] at its packed tokens; returns the images encoded,
-        those found encoded, and the encoder's seconds."""
+        those found encoded, and the encoder's seconds. InvalidArgument, before `embed` changes, for an image
+        whose embeddings are not as many as its placeholder tokens."""
         start = time.perf_counter()
-        missing = {image.content_hash: image for image in images if image.content_hash not in self.cached}
+        found = {}
+        for image in images:
+            if image.content_hash in self.cached:
+                found[image.content_hash] = self.cached[image.content_hash]
+                self.cached.move_to_end(image.content_hash)
+        missing = {image.content_hash: image for image in images if image.content_hash not in found}
         for shape in {tuple(image.pixels.shape) for image in missing.values()}:
             batch = [image for image in missing.values() if tuple(image.pixels.shape) == shape]
             pixels = torch.stack([_tensor(image.pixels) for image in batch]).to(self.device, self.model.dtype)
             features = self.model.model.get_image_features(pixel_values=pixels).pooler_output
             for image, rows in zip(batch, features, strict=True):
-                if len(rows) != image.num_tokens:
-                    raise InvalidArgument(
-                        f"an image of {image.num_tokens} placeholder tokens encodes to {len(rows)} "
-                        "embeddings: send the placeholders the model's processor expands it to"
-                    )
+                found[image.content_hash] = rows
                 self._keep(image.content_hash, rows)
         for image in images:
-            rows = self.cached[image.content_hash]
-            self.cached.move_to_end(image.content_hash)
-            embed[image.at : image.at + image.last - image.first] = rows[image.first : image.last].to(
-                embed.dtype
-            )
+            if len(found[image.content_hash]) != image.num_tokens:
+                raise InvalidArgument(
+                    f"an image of {image.num_tokens} placeholder tokens has {len(found[image.content_hash])} "
+                    "embeddings: send the placeholders the model's processor expands it to"
+                )
+        for image in images:
+            rows = found[image.content_hash][image.first : image.last]
+            embed[image.at : image.at + len(rows)] = rows.to(embed.dtype)
         encoded = len(missing)
-        return encoded, len({image.content_hash for image in images}) - encoded, time.perf_counter() - start
+        return encoded, len(found) - encoded, time.perf_counter() - start
 
     def _keep(self, content_hash: bytes, rows: torch.Tensor) -> None:
+        """Keeps the image's embeddings, the least recently used dropped past `cache_images` (0: none)."""
+        if self.cache_images < 1:
+            return
         self.cached[content_hash] = rows
-        while len(self.cached) > max(self.cache_images, 1):
+        while len(self.cached) > self.cache_images:
             self.cached.popitem(last=False)
 
 

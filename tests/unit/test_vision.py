@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import Qwen2VLConfig
+from transformers import LlavaForConditionalGeneration, Qwen2VLConfig
 
 from common.errors import InvalidArgument
+from common.model_files import local_copy
 from compute_service import architectures
 from compute_service import vision as compute_vision
 from compute_service.model_loader import plan_for
@@ -21,6 +22,7 @@ from gateway.vision import EncoderBudget, SeqImage, encode_prompt
 from protos import compute_pb2, generation_pb2
 from tests.scheduling import make, run
 from tests.scheduling import seq as scheduled_seq
+from tests.vision_model import IMAGE_SIZE, IMAGE_TOKENS, save_tiny_llava
 
 IMAGE_TOKEN = 9
 PIXELS = compute_pb2.ImageTensor(name="pixel_values", shape=[3, 2, 2], data=bytes(4 * 12))
@@ -177,3 +179,32 @@ def test_each_step_covers_one_image_under_a_budget_of_one_and_nobody_is_preempte
         waited += len([s for s in prompts_left if s not in step.seqs])
         run(scheduler, step)
     assert waited > 0, "some prompt's image waited for a later step"
+
+
+def test_the_encoder_writes_each_images_covered_rows_and_keeps_the_last_ones(tmp_path):
+    model = LlavaForConditionalGeneration.from_pretrained(
+        save_tiny_llava(tmp_path, local_copy("smollm2").path)
+    ).eval()
+    encoder = compute_vision.VisionEncoder(model, compute_vision.VisionSpec("llava", IMAGE_TOKEN), 1)
+    shape = [3, IMAGE_SIZE, IMAGE_SIZE]
+    pixels = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    tensors = [
+        compute_pb2.ImageTensor(name="pixel_values", shape=shape, data=p.numpy().tobytes()) for p in pixels
+    ]
+    # image 0's rows 5.. at packed tokens 0.., image 1's rows ..4 at packed tokens 30..
+    images = [
+        compute_vision.StepImage(bytes([0]) * 16, tensors[0], IMAGE_TOKENS, 0, 5, IMAGE_TOKENS),
+        compute_vision.StepImage(bytes([1]) * 16, tensors[1], IMAGE_TOKENS, 30, 0, 4),
+    ]
+    embed = torch.zeros(40, model.config.text_config.hidden_size)
+    with torch.inference_mode():
+        assert encoder.embeddings(images, embed)[:2] == (2, 0)
+        wanted = model.model.get_image_features(pixel_values=torch.stack(pixels)).pooler_output
+    torch.testing.assert_close(embed[: IMAGE_TOKENS - 5], wanted[0][5:])
+    torch.testing.assert_close(embed[30:34], wanted[1][:4])
+    assert list(encoder.cached) == [bytes([1]) * 16], "one image kept: the last"
+    short = compute_vision.StepImage(bytes([1]) * 16, tensors[1], IMAGE_TOKENS + 1, 0, 0, 2)
+    before = embed.clone()
+    with pytest.raises(InvalidArgument, match="placeholder tokens has 25 embeddings"), torch.inference_mode():
+        encoder.embeddings([short], embed)
+    assert torch.equal(embed, before)

@@ -81,6 +81,13 @@ def add_parser(commands) -> None:
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     p.add_argument(
+        "--image",
+        action="append",
+        metavar="FILE",
+        help="an image (PNG, JPEG, WebP, GIF, BMP) before the prompt in the user message (implies --chat; "
+        "repeatable; a vision-language model, docs/vision.md)",
+    )
+    p.add_argument(
         "--chat-template-kwargs",
         type=_json_object,
         default=None,
@@ -174,10 +181,20 @@ def connection_kwargs(args: argparse.Namespace) -> dict:
     return {"tls": args.tls, "ca_file": args.tls_ca, "api_key": args.api_key}
 
 
+def _text_input(args: argparse.Namespace) -> dict:
+    """The prompt as generate's keyword arguments: text, a user message, or one with the --image files."""
+    if args.image:
+        images = [{"type": "image", "image": Path(name).read_bytes()} for name in args.image]
+        return {"messages": [{"role": "user", "content": [*images, {"type": "text", "text": args.prompt}]}]}
+    return {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+
+
 def run(args: argparse.Namespace) -> int:
-    text_input = (
-        {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
-    )
+    try:
+        text_input = _text_input(args)
+    except OSError as err:
+        print(f"error: cannot read --image {err.filename}: {err.strerror}", file=sys.stderr)
+        return 2
     logprobs: list[TokenLogprob] = []
     prompt_logprobs: list[TokenLogprob] = []
     targets = ",".join(args.target or [DEFAULT_TARGET])

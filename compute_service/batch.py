@@ -1,6 +1,6 @@
 """The forward batch: a checked ForwardRequest and everything compute derives from it, once per step."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -10,6 +10,7 @@ from common.sparse_settings import SparseAttention
 from compute_service.prompt_logprobs import PromptTargets, targets
 from compute_service.sampling import SamplingBatch
 from compute_service.validation import Limits, Sent, check_sent, check_writes, row_of_token
+from compute_service.vision import StepImage, step_images
 from protos import compute_pb2
 
 
@@ -48,6 +49,8 @@ class ForwardBatch:
     prompt_targets: PromptTargets | None = None
     # [N] the LoRA adapter id of each sequence (0: the base model); None: every row the base's
     lora_ids: torch.Tensor | None = None
+    # the images whose placeholder tokens the step's new tokens cover (compute_service.vision)
+    images: list[StepImage] = field(default_factory=list)
 
     @classmethod
     def from_request(cls, request: compute_pb2.ForwardRequest, limits: Limits) -> "ForwardBatch":
@@ -69,6 +72,7 @@ class ForwardBatch:
                     "send one per sequence (0: the base model) or none"
                 )
             batch.lora_ids = torch.tensor(request.lora_ids, dtype=torch.int64)
+        batch.images = step_images(request, batch.token_ids, limits.image_token_id)
         return batch
 
     @classmethod

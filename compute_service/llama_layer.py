@@ -92,12 +92,17 @@ class FusedLlamaModel(nn.Module):
         return self.embed_tokens
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, **_ignored
+        self,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **_ignored,
     ) -> BaseModelOutputWithPast:
-        """input_ids, position_ids [1, T] -> last_hidden_state [1, T, hidden]; keyword arguments transformers'
-        model takes (use_cache) are accepted and have no effect here."""
-        assert input_ids.shape[0] == 1 and input_ids.shape == position_ids.shape, "one packed row"
-        residual = self.embed_tokens(input_ids[0])
+        """input_ids, position_ids [1, T] (or inputs_embeds [1, T, hidden] in place of input_ids) ->
+        last_hidden_state [1, T, hidden]; keyword arguments transformers' model takes (use_cache) are accepted
+        and have no effect here."""
+        residual = self.embed_tokens(input_ids[0]) if inputs_embeds is None else inputs_embeds[0]
+        assert position_ids.shape == (1, len(residual)), "one packed row"
         cos, sin = self.rotary_emb(residual[None], position_ids)
         rope = rope_tables(cos[0], sin[0])
         ctx = get_context() if self.native_decode is not None else None

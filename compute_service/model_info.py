@@ -29,6 +29,9 @@ def model_info(spec: ModelSpec, adapters: Adapters | None = None) -> compute_pb2
         sparse_attention=sparse_support(spec.plan.sparse_attention),
         pooling=pooling_message(spec.pooling),
         tensor_parallel_size=spec.tensor_parallel_size,
+        vision=compute_pb2.VisionInfo(family=spec.vision.family, image_token_id=spec.vision.image_token_id)
+        if spec.vision
+        else None,
         lora_adapters=[adapter_message(a) for a in adapters.by_id.values()] if adapters else [],
         lora_limits=compute_pb2.LoraLimits(
             enabled=True, max_loras=adapters.max_loras, max_lora_rank=adapters.max_rank

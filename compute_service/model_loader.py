@@ -11,7 +11,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, P
 from common.model_files import ModelFiles, local_copy
 from common.shared_pool import dtype_from_name, dtype_name
 from common.sparse_settings import SparseMode
-from compute_service import architectures, kernels, planning
+from compute_service import architectures, kernels, planning, vision
 from compute_service.attention.context import timed
 from compute_service.attention.kv_codec import NO_SCALES, KVScales
 from compute_service.attention.registry import get_backend
@@ -24,6 +24,7 @@ from compute_service.native_decode import NativeDecode
 from compute_service.plan import TRANSFORMERS, ExecutionPlan
 from compute_service.planning import Flags
 from compute_service.pooling import Pooling
+from compute_service.vision import VisionSpec
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class ModelSpec:
     pooling: Pooling | None = None
     # The ranks the model's heads are split over (--tensor-parallel-size; compute_service.tensor_parallel).
     tensor_parallel_size: int = 1
+    # A vision-language model's family and image token (compute_service.vision; None: a text model).
+    vision: VisionSpec | None = None
 
     @property
     def attention_backend(self) -> str:
@@ -105,7 +108,8 @@ def plan_for(model: str, flags: Flags) -> tuple[ModelFiles, ExecutionPlan]:
     machine = planning.this_machine()
     planning.check(flags, machine)
     files = local_copy(model)
-    return files, planning.resolve(AutoConfig.from_pretrained(files.path), flags, machine)
+    config = vision.text_config(AutoConfig.from_pretrained(files.path))
+    return files, planning.resolve(config, flags, machine)
 
 
 def load_planned(
@@ -114,13 +118,15 @@ def load_planned(
     """The model of `files` built to `plan` (see `load`); `shard` splits it in place once loaded, before
     anything else is built on its weights (compute_service.tensor_parallel)."""
     dtype, kv_dtype = dtype_from_name(plan.dtype), dtype_from_name(plan.kv_dtype)
-    hf_model = (
-        AutoModelForCausalLM.from_pretrained(
-            files.path, dtype=dtype, attn_implementation=register_attention(plan.attention_backend)
+    attention = register_attention(plan.attention_backend)
+    if vision.is_vision(AutoConfig.from_pretrained(files.path)):
+        hf_model = vision.load(files.path, dtype, attention, plan.device)
+    else:
+        hf_model = (
+            AutoModelForCausalLM.from_pretrained(files.path, dtype=dtype, attn_implementation=attention)
+            .eval()
+            .to(plan.device)
         )
-        .eval()
-        .to(plan.device)
-    )
     if shard is not None:
         shard(hf_model)
     spec = model_spec(hf_model, files.name, plan, kv_dtype)
@@ -184,6 +190,7 @@ def model_spec(
         eos_token_ids=_eos_token_ids(config.eos_token_id, model.generation_config.eos_token_id),
         plan=plan,
         kv_dtype=model.dtype if kv_dtype is None else kv_dtype,
+        vision=model.vision.spec if hasattr(model, "vision") else None,
     )
 
 

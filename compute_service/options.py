@@ -114,6 +114,13 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "(a plain decoder: last; docs/embeddings.md)",
     )
     parser.add_argument(
+        "--encoder-cache-images",
+        type=_length,
+        default=64,
+        help="vision-language models: the encoded images compute keeps (least recently used dropped first), "
+        "so that a repeated image skips the vision encoder (default 64; 0: none; docs/vision.md)",
+    )
+    parser.add_argument(
         "--unfused",
         action="store_true",
         help="keep transformers' layer forward (default: float32 Llama models run fused QKV and gate/up "

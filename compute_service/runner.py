@@ -32,6 +32,9 @@ class StepTimes:
     model: float = 0.0  # the model's forward and output projection, attention included
     attention: float = 0.0  # the attention function, summed over layers
     sample: float = 0.0
+    encoder: float = 0.0  # the vision encoder (inside prepare)
+    images_encoded: int = 0
+    image_cache_hits: int = 0
     # decodes that attended block-sparse (not a time: counted with them, for the step's reply)
     sparse_rows: int = 0
 
@@ -61,6 +64,8 @@ class Runner:
         self.kernels = kernels.load() if plan is not None and plan.native_greedy else None
         self.layers = architectures.layer_attention(model.config)
         self.final_softcap = architectures.final_softcap(model.config)
+        # a vision-language model's encoder (compute_service.vision; None: a text model)
+        self.vision = getattr(model, "vision", None)
         self.sparse = None if plan is None else plan.sparse_attention
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
@@ -133,15 +138,14 @@ class Runner:
             self._sparse(batch),
             self.layer_groups,
         )
+        inputs = self._inputs(batch, times)
         set_context(context)
         set_rows(rows)
         built = time.perf_counter()
         try:
             # NOTE: the step's metadata stays on the cpu (backends move what their kernels read, once).
             hidden = self.model.model(
-                input_ids=batch.token_ids[None].to(self.model.device),
-                position_ids=batch.positions[None].to(self.model.device),
-                use_cache=False,
+                **inputs, position_ids=batch.positions[None].to(self.model.device), use_cache=False
             ).last_hidden_state[0]
         finally:
             reset_context()
@@ -165,6 +169,20 @@ class Runner:
                 )
             return None
         return self.adapters.rows(batch.lora_ids, batch.cu_seqlens_q)
+
+    def _inputs(self, batch: ForwardBatch, times: StepTimes) -> dict[str, torch.Tensor]:
+        """The model's input: the token ids, or with images their embeddings, the images' written in."""
+        token_ids = batch.token_ids[None].to(self.model.device)
+        if not batch.images:
+            return {"input_ids": token_ids}
+        embed = self.model.model.get_input_embeddings()(token_ids)
+        encoded, hits, seconds = self.vision.embeddings(batch.images, embed[0])
+        times.images_encoded, times.image_cache_hits = (
+            times.images_encoded + encoded,
+            times.image_cache_hits + hits,
+        )
+        times.encoder += seconds
+        return {"inputs_embeds": embed}
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's logits of hidden states, in its dtype."""

@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     spec = replace(spec, pooling=pooling)
     if adapters is not None:
         spec = replace(spec, plan=replace(spec.plan, lora=lora_adapters.plan_choice(spec.plan)))
+    if spec.vision is not None:
+        model.vision.cache_images = args.encoder_cache_images
     log.info("execution_plan", **spec.plan.summary())
     log.info("pooling", **({"mode": None} if pooling is None else asdict(pooling)))
     COMPUTE_INFO.info(

@@ -28,6 +28,11 @@ SPARSE_ROWS = Counter(
     "pagedserve_forward_sparse_rows",
     "Decodes that attended block-sparse (--sparse-attention), one per row and step.",
 )
+IMAGES_ENCODED = Counter("pagedserve_vision_images_encoded", "Images the vision encoder encoded.")
+IMAGE_CACHE_HITS = Counter(
+    "pagedserve_vision_image_cache_hits", "Images of steps found encoded already (--encoder-cache-images)."
+)
+ENCODER_SECONDS = Counter("pagedserve_vision_encoder_seconds", "Time the vision encoder ran.")
 STEP_TOKENS = Histogram("pagedserve_forward_step_tokens", "Tokens in one step.", buckets=TOKEN_BUCKETS)
 NO_POOL = "no KV pool attached: the gateway must call AttachPool first"
 SEGMENT_REMOVED = "the pool's segment was removed (cache restarted?): attach the new pool"
@@ -70,6 +75,7 @@ class Stepper:
                 self.spec.plan.sparse_attention,
                 layout.num_groups,
                 self.spec.pooling.mode if self.spec.pooling else "",
+                self.spec.vision.image_token_id if self.spec.vision else None,
             )
             # NOTE: an accelerator pool has no file to watch; its cache's restart shows as a new epoch.
             self._segment = Path(handle.shm.path) if handle.HasField("shm") else None
@@ -106,6 +112,9 @@ class Stepper:
         FORWARD_SECONDS.observe(elapsed_ms / 1e3)
         STEP_TOKENS.observe(len(batch.token_ids))
         SPARSE_ROWS.inc(times.sparse_rows)
+        IMAGES_ENCODED.inc(times.images_encoded)
+        IMAGE_CACHE_HITS.inc(times.image_cache_hits)
+        ENCODER_SECONDS.inc(times.encoder)
         self.log.debug(
             "forward", tokens=len(batch.token_ids), seqs=len(batch.context_lens), ms=round(elapsed_ms, 2)
         )
@@ -121,6 +130,9 @@ class Stepper:
             attention_ms=times.attention * 1e3,
             sample_ms=times.sample * 1e3,
             sparse_rows=times.sparse_rows,
+            images_encoded=times.images_encoded,
+            image_cache_hits=times.image_cache_hits,
+            encoder_ms=times.encoder * 1e3,
             **reply_fields(sampled.prompt),
         )
         if sampled.pooled is not None:

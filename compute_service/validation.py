@@ -29,6 +29,8 @@ class Limits:
     num_groups: int = 1
     # the model's pooling mode (compute_service.pooling; empty: it does not pool, no row may ask)
     pooling: str = ""
+    # a vision-language model's image token (None: a text model, no step may carry images)
+    image_token_id: int | None = None
 
 
 @dataclass(slots=True)

@@ -13,6 +13,8 @@ DEFAULT_DECODE_STEP_TARGET_MS = 500.0
 DEFAULT_PACE_STREAMS = 4
 # --decode-steps: see docs/configuration.md, Multi-step decode.
 DEFAULT_DECODE_STEPS = 32
+# --encoder-budget: see docs/vision.md.
+DEFAULT_ENCODER_BUDGET = 4096
 
 
 @dataclass(frozen=True)
@@ -45,3 +47,5 @@ class EngineConfig:
     internal_credentials: grpc.ChannelCredentials | None = None
     # Tests only: faults injected into the steps (--step-hook, gateway/step_runner.py); "": none.
     step_hook: str = ""
+    # Image tokens one step may cover (gateway.vision.EncoderBudget).
+    encoder_budget: int = DEFAULT_ENCODER_BUDGET

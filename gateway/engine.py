@@ -23,6 +23,7 @@ from gateway.sequence import Sequence
 from gateway.step_pace import StepPace
 from gateway.step_runner import StepRunner
 from gateway.step_timer import StepTimer
+from gateway.vision import EncoderBudget
 from protos import cache_pb2_grpc, common_pb2, compute_pb2, compute_pb2_grpc
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class Engine:
             pace = StepPace(config.decode_step_target_ms / 1e3) if config.decode_step_target_ms else None
             sizing = (config.prefill_tokens_with_decodes, pace, config.pace_streams)
             self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_seqs, *sizing)
+            self.scheduler.encoder = EncoderBudget(config.encoder_budget)
             self.live = LiveSeqs(self.scheduler, self.kv)
             self.runner = StepRunner(
                 self._compute, self.scheduler, self.live, self.lease, self.view, self.tokenizer, config

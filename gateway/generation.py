@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import structlog
 
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from gateway import metrics, prompt_batch, resume, sparse_request, token_ids
+from gateway import metrics, prompt_batch, resume, sparse_request, token_ids, vision
 from gateway import tokenizer as tok
 from gateway.admission import Admission
 from gateway.auth import Tenant, salted
@@ -61,6 +61,8 @@ class Generation:
         # --served-model-name: the names requests may give; the first is the one responses carry.
         self.served_names: tuple[str, ...] = ()
         self.adapters = LoraAdapters(engine)
+        # A vision-language model's processor (gateway.vision; None: a text model, images refused).
+        self.images: vision.ImageInputs | None = None
 
     def model_name(self, info) -> str:
         """The name responses carry: the first --served-model-name, else the attached model's."""
@@ -174,7 +176,12 @@ class Generation:
                 "ignore_eos cannot be combined with a constraint: the constraint ends the text"
             )
         adapter = self.adapters.resolve(request.lora_adapter)
-        prompt_ids = tok.encode(self.tokenizer, request, info.vocab_size, tools)
+        if vision.has_images(request):
+            prompt_ids, images = vision.encode_prompt(
+                self.images, self.tokenizer, request, info.vocab_size, tools
+            )
+        else:
+            prompt_ids, images = tok.encode(self.tokenizer, request, info.vocab_size, tools), ()
         reasoning = self._opened(request, prompt_ids)
         if spec is not None and reasoning is not None:
             spec = after_reasoning(spec, self.formats.reasoning, reasoning, self.formats.tags)
@@ -208,6 +215,7 @@ class Generation:
             keep_special=self.formats.keep(tools is not None, reasoning is not None),
             lora_id=adapter.id if adapter else 0,
             lora_name=adapter.name if adapter else "",
+            images=images,
         )
         return seq, tools, reasoning
 

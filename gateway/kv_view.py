@@ -148,7 +148,7 @@ class KVView:
         held = [seq for seq in running if self.holds(seq)]
         progress = {s.seq_id: min(s.num_computed, self._seqs[s.seq_id].num_synced) for s in held}
         request = cache_pb2.LookupRequest(
-            seqs=[_seq_request(seq, seq.token_ids, seq.num_tokens) for seq in seqs],
+            seqs=[_seq_request(seq, seq.cache_token_ids, seq.num_tokens) for seq in seqs],
             num_computed=progress,
             session_id=self._session_id if progress else "",
         )
@@ -217,13 +217,13 @@ class KVView:
     def _new_request(self, seq: Sequence) -> cache_pb2.SequenceRequest:
         """Its tokens up to chunk_end (none if kept out of the prefix cache); the step computes at most
         chunk_end - chunk_start after the hits."""
-        tokens = seq.token_ids[: seq.chunk_end] if seq.prefix_cached else []
+        tokens = seq.cache_token_ids[: seq.chunk_end] if seq.prefix_cached else []
         return _seq_request(seq, tokens, seq.chunk_end, max_compute=seq.chunk_end - seq.chunk_start)
 
     def _running_request(self, seq: Sequence, lookahead: int) -> cache_pb2.SequenceRequest:
         """The tokens appended since the previous Reserve, and its progress."""
         request = _seq_request(
-            seq, seq.token_ids[self._seqs[seq.seq_id].num_synced : seq.chunk_end], seq.chunk_end
+            seq, seq.cache_token_ids[self._seqs[seq.seq_id].num_synced : seq.chunk_end], seq.chunk_end
         )
         request.lookahead_tokens = seq.lookahead(lookahead + 1)
         return request
@@ -257,7 +257,7 @@ class KVView:
             synced = self._seqs[seq.seq_id].num_synced
             if synced < seq.num_computed:
                 appended = request.appended_token_ids[seq.seq_id].token_ids
-                appended.extend(seq.token_ids[synced : seq.num_computed])
+                appended.extend(seq.cache_token_ids[synced : seq.num_computed])
         reply = self._stub.Free(request, timeout=self._timeout, metadata=_ids(seqs))
         self.available_blocks = reply.available_blocks
         self.forget(seqs)

@@ -45,6 +45,11 @@ class EdgeLimits:
     max_logit_bias: int = limit(300, "entries of sampling.logit_bias")
     max_cache_salt_bytes: int = limit(256, "bytes of cache_salt")
     max_request_id_bytes: int = limit(128, "bytes of request_id")
+    max_images_per_prompt: int = limit(8, "images of one request's messages (a vision-language model)")
+    max_image_bytes: int = limit(10 * 2**20, "bytes of one encoded image")
+    max_image_pixels: int = limit(
+        25_000_000, "pixels (width x height) of one image, read from its header before it is decoded"
+    )
     max_streams_per_key: int = limit(64, "concurrent Generate streams of one API key", capacity=True)
     # NOTE: as many as --max-streams' default: no request a default gateway admits today is refused, and
     # the queue stays bounded when --max-streams is raised.
@@ -127,8 +132,14 @@ def _check_count(what: str, count: int, limit: int, name: str) -> None:
 def _check_messages(request: generation_pb2.GenerateRequest, limits: EdgeLimits, prompt_bytes: int) -> None:
     _check_count("messages", len(request.messages), limits.max_messages, "max_messages")
     total = 0
+    images = [part.image for m in request.messages for part in m.parts if part.WhichOneof("part") == "image"]
+    _check_count("images", len(images), limits.max_images_per_prompt, "max_images_per_prompt")
+    for i, image in enumerate(images):
+        if len(image) > limits.max_image_bytes:
+            _refuse(f"image {i}", str(len(image)), limits.max_image_bytes, "max_image_bytes", "bytes")
     for m in request.messages:
         total += _size(m.role, prompt_bytes) + _size(m.content, prompt_bytes)
+        total += sum(_size(part.text, prompt_bytes) for part in m.parts)
         if total > prompt_bytes:
             _refuse(
                 "messages (roles and contents)",

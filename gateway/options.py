@@ -7,7 +7,12 @@ from pathlib import Path
 from common.options import ServiceOptions, add_logging, add_model, positive_seconds
 from common.paging import MAX_DECODE_STEPS, MAX_DRAFT_TOKENS
 from common.transport import add_client_certs
-from gateway.config import DEFAULT_DECODE_STEP_TARGET_MS, DEFAULT_DECODE_STEPS, DEFAULT_PACE_STREAMS
+from gateway.config import (
+    DEFAULT_DECODE_STEP_TARGET_MS,
+    DEFAULT_DECODE_STEPS,
+    DEFAULT_ENCODER_BUDGET,
+    DEFAULT_PACE_STREAMS,
+)
 from gateway.limits import add_limits
 from gateway.reasoning.formats import NAMES as REASONING_PARSERS
 from gateway.structured.limits import add_constraint_limits
@@ -129,6 +134,13 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "--max-batched-tokens", type=int, default=4096, help="tokens of one step: decodes, then prompt chunks"
     )
     add_step_sizing(parser)
+    parser.add_argument(
+        "--encoder-budget",
+        type=int,
+        default=DEFAULT_ENCODER_BUDGET,
+        help="image tokens of one step (vision-language models): a prompt chunk that would reach an image "
+        "beyond them stops before it, unless the step has no image yet (docs/vision.md)",
+    )
     parser.add_argument("--max-seqs", type=int, default=64, help="sequences running at once")
     parser.add_argument(
         "--tool-call-parser",

@@ -5,6 +5,7 @@ from gateway.kv_view import KVView
 from gateway.sequence import Sequence, Status
 from gateway.step import ScheduledStep
 from gateway.step_pace import StepPace, StepShape
+from gateway.vision import EncoderBudget
 
 
 class Scheduler:
@@ -42,6 +43,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # The image tokens a step may cover (gateway.vision); one without a limit by default.
+        self.encoder = EncoderBudget(0)
 
     @property
     def watermark(self) -> int:
@@ -60,15 +63,21 @@ class Scheduler:
         assert all(seq.status is Status.RUNNING for seq in seqs), [seq.seq_id for seq in seqs]
         self.running.extend(seqs)
 
-    def _chunk(self, seq: Sequence, budget: int, free: int) -> int:
+    def _tokens(self, seq: Sequence, budget: int, free: int) -> int:
         """How many of the sequence's tokens to compute (after its computed or cached ones, its chunk_start)
         fit in `budget` tokens and `free` blocks: cached prefix tokens cost no budget."""
         return max(0, min(seq.num_tokens - seq.chunk_start, budget, self.kv.room(seq, free)))
+
+    def _chunk(self, seq: Sequence, budget: int, free: int) -> int:
+        """`_tokens`, stopped before an image the step's encoder budget has no room for."""
+        n = self._tokens(seq, budget, free)
+        return self.encoder.fit(seq, n) if seq.images else n
 
     def schedule(self) -> ScheduledStep | None:
         """The next step, or None when there is nothing to run. A sequence whose own chunk cannot be sized
         (the code raises for it) is left out, in the step's `faulty`, and the others are scheduled."""
         budget, free, step = self.max_batched_tokens, self.kv.available_blocks, ScheduledStep()
+        self.encoder.start_step()
         # running: decodes first, then the next chunks of partly computed prompts
         running = sorted(self.running, key=lambda s: s.rank)
         for seq in sorted(running, key=_prefills):
@@ -76,13 +85,16 @@ class Scheduler:
             if budget == 0:
                 break
             try:
-                n = self._chunk(seq, budget, free)
+                room = self._tokens(seq, budget, free)
+                n = self.encoder.fit(seq, room) if seq.images else room
                 taken = self._take(seq, n) if n else 0
             except Exception as exc:  # noqa: BLE001 - that sequence's fault: the engine fails it alone
                 step.faulty.append((seq, exc))
                 continue
-            if n == 0:
+            if room == 0:
                 return ScheduledStep(preempted=[self._preempt(running[-1])], faulty=step.faulty)
+            if n == 0:
+                continue  # its next image waits for a step with encoder budget left
             budget, free = budget - n, free - taken
             step.seqs.append(seq)
         first = min(self.waiting, key=lambda s: s.rank, default=None)

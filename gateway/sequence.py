@@ -41,6 +41,7 @@ import numpy as np
 from common.sampling_controls import CONTROLS
 from gateway.structured.matcher import Matcher
 from gateway.text_stream import TextStream
+from gateway.vision import SeqImage
 
 
 class Status(enum.Enum):
@@ -151,6 +152,8 @@ class Sequence:
     # The LoRA adapter it runs (compute's id and its name, gateway.lora; 0 and "": the base model).
     lora_id: int = 0
     lora_name: str = ""
+    # The prompt's images (gateway.vision), in order: their placeholder positions and processed pixels.
+    images: tuple[SeqImage, ...] = ()
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.seq_id
@@ -255,6 +258,17 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """token_ids as the cache service hashes them: an image's placeholder positions hold ids drawn from
+        its digest (gateway.vision)."""
+        if not self.images:
+            return self.token_ids
+        ids = self.token_ids
+        for image in self.images:
+            ids[image.offset : image.end] = image.cache_ids
+        return ids
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,7 @@ from common import transport
 from common.model_files import local_copy
 from common.options import REFUSED
 from common.server import Server, channel, serve
-from gateway import chat_template, metrics
+from gateway import chat_template, metrics, vision
 from gateway import tokenizer as tok
 from gateway.admission import Admission
 from gateway.chat_formats import ChatFormats
@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     logger = pslogging.configure("gateway", args.log_format, args.log_level)
     edge = _edge(args, logger)
     http = _bind_http(args, logger)
-    tokenizer = tok.load(str(local_copy(args.model).path))
+    model_path = str(local_copy(args.model).path)
+    tokenizer = tok.load(model_path)
     if args.chat_template is not None:
         tokenizer.chat_template = _chat_template(args.chat_template, logger)
     internal = transport.credentials_of(args, "gateway")
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             step_timeout_s=args.step_timeout,
             internal_credentials=internal,
             step_hook=args.step_hook,
+            encoder_budget=args.encoder_budget,
         ),
         tokenizer,
     )
@@ -135,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     formats = _formats(args, tokenizer, logger)
     generation = Generation(engine, tokenizer, admission, slots, edge, grammars, formats)
     generation.served_names = tuple(name for name in (args.served_model_name or "").split(",") if name)
+    if vision.is_vision_model(model_path):
+        generation.images = vision.ImageInputs(model_path, edge.limits)
     servicer = GenerationServicer(generation)
     metrics.register(engine)
     psmetrics.serve_metrics(args.host, args.metrics_port, logger)

@@ -10,6 +10,7 @@ import numpy as np
 
 from gateway.sampling import forward_sampling
 from gateway.sequence import Sampling, Sequence
+from gateway.vision import forward_images
 from protos import compute_pb2
 
 
@@ -53,6 +54,7 @@ def forward_request(
         lora_ids=[seq.lora_id for seq in seqs] if any(seq.lora_id for seq in seqs) else [],
         **forward_sampling([seq for seq in seqs if seq.samples_now], eos_ids),
         **_prompt_targets(seqs),
+        images=forward_images(seqs),
     )
 
 

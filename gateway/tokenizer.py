@@ -88,6 +88,8 @@ def encode(
         raise InvalidArgument("empty prompt: set one of prompt, token_ids or messages")
     if len(given) > 1:
         raise InvalidArgument(f"set exactly one of prompt, token_ids or messages, got {' and '.join(given)}")
+    if any(part.WhichOneof("part") == "image" for m in request.messages for part in m.parts):
+        raise InvalidArgument("image parts are taken by Generate and chat completions only (docs/vision.md)")
     if request.chat_template_kwargs and not request.messages:
         raise InvalidArgument("chat_template_kwargs needs chat messages: send messages, not prompt")
     if request.token_ids:
@@ -138,11 +140,7 @@ def _render_chat(
 ) -> list[int]:
     if tokenizer.chat_template is None:
         raise InvalidArgument("this model has no chat template: send prompt or token_ids instead of messages")
-    for i, message in enumerate(messages):
-        if message.role not in CHAT_ROLES:
-            given = f"role {message.role!r}" if message.role else "no role"
-            raise InvalidArgument(f"messages[{i}] has {given}: use one of {', '.join(CHAT_ROLES)}")
-    conversation, listed = prompt.conversation(messages, tools, renders_tools(tokenizer))
+    conversation, listed = chat_conversation(tokenizer, messages, tools)
     try:
         text = tokenizer.apply_chat_template(
             conversation, tools=listed, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
@@ -150,6 +148,18 @@ def _render_chat(
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's to fix
         raise InvalidArgument(f"cannot render messages with the chat template: {exc}") from exc
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def chat_conversation(
+    tokenizer: "PreTrainedTokenizerBase", messages, tools: ToolUse | None
+) -> tuple[list[dict], list[dict] | None]:
+    """The chat template's messages and tools (gateway.tools.prompt); InvalidArgument for a role not one of
+    CHAT_ROLES."""
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            given = f"role {message.role!r}" if message.role else "no role"
+            raise InvalidArgument(f"messages[{i}] has {given}: use one of {', '.join(CHAT_ROLES)}")
+    return prompt.conversation(messages, tools, renders_tools(tokenizer))
 
 
 @functools.lru_cache(maxsize=4)

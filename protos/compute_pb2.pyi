@@ -36,7 +36,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "kv_dtype", "kv_scales_id", "weights", "execution_plan", "sliding_windows", "sparse_attention", "pooling", "lora_adapters", "lora_limits", "tensor_parallel_size")
+    __slots__ = ("model", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "kv_dtype", "kv_scales_id", "weights", "execution_plan", "sliding_windows", "sparse_attention", "pooling", "lora_adapters", "lora_limits", "tensor_parallel_size", "vision")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class ModelInfo(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     LORA_LIMITS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VISION_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     num_attention_heads: int
@@ -77,7 +78,16 @@ class ModelInfo(_message.Message):
     lora_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]
     lora_limits: LoraLimits
     tensor_parallel_size: int
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., weights: _Optional[str] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., sliding_windows: _Optional[_Iterable[int]] = ..., sparse_attention: _Optional[_Union[SparseSupport, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapter, _Mapping]]] = ..., lora_limits: _Optional[_Union[LoraLimits, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    vision: VisionInfo
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., weights: _Optional[str] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., sliding_windows: _Optional[_Iterable[int]] = ..., sparse_attention: _Optional[_Union[SparseSupport, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapter, _Mapping]]] = ..., lora_limits: _Optional[_Union[LoraLimits, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., vision: _Optional[_Union[VisionInfo, _Mapping]] = ...) -> None: ...
+
+class VisionInfo(_message.Message):
+    __slots__ = ("family", "image_token_id")
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    family: str
+    image_token_id: int
+    def __init__(self, family: _Optional[str] = ..., image_token_id: _Optional[int] = ...) -> None: ...
 
 class Pooling(_message.Message):
     __slots__ = ("type", "normalize", "dimensions", "matryoshka", "matryoshka_dimensions", "source")
@@ -148,7 +158,7 @@ class AttachPoolResponse(_message.Message):
     def __init__(self, epoch: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("pool_epoch", "token_ids", "cu_seqlens_q", "num_computed", "block_tables", "block_table_width", "num_kv_groups", "sample", "sampling", "history_token_ids", "cu_history", "history_prompt_lens", "output_lens", "session_epoch", "cached_prefix", "prompt_chunk", "sparse", "constraint_rows", "constraint_bitmask", "pool", "prompt_logprobs", "prompt_target_ids", "cu_prompt_targets", "lora_ids")
+    __slots__ = ("pool_epoch", "token_ids", "cu_seqlens_q", "num_computed", "block_tables", "block_table_width", "num_kv_groups", "sample", "sampling", "history_token_ids", "cu_history", "history_prompt_lens", "output_lens", "session_epoch", "cached_prefix", "prompt_chunk", "sparse", "constraint_rows", "constraint_bitmask", "pool", "prompt_logprobs", "prompt_target_ids", "cu_prompt_targets", "lora_ids", "images")
     POOL_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CU_SEQLENS_Q_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +183,7 @@ class ForwardRequest(_message.Message):
     PROMPT_TARGET_IDS_FIELD_NUMBER: _ClassVar[int]
     CU_PROMPT_TARGETS_FIELD_NUMBER: _ClassVar[int]
     LORA_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     pool_epoch: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cu_seqlens_q: _containers.RepeatedScalarFieldContainer[int]
@@ -197,7 +208,32 @@ class ForwardRequest(_message.Message):
     prompt_target_ids: _containers.RepeatedScalarFieldContainer[int]
     cu_prompt_targets: _containers.RepeatedScalarFieldContainer[int]
     lora_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool_epoch: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., block_table_width: _Optional[int] = ..., num_kv_groups: _Optional[int] = ..., sample: _Optional[_Iterable[bool]] = ..., sampling: _Optional[_Iterable[_Union[RowSampling, _Mapping]]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., cu_history: _Optional[_Iterable[int]] = ..., history_prompt_lens: _Optional[_Iterable[int]] = ..., output_lens: _Optional[_Iterable[int]] = ..., session_epoch: _Optional[int] = ..., cached_prefix: _Optional[_Iterable[bool]] = ..., prompt_chunk: _Optional[_Iterable[bool]] = ..., sparse: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., constraint_rows: _Optional[_Iterable[int]] = ..., constraint_bitmask: _Optional[bytes] = ..., pool: _Optional[_Iterable[bool]] = ..., prompt_logprobs: _Optional[_Iterable[int]] = ..., prompt_target_ids: _Optional[_Iterable[int]] = ..., cu_prompt_targets: _Optional[_Iterable[int]] = ..., lora_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[VisionImage]
+    def __init__(self, pool_epoch: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., block_table_width: _Optional[int] = ..., num_kv_groups: _Optional[int] = ..., sample: _Optional[_Iterable[bool]] = ..., sampling: _Optional[_Iterable[_Union[RowSampling, _Mapping]]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., cu_history: _Optional[_Iterable[int]] = ..., history_prompt_lens: _Optional[_Iterable[int]] = ..., output_lens: _Optional[_Iterable[int]] = ..., session_epoch: _Optional[int] = ..., cached_prefix: _Optional[_Iterable[bool]] = ..., prompt_chunk: _Optional[_Iterable[bool]] = ..., sparse: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., constraint_rows: _Optional[_Iterable[int]] = ..., constraint_bitmask: _Optional[bytes] = ..., pool: _Optional[_Iterable[bool]] = ..., prompt_logprobs: _Optional[_Iterable[int]] = ..., prompt_target_ids: _Optional[_Iterable[int]] = ..., cu_prompt_targets: _Optional[_Iterable[int]] = ..., lora_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[VisionImage, _Mapping]]] = ...) -> None: ...
+
+class VisionImage(_message.Message):
+    __slots__ = ("row", "offset", "num_tokens", "content_hash", "tensors")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    row: int
+    offset: int
+    num_tokens: int
+    content_hash: bytes
+    tensors: _containers.RepeatedCompositeFieldContainer[ImageTensor]
+    def __init__(self, row: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., content_hash: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[ImageTensor, _Mapping]]] = ...) -> None: ...
+
+class ImageTensor(_message.Message):
+    __slots__ = ("name", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RowSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "min_tokens", "suppress_token_ids")
@@ -253,7 +289,7 @@ class StepsRequest(_message.Message):
     def __init__(self, first: _Optional[_Union[ForwardRequest, _Mapping]] = ..., max_steps: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cu_stop_token_ids: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., lookup_token_ids: _Optional[_Iterable[int]] = ..., cu_lookup_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "forward_ms", "top_logprobs_width", "top_token_ids", "top_logprobs", "prepare_ms", "model_ms", "attention_ms", "sample_ms", "rows", "sparse_rows", "same_step", "drafted_tokens", "accepted_tokens", "running", "pooled", "prompt_logprobs", "prompt_ranks", "prompt_top_width", "prompt_top_token_ids", "prompt_top_logprobs")
+    __slots__ = ("token_ids", "logprobs", "forward_ms", "top_logprobs_width", "top_token_ids", "top_logprobs", "prepare_ms", "model_ms", "attention_ms", "sample_ms", "rows", "sparse_rows", "same_step", "drafted_tokens", "accepted_tokens", "running", "pooled", "prompt_logprobs", "prompt_ranks", "prompt_top_width", "prompt_top_token_ids", "prompt_top_logprobs", "images_encoded", "image_cache_hits", "encoder_ms")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +312,9 @@ class ForwardResponse(_message.Message):
     PROMPT_TOP_WIDTH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_ENCODED_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_MS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     forward_ms: float
@@ -298,4 +337,7 @@ class ForwardResponse(_message.Message):
     prompt_top_width: int
     prompt_top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., top_logprobs_width: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_ms: _Optional[float] = ..., model_ms: _Optional[float] = ..., attention_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., rows: _Optional[_Iterable[int]] = ..., sparse_rows: _Optional[int] = ..., same_step: _Optional[bool] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., running: _Optional[_Iterable[bool]] = ..., pooled: _Optional[bytes] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_ranks: _Optional[_Iterable[int]] = ..., prompt_top_width: _Optional[int] = ..., prompt_top_token_ids: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    images_encoded: int
+    image_cache_hits: int
+    encoder_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., top_logprobs_width: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_ms: _Optional[float] = ..., model_ms: _Optional[float] = ..., attention_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., rows: _Optional[_Iterable[int]] = ..., sparse_rows: _Optional[int] = ..., same_step: _Optional[bool] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., running: _Optional[_Iterable[bool]] = ..., pooled: _Optional[bytes] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_ranks: _Optional[_Iterable[int]] = ..., prompt_top_width: _Optional[int] = ..., prompt_top_token_ids: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[float]] = ..., images_encoded: _Optional[int] = ..., image_cache_hits: _Optional[int] = ..., encoder_ms: _Optional[float] = ...) -> None: ...

@@ -134,10 +134,20 @@ def _constrain(
 
 
 def _message(m: Mapping) -> generation_pb2.ChatMessage:
+    """A chat message; its content a string, or a list of parts {"type": "text", "text": str} and
+    {"type": "image", "image": bytes} (the encoded image, docs/vision.md) in order."""
     calls = [c if isinstance(c, Mapping) else vars(c) for c in m.get("tool_calls", ())]
+    content = m.get("content") or ""
+    parts = [] if isinstance(content, str) else content
     return generation_pb2.ChatMessage(
         role=m["role"],
-        content=m.get("content") or "",
+        content=content if isinstance(content, str) else "",
+        parts=[
+            generation_pb2.ImagePart(image=p["image"])
+            if p["type"] == "image"
+            else generation_pb2.ImagePart(text=p["text"])
+            for p in parts
+        ],
         tool_calls=[
             generation_pb2.ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"]) for c in calls
         ],

@@ -4,7 +4,7 @@ GenerateRequest; the gateway then checks the values as it checks any gRPC reques
 Every parameter the bodies declare is honoured. `user` is accepted and ignored (it only labels the caller
 at OpenAI). Any other field is refused (400, naming it) rather than silently ignored, and so are values
 of declared fields pagedserve cannot serve (`suffix`, `best_of` other than `n`, chat content parts other
-than text).
+than text and images, image URLs other than `data:`).
 """
 
 import json
@@ -13,6 +13,7 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.http.errors import HttpError, invalid
+from gateway.http.image_parts import ImagePart, image_part
 from gateway.http.openai_structured import (
     Constrained,
     MessageToolCall,
@@ -116,7 +117,7 @@ class TextPart(_Body):
 class Message(_Body):
     role: str
     # None (or absent) in an assistant message that only called tools
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
@@ -230,13 +231,23 @@ def chat_request(body: ChatRequest, request_id: str, max_model_len: int) -> gene
 def chat_messages(messages: list[Message]) -> list[generation_pb2.ChatMessage]:
     """The chat messages as the gateway takes them (text parts joined)."""
     converted = []
-    for message in messages:
+    for i, message in enumerate(messages):
         content = message.content or ""
-        text = content if isinstance(content, str) else "".join(part.text for part in content)
+        parts = [] if isinstance(content, str) else content
+        with_images = any(isinstance(part, ImagePart) for part in parts)
+        text = content if isinstance(content, str) else "".join(getattr(part, "text", "") for part in content)
         converted.append(
             generation_pb2.ChatMessage(
                 role=message.role,
-                content=text,
+                content="" if with_images else text,
+                parts=[
+                    image_part(part, f"messages[{i}].content[{j}]")
+                    if isinstance(part, ImagePart)
+                    else generation_pb2.ImagePart(text=part.text)
+                    for j, part in enumerate(parts)
+                ]
+                if with_images
+                else [],
                 tool_call_id=message.tool_call_id or "",
                 name=message.name or "",
                 tool_calls=[

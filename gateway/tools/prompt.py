@@ -40,7 +40,7 @@ def conversation(messages, tools: ToolUse | None, native: bool) -> tuple[list[di
 
 
 def _message(message: generation_pb2.ChatMessage, native: bool) -> dict:
-    entry = {"role": message.role, "content": message.content}
+    entry = {"role": message.role, "content": _content(message)}
     if native:
         if message.tool_calls:
             entry["tool_calls"] = [
@@ -62,3 +62,16 @@ def _message(message: generation_pb2.ChatMessage, native: bool) -> dict:
     if message.role == "tool":
         entry["content"] = hermes.response_text(message.content)
     return entry
+
+
+def _content(message: generation_pb2.ChatMessage) -> str | list[dict]:
+    """The content, or the message's parts: their text joined, or with images the template's part list."""
+    parts = message.parts
+    if not parts:
+        return message.content
+    if all(part.WhichOneof("part") == "text" for part in parts):
+        return "".join(part.text for part in parts)
+    return [
+        {"type": "text", "text": p.text} if p.WhichOneof("part") == "text" else {"type": "image"}
+        for p in parts
+    ]

@@ -151,9 +151,14 @@ def test_completions_refuse_what_they_cannot_serve_naming_the_parameter(body, pa
         ({"functions": []}, "functions", "unsupported parameter"),
         ({"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages", "'messages[0].audio'"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
             "messages",
-            "messages[0].content[0].type: Input should be 'text'",
+            "'input_audio' found using 'type' does not match any of the expected tags: 'text', 'image_url'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].image_url.url",
+            "only data: URLs are accepted",
         ),
     ],
 )

@@ -69,9 +69,7 @@ class Adapters:
         by_linear: dict[int, tuple[Site, list]] = {}
         for key, (a, b) in weights.pairs.items():
             site = self.sites[key]
-            by_linear.setdefault(id(site.linear), (site, []))[1].append(
-                (site.piece, site.start, site.end, a, b)
-            )
+            by_linear.setdefault(id(site.linear), (site, []))[1].append((site.piece, a, b))
         for site, pieces in by_linear.values():
             site.linear.add(slot, pieces)
         self.by_name[name], self.by_id[adapter.id], self.slot_of[adapter.id] = adapter, adapter, slot

@@ -132,7 +132,7 @@ def test_adapters_that_do_not_fit_are_refused_at_load(served, tmp_path):
 def test_grouped_rows_add_each_rows_own_adapter(lengths, slots, padded):
     torch.manual_seed(0)
     base = torch.nn.Linear(12, 10)
-    linear = LoraLinear(base, 12, 10, pieces=2)
+    linear = LoraLinear(base, 12, 10, [(0, 6), (6, 10)])
     linear.reserve(3, 4, torch.float32)
     pairs = {}
     for slot, rank in enumerate((4, 2, 3)):
@@ -142,7 +142,7 @@ def test_grouped_rows_add_each_rows_own_adapter(lengths, slots, padded):
             torch.randn(rank, 12),
             torch.randn(4, rank),
         )
-        linear.add(slot, [(0, 0, 6, a1, b1), (1, 6, 10, a2, b2)])
+        linear.add(slot, [(0, a1, b1), (1, a2, b2)])
         pairs[slot] = (a1, b1, a2, b2)
     x = torch.randn(sum(lengths), 12)
     cu = torch.tensor([0, *lengths]).cumsum(0)

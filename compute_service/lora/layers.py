@@ -78,6 +78,17 @@ class StepRows:
             block = slice(int(flat[0]), int(flat[-1]) + 1)
         return cls(used, groups, padded, keep, block)
 
+    def to(self, device: torch.device) -> "StepRows":
+        """The same rows with their index tensors on `device` (the model's)."""
+        if device.type == "cpu":
+            return self
+
+        def moved(value):
+            return value.to(device) if isinstance(value, torch.Tensor) else value
+
+        groups = tuple((slot, moved(index)) for slot, index in self.groups)
+        return StepRows(moved(self.slots), groups, moved(self.padded), moved(self.keep), self.block)
+
 
 def _span(rows: torch.Tensor) -> slice | torch.Tensor:
     first, last = int(rows[0]), int(rows[-1])
@@ -133,7 +144,7 @@ class LoraLinear(nn.Module):
             target = flat_y[rows.block].view(*shape, -1)
             self._expand(torch.bmm(flat_x[rows.block].view(*shape, -1), a_t), b_ts, target)
             return y
-        delta = torch.zeros(*rows.padded.shape, self.out_features, dtype=y.dtype)
+        delta = y.new_zeros(*rows.padded.shape, self.out_features)
         self._expand(torch.bmm(flat_x[rows.padded], a_t), b_ts, delta)
         delta, index = delta.view(-1, self.out_features), rows.padded.view(-1)
         if rows.keep is not None:
@@ -156,15 +167,19 @@ class LoraLinear(nn.Module):
             for (start, end), part, b_t in zip(self.bounds, pieces, b_ts, strict=True):
                 flat_y[index, start:end].addmm_(part, b_t)
             return
-        delta = torch.zeros(len(index), self.out_features, dtype=flat_y.dtype)
+        delta = flat_y.new_zeros(len(index), self.out_features)
         for (start, end), part, b_t in zip(self.bounds, pieces, b_ts, strict=True):
             delta[:, start:end] = part @ b_t
         flat_y.index_add_(0, index, delta)
 
-    def reserve(self, slots: int, max_rank: int, dtype: torch.dtype) -> None:
-        """Room for `slots` adapters of rank up to max_rank, all zero."""
-        self.a_t = torch.zeros(slots, self.in_features, len(self.bounds) * max_rank, dtype=dtype)
-        self.b_t = [torch.zeros(slots, max_rank, end - start, dtype=dtype) for start, end in self.bounds]
+    def reserve(self, slots: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Room for `slots` adapters of rank up to max_rank, all zero, on the model's device."""
+        width = len(self.bounds) * max_rank
+        self.a_t = torch.zeros(slots, self.in_features, width, dtype=dtype, device=device)
+        self.b_t = [
+            torch.zeros(slots, max_rank, end - start, dtype=dtype, device=device)
+            for start, end in self.bounds
+        ]
 
     def add(self, slot: int, pieces: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Puts an adapter in `slot`: pieces (piece index, A [r, in], B [piece's rows, r]), one per target

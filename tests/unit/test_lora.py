@@ -133,7 +133,7 @@ def test_grouped_rows_add_each_rows_own_adapter(lengths, slots, padded):
     torch.manual_seed(0)
     base = torch.nn.Linear(12, 10)
     linear = LoraLinear(base, 12, 10, [(0, 6), (6, 10)])
-    linear.reserve(3, 4, torch.float32)
+    linear.reserve(3, 4, torch.float32, torch.device("cpu"))
     pairs = {}
     for slot, rank in enumerate((4, 2, 3)):
         a1, b1, a2, b2 = (

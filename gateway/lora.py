@@ -36,10 +36,12 @@ class LoraAdapters:
 
     def resolve(self, name: str) -> common_pb2.LoraAdapter | None:
         """The adapter a request names (None for no name: the base model); InvalidArgument when compute
-        holds none by that name."""
+        holds none by that name (compute's list is re-read first, unless it serves no adapters)."""
         if not name:
             return None
-        adapter = self._current().get(name) or self._reread().get(name)
+        info = self._engine.model_info
+        serving = info is not None and info.lora_limits.enabled
+        adapter = self._current().get(name) or (self._reread().get(name) if serving else None)
         if adapter is None:
             loaded = ", ".join(repr(known) for known in self._current()) or "none"
             raise InvalidArgument(

@@ -30,15 +30,23 @@ class Adapters:
     """Loads adapters onto the model's wrapped targets (compute_service.lora.layers) and groups a step's
     rows by them. Load and unload run on the step thread, between steps."""
 
-    def __init__(self, sites: dict[tuple[int, str], Site], dtype: torch.dtype, max_loras: int, max_rank: int):
+    def __init__(
+        self,
+        sites: dict[tuple[int, str], Site],
+        dtype: torch.dtype,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device,
+    ) -> None:
         self.sites, self.dtype, self.max_loras, self.max_rank = sites, dtype, max_loras, max_rank
+        self.device = device
         self.by_name: dict[str, Adapter] = {}
         self.by_id: dict[int, Adapter] = {}
         # adapter id -> the slot of its weights in every LoraLinear
         self.slot_of: dict[int, int] = {}
         self._next_id = 1
         for linear in self._linears():
-            linear.reserve(max_loras, max_rank, dtype)
+            linear.reserve(max_loras, max_rank, dtype, device)
 
     def _linears(self) -> list:
         return list({id(site.linear): site.linear for site in self.sites.values()}.values())
@@ -46,7 +54,7 @@ class Adapters:
     @classmethod
     def on(cls, model: nn.Module, max_loras: int, max_rank: int) -> "Adapters":
         """The registry of `model`, whose target linears are wrapped here (once, last at load)."""
-        return cls(wrap_targets(model), model.dtype, max_loras, max_rank)
+        return cls(wrap_targets(model), model.dtype, max_loras, max_rank, model.device)
 
     def load(self, name: str, path: str) -> Adapter:
         """Reads the PEFT directory at `path`, checks it against the model and the limits and makes it
@@ -69,9 +77,7 @@ class Adapters:
         by_linear: dict[int, tuple[Site, list]] = {}
         for key, (a, b) in weights.pairs.items():
             site = self.sites[key]
-            by_linear.setdefault(id(site.linear), (site, []))[1].append(
-                (site.piece, site.start, site.end, a, b)
-            )
+            by_linear.setdefault(id(site.linear), (site, []))[1].append((site.piece, a, b))
         for site, pieces in by_linear.values():
             site.linear.add(slot, pieces)
         self.by_name[name], self.by_id[adapter.id], self.slot_of[adapter.id] = adapter, adapter, slot
@@ -95,7 +101,8 @@ class Adapters:
                 f"lora_ids {unknown} name no resident adapter (GetModelInfo.lora_adapters lists them)"
             )
         slots = torch.tensor([self.slot_of.get(adapter, -1) for adapter in adapter_ids.tolist()])
-        return StepRows.of(slots, cu_seqlens_q)
+        rows = StepRows.of(slots, cu_seqlens_q)
+        return None if rows is None else rows.to(self.device)
 
     def _check(self, name: str, pairs: dict) -> None:
         served = sorted({target for _, target in self.sites})

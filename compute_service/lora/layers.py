@@ -5,8 +5,8 @@ A step's rows are grouped by adapter once (`StepRows`, set by the runner for the
 linear then runs its base product over all rows, then one shrink (x·Aᵀ) and one expand (·Bᵀ, added into
 the rows of the output) batched over the adapters in the step, each adapter over its own rows: the
 segmented shrink/expand of punica and S-LoRA, never a model copy or a step per adapter. A fused projection's
-adapter is its targets' A stacked and their B placed block-diagonally, so one shrink and one expand serve q,
-k and v (or gate and up) together."""
+adapter is its targets' A stacked, so one shrink serves q, k and v (or gate and up) together, and one expand
+per target writes its rows of the output."""
 
 from dataclasses import dataclass
 
@@ -78,6 +78,17 @@ class StepRows:
             block = slice(int(flat[0]), int(flat[-1]) + 1)
         return cls(used, groups, padded, keep, block)
 
+    def to(self, device: torch.device) -> "StepRows":
+        """The same rows with their index tensors on `device` (the model's)."""
+        if device.type == "cpu":
+            return self
+
+        def moved(value):
+            return value.to(device) if isinstance(value, torch.Tensor) else value
+
+        groups = tuple((slot, moved(index)) for slot, index in self.groups)
+        return StepRows(moved(self.slots), groups, moved(self.padded), moved(self.keep), self.block)
+
 
 def _span(rows: torch.Tensor) -> slice | torch.Tensor:
     first, last = int(rows[0]), int(rows[-1])
@@ -101,16 +112,18 @@ class LoraLinear(nn.Module):
     """`base` (any linear module: packed, quantised or nn.Linear) plus, on each row of an adapter that
     targets it, that adapter's x·Aᵀ·Bᵀ (B scaled at load).
 
-    The adapters' weights are stacked by slot, Aᵀ [slots, in, R] and Bᵀ [slots, R, out], R = `pieces` (the
-    targets this linear holds) × the largest rank, a piece's A and B in its own R/pieces columns (zeros past
-    an adapter's rank, and for a target an adapter leaves out). A step's groups run as two batched products
-    (shrink, expand) over the groups padded to one length, or one pair per group where padding would
-    waste more than it holds (a long prompt beside short decodes)."""
+    `bounds` are the output rows [start, end) of each target (piece) the linear holds: one for a plain
+    projection, q/k/v or gate/up for a fused one. The adapters' weights are stacked by slot: Aᵀ [slots, in,
+    pieces · max_rank], each piece's A in its own max_rank columns, and per piece Bᵀ [slots, max_rank, its
+    rows] (zeros past an adapter's rank, and for a target an adapter leaves out). A step's groups run as
+    one batched shrink and one batched expand per piece over the groups padded to one length, or one such
+    pair per group where padding would waste more than it holds (a long prompt beside short decodes)."""
 
-    def __init__(self, base: nn.Module, in_features: int, out_features: int, pieces: int) -> None:
+    def __init__(self, base: nn.Module, in_features: int, out_features: int, bounds: list[tuple[int, int]]):
         super().__init__()
-        self.base, self.in_features, self.out_features, self.pieces = base, in_features, out_features, pieces
-        self.a_t = self.b_t = None
+        self.base, self.in_features, self.out_features, self.bounds = base, in_features, out_features, bounds
+        self.a_t: torch.Tensor | None = None
+        self.b_t: list[torch.Tensor] = []
         # the slots whose adapter targets this linear
         self.present: set[int] = set()
 
@@ -123,46 +136,66 @@ class LoraLinear(nn.Module):
         if rows.padded is None:
             for slot, index in rows.groups:
                 if slot in self.present:
-                    delta = flat_x[index] @ self.a_t[slot]
-                    if isinstance(index, slice):
-                        flat_y[index].addmm_(delta, self.b_t[slot])
-                    else:
-                        flat_y.index_add_(0, index, delta @ self.b_t[slot])
+                    self._add(flat_x, flat_y, index, self.a_t[slot], [b_t[slot] for b_t in self.b_t])
             return y
-        # shrink [G, M, R], expand [G, M, out], each one batched product over the groups
-        a_t, b_t = self.a_t[rows.slots], self.b_t[rows.slots]
+        a_t, b_ts = self.a_t[rows.slots], [b_t[rows.slots] for b_t in self.b_t]
         if rows.block is not None:
             shape = rows.padded.shape
-            shrunk = torch.bmm(flat_x[rows.block].view(*shape, -1), a_t)
-            flat_y[rows.block].view(*shape, -1).baddbmm_(shrunk, b_t)
+            target = flat_y[rows.block].view(*shape, -1)
+            self._expand(torch.bmm(flat_x[rows.block].view(*shape, -1), a_t), b_ts, target)
             return y
-        delta = torch.bmm(torch.bmm(flat_x[rows.padded], a_t), b_t).view(-1, self.out_features)
-        index = rows.padded.view(-1)
+        delta = y.new_zeros(*rows.padded.shape, self.out_features)
+        self._expand(torch.bmm(flat_x[rows.padded], a_t), b_ts, delta)
+        delta, index = delta.view(-1, self.out_features), rows.padded.view(-1)
         if rows.keep is not None:
             delta, index = delta[rows.keep], index[rows.keep]
         flat_y.index_add_(0, index, delta)
         return y
 
-    def reserve(self, slots: int, max_rank: int, dtype: torch.dtype) -> None:
-        """Room for `slots` adapters of rank up to max_rank, all zero."""
-        width = self.pieces * max_rank
-        self.a_t = torch.zeros(slots, self.in_features, width, dtype=dtype)
-        self.b_t = torch.zeros(slots, width, self.out_features, dtype=dtype)
+    def _expand(self, shrunk: torch.Tensor, b_ts: list[torch.Tensor], target: torch.Tensor) -> None:
+        """target[..., piece's rows] += shrunk[..., piece's columns] · Bᵀ of each piece, batched."""
+        width = shrunk.shape[-1] // len(self.bounds)
+        for piece, ((start, end), b_t) in enumerate(zip(self.bounds, b_ts, strict=True)):
+            target[..., start:end].baddbmm_(shrunk[..., piece * width : (piece + 1) * width], b_t)
 
-    def add(self, slot: int, pieces: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]) -> None:
-        """Puts an adapter in `slot`: pieces (piece index, start, end, A [r, in], B [end - start, r]), one
-        per target of it this linear holds, piece i covering output rows [start, end)."""
-        width = self.a_t.shape[2] // self.pieces
+    def _add(self, flat_x, flat_y, index, a_t: torch.Tensor, b_ts: list[torch.Tensor]) -> None:
+        """One group's rows: a slice updated in place, else their delta added at their indices."""
+        shrunk = flat_x[index] @ a_t
+        width = shrunk.shape[-1] // len(self.bounds)
+        pieces = [shrunk[:, p * width : (p + 1) * width] for p in range(len(self.bounds))]
+        if isinstance(index, slice):
+            for (start, end), part, b_t in zip(self.bounds, pieces, b_ts, strict=True):
+                flat_y[index, start:end].addmm_(part, b_t)
+            return
+        delta = flat_y.new_zeros(len(index), self.out_features)
+        for (start, end), part, b_t in zip(self.bounds, pieces, b_ts, strict=True):
+            delta[:, start:end] = part @ b_t
+        flat_y.index_add_(0, index, delta)
+
+    def reserve(self, slots: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Room for `slots` adapters of rank up to max_rank, all zero, on the model's device."""
+        width = len(self.bounds) * max_rank
+        self.a_t = torch.zeros(slots, self.in_features, width, dtype=dtype, device=device)
+        self.b_t = [
+            torch.zeros(slots, max_rank, end - start, dtype=dtype, device=device)
+            for start, end in self.bounds
+        ]
+
+    def add(self, slot: int, pieces: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Puts an adapter in `slot`: pieces (piece index, A [r, in], B [piece's rows, r]), one per target
+        of it this linear holds."""
+        width = self.a_t.shape[2] // len(self.bounds)
         self.remove(slot)
-        for piece, start, end, a, b in pieces:
-            columns = slice(piece * width, piece * width + a.shape[0])
-            self.a_t[slot, :, columns] = a.T
-            self.b_t[slot, columns, start:end] = b.T
+        for piece, a, b in pieces:
+            rank = a.shape[0]
+            self.a_t[slot, :, piece * width : piece * width + rank] = a.T
+            self.b_t[piece][slot, :rank] = b.T
         self.present.add(slot)
 
     def remove(self, slot: int) -> None:
         self.a_t[slot].zero_()
-        self.b_t[slot].zero_()
+        for b_t in self.b_t:
+            b_t[slot].zero_()
         self.present.discard(slot)
 
 
@@ -181,7 +214,7 @@ def wrap_targets(model: nn.Module) -> dict[tuple[int, str], Site]:
                 base = getattr(block, name, None) if block is not None else None
                 if base is None or not hasattr(base, "out_features"):
                     continue
-                linear = LoraLinear(base, base.in_features, base.out_features, pieces=1)
+                linear = LoraLinear(base, base.in_features, base.out_features, [(0, base.out_features)])
                 setattr(block, name, linear)
                 sites[(index, name)] = Site(linear, 0, base.out_features)
     return sites
@@ -200,7 +233,7 @@ def _fused_sites(layer: FusedLlamaLayer) -> dict[str, Site]:
     sites = {}
     for attr, targets in layout.items():
         base = getattr(layer, attr)
-        linear = LoraLinear(base, base.in_features, base.out_features, pieces=len(targets))
+        linear = LoraLinear(base, base.in_features, base.out_features, list(targets.values()))
         setattr(layer, attr, linear)
         sites.update(
             {name: Site(linear, *bounds, piece=i) for i, (name, bounds) in enumerate(targets.items())}

@@ -28,6 +28,10 @@ def test_only_the_gateway_changes_state_and_operators_may_read():
         assert authz.allowed(CACHE_CALLERS, CACHE + "GetStats", identity)
         assert authz.allowed(CACHE_CALLERS, CACHE + "ReadBlock", identity)
         assert authz.allowed(COMPUTE_CALLERS, "/pagedserve.v1.Compute/GetModelInfo", identity)
+    for method in ("LoadLoraAdapter", "UnloadLoraAdapter"):
+        for identity in ("gateway", "operator"):
+            assert authz.allowed(COMPUTE_CALLERS, f"/pagedserve.v1.Compute/{method}", identity)
+        assert not authz.allowed(COMPUTE_CALLERS, f"/pagedserve.v1.Compute/{method}", "cache")
     for identity in ("cache", "compute", "stranger"):
         assert not authz.allowed(CACHE_CALLERS, CACHE + "GetStats", identity)
         assert authz.allowed(CACHE_CALLERS, HEALTH, identity), "health answers any valid identity"

@@ -2,15 +2,18 @@
 rsLoRA, run in one packed step beside a base row, prefill then decodes, give peft's PeftModel greedy tokens
 on the fused Llama layers (with the native decode stack planned) and on Phi-3's transformers layers (fused
 QKV and gate/up targets); adapters that do not fit are refused at load and steps naming no resident adapter
-are refused, nothing changed."""
+are refused, nothing changed; compute refuses an adapter at start with one line."""
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from common.errors import InvalidArgument
+from common.options import REFUSED
 from compute_service.batch import ForwardBatch
 from compute_service.lora.adapters import Adapters
 from compute_service.lora.layers import LoraLinear, StepRows, set_rows
@@ -132,8 +135,8 @@ def test_adapters_that_do_not_fit_are_refused_at_load(served, tmp_path):
 def test_grouped_rows_add_each_rows_own_adapter(lengths, slots, padded):
     torch.manual_seed(0)
     base = torch.nn.Linear(12, 10)
-    linear = LoraLinear(base, 12, 10, pieces=2)
-    linear.reserve(3, 4, torch.float32)
+    linear = LoraLinear(base, 12, 10, [(0, 6), (6, 10)])
+    linear.reserve(3, 4, torch.float32, torch.device("cpu"))
     pairs = {}
     for slot, rank in enumerate((4, 2, 3)):
         a1, b1, a2, b2 = (
@@ -142,7 +145,7 @@ def test_grouped_rows_add_each_rows_own_adapter(lengths, slots, padded):
             torch.randn(rank, 12),
             torch.randn(4, rank),
         )
-        linear.add(slot, [(0, 0, 6, a1, b1), (1, 6, 10, a2, b2)])
+        linear.add(slot, [(0, a1, b1), (1, a2, b2)])
         pairs[slot] = (a1, b1, a2, b2)
     x = torch.randn(sum(lengths), 12)
     cu = torch.tensor([0, *lengths]).cumsum(0)
@@ -170,3 +173,15 @@ def test_following_and_drafting_steps_keep_each_rows_adapter():
     assert following.lora_ids.tolist() == [2, 1]
     drafting = step_batch(first, [1, 2], [[9, 10], [9]], [9, 9], BLOCK)
     assert drafting.lora_ids.tolist() == [0, 1]
+
+
+def test_compute_refuses_an_adapter_over_the_rank_limit_at_start_in_one_line(served, tmp_path):
+    model_dir, paths, _, _ = served
+    argv = ["--model", str(model_dir), "--socket", str(tmp_path / "compute.sock"), "--log-level", "error"]
+    argv += ["--lora-modules", f"sql={paths['a']}", f"chat={paths['b']}", "--max-lora-rank", "4"]
+    done = subprocess.run(
+        [sys.executable, "-m", "compute_service", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == REFUSED, done.stderr
+    refusals = [line for line in done.stderr.splitlines() if line.startswith("compute_service:")]
+    assert refusals == ["compute_service: adapter 'chat' has rank 8, over --max-lora-rank 4"]

@@ -17,7 +17,7 @@ from gateway.kv_view import KVView
 from gateway.lease import Lease
 from gateway.live_seqs import LiveSeqs
 from gateway.outputs import tell
-from gateway.recovery import PeerFault, PeerRecovery, calling
+from gateway.recovery import RECONNECT_OPTIONS, PeerFault, PeerRecovery, calling
 from gateway.scheduler import Scheduler
 from gateway.sequence import Sequence
 from gateway.step_pace import StepPace
@@ -36,9 +36,10 @@ class Engine:
     def __init__(self, config: EngineConfig, tokenizer: "PreTrainedTokenizerBase") -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self._cache = cache_pb2_grpc.CacheStub(channel(config.cache_target, config.internal_credentials))
+        credentials = config.internal_credentials
+        self._cache = cache_pb2_grpc.CacheStub(channel(config.cache_target, credentials, RECONNECT_OPTIONS))
         self._compute = compute_pb2_grpc.ComputeStub(
-            channel(config.compute_target, config.internal_credentials)
+            channel(config.compute_target, credentials, RECONNECT_OPTIONS)
         )
         self.inbox = Inbox()
         self.model_info: compute_pb2.ModelInfo | None = None

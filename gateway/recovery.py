@@ -19,7 +19,17 @@ from common.errors import Unavailable
 # session": all name the pool, its epoch or the session, which no client error does.
 _POOL_WORDS = ("pool", "epoch", "session")
 _LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-FIRST_DELAY_S, MAX_DELAY_S = 0.1, 2.0
+# Waits between handshake attempts while a peer is lost, doubled up to MAX_DELAY_S: a restarted peer is
+# attached within MAX_DELAY_S of serving. NOTE: a failed attempt is one refused connection (the peers are
+# local, or on the cluster's network), so a short cap costs little; at 2 s it added up to 2 s to every
+# compute restart.
+FIRST_DELAY_S, MAX_DELAY_S = 0.05, 0.25
+# NOTE: a channel whose peer was down reconnects after a backoff that grows to 120 s by default (1 s, then
+# x1.6), failing every call meanwhile; capped as the handshake's attempts are.
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", int(FIRST_DELAY_S * 1000)),
+    ("grpc.max_reconnect_backoff_ms", int(MAX_DELAY_S * 1000)),
+)
 
 
 class PeerFault(Exception):

@@ -1,9 +1,10 @@
 """What starting the stack costs: `pagedserve up` (with the flags given after `--`) until it prints its ready
 line, and the CPU seconds (user + system, reaped children included) that the launcher and each service spent
 by then; and `pagedserve --help`, its wall and CPU seconds. Each is run --runs times and the median printed:
-CPU seconds hold on a busy machine, wall seconds do not.
+CPU seconds hold on a busy machine, wall seconds do not. With --compute, only the compute service (the default
+model, on a unix socket) until it serves: its CPU seconds and wall.
 
-    .venv/bin/python scripts/startup_cost.py --runs 3 [-- up flags...]
+    .venv/bin/python scripts/startup_cost.py --runs 3 [--compute] [-- up flags...]
 """
 
 import argparse
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from cli.launch import free_port, log_tail, spawn, stop
 from cli.processes import PROC, services_of
+from common.healthcheck import serving
 
 ROOT = Path(__file__).resolve().parent.parent
 READY = "pagedserve ready on"
@@ -55,6 +57,26 @@ def up_once(flags: list[str], timeout: float) -> dict[str, float]:
     return {**cost, "wall": wall}
 
 
+def compute_once(flags: list[str], timeout: float) -> dict[str, float]:
+    """`python -m compute_service` (with `flags`) until it serves: its CPU seconds and the wall time."""
+    sockets = Path(tempfile.mkdtemp(prefix="ps-"))
+    socket = sockets / "compute.sock"
+    argv = [sys.executable, "-m", "compute_service", "--socket", str(socket), *flags]
+    began = time.monotonic()
+    proc = spawn(argv, sockets / "compute.log", cwd=ROOT)
+    try:
+        while not (socket.exists() and serving(f"unix:{socket}")):
+            if proc.poll() is not None or time.monotonic() - began > timeout:
+                raise RuntimeError(f"compute did not serve:\n{log_tail(proc)}")
+            time.sleep(0.05)
+        wall = time.monotonic() - began
+        cost = {"compute": cpu_seconds(proc.pid)}
+    finally:
+        stop(proc, timeout=60)
+        shutil.rmtree(sockets, ignore_errors=True)
+    return {**cost, "wall": wall}
+
+
 def help_once() -> dict[str, float]:
     """`pagedserve --help`: its wall and CPU seconds."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -73,8 +95,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one start may take")
-    parser.add_argument("flags", nargs="*", help="flags for pagedserve up (after --)")
+    parser.add_argument("--compute", action="store_true", help="the compute service alone, until it serves")
+    parser.add_argument("flags", nargs="*", help="flags for pagedserve up, or compute (after --)")
     args = parser.parse_args()
+    if args.compute:
+        starts = []
+        for run in range(args.runs):
+            starts.append(compute_once(args.flags, args.timeout))
+            print(f"compute run {run + 1}: " + ", ".join(f"{k} {v:.2f}s" for k, v in starts[-1].items()))
+        print(f"compute until it serves (median of {args.runs}): " + ", ".join(
+            f"{key} {value:.2f}" for key, value in medians(starts).items()))  # fmt: skip
+        return
     helps = [help_once() for _ in range(args.runs)]
     ups = []
     for run in range(args.runs):

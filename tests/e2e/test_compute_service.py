@@ -4,6 +4,7 @@ sampling, penalties), rows stop at their limits or stop ids, the caller's half-c
 running step, and a bad call is refused before touching the pool; with prompt-lookup drafts, the same greedy
 tokens in fewer steps whatever the drafts, and none drafted for sampled rows."""
 
+import importlib.util
 import json
 import threading
 import time
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from common import shared_pool
 from common.server import channel
+from compute_service.lean_imports import HIDDEN
 from compute_service.plan import STAGES
 from compute_service.server import SEGMENT_CHECK_S
 from compute_service.stepper import SEGMENT_REMOVED
@@ -103,6 +105,19 @@ def pool(service):
         yield SimpleNamespace(tensor=tensor, handle=handle, epoch=handle.epoch, reply=reply)
     finally:
         shared_pool.release(handle)
+
+
+def test_the_service_maps_no_library_of_the_packages_hidden_from_transformers(service):
+    """`python -m compute_service` loads transformers' modeling code with scipy hidden from it
+    (compute_service/lean_imports.py): scipy is installed, and the running service, its model loaded, maps
+    none of its compiled modules."""
+    maps = Path(f"/proc/{service.pid}/maps").read_text()
+    assert "libtorch" in maps
+    for name in HIDDEN:
+        spec = importlib.util.find_spec(name)
+        assert spec is not None, f"{name} is not installed: nothing to check"
+        directory = spec.submodule_search_locations[0]
+        assert directory not in maps, f"compute maps {name}'s libraries: something imports it at start again"
 
 
 def test_model_info(service, model_dir):

@@ -18,20 +18,22 @@ def test_the_spin_is_bounded_unless_the_environment_sets_it_or_the_policy():
         assert environ == own, "a user's setting wins"
 
 
-# `python -m compute_service` with its server module stood in for: the stand-in notes GOMP_SPINCOUNT when the
-# module is imported (the real one imports torch, which loads the OpenMP runtime, which reads the variable).
+# `python -m compute_service` with its server module and transformers' modeling code stood in for: the
+# stand-in notes GOMP_SPINCOUNT when each is imported (the real ones import torch, which loads the OpenMP
+# runtime, which reads the variable).
 PROBE = """
 import importlib.abc, importlib.machinery, os, runpy, sys, types
 seen = []
 class StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path=None, target=None):
-        if name == "compute_service.server":
+        if name in ("transformers.modeling_utils", "compute_service.server"):
             return importlib.machinery.ModuleSpec(name, self)
     def create_module(self, spec):
         seen.append(os.environ.get("GOMP_SPINCOUNT"))
         return types.ModuleType(spec.name)
     def exec_module(self, module):
         module.main = lambda: None
+        seen.append(module.__name__)
 sys.meta_path.insert(0, StandIn())
 runpy.run_module("compute_service", run_name="__main__")
 print(seen, "torch" in sys.modules)
@@ -43,4 +45,5 @@ def test_compute_sets_it_before_it_imports_its_server_and_torch():
         [sys.executable, "-c", PROBE], cwd=ROOT, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [f"['{openmp.SPIN_COUNT}']", "False"]
+    imported = [openmp.SPIN_COUNT, "transformers.modeling_utils", openmp.SPIN_COUNT, "compute_service.server"]
+    assert out.stdout.strip() == f"{imported} False"

@@ -157,7 +157,8 @@ def test_recovery_retries_with_backoff_and_expires_once():
     for _ in range(6):
         recovery.failed("cache")
         delays.append(recovery.retry_in())
-    assert delays == [FIRST_DELAY_S * 2**i for i in range(5)] + [MAX_DELAY_S]
+    assert delays == [min(FIRST_DELAY_S * 2**i, MAX_DELAY_S) for i in range(6)]
+    assert delays[-1] == MAX_DELAY_S > delays[0]
     now[0] = 2.9
     assert recovery.expire() is None
     now[0] = 3.0

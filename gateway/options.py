@@ -206,6 +206,14 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-hook", default="", help=argparse.SUPPRESS)
 
 
+def _directory(text: str) -> Path:
+    """An existing directory, resolved."""
+    path = Path(text).resolve()
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is no directory")
+    return path
+
+
 def add_edge(parser: argparse.ArgumentParser) -> None:
     """The public edge: TLS, API keys, prefix-cache namespaces (docs/security.md)."""
     parser.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate (chain): serve TLS")
@@ -224,6 +232,21 @@ def add_edge(parser: argparse.ArgumentParser) -> None:
         default="off",
         help="on: also serve the Prometheus /metrics on --http-port, open like /health (vLLM serves its "
         "metrics on its API port, where the Gateway API Inference Extension's endpoint picker scrapes them)",
+    )
+    parser.add_argument(
+        "--allowed-local-media-path",
+        type=_directory,
+        default=None,
+        help="image URLs may be file: URLs of files under this directory (resolved: no symlink or .. leads "
+        "out); default: none are read (docs/security.md)",
+    )
+    parser.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="image URLs may be http(s) URLs of these hosts, fetched by the gateway (redirects only to "
+        "them); default: none are fetched (docs/security.md)",
     )
 
 

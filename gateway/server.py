@@ -29,6 +29,7 @@ from gateway.http.anthropic.route import messages_api
 from gateway.http.app import create_app
 from gateway.http.bridge import Bridge
 from gateway.http.dashboard_state import DashboardSource
+from gateway.http.image_parts import MediaSources
 from gateway.http.lora_api import lora_api
 from gateway.http.openai_api import Front, openai_api
 from gateway.http.responses.route import responses_api
@@ -238,7 +239,10 @@ def _serve_http(http: HttpServer, generation: Generation, server: Server, args, 
 
     # NOTE: without --served-model-name, requests may name the model as --model gives it too.
     aliases = frozenset(generation.served_names) or frozenset({args.model})
-    front = Front(Bridge(generation), health, aliases=aliases)
+    media = MediaSources.of(
+        args.allowed_local_media_path, args.allowed_media_domains, generation.edge.limits.max_image_bytes
+    )
+    front = Front(Bridge(generation), health, aliases=aliases, media=media)
     cache = cache_pb2_grpc.CacheStub(channel(args.cache_target, internal))
     source = DashboardSource(generation.engine, cache, generation.edge.keys)
     source.start()

@@ -7,6 +7,7 @@ cache namespaces, the edge's limits, the stream slots, the admission gate and th
 (gateway.generation). Bodies arrive parsed and bounded (gateway.http.body).
 """
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -24,12 +25,14 @@ from gateway.http.body import request_json
 from gateway.http.bridge import Bridge, unless_disconnected
 from gateway.http.errors import HttpError, from_gateway, invalid
 from gateway.http.guard import REQUEST_ID_HEADER, guarded
+from gateway.http.image_parts import DATA_ONLY, MediaSources
 from gateway.http.openai_request import (
     ChatRequest,
     CompletionRequest,
     chat_request,
     completion_prompts,
     completion_request,
+    has_images,
     parse,
 )
 from gateway.http.openai_response import DONE, Rendering, event
@@ -59,6 +62,8 @@ class Front:
     started: int = field(default_factory=lambda: int(time.time()))
     # The Responses API's stored responses (previous_response_id).
     responses: ResponseStore = field(default_factory=ResponseStore)
+    # Where image URLs may point besides data: (--allowed-local-media-path, --allowed-media-domains).
+    media: MediaSources = DATA_ONLY
 
     @property
     def generation(self):
@@ -170,7 +175,10 @@ async def _generate(front: Front, request: Request, request_id: str, chat: bool,
     name = front.generation.model_name(info)
     adapter = lora_api.adapter_of(front, body.model, name)
     tokenizer = front.generation.tokenizer
-    if chat:
+    if chat and has_images(body.messages):
+        # NOTE: image URLs are fetched and base64 decoded in a worker thread, not on the event loop.
+        proto = await asyncio.to_thread(chat_request, body, request_id, info.max_model_len, front.media)
+    elif chat:
         proto = chat_request(body, request_id, info.max_model_len)
     else:
         proto = completion_request(body, request_id)

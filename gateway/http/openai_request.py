@@ -4,7 +4,7 @@ GenerateRequest; the gateway then checks the values as it checks any gRPC reques
 Every parameter the bodies declare is honoured. `user` is accepted and ignored (it only labels the caller
 at OpenAI). Any other field is refused (400, naming it) rather than silently ignored, and so are values
 of declared fields pagedserve cannot serve (`suffix`, `best_of` other than `n`, chat content parts other
-than text and images, image URLs other than `data:`).
+than text and images, image URLs other than `data:` unless the operator allows them).
 """
 
 import json
@@ -13,7 +13,7 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.http.errors import HttpError, invalid
-from gateway.http.image_parts import ImagePart, image_part
+from gateway.http.image_parts import DATA_ONLY, ImagePart, MediaSources, image_part
 from gateway.http.openai_structured import (
     Constrained,
     MessageToolCall,
@@ -209,9 +209,12 @@ def completion_prompts(prompt: PromptField) -> list[str | list[int]]:
     return prompts
 
 
-def chat_request(body: ChatRequest, request_id: str, max_model_len: int) -> generation_pb2.GenerateRequest:
-    """The GenerateRequest of a chat body. Without max_tokens/max_completion_tokens a chat goes on until
-    the model ends it or its context is full (OpenAI's default)."""
+def chat_request(
+    body: ChatRequest, request_id: str, max_model_len: int, media: MediaSources = DATA_ONLY
+) -> generation_pb2.GenerateRequest:
+    """The GenerateRequest of a chat body (its image URLs read as `media` allows). Without
+    max_tokens/max_completion_tokens a chat goes on until the model ends it or its context is full
+    (OpenAI's default)."""
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise invalid("give max_completion_tokens or max_tokens, not both", "max_tokens")
     if body.top_logprobs is not None and not body.logprobs:
@@ -221,14 +224,25 @@ def chat_request(body: ChatRequest, request_id: str, max_model_len: int) -> gene
         max_tokens = max_model_len
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     request = _request(body, request_id, max_tokens, logprobs)
-    request.messages.extend(chat_messages(body.messages))
+    request.messages.extend(chat_messages(body.messages, media))
     set_tools(body.tools, body.tool_choice, body.parallel_tool_calls, request)
     if body.chat_template_kwargs is not None:
         request.chat_template_kwargs = json.dumps(body.chat_template_kwargs, ensure_ascii=False)
     return request
 
 
-def chat_messages(messages: list[Message]) -> list[generation_pb2.ChatMessage]:
+def has_images(messages: list[Message]) -> bool:
+    return any(
+        isinstance(part, ImagePart)
+        for m in messages
+        if not isinstance(m.content, str | None)
+        for part in m.content
+    )
+
+
+def chat_messages(
+    messages: list[Message], media: MediaSources = DATA_ONLY
+) -> list[generation_pb2.ChatMessage]:
     """The chat messages as the gateway takes them (text parts joined)."""
     converted = []
     for i, message in enumerate(messages):
@@ -241,7 +255,7 @@ def chat_messages(messages: list[Message]) -> list[generation_pb2.ChatMessage]:
                 role=message.role,
                 content="" if with_images else text,
                 parts=[
-                    image_part(part, f"messages[{i}].content[{j}]")
+                    image_part(part, f"messages[{i}].content[{j}]", media)
                     if isinstance(part, ImagePart)
                     else generation_pb2.ImagePart(text=part.text)
                     for j, part in enumerate(parts)

@@ -158,7 +158,7 @@ def test_completions_refuse_what_they_cannot_serve_naming_the_parameter(body, pa
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages[0].content[0].image_url.url",
-            "only data: URLs are accepted",
+            "a URL without a scheme is not accepted: send a data: URL",
         ),
     ],
 )

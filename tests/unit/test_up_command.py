@@ -34,6 +34,7 @@ VALUES |= {
     "--kv-tier-hot": "0.5",
     "--sparse-attention": "sink=1,recent=2,topk=4",
     "--lora-modules": "sql=/adapters/sql",
+    "--allowed-local-media-path": str(ROOT),
 }
 
 
@@ -123,6 +124,20 @@ def test_a_setting_given_to_up_reaches_the_service(service, flag):
         defaults = up.OPTIONS[name].parser().parse_args([])
         for dest in vars(defaults).keys() & vars(args).keys() - {"host", "port", "metrics_port"}:
             assert getattr(parsed, dest) == getattr(args, dest), f"{name} got {dest} from up"
+
+
+def test_up_passes_the_media_sources_to_the_gateway():
+    media = ("--allowed-local-media-path", str(ROOT / "docs" / ".." / "docs"))
+    args = up_args("--allowed-media-domains", "images.example", "127.0.0.1", *media)
+    gateway = service_args("gateway", up.service_commands(args)["gateway"])
+    assert gateway.allowed_media_domains == ["images.example", "127.0.0.1"]
+    assert gateway.allowed_local_media_path == (ROOT / "docs").resolve()
+
+
+def test_up_refuses_a_media_path_that_is_no_directory(capsys):
+    with pytest.raises(SystemExit):
+        up_args("--allowed-local-media-path", str(ROOT / "absent"))
+    assert "--allowed-local-media-path: " in capsys.readouterr().err
 
 
 def test_up_places_each_service():

@@ -16,7 +16,7 @@ from compute_service.model_loader import plan_for
 from compute_service.planning import Flags
 from gateway import tokenizer as tok
 from gateway.http.errors import HttpError
-from gateway.http.image_parts import data_url_bytes
+from gateway.http.image_parts import DATA_ONLY
 from gateway.sequence import Sampling, Sequence
 from gateway.vision import EncoderBudget, SeqImage, encode_prompt
 from protos import compute_pb2, generation_pb2
@@ -64,20 +64,22 @@ def test_the_cache_sees_an_images_positions_as_ids_of_its_digest():
 @pytest.mark.parametrize(
     ("url", "says"),
     [
-        ("http://10.0.0.1/a.png", "only data: URLs are accepted"),
-        ("file:///etc/passwd", "only data: URLs are accepted"),
+        ("http://10.0.0.1/a.png", "not fetched unless the server is started with --allowed-media-domains"),
+        ("file:///etc/passwd", "not read unless the server is started with --allowed-local-media-path"),
+        ("ftp://10.0.0.1/a.png", "ftp: URLs are not accepted: send a data: URL"),
         ("data:image/png,rawbytes", "must be base64"),
         ("data:image/png;base64,not base64!", "does not decode"),
     ],
 )
-def test_only_base64_data_urls_are_taken(url, says):
+def test_by_default_only_base64_data_urls_are_taken(url, says):
     with pytest.raises(HttpError) as caught:
-        data_url_bytes(url, "messages[0].content[0].image_url.url")
+        DATA_ONLY.image_bytes(url, "messages[0].content[0].image_url.url")
     assert caught.value.status == 400 and says in str(caught.value)
+    assert str(caught.value).startswith("messages[0].content[0].image_url.url: ")
 
 
 def test_a_data_url_gives_its_bytes():
-    assert data_url_bytes("data:image/png;base64,aGk=", "x") == b"hi"
+    assert DATA_ONLY.image_bytes("data:image/png;base64,aGk=", "x") == b"hi"
 
 
 def test_images_to_a_text_model_are_refused_naming_what_to_do():

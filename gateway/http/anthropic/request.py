@@ -1,5 +1,6 @@
 """Messages API bodies, checked and turned into a chat GenerateRequest: `system` as the system message, text,
-`tool_use` and `tool_result` blocks as chat messages with tool calls and tool results, `tools` and
+`tool_use` and `tool_result` blocks as chat messages with tool calls and tool results, a user turn's `image`
+blocks as image parts among its text (as OpenAI `image_url` parts are: gateway.http.image_parts), `tools` and
 `tool_choice` as the gateway's, `thinking` as the template's `enable_thinking`."""
 
 import json
@@ -8,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from gateway.http.errors import invalid
+from gateway.http.image_parts import DATA_ONLY, MediaSources, base64_bytes
 from gateway.http.openai_request import Int32, _Body
 from protos import generation_pb2
 
@@ -51,7 +53,28 @@ class ThinkingBlock(_Body):
     data: str | None = None
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+class Base64Source(_Body):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class URLSource(_Body):
+    """An image URL, read as an OpenAI image_url part's is (--allowed-media-domains)."""
+
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(_Body):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+
+Block = Annotated[
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")
+]
 
 
 class Message(_Body):
@@ -111,8 +134,11 @@ class CountRequest(_Body):
     thinking: Thinking | None = None
 
 
-def generate_request(body: MessagesRequest | CountRequest, request_id: str) -> generation_pb2.GenerateRequest:
-    """The GenerateRequest of a Messages body (of a count_tokens body: its prompt)."""
+def generate_request(
+    body: MessagesRequest | CountRequest, request_id: str, media: MediaSources = DATA_ONLY
+) -> generation_pb2.GenerateRequest:
+    """The GenerateRequest of a Messages body (of a count_tokens body: its prompt); image URLs read as
+    `media` allows."""
     request = generation_pb2.GenerateRequest(request_id=request_id)
     if isinstance(body, MessagesRequest):
         if body.max_tokens < 1:
@@ -126,7 +152,7 @@ def generate_request(body: MessagesRequest | CountRequest, request_id: str) -> g
         sampling.stop.extend(body.stop_sequences or ())
     if body.system:
         request.messages.add(role="system", content=_text(body.system))
-    request.messages.extend(chat_messages(body.messages))
+    request.messages.extend(chat_messages(body.messages, media))
     for tool in body.tools or ():
         schema = json.dumps(tool.input_schema, ensure_ascii=False)
         request.tools.add(name=tool.name, description=tool.description or "", parameters=schema)
@@ -137,9 +163,17 @@ def generate_request(body: MessagesRequest | CountRequest, request_id: str) -> g
     return request
 
 
-def chat_messages(messages: list[Message]) -> list[generation_pb2.ChatMessage]:
+def has_images(messages: list[Message]) -> bool:
+    return any(
+        isinstance(block, ImageBlock) for m in messages if isinstance(m.content, list) for block in m.content
+    )
+
+
+def chat_messages(
+    messages: list[Message], media: MediaSources = DATA_ONLY
+) -> list[generation_pb2.ChatMessage]:
     """The chat messages of Messages turns: a user turn's tool_result blocks are tool messages (before its
-    text), an assistant turn's tool_use blocks its tool calls."""
+    text and images), an assistant turn's tool_use blocks its tool calls."""
     out = []
     for i, message in enumerate(messages):
         blocks = (
@@ -148,7 +182,11 @@ def chat_messages(messages: list[Message]) -> list[generation_pb2.ChatMessage]:
             else message.content
         )
         text = "".join(block.text for block in blocks if isinstance(block, TextBlock))
+        images = [j for j, block in enumerate(blocks) if isinstance(block, ImageBlock)]
         if message.role == "assistant":
+            if images:
+                where = f"messages[{i}].content[{images[0]}]"
+                raise invalid(f"{where}: image blocks go in user turns, not the assistant's", where)
             turn = generation_pb2.ChatMessage(role="assistant", content=text)
             for block in blocks:
                 if isinstance(block, ToolUseBlock):
@@ -165,9 +203,24 @@ def chat_messages(messages: list[Message]) -> list[generation_pb2.ChatMessage]:
                     role="tool", content=_text(block.content), tool_call_id=block.tool_use_id
                 )
                 out.append(result)
-        if text or not any(isinstance(block, ToolResultBlock) for block in blocks):
+        if images:
+            parts = [_part(block, f"messages[{i}].content[{j}]", media) for j, block in enumerate(blocks)]
+            out.append(generation_pb2.ChatMessage(role="user", parts=[p for p in parts if p is not None]))
+        elif text or not any(isinstance(block, ToolResultBlock) for block in blocks):
             out.append(generation_pb2.ChatMessage(role="user", content=text))
     return out
+
+
+def _part(block, where: str, media: MediaSources) -> generation_pb2.ImagePart | None:
+    """A user turn's text or image block as a part, in order; None for a block that is no part."""
+    if isinstance(block, TextBlock):
+        return generation_pb2.ImagePart(text=block.text)
+    if not isinstance(block, ImageBlock):
+        return None
+    source = block.source
+    if isinstance(source, URLSource):
+        return generation_pb2.ImagePart(image=media.image_bytes(source.url, f"{where}.source.url"))
+    return generation_pb2.ImagePart(image=base64_bytes(source.data, f"{where}.source.data"))
 
 
 def _text(content: str | list[TextBlock]) -> str:

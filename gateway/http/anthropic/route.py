@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import PagedServeError
 from gateway.http.anthropic.output import MessageOutput, matched_stop
-from gateway.http.anthropic.request import CountRequest, MessagesRequest, generate_request
+from gateway.http.anthropic.request import CountRequest, MessagesRequest, generate_request, has_images
 from gateway.http.app import Installer
 from gateway.http.body import request_json
 from gateway.http.bridge import unless_disconnected
@@ -77,16 +77,23 @@ async def _parsed(front: Front, request: Request, kind):
     return tenant, body, info
 
 
+async def _translated(front: Front, body, request_id: str) -> generation_pb2.GenerateRequest:
+    if has_images(body.messages):
+        # NOTE: image URLs are fetched and base64 decoded in a worker thread, not on the event loop.
+        return await asyncio.to_thread(generate_request, body, request_id, front.media)
+    return generate_request(body, request_id)
+
+
 async def _count(front: Front, request: Request, request_id: str) -> Response:
     _, body, _ = await _parsed(front, request, CountRequest)
-    proto = generate_request(body, request_id)
+    proto = await _translated(front, body, request_id)
     tokens = await asyncio.to_thread(front.generation.count_prompt, proto)
     return JSONResponse({"input_tokens": tokens})
 
 
 async def _message(front: Front, request: Request, request_id: str) -> Response:
     tenant, body, info = await _parsed(front, request, MessagesRequest)
-    proto = generate_request(body, request_id)
+    proto = await _translated(front, body, request_id)
     tokenizer, eos = front.generation.tokenizer, frozenset(info.eos_token_ids)
     tokens: list[int] = []
 

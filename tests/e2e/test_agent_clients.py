@@ -318,7 +318,7 @@ def test_bad_responses_bodies_are_refused_naming_the_field(api, model, body, par
     ("body", "says"),
     [
         (
-            {"max_tokens": 10, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            {"max_tokens": 10, "messages": [{"role": "user", "content": [{"type": "document"}]}]},
             "messages[0].content",
         ),
         ({"max_tokens": 10, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),

@@ -2,13 +2,19 @@
 images, sent through the `openai` client as data: URLs, give transformers' greedy tokens (float32), alone,
 beside a text-only request and another image in the same steps, with prompts prefilled in chunks that split
 inside an image's tokens, and with n > 1; a repeated image hits the prefix cache past the image while another
-image after the same text never shares its blocks; bad images are refused with a 400 that names them."""
+image after the same text never shares its blocks; bad images are refused with a 400 that names them. The
+same image fetched from an allowed host (a local HTTP server), read from the allowed directory, or sent as a
+Messages API image block through the `anthropic` client gives the same tokens as its data: URL."""
 
 import base64
+import functools
 import io
 import subprocess
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
+import anthropic
 import openai
 import pytest
 import torch
@@ -31,11 +37,29 @@ MODEL = "tiny-llava"
 GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[], pad_token_id=0)
 
 
+class QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, model_dir, logs):
+def media(tmp_path_factory):
+    """(the directory image files may be read from, the URL of a local HTTP server serving it)."""
+    root = tmp_path_factory.mktemp("media")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(root)))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, model_dir, logs, media):
     """(model directory, its stack, the openai client, transformers' model and processor)."""
     path = save_tiny_llava(tmp_path_factory.mktemp("vision") / MODEL, model_dir)
-    stack = start_stack(logs, "--model", str(path), *FLAGS)
+    allowed = ("--allowed-local-media-path", str(media[0]), "--allowed-media-domains", "127.0.0.1")
+    stack = start_stack(logs, "--model", str(path), *FLAGS, *allowed)
     reference = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(path)
     with openai.OpenAI(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=300) as api:
@@ -127,7 +151,8 @@ def test_n_samples_of_an_image_chat_each_give_the_greedy_tokens(served):
     ("url", "says"),
     [
         ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "image 0 cannot be decoded"),
-        ("https://example.com/cat.png", "only data: URLs are accepted"),
+        ("https://example.com/cat.png", "host example.com is not in --allowed-media-domains"),
+        ("file:///etc/passwd", "/etc/passwd is not under --allowed-local-media-path"),
         ("data:image/png;base64,@@@", "base64 does not decode"),
     ],
 )
@@ -155,6 +180,52 @@ def test_too_many_images_and_a_decompression_bomb_are_refused_before_decoding(se
         with pytest.raises(openai.BadRequestError) as caught:
             ask(api, [{"role": "user", "content": content}])
         assert says in caught.value.message
+
+
+def test_an_image_from_an_allowed_host_or_directory_gives_its_data_url_tokens(served, media):
+    _, api, _, _ = served
+    root, origin = media
+    image = png(9)
+    (root / "nine.png").write_bytes(image)
+    urls = (data_url(image), f"{origin}/nine.png", f"file://{root}/nine.png")
+    parts = [[{"type": "image_url", "image_url": {"url": url}}] for url in urls]
+    replies = [ask(api, [{"role": "user", "content": part}], salt=f"url{i}") for i, part in enumerate(parts)]
+    assert len({reply.usage.prompt_tokens for reply in replies}) == 1
+    assert token_ids(replies[1].choices[0]) == token_ids(replies[0].choices[0])
+    assert token_ids(replies[2].choices[0]) == token_ids(replies[0].choices[0])
+
+
+def test_a_messages_api_image_block_gives_the_chat_completions_tokens(served):
+    stack, api, _, _ = served
+    image = png(10)
+    chat_reply = api.chat.completions.create(
+        model=MODEL, messages=chat(image), max_tokens=NEW_TOKENS, temperature=0.0
+    )
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(image).decode()}
+    content = [{"type": "image", "source": source}, {"type": "text", "text": QUESTION}]
+    with anthropic.Anthropic(
+        base_url=stack.http_url.removesuffix("/v1"), api_key="unused", max_retries=0, timeout=300
+    ) as client:
+        message = client.messages.create(
+            model=MODEL,
+            max_tokens=NEW_TOKENS,
+            extra_body={"temperature": 0.0},
+            messages=[{"role": "user", "content": content}],
+        )
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            client.messages.create(
+                model=MODEL,
+                max_tokens=NEW_TOKENS,
+                messages=[
+                    {"role": "user", "content": [{"type": "image", "source": {**source, "data": "@@"}}]}
+                ],
+            )
+    # The same prompt: the Messages API's input tokens leave out those read from the prefix cache.
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == chat_reply.usage.prompt_tokens
+    assert message.usage.output_tokens == chat_reply.usage.completion_tokens
+    assert message.content[0].text == chat_reply.choices[0].message.content
+    assert "messages[0].content[0].source.data: the base64 does not decode" in caught.value.message
 
 
 def test_the_sdk_sends_image_parts_over_grpc(served):

@@ -92,8 +92,13 @@ class MediaSources:
             raise invalid(
                 f"{where}: a file: URL names a local file (file:///path), not host {parsed.netloc}", where
             )
+        path = Path(urllib.request.url2pathname(parsed.path))
+        if not path.is_absolute():
+            raise invalid(
+                f"{where}: a file: URL names an absolute path (file:///path), not {parsed.path}", where
+            )
         # NOTE: resolved, so that neither `..` nor a symlink leads out of the directory.
-        path = Path(urllib.request.url2pathname(parsed.path)).resolve()
+        path = path.resolve()
         if not path.is_relative_to(self.local_path):
             raise invalid(f"{where}: {parsed.path} is not under --allowed-local-media-path", where)
         try:

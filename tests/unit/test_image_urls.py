@@ -107,8 +107,9 @@ def test_a_file_outside_the_directory_through_dots_or_a_symlink_is_refused(media
     assert says in refusal(media, "file://" + name.format(root=media.local_path))
 
 
-def test_a_file_url_naming_another_host_is_refused(media):
+def test_a_file_url_naming_another_host_or_a_relative_path_is_refused(media):
     assert "not host example.com" in refusal(media, f"file://example.com{media.local_path}/cat.png")
+    assert "names an absolute path (file:///path), not cat.png" in refusal(media, "file:cat.png")
 
 
 def test_an_allowed_host_is_fetched_and_a_redirect_to_it_followed(media, origin):

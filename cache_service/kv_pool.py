@@ -22,6 +22,8 @@ from protos import cache_pb2, common_pb2
 MAX_BLOCK_SIZE = 1024
 MAX_BLOCKS = 2**31 - 1  # block ids travel as int32
 MAX_POOL_BYTES = 2**63 - 1  # a handle's sizes travel as int64
+# Far above any model's layers; bounds the groups a CreatePool lists before its sizes are checked.
+MAX_LAYERS = 4096
 
 
 def spec_from_request(
@@ -75,8 +77,11 @@ def spec_from_request(
 
 def pool_groups(request: cache_pb2.CreatePoolRequest) -> tuple[KVGroup, ...]:
     """The pool's KV groups (common/kv_groups.py) by the layers' sliding windows: one group of every layer
-    without windows. InvalidArgument unless sliding_windows is empty or one window >= 0 per layer."""
+    without windows. InvalidArgument unless sliding_windows is empty or one window >= 0 per layer, and
+    for more than MAX_LAYERS layers."""
     windows, num_layers = list(request.sliding_windows), request.geometry.num_layers
+    if num_layers > MAX_LAYERS:
+        raise InvalidArgument(f"geometry.num_layers must be at most {MAX_LAYERS}, got {num_layers}")
     if windows and len(windows) != num_layers:
         raise InvalidArgument(
             f"sliding_windows has {len(windows)} entries for {num_layers} layers: send one per layer, or none"

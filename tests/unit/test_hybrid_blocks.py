@@ -257,6 +257,12 @@ def pool_request(windows: list[int], num_layers: int = 2) -> cache_pb2.CreatePoo
     return cache_pb2.CreatePoolRequest(geometry=geometry, block_size=BS, sliding_windows=windows)
 
 
+def test_a_pool_of_more_layers_than_any_model_is_refused_before_its_groups_are_listed():
+    with pytest.raises(InvalidArgument, match="geometry.num_layers must be at most 4096, got 2147483647"):
+        pool_groups(pool_request([], num_layers=2**31 - 1))
+    assert len(pool_groups(pool_request([], num_layers=4096))[0].layers) == 4096
+
+
 @pytest.mark.parametrize(
     ("windows", "groups"),
     [

@@ -251,8 +251,7 @@ class KVView:
             num_computed={s.seq_id: s.num_computed for s in seqs},
             session_id=self._session_id,
         )
-        # NOTE: the tokens written since the last Reserve (a multi-step decode's) go along, so the full
-        # blocks they complete are indexed as well.
+        # NOTE: tokens written since the last Reserve (a multi-step's) go along: their full blocks indexed.
         for seq in seqs:
             synced = self._seqs[seq.seq_id].num_synced
             if synced < seq.num_computed:

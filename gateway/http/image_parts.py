@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -173,6 +174,12 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
 
 
 DATA_ONLY = MediaSources()
+
+
+def has_images(contents: Iterable[object]) -> bool:
+    """Whether any chat message content (a string, None or a list of parts) holds an image part."""
+    parts = (part for content in contents if isinstance(content, list) for part in content)
+    return any(isinstance(part, ImagePart) for part in parts)
 
 
 def image_part(part: ImagePart, where: str, media: MediaSources) -> generation_pb2.ImagePart:

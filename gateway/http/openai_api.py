@@ -25,14 +25,13 @@ from gateway.http.body import request_json
 from gateway.http.bridge import Bridge, unless_disconnected
 from gateway.http.errors import HttpError, from_gateway, invalid
 from gateway.http.guard import REQUEST_ID_HEADER, guarded
-from gateway.http.image_parts import DATA_ONLY, MediaSources
+from gateway.http.image_parts import DATA_ONLY, MediaSources, has_images
 from gateway.http.openai_request import (
     ChatRequest,
     CompletionRequest,
     chat_request,
     completion_prompts,
     completion_request,
-    has_images,
     parse,
 )
 from gateway.http.openai_response import DONE, Rendering, event
@@ -175,7 +174,7 @@ async def _generate(front: Front, request: Request, request_id: str, chat: bool,
     name = front.generation.model_name(info)
     adapter = lora_api.adapter_of(front, body.model, name)
     tokenizer = front.generation.tokenizer
-    if chat and has_images(body.messages):
+    if chat and has_images(message.content for message in body.messages):
         # NOTE: image URLs are fetched and base64 decoded in a worker thread, not on the event loop.
         proto = await asyncio.to_thread(chat_request, body, request_id, info.max_model_len, front.media)
     elif chat:

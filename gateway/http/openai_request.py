@@ -231,15 +231,6 @@ def chat_request(
     return request
 
 
-def has_images(messages: list[Message]) -> bool:
-    return any(
-        isinstance(part, ImagePart)
-        for m in messages
-        if not isinstance(m.content, str | None)
-        for part in m.content
-    )
-
-
 def chat_messages(
     messages: list[Message], media: MediaSources = DATA_ONLY
 ) -> list[generation_pb2.ChatMessage]:

@@ -130,6 +130,7 @@ def test_the_cache_creates_a_device_pool_and_compute_attaches_it(fake):
             sliding_windows=(0, 0),
             pooling=None,
             tensor_parallel_size=1,
+            vision=None,
         )
         spec.vocab_size, spec.max_model_len, spec.attention_backend = 10, 64, "cuda"
         runner = SimpleNamespace(attach=lambda pool, layout: setattr(runner, "pool", pool), group=None)

@@ -147,6 +147,7 @@ def test_the_sdk_takes_exactly_the_declared_controls():
     other |= {"sparse_attention"}  # the attention a request's decodes use (docs/sparse-attention.md)
     other |= {"prompts"}  # several prompts in one request (docs/api.md)
     other |= {"chat_template_kwargs"}  # variables for the chat template (docs/reasoning.md)
+    other |= {"lora_adapter"}  # the LoRA adapter the request runs (docs/adapters.md)
     assert sorted(set(params) - other) == sorted(CONTROLS)
     for name, control in CONTROLS.items():
         default = params[name].default

@@ -1,6 +1,7 @@
 """Greedy outputs to compare: plain transformers' generate, compute's forward in this process over one
 table, and the stack's for concurrent requests."""
 
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -21,7 +22,20 @@ def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
 
 
 def hf_greedy_gaps(model, ids: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens, and at each of them the gap between the top two log-probabilities."""
+    """transformers' greedy tokens, and at each of them the gap between the top two log-probabilities;
+    computed once per model, prompt and length in a test session (modules ask for the same references)."""
+    known = _REFERENCES.setdefault(model, {})
+    if (key := (tuple(ids), new_tokens)) not in known:
+        known[key] = _hf_greedy_gaps(model, ids, new_tokens)
+    tokens, gaps = known[key]
+    return list(tokens), list(gaps)
+
+
+# The references computed so far, per model while it lives.
+_REFERENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _hf_greedy_gaps(model, ids: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
     # eos_token_id=[]: never stop early, like ignore_eos (None would fall back to the model's EOS).
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
     with torch.inference_mode():

@@ -1,8 +1,9 @@
 """LoRA adapters in compute (compute_service.lora): three PEFT adapters of different ranks and targets, one
 rsLoRA, run in one packed step beside a base row, prefill then decodes, give peft's PeftModel greedy tokens
-on the fused Llama layers (with the native decode stack planned) and on Phi-3's transformers layers (fused
-QKV and gate/up targets); adapters that do not fit are refused at load and steps naming no resident adapter
-are refused, nothing changed; compute refuses an adapter at start with one line."""
+on the fused Llama and Qwen2 (QKV biases) layers, with the native decode stack planned, and on Gemma 2's
+(soft-capping, sliding windows) and Phi-3's (fused QKV and gate/up targets) transformers layers; adapters
+that do not fit are refused at load and steps naming no resident adapter are refused, nothing changed;
+compute refuses an adapter at start with one line."""
 
 import shutil
 import subprocess
@@ -35,6 +36,16 @@ ADAPTERS = {
         "a": (4, ["q_proj", "v_proj"], False),
         "b": (8, LLAMA_ATTENTION + LLAMA_MLP, True),
         "c": (2, ["o_proj", "gate_proj", "down_proj"], False),
+    },
+    "qwen2": {
+        "a": (4, ["q_proj", "k_proj", "v_proj"], False),
+        "b": (8, LLAMA_ATTENTION + LLAMA_MLP, True),
+        "c": (2, ["o_proj", "up_proj", "down_proj"], False),
+    },
+    "gemma2": {
+        "a": (4, ["q_proj", "o_proj"], False),
+        "b": (8, LLAMA_ATTENTION + LLAMA_MLP, True),
+        "c": (2, ["v_proj", "gate_proj", "down_proj"], False),
     },
     "phi3": {
         "a": (4, ["qkv_proj", "o_proj"], False),

@@ -195,6 +195,9 @@ def main(argv: list[str] | None = None) -> None:
         tensor_parallel.check_lora(args.enable_lora or bool(args.lora_modules), size)
         config = AutoConfig.from_pretrained(files.path)
         tensor_parallel.check(config, size)
+        lora_adapters.check_flags(
+            config, args.enable_lora, args.lora_modules, args.max_loras, args.max_lora_rank
+        )
         pooling = resolve_pooling(args.pooling, files.path, config)
         if rank == 0 and size > 1 and shard_group.starts_ranks(init_addr):
             ranks, init_addr = shard_group.start(sys.argv[1:] if argv is None else argv, size, init_addr)

@@ -3,8 +3,9 @@ rsLoRA, run in one packed step beside a base row, prefill then decodes, give pef
 on the fused Llama and Qwen2 (QKV biases) layers, with the native decode stack planned, and on Gemma 2's
 (soft-capping, sliding windows) and Phi-3's (fused QKV and gate/up targets) transformers layers; adapters
 that do not fit are refused at load and steps naming no resident adapter are refused, nothing changed;
-compute refuses an adapter at start with one line."""
+compute refuses an adapter at start with one line, before the model loads, from its config and header."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from common.errors import InvalidArgument
 from common.options import REFUSED
 from compute_service.batch import ForwardBatch
-from compute_service.lora.adapters import Adapters
+from compute_service.lora.adapters import Adapters, check_flags
 from compute_service.lora.layers import LoraLinear, StepRows, set_rows
 from compute_service.lora.peft_files import WEIGHTS, AdapterError
 from compute_service.model_loader import load
@@ -27,7 +28,7 @@ from tests.architectures import save_tiny
 from tests.e2e.greedy import hf_greedy
 from tests.forward import forward_request
 from tests.lora_adapters import LLAMA_ATTENTION, LLAMA_MLP, peft_model, save_adapter
-from tests.tiny_model import save_tiny_llama
+from tests.tiny_model import save_tiny_llama, tiny_llama_config
 
 BLOCK, BLOCKS_PER_SEQ, NEW_TOKENS = 8, 8, 5
 # name -> (rank, targets, rsLoRA) per architecture
@@ -186,13 +187,72 @@ def test_following_and_drafting_steps_keep_each_rows_adapter():
     assert drafting.lora_ids.tolist() == [0, 1]
 
 
-def test_compute_refuses_an_adapter_over_the_rank_limit_at_start_in_one_line(served, tmp_path):
-    model_dir, paths, _, _ = served
+@pytest.fixture(scope="module")
+def unloadable(tmp_path_factory):
+    """A tiny Llama directory whose weights file is not safetensors (loading the model fails), with adapters
+    of it (ranks 8, 4 and 16) and a rank-2 adapter of a narrower Llama, saved before the weights were
+    spoilt."""
+    root = tmp_path_factory.mktemp("unloadable")
+    model_dir = save_tiny_llama(root / "model")
+    paths = {
+        "chat": save_adapter(model_dir, root / "chat", 8, LLAMA_ATTENTION, seed=1),
+        "fits": save_adapter(model_dir, root / "fits", 4, ["k_proj", "up_proj"], seed=3),
+        "wide": save_adapter(model_dir, root / "wide", 16, ["q_proj"], seed=4),
+        "narrow": save_adapter(
+            save_tiny_llama(root / "narrow", hidden_size=32, intermediate_size=64),
+            root / "narrow-adapter",
+            2,
+            ["o_proj", "down_proj"],
+            seed=2,
+        ),
+    }
+    (model_dir / "model.safetensors").write_bytes(b"not safetensors")
+    return model_dir, paths
+
+
+@pytest.mark.parametrize(
+    ("adapter", "refusal"),
+    [
+        ("chat", "adapter 'chat' has rank 8, over --max-lora-rank 4"),
+        (
+            "narrow",
+            "adapter 'narrow': layer 0 down_proj is [32, 64] in the adapter but [64, 128] in the model's "
+            "config.json: it was trained on another base",
+        ),
+    ],
+)
+def test_compute_refuses_an_adapter_at_start_in_one_line_before_the_model_loads(
+    unloadable, tmp_path, adapter, refusal
+):
+    """The model's weights cannot load: the adapter's refusal shows that it came first."""
+    model_dir, paths = unloadable
     argv = ["--model", str(model_dir), "--socket", str(tmp_path / "compute.sock"), "--log-level", "error"]
-    argv += ["--lora-modules", f"sql={paths['a']}", f"chat={paths['b']}", "--max-lora-rank", "4"]
+    argv += ["--lora-modules", f"{adapter}={paths[adapter]}", "--max-lora-rank", "4"]
     done = subprocess.run(
         [sys.executable, "-m", "compute_service", *argv], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == REFUSED, done.stderr
     refusals = [line for line in done.stderr.splitlines() if line.startswith("compute_service:")]
-    assert refusals == ["compute_service: adapter 'chat' has rank 8, over --max-lora-rank 4"]
+    assert refusals == [f"compute_service: {refusal}"]
+
+
+@pytest.mark.parametrize(
+    ("shape", "modules", "says"),
+    [
+        ({}, ["a={wide}"], "adapter 'a' has rank 16, over --max-lora-rank 8"),
+        ({"num_hidden_layers": 1}, ["a={fits}"], "targets layer 1, but the model has 1 layers"),
+        ({"num_key_value_heads": 4}, ["a={fits}"], "layer 0 k_proj is [32, 64] in the adapter but [64, 64]"),
+        ({"intermediate_size": 96}, ["a={fits}"], "layer 0 up_proj is [128, 64] in the adapter but [96, 64]"),
+        ({}, ["a={fits}", "a={fits}"], "adapter name 'a' is taken"),
+        ({}, ["a={fits}", "b={fits}", "c={fits}"], "names 3 adapters, over --max-loras 2"),
+        ({}, ["a={tmp}"], "must hold adapter_config.json and adapter_model.safetensors"),
+    ],
+)
+def test_adapters_are_checked_against_the_config_before_the_model_loads(
+    unloadable, tmp_path, shape, modules, says
+):
+    _, paths = unloadable
+    named = [module.format(**paths, tmp=tmp_path) for module in modules]
+    with pytest.raises(AdapterError, match=re.escape(says)):
+        check_flags(tiny_llama_config(**shape), False, named, 2, 8)
+    check_flags(tiny_llama_config(), False, [f"a={paths['fits']}"], 2, 8)

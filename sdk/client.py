@@ -6,8 +6,8 @@ Constrained decoding: `json_schema=` (a dict or JSON text), `json_object=True`, 
 `messages`, `tool_choice="auto" | "none" | "required" | "<function name>"`; calls come back as
 `Completion.tool_calls` with finish_reason "tool_calls" (docs/tool-calling.md).
 
-Embeddings: `embed("text")` or `embed(["a", "b"], dimensions=256)` returns `Embeddings` (one vector per input;
-docs/embeddings.md).
+Embeddings: `embed("text")` or `embed(["a", "b"], dimensions=256, lora_adapter="sql")` returns `Embeddings` (one
+vector per input; docs/embeddings.md).
 
 `AsyncClient` has the same surface for asyncio (`await generate(...)`, `async for chunk in stream(...)`).
 
@@ -137,12 +137,18 @@ class Client:
         return results
 
     def embed(
-        self, inputs: Inputs, dimensions: int | None = None, priority: int = 0, request_id: str = ""
+        self,
+        inputs: Inputs,
+        dimensions: int | None = None,
+        priority: int = 0,
+        request_id: str = "",
+        lora_adapter: str = "",
     ) -> Embeddings:
         """One embedding per input (a text, a list of token ids, or a list of either), in order;
-        `dimensions` truncates them where the model allows (docs/embeddings.md). GenerationError on a
-        refused or failed request."""
-        return to_embeddings(self._unary("Embed", embed_request(inputs, dimensions, priority, request_id)))
+        `dimensions` truncates them where the model allows (docs/embeddings.md); `lora_adapter` embeds
+        through that adapter. GenerationError on a refused or failed request."""
+        request = embed_request(inputs, dimensions, priority, request_id, lora_adapter)
+        return to_embeddings(self._unary("Embed", request))
 
     def generate_batch(
         self, prompts: Sequence[str | Sequence[int]], n: int = 1, **kwargs
@@ -243,12 +249,16 @@ class AsyncClient:
         return results
 
     async def embed(
-        self, inputs: Inputs, dimensions: int | None = None, priority: int = 0, request_id: str = ""
+        self,
+        inputs: Inputs,
+        dimensions: int | None = None,
+        priority: int = 0,
+        request_id: str = "",
+        lora_adapter: str = "",
     ) -> Embeddings:
         """One embedding per input, in order (see Client.embed)."""
-        return to_embeddings(
-            await self._unary("Embed", embed_request(inputs, dimensions, priority, request_id))
-        )
+        request = embed_request(inputs, dimensions, priority, request_id, lora_adapter)
+        return to_embeddings(await self._unary("Embed", request))
 
     async def generate_batch(
         self, prompts: Sequence[str | Sequence[int]], n: int = 1, **kwargs

@@ -26,9 +26,14 @@ class Embeddings:
 
 
 def embed_request(
-    inputs: Inputs, dimensions: int | None = None, priority: int = 0, request_id: str = ""
+    inputs: Inputs,
+    dimensions: int | None = None,
+    priority: int = 0,
+    request_id: str = "",
+    lora_adapter: str = "",
 ) -> generation_pb2.EmbedRequest:
-    """The EmbedRequest of `inputs`: a string or a list of token ids is one input, a list of those several."""
+    """The EmbedRequest of `inputs`: a string or a list of token ids is one input, a list of those several;
+    `lora_adapter` embeds them through that LoRA adapter (docs/adapters.md), else the base model."""
     single = isinstance(inputs, str) or (len(inputs) > 0 and isinstance(inputs[0], int))
     items = [inputs] if single else list(inputs)
     request = generation_pb2.EmbedRequest(
@@ -40,6 +45,7 @@ def embed_request(
             for item in items
         ],
         priority=priority,
+        lora_adapter=lora_adapter,
     )
     if dimensions is not None:
         request.dimensions = dimensions

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from compute_service.validation import Limits
 from tests.architectures import save_tiny
 from tests.e2e.greedy import hf_greedy
 from tests.forward import forward_request
-from tests.lora_adapters import LLAMA_ATTENTION, LLAMA_MLP, peft_model, save_adapter
+from tests.lora_adapters import LLAMA_ATTENTION, LLAMA_MLP, merged_hidden, peft_model, save_adapter
 from tests.tiny_model import save_tiny_llama, tiny_llama_config
 
 BLOCK, BLOCKS_PER_SEQ, NEW_TOKENS = 8, 8, 5
@@ -102,6 +103,26 @@ def test_one_step_mixes_base_and_three_adapters_as_peft(served):
         reference.set_adapter(name)
         assert outputs[row] == hf_greedy(reference, PROMPTS[row], NEW_TOKENS), name
     assert len({tuple(out) for out in outputs}) == len(outputs), "each adapter changes the tokens"
+
+
+def test_pooled_rows_of_each_adapter_are_the_peft_merged_models_hidden_states(served):
+    """Embedding rows (mean pooling: every token's hidden state counts) of the base and three adapters in
+    one packed step, against transformers' final hidden states of each adapter merged by peft."""
+    model_dir, paths, runner, limits = served
+    pooler = Runner(runner.model, pooling="mean", adapters=runner.adapters)
+    config = runner.model.config
+    blocks = BLOCKS_PER_SEQ * len(PROMPTS)
+    pooler.attach(torch.zeros(config.num_hidden_layers, 2, blocks, BLOCK, config.num_key_value_heads, 16))
+    tables = [list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ)) for i in range(len(PROMPTS))]
+    request = forward_request(PROMPTS, [0] * len(PROMPTS), tables, block_size=BLOCK, sample=[False] * 4)
+    request.lora_ids.extend([0, *(runner.adapters.by_name[name].id for name in paths)])
+    request.pool.extend([True] * len(PROMPTS))
+    batch = ForwardBatch.from_request(request, replace(limits, pooling="mean"))
+    pooled = pooler.outputs(batch)[1] / torch.tensor([[len(prompt)] for prompt in PROMPTS])
+    for row, adapter in enumerate(["", *paths]):
+        expected = merged_hidden(model_dir, paths.get(adapter), PROMPTS[row]).mean(0)
+        torch.testing.assert_close(pooled[row], expected, rtol=1e-4, atol=1e-4, msg=adapter or "base")
+    assert not torch.allclose(pooled[0], pooled[1], rtol=1e-3, atol=1e-3), "the adapter changes the rows"
 
 
 def test_steps_naming_no_resident_adapter_are_refused(served):

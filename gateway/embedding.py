@@ -32,9 +32,21 @@ class Embeddings:
     def __init__(self, generation: Generation) -> None:
         self.generation = generation
 
-    def pooling(self) -> compute_pb2.Pooling:
-        """The attached model's pooling; InvalidArgument (naming `model`) where it does not pool."""
+    def pooling(self, scoring: bool = False) -> compute_pb2.Pooling:
+        """The attached model's pooling; InvalidArgument (naming `model`) where it does not pool, or where
+        it scores (a sequence classifier) and `scoring` is not set, or the reverse."""
         info = self.generation.attached_model()
+        scores = info.pooling.source == "score"
+        if scoring and not scores:
+            raise InvalidArgument(
+                f"model {info.model} cannot score: scores come from a sequence-classification model of one "
+                "label (a cross-encoder or reranker, *ForSequenceClassification in its config.json)"
+            )
+        if scores and not scoring:
+            raise InvalidArgument(
+                f"model {info.model} is a sequence-classification model: it serves scores (POST /v1/score, "
+                "/v1/rerank, gRPC Score), not embeddings"
+            )
         if not info.pooling.type:
             raise InvalidArgument(
                 f"model {info.model} does not pool, so it serves no embeddings: it declares no pooling (a "
@@ -44,13 +56,14 @@ class Embeddings:
         return info.pooling
 
     def embed(
-        self, request: generation_pb2.EmbedRequest, tenant: Tenant, on_end: OnEnd
+        self, request: generation_pb2.EmbedRequest, tenant: Tenant, on_end: OnEnd, scoring: bool = False
     ) -> generation_pb2.EmbedResponse:
-        """The request's embeddings, one per input in order; raises its error (a refusal before anything
-        is queued, or the failure of any of its inputs, which ends them all)."""
+        """The request's embeddings, one per input in order (`scoring`: a scoring model's logits, one
+        value each: gateway.scoring); raises its error (a refusal before anything is queued, or the failure
+        of any of its inputs, which ends them all)."""
         generation = self.generation
         with generation.slots.hold(), generation.edge.stream_slot(tenant):
-            pooling = self.pooling()
+            pooling = self.pooling(scoring)
             dimensions = _dimensions(request, pooling)
             adapter = generation.adapters.resolve(request.lora_adapter)
             request_id = request.request_id or structlog.contextvars.get_contextvars().get("request_id", "")

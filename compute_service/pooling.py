@@ -48,14 +48,16 @@ class Pooling:
     source: str
 
 
-def resolve(flag: str, model_dir: Path, config: PretrainedConfig) -> Pooling | None:
+def resolve(
+    flag: str, model_dir: Path, config: PretrainedConfig, from_tokens: bool = False
+) -> Pooling | None:
     """The pooling compute serves under --pooling `flag`: a scoring model's (compute_service.scoring: the
-    last token, scored); auto, what the model declares (None if nothing);
-    off, None; a mode, that mode, normalised unless the model's modules.json lists no Normalize module.
-    UnsupportedPooling for a declaration pagedserve cannot follow (under auto)."""
+    last token, scored; `from_tokens`: --classifier-from-token makes a causal LM one); auto, what the model
+    declares (None if nothing); off, None; a mode, that mode, normalised unless the model's modules.json
+    lists no Normalize module. UnsupportedPooling for a declaration pagedserve cannot follow (under auto)."""
     if flag == "off":
         return None
-    if scoring.classifies(config):
+    if scoring.classifies(config, from_tokens):
         if flag not in ("auto", "last"):
             raise UnsupportedPooling(
                 f"--pooling {flag}: a sequence-classification model scores from its last token; start "

@@ -198,8 +198,9 @@ def main(argv: list[str] | None = None) -> None:
         lora_adapters.check_flags(
             config, args.enable_lora, args.lora_modules, args.max_loras, args.max_lora_rank
         )
-        pooling = resolve_pooling(args.pooling, files.path, config)
-        score = scoring.head(files.path, config) if pooling and pooling.source == "score" else None
+        tokens = args.classifier_from_token
+        pooling = resolve_pooling(args.pooling, files.path, config, bool(tokens))
+        score = scoring.head(files.path, config, tokens) if pooling and pooling.source == "score" else None
         if rank == 0 and size > 1 and shard_group.starts_ranks(init_addr):
             ranks, init_addr = shard_group.start(sys.argv[1:] if argv is None else argv, size, init_addr)
         if size > 1:

@@ -1,21 +1,29 @@
 """Scores through the real services (POST /v1/score and /v1/rerank, gRPC Score through the SDK) from a tiny
 random-weight LlamaForSequenceClassification of one label (a decoder cross-encoder), checked against
-transformers' sigmoid of the classifier's logit on the same weights and the same pair tokens; a model that
-cannot score is refused with a 400, a scoring model refuses generation and embeddings."""
+transformers' sigmoid of the classifier's logit on the same weights and the same pair tokens, and from a
+causal LM scored from its `no`/`yes` logits (a Qwen3-Reranker's way, --classifier-from-token) against
+transformers' softmax of them; a model that cannot score is refused with a 400, a scoring model refuses
+generation and embeddings."""
 
 import json
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import openai
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    LlamaConfig,
+)
 
 from sdk.client import Client, GenerationError
 from tests.e2e.stack import start_stack
-from tests.tiny_model import TINY_SHAPE
+from tests.tiny_model import TINY_SHAPE, save_tiny_llama
 
 pytestmark = pytest.mark.e2e
 QUERY = "Which city is the capital of France?"
@@ -45,10 +53,33 @@ def scorer(tmp_path_factory, model_dir):
 
 
 @pytest.fixture(scope="module")
-def stack(scorer, logs):
-    started = start_stack(logs, "--model", str(scorer[0]), "--dtype", "float32", "--kv-blocks", "64")
+def reranker(tmp_path_factory, model_dir):
+    """A causal Llama (the default model's tokenizer) scored from its `no` and `yes` logits, as a
+    Qwen3-Reranker is, and transformers' model of it."""
+    path = save_tiny_llama(tmp_path_factory.mktemp("reranker"), vocab_size=49152, initializer_range=0.3)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def stacks(scorer, reranker, logs):
+    """The classifier's stack and the reranker's (--classifier-from-token no yes), side by side."""
+    flags = ("--dtype", "float32", "--kv-blocks", "64")
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(start_stack, logs, "--model", str(scorer[0]), *flags),
+            pool.submit(
+                start_stack, logs, "--model", str(reranker[0]), *flags, "--classifier-from-token", "no", "yes"
+            ),
+        ]
+        started = [future.result() for future in futures]
     yield started
-    assert started.stop() == 0
+    assert [each.stop() for each in started] == [0, 0]
+
+
+@pytest.fixture(scope="module")
+def stack(stacks):
+    return stacks[0]
 
 
 def _expected(scorer, queries: list[str], documents: list[str]) -> list[float]:
@@ -134,3 +165,20 @@ def test_a_model_that_cannot_score_is_refused_with_a_400(stack_fp32):
     assert "cannot score" in reply["error"]["message"]
     with openai.OpenAI(base_url=stack_fp32.http_url, api_key="unused", max_retries=0) as api:
         assert api.completions.create(model=api.models.list().data[0].id, prompt="hi", max_tokens=2).usage
+
+
+def test_a_causal_lm_scores_from_its_yes_and_no_logits(stacks, reranker):
+    """softmax([no, yes])[yes] of transformers' logits at the pair's last token."""
+    path, model = reranker
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    expected = []
+    with torch.no_grad():
+        for document in DOCUMENTS:
+            logits = model(torch.tensor([tokenizer(QUERY, document)["input_ids"]])).logits[0, -1]
+            expected.append(torch.softmax(logits[[no, yes]], 0)[1].item())
+    status, body = _post(stacks[1], "rerank", {"query": QUERY, "documents": DOCUMENTS})
+    assert status == 200, body
+    assert [item["index"] for item in body["results"]] == sorted(range(4), key=lambda i: -expected[i])
+    for item in body["results"]:
+        assert item["relevance_score"] == pytest.approx(expected[item["index"]], abs=CLOSE)

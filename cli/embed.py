@@ -24,6 +24,12 @@ def add_parser(commands) -> None:
         "--dimensions", type=int, default=None, help="truncate to this many (where the model allows)"
     )
     p.add_argument("--priority", type=int, default=0, help="lower is served first (default 0)")
+    p.add_argument(
+        "--lora-adapter",
+        default="",
+        metavar="NAME",
+        help="embed through this LoRA adapter, by name (docs/adapters.md); default: the base model",
+    )
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"gateway HOST:PORT (default {DEFAULT_TARGET})")
     p.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
     add_connection_flags(p)
@@ -55,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     with client:
         try:
-            result = client.embed(inputs, dimensions=args.dimensions, priority=args.priority)
+            result = client.embed(
+                inputs, dimensions=args.dimensions, priority=args.priority, lora_adapter=args.lora_adapter
+            )
         except GenerationError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1

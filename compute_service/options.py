@@ -114,6 +114,15 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "(a plain decoder: last; docs/embeddings.md)",
     )
     parser.add_argument(
+        "--classifier-from-token",
+        nargs="+",
+        metavar="TOKEN",
+        default=None,
+        help="serve a causal LM as a scoring model (POST /v1/score, /v1/rerank) from its output logits at "
+        "the last token, as vLLM's classifier_from_token: NO YES (a Qwen3-Reranker: the score is "
+        "softmax([NO, YES])[YES]) or one TOKEN (the sigmoid of its logit); docs/embeddings.md",
+    )
+    parser.add_argument(
         "--encoder-cache-images",
         type=_length,
         default=64,

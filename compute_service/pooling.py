@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from compute_service import scoring
+
 # sentence-transformers' Pooling modes (its config's `pooling_mode`, or the legacy `pooling_mode_*` flags)
 # that pagedserve runs, by its own names.
 _ST_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
@@ -46,12 +48,22 @@ class Pooling:
     source: str
 
 
-def resolve(flag: str, model_dir: Path, config: PretrainedConfig) -> Pooling | None:
-    """The pooling compute serves under --pooling `flag`: auto, what the model declares (None if nothing);
-    off, None; a mode, that mode, normalised unless the model's modules.json lists no Normalize module.
-    UnsupportedPooling for a declaration pagedserve cannot follow (under auto)."""
+def resolve(
+    flag: str, model_dir: Path, config: PretrainedConfig, from_tokens: bool = False
+) -> Pooling | None:
+    """The pooling compute serves under --pooling `flag`: a scoring model's (compute_service.scoring: the
+    last token, scored; `from_tokens`: --classifier-from-token makes a causal LM one); auto, what the model
+    declares (None if nothing); off, None; a mode, that mode, normalised unless the model's modules.json
+    lists no Normalize module. UnsupportedPooling for a declaration pagedserve cannot follow (under auto)."""
     if flag == "off":
         return None
+    if scoring.classifies(config, from_tokens):
+        if flag not in ("auto", "last"):
+            raise UnsupportedPooling(
+                f"--pooling {flag}: a sequence-classification model scores from its last token; start "
+                "it with --pooling auto"
+            )
+        return Pooling("last", False, 1, None, "score")
     if flag == "auto":
         declared = _declared(model_dir)
         if declared is None:

@@ -60,6 +60,8 @@ class Runner:
         self.adapters = adapters
         self.group = group
         self.pooling = pooling
+        # a scoring model's score weight [1, hidden] (compute_service.scoring), applied to the pooled rows
+        self.score: torch.Tensor | None = None
         self.scales = scales
         self.kernels = kernels.load() if plan is not None and plan.native_greedy else None
         self.layers = architectures.layer_attention(model.config)
@@ -112,6 +114,8 @@ class Runner:
                 hidden = self.hidden(batch, times)
         start = time.perf_counter()
         pooled = pool(self.pooling, hidden, batch.cu_seqlens_q, batch.pool_rows) if batch.pool_rows else None
+        if pooled is not None and self.score is not None:
+            pooled = pooled @ self.score.T
         prompt = None
         if batch.prompt_targets is not None:
             prompt = prompt_logprobs.score(hidden, self._head, batch.prompt_targets)

@@ -21,7 +21,7 @@ from common.precision import resolve_dtype, resolve_kv_dtype
 from common.server import serve
 from common.session_fence import SessionFence
 from common.shared_pool import dtype_from_name
-from compute_service import kernels, kv_pool, shard_group, tensor_parallel
+from compute_service import kernels, kv_pool, scoring, shard_group, tensor_parallel
 from compute_service.attention.registry import require_block_size
 from compute_service.callers import CALLERS
 from compute_service.forward_steps import ForwardSteps
@@ -195,7 +195,12 @@ def main(argv: list[str] | None = None) -> None:
         tensor_parallel.check_lora(args.enable_lora or bool(args.lora_modules), size)
         config = AutoConfig.from_pretrained(files.path)
         tensor_parallel.check(config, size)
-        pooling = resolve_pooling(args.pooling, files.path, config)
+        lora_adapters.check_flags(
+            config, args.enable_lora, args.lora_modules, args.max_loras, args.max_lora_rank
+        )
+        tokens = args.classifier_from_token
+        pooling = resolve_pooling(args.pooling, files.path, config, bool(tokens))
+        score = scoring.head(files.path, config, tokens) if pooling and pooling.source == "score" else None
         if rank == 0 and size > 1 and shard_group.starts_ranks(init_addr):
             ranks, init_addr = shard_group.start(sys.argv[1:] if argv is None else argv, size, init_addr)
         if size > 1:
@@ -259,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
             adapters=list(adapters.by_name),
         )
     runner = Runner(model, spec.kv_scales, spec.plan, pooling.mode if pooling else "", adapters, group)
+    runner.score = score
     servicer = ComputeServicer(runner, spec, log, args.kv_device, threads, steps)
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(

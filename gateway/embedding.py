@@ -2,7 +2,8 @@
 EmbedResponse out. Each input is a sequence of its own that the engine schedules as a prompt beside the
 generations (packed into the same steps, under the same token and sequence budgets), pooled by compute
 as the model declares (gateway.pooled); here its embedding is truncated to the request's dimensions and
-normalised where the model normalises.
+normalised where the model normalises. A request may name a LoRA adapter (`lora_adapter`): its inputs run
+through it as a generation's prompt does (docs/adapters.md).
 
 A request holds one stream slot (--max-streams, --max-streams-per-key) while it runs, its inputs count
 against the waiting queue (--max-waiting), and it may hold at most --max-embed-inputs inputs, each within
@@ -20,7 +21,7 @@ from gateway.generation import Generation, OnEnd
 from gateway.limits import check_queue, check_request_id, flag
 from gateway.outputs import Output
 from gateway.sequence import Sampling, Sequence
-from protos import compute_pb2, generation_pb2
+from protos import common_pb2, compute_pb2, generation_pb2
 
 log = structlog.get_logger()
 
@@ -31,9 +32,21 @@ class Embeddings:
     def __init__(self, generation: Generation) -> None:
         self.generation = generation
 
-    def pooling(self) -> compute_pb2.Pooling:
-        """The attached model's pooling; InvalidArgument (naming `model`) where it does not pool."""
+    def pooling(self, scoring: bool = False) -> compute_pb2.Pooling:
+        """The attached model's pooling; InvalidArgument (naming `model`) where it does not pool, or where
+        it scores (a sequence classifier) and `scoring` is not set, or the reverse."""
         info = self.generation.attached_model()
+        scores = info.pooling.source == "score"
+        if scoring and not scores:
+            raise InvalidArgument(
+                f"model {info.model} cannot score: scores come from a sequence-classification model of one "
+                "label (a cross-encoder or reranker, *ForSequenceClassification in its config.json)"
+            )
+        if scores and not scoring:
+            raise InvalidArgument(
+                f"model {info.model} is a sequence-classification model: it serves scores (POST /v1/score, "
+                "/v1/rerank, gRPC Score), not embeddings"
+            )
         if not info.pooling.type:
             raise InvalidArgument(
                 f"model {info.model} does not pool, so it serves no embeddings: it declares no pooling (a "
@@ -43,19 +56,21 @@ class Embeddings:
         return info.pooling
 
     def embed(
-        self, request: generation_pb2.EmbedRequest, tenant: Tenant, on_end: OnEnd
+        self, request: generation_pb2.EmbedRequest, tenant: Tenant, on_end: OnEnd, scoring: bool = False
     ) -> generation_pb2.EmbedResponse:
-        """The request's embeddings, one per input in order; raises its error (a refusal before anything
-        is queued, or the failure of any of its inputs, which ends them all)."""
+        """The request's embeddings, one per input in order (`scoring`: a scoring model's logits, one
+        value each: gateway.scoring); raises its error (a refusal before anything is queued, or the failure
+        of any of its inputs, which ends them all)."""
         generation = self.generation
         with generation.slots.hold(), generation.edge.stream_slot(tenant):
-            pooling = self.pooling()
+            pooling = self.pooling(scoring)
             dimensions = _dimensions(request, pooling)
+            adapter = generation.adapters.resolve(request.lora_adapter)
             request_id = request.request_id or structlog.contextvars.get_contextvars().get("request_id", "")
             check_request_id(request_id, generation.edge.limits)
             request_id = request_id or uuid.uuid4().hex
             structlog.contextvars.bind_contextvars(request_id=request_id)
-            seqs = self._sequences(request, request_id, tenant, pooling.type)
+            seqs = self._sequences(request, request_id, tenant, pooling.type, adapter)
             generation.admission.enter(seqs[0])
             on_end(lambda: generation.admission.leave(seqs[0].seq_id))
             log.info("embed", inputs=len(seqs), prompt_tokens=sum(len(seq.prompt_ids) for seq in seqs))
@@ -66,7 +81,7 @@ class Embeddings:
             embeddings = _gather(seqs)
         return generation_pb2.EmbedResponse(
             request_id=request_id,
-            model=generation.model_name(generation.attached_model()),
+            model=adapter.name if adapter else generation.model_name(generation.attached_model()),
             embeddings=[
                 generation_pb2.Embedding(values=_finish(vector, dimensions, pooling.normalize).tolist())
                 for vector in embeddings
@@ -78,10 +93,16 @@ class Embeddings:
         )
 
     def _sequences(
-        self, request: generation_pb2.EmbedRequest, request_id: str, tenant: Tenant, mode: str
+        self,
+        request: generation_pb2.EmbedRequest,
+        request_id: str,
+        tenant: Tenant,
+        mode: str,
+        adapter: common_pb2.LoraAdapter | None,
     ) -> list[Sequence]:
-        """One sequence per input, all of one request (group) with one outbox; refused before tokenizing
-        beyond the input count or the queue, and at the first input beyond the limits."""
+        """One sequence per input, all of one request (group) with one outbox, run through `adapter` (None:
+        the base model); refused before tokenizing beyond the input count or the queue, and at the first
+        input beyond the limits."""
         generation, limits = self.generation, self.generation.edge.limits
         count = len(request.inputs)
         if not 0 < count <= limits.max_embed_inputs:
@@ -103,6 +124,8 @@ class Embeddings:
             tenant=tenant.name,
             priority=request.priority,
             pooling=mode,
+            lora_id=adapter.id if adapter else 0,
+            lora_name=adapter.name if adapter else "",
         )
         return [first, *(first.sample(i, prompt_ids=ids) for i, ids in enumerate(prompts[1:], 1))]
 

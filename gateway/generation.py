@@ -160,6 +160,11 @@ class Generation:
         opened the reasoning (None: its text is not split); refused before tokenizing if the queue is full or
         a control is bad, before compiling its constraint if the prompt is."""
         limits = self.grammars.limits
+        if info.pooling.source == "score":
+            raise InvalidArgument(
+                f"model {info.model} is a sequence-classification model: it serves scores (POST /v1/score, "
+                "/v1/rerank, gRPC Score), not generation"
+            )
         check_queue(self.engine.queued(), self.edge.limits)
         sampling = resolve_sampling(request.sampling, info.vocab_size)
         sparse = sparse_request.resolve(request, info)

@@ -37,6 +37,7 @@ from gateway.http.serve import HttpServer
 from gateway.http.tokenize_api import tokenize_api
 from gateway.options import OPTIONS
 from gateway.recovery import PeerFault
+from gateway.scoring import Scores
 from gateway.streams import StreamSlots
 from gateway.structured.grammars import Grammars
 from gateway.structured.limits import ConstraintLimits
@@ -50,6 +51,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, generation: Generation) -> None:
         self._generation = generation
         self._embeddings = Embeddings(generation)
+        self._scores = Scores(self._embeddings)
 
     def Generate(self, request, context):
         """Streams one response per token (of each of the n samples); ends at finish, cancel or deadline
@@ -62,6 +64,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         key."""
         tenant = self._generation.edge.authenticate(context.invocation_metadata())
         return self._embeddings.embed(request, tenant, context.add_callback)
+
+    def Score(self, request, context):
+        """One score per (query, document) pair (see Scores.score)."""
+        tenant = self._generation.edge.authenticate(context.invocation_metadata())
+        return self._scores.score(request, tenant, context.add_callback)
 
     def Tokenize(self, request, context):
         """The prompt's or chat's token ids, as Generate encodes them."""

@@ -50,6 +50,11 @@ class GenerationStub:
                 request_serializer=protos_dot_generation__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=protos_dot_generation__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/pagedserve.v1.Generation/Score',
+                request_serializer=protos_dot_generation__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=protos_dot_generation__pb2.ScoreResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/pagedserve.v1.Generation/Tokenize',
                 request_serializer=protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
@@ -89,6 +94,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """A relevance score per (query, document) pair from a scoring model (a *ForSequenceClassification of one
+        label: docs/embeddings.md). INVALID_ARGUMENT for a model that cannot score, or pairs that do not match.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Tokenize(self, request, context):
         """A prompt's or chat's token ids, as Generate would encode them.
         """
@@ -120,6 +133,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=protos_dot_generation__pb2.EmbedRequest.FromString,
                     response_serializer=protos_dot_generation__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=protos_dot_generation__pb2.ScoreRequest.FromString,
+                    response_serializer=protos_dot_generation__pb2.ScoreResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
@@ -214,6 +232,33 @@ class Generation:
             '/pagedserve.v1.Generation/Embed',
             protos_dot_generation__pb2.EmbedRequest.SerializeToString,
             protos_dot_generation__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Generation/Score',
+            protos_dot_generation__pb2.ScoreRequest.SerializeToString,
+            protos_dot_generation__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,8 +6,9 @@ Constrained decoding: `json_schema=` (a dict or JSON text), `json_object=True`, 
 `messages`, `tool_choice="auto" | "none" | "required" | "<function name>"`; calls come back as
 `Completion.tool_calls` with finish_reason "tool_calls" (docs/tool-calling.md).
 
-Embeddings: `embed("text")` or `embed(["a", "b"], dimensions=256)` returns `Embeddings` (one vector per input;
-docs/embeddings.md).
+Embeddings: `embed("text")` or `embed(["a", "b"], dimensions=256, lora_adapter="sql")` returns `Embeddings`
+(one vector per input; docs/embeddings.md); `score("query", ["doc", ...])` returns `Scores` (a scoring
+model's).
 
 `AsyncClient` has the same surface for asyncio (`await generate(...)`, `async for chunk in stream(...)`).
 
@@ -25,13 +26,22 @@ import grpc
 
 from common.server import CHANNEL_OPTIONS, channel
 from protos import generation_pb2, generation_pb2_grpc
-from sdk.embeddings import Embeddings, EmbedUsage, Inputs, embed_request, to_embeddings
+from sdk.embeddings import (
+    Embeddings,
+    EmbedUsage,
+    Inputs,
+    Scores,
+    embed_request,
+    score_request,
+    to_embeddings,
+    to_scores,
+)
 from sdk.messages import Chunk, Completion, TokenLogprob, ToolCall, Usage, add, to_chunk
 from sdk.request import build_request, tokenize_request
 from sdk.resume import RECONNECT_OPTIONS, RESUME_TIMEOUT_S, Call, Targets, target_list
 
 __all__ = [
-    "API_KEY_ENV", "AsyncClient", "Chunk", "Client", "Completion", "EmbedUsage", "Embeddings",
+    "API_KEY_ENV", "AsyncClient", "Chunk", "Client", "Completion", "EmbedUsage", "Embeddings", "Scores",
     "GenerationError", "TokenLogprob", "ToolCall", "Usage", "build_request",
 ]  # fmt: skip
 
@@ -137,12 +147,23 @@ class Client:
         return results
 
     def embed(
-        self, inputs: Inputs, dimensions: int | None = None, priority: int = 0, request_id: str = ""
+        self,
+        inputs: Inputs,
+        dimensions: int | None = None,
+        priority: int = 0,
+        request_id: str = "",
+        lora_adapter: str = "",
     ) -> Embeddings:
         """One embedding per input (a text, a list of token ids, or a list of either), in order;
-        `dimensions` truncates them where the model allows (docs/embeddings.md). GenerationError on a
-        refused or failed request."""
-        return to_embeddings(self._unary("Embed", embed_request(inputs, dimensions, priority, request_id)))
+        `dimensions` truncates them where the model allows (docs/embeddings.md); `lora_adapter` embeds
+        through that adapter. GenerationError on a refused or failed request."""
+        request = embed_request(inputs, dimensions, priority, request_id, lora_adapter)
+        return to_embeddings(self._unary("Embed", request))
+
+    def score(self, query: str | Sequence[str], documents: str | Sequence[str], **kwargs) -> Scores:
+        """A relevance score per document for `query` (or per pair, given as many queries as documents)
+        from a scoring model (docs/embeddings.md); kwargs: priority, request_id, lora_adapter."""
+        return to_scores(self._unary("Score", score_request(query, documents, **kwargs)))
 
     def generate_batch(
         self, prompts: Sequence[str | Sequence[int]], n: int = 1, **kwargs
@@ -243,12 +264,20 @@ class AsyncClient:
         return results
 
     async def embed(
-        self, inputs: Inputs, dimensions: int | None = None, priority: int = 0, request_id: str = ""
+        self,
+        inputs: Inputs,
+        dimensions: int | None = None,
+        priority: int = 0,
+        request_id: str = "",
+        lora_adapter: str = "",
     ) -> Embeddings:
         """One embedding per input, in order (see Client.embed)."""
-        return to_embeddings(
-            await self._unary("Embed", embed_request(inputs, dimensions, priority, request_id))
-        )
+        request = embed_request(inputs, dimensions, priority, request_id, lora_adapter)
+        return to_embeddings(await self._unary("Embed", request))
+
+    async def score(self, query: str | Sequence[str], documents: str | Sequence[str], **kwargs) -> Scores:
+        """A relevance score per document (see Client.score)."""
+        return to_scores(await self._unary("Score", score_request(query, documents, **kwargs)))
 
     async def generate_batch(
         self, prompts: Sequence[str | Sequence[int]], n: int = 1, **kwargs

@@ -35,3 +35,13 @@ def peft_model(model_dir: Path, adapters: dict[str, Path]) -> PeftModel:
     for name, path in names:
         model.load_adapter(path, adapter_name=name)
     return model.eval()
+
+
+@torch.no_grad()
+def merged_hidden(model_dir: Path, adapter: Path | None, prompt: list[int]) -> torch.Tensor:
+    """The final hidden states [T, hidden] (after the last norm) of `prompt` in transformers' model of
+    `model_dir` with the adapter at `adapter` merged into its weights by peft (None: the base model)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    return model.eval().model(torch.tensor([prompt])).last_hidden_state[0]

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from common.errors import InvalidArgument
 from compute_service.lora import peft_files
-from compute_service.lora.layers import Site, StepRows, wrap_targets
+from compute_service.lora.layers import TARGETS, Site, StepRows, wrap_targets
 from compute_service.lora.peft_files import AdapterError
 from compute_service.plan import Choice, ExecutionPlan
 
@@ -66,10 +67,7 @@ class Adapters:
                 f"adapter {name!r}: {self.max_loras} adapters are resident (--max-loras): unload one first"
             )
         weights = peft_files.read(name, path, self.dtype)
-        if weights.rank > self.max_rank:
-            raise AdapterError(
-                f"adapter {name!r} has rank {weights.rank}, over --max-lora-rank {self.max_rank}"
-            )
+        _check_rank(name, weights.rank, self.max_rank)
         self._check(name, weights.pairs)
         slot = min(set(range(self.max_loras)) - set(self.slot_of.values()))
         adapter = Adapter(self._next_id, name, str(Path(path)), weights.rank, tuple(weights.targets))
@@ -139,13 +137,82 @@ def from_flags(
     model: nn.Module, enable: bool, modules: list[str] | None, max_loras: int, max_rank: int
 ) -> Adapters | None:
     """The model's adapters as compute's flags set them, those of --lora-modules (NAME=DIR) resident; None
-    when LoRA is off. AdapterError when a flag or an adapter does not fit."""
+    when LoRA is off. AdapterError when an adapter does not fit (the flags are checked by check_flags)."""
     if not enable and not modules:
         return None
-    if max_loras < 1 or max_rank < 1:
-        raise AdapterError(f"--max-loras ({max_loras}) and --max-lora-rank ({max_rank}) must be at least 1")
     adapters = Adapters.on(model, max_loras, max_rank)
     for module in modules or ():
         name, _, path = module.partition("=")
         adapters.load(name, path)
     return adapters
+
+
+def check_flags(
+    config: PretrainedConfig, enable: bool, modules: list[str] | None, max_loras: int, max_rank: int
+) -> None:
+    """The LoRA flags and every adapter of --lora-modules checked against the base model's config.json
+    before the model loads (its files and safetensors header only, no weights read): the limits, the
+    names, each adapter's rank, layers and target shapes. AdapterError naming the first that does not fit;
+    from_flags checks the loaded model's targets again."""
+    if not enable and not modules:
+        return
+    if max_loras < 1 or max_rank < 1:
+        raise AdapterError(f"--max-loras ({max_loras}) and --max-lora-rank ({max_rank}) must be at least 1")
+    names = [module.partition("=")[0] for module in modules or ()]
+    if len(names) > max_loras:
+        raise AdapterError(
+            f"--lora-modules names {len(names)} adapters, over --max-loras {max_loras}: raise --max-loras"
+        )
+    text = config.get_text_config()
+    shapes, layers = target_shapes(text), text.num_hidden_layers
+    for module in modules or ():
+        name, _, path = module.partition("=")
+        if not name or names.count(name) > 1:
+            raise AdapterError(f"adapter name {name!r} is {'taken' if name else 'empty'}: name it otherwise")
+        declared = peft_files.inspect(name, path)
+        _check_rank(name, declared.rank, max_rank)
+        for (layer, target), pair in sorted(declared.halves.items()):
+            if layer >= layers:
+                raise AdapterError(
+                    f"adapter {name!r} targets layer {layer}, but the model has {layers} layers: it was "
+                    "trained on another base"
+                )
+            if target not in shapes:
+                raise AdapterError(
+                    f"adapter {name!r} targets {target} of layer {layer}, which is not a LoRA target "
+                    f"(served: {', '.join(TARGETS)})"
+                )
+            out, inputs = shapes[target]
+            (_, a), (_, b) = pair["A"], pair["B"]
+            if (out is not None and b[0] != out) or (inputs is not None and a[1] != inputs):
+                raise AdapterError(
+                    f"adapter {name!r}: layer {layer} {target} is [{b[0]}, {a[1]}] in the adapter but "
+                    f"[{out or '?'}, {inputs or '?'}] in the model's config.json: it was trained on another "
+                    "base"
+                )
+
+
+def target_shapes(config: PretrainedConfig) -> dict[str, tuple[int | None, int]]:
+    """Each target module's weight shape [out, in] as a decoder layer of `config` has it (out None where
+    the config does not fix it: an MoE model's MLP, whose targets the loaded model decides)."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    dense = not any(getattr(config, key, None) for key in ("num_local_experts", "num_experts"))
+    inner = config.intermediate_size if dense else None
+    return {
+        "q_proj": (heads * head_dim, hidden),
+        "k_proj": (kv * head_dim, hidden),
+        "v_proj": (kv * head_dim, hidden),
+        "o_proj": (hidden, heads * head_dim),
+        "qkv_proj": ((heads + 2 * kv) * head_dim, hidden),
+        "gate_proj": (inner, hidden),
+        "up_proj": (inner, hidden),
+        "down_proj": (hidden, inner) if dense else (None, None),
+        "gate_up_proj": (2 * inner if dense else None, hidden),
+    }
+
+
+def _check_rank(name: str, rank: int, max_rank: int) -> None:
+    if rank > max_rank:
+        raise AdapterError(f"adapter {name!r} has rank {rank}, over --max-lora-rank {max_rank}")

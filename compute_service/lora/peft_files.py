@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 CONFIG = "adapter_config.json"
@@ -47,9 +48,22 @@ class AdapterWeights:
         return sorted({target for _, target in self.pairs})
 
 
-def read(name: str, directory: str | Path, dtype: torch.dtype) -> AdapterWeights:
-    """The adapter in `directory` (PEFT's LoRA format) as `dtype` tensors; AdapterError when it is not one
-    compute runs."""
+@dataclass(frozen=True)
+class AdapterShapes:
+    """An adapter as its files declare it, no tensor read: its config, and (layer, target module) -> the
+    tensor names and shapes of its lora_A [r, in] and lora_B [out, r]."""
+
+    config: dict
+    halves: dict[tuple[int, str], dict[str, tuple[str, tuple[int, ...]]]]
+
+    @property
+    def rank(self) -> int:
+        return max(pair["A"][1][0] for pair in self.halves.values())
+
+
+def inspect(name: str, directory: str | Path) -> AdapterShapes:
+    """The adapter in `directory` from its config and its safetensors header alone; AdapterError when it is
+    not a LoRA adapter compute runs (the files, the config's settings, the tensors' names and pairing)."""
     path = Path(directory)
     if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
         raise AdapterError(f"adapter {name!r}: {path} must hold {CONFIG} and {WEIGHTS} (PEFT's LoRA format)")
@@ -59,24 +73,43 @@ def read(name: str, directory: str | Path, dtype: torch.dtype) -> AdapterWeights
     for key, default in _UNSUPPORTED.items():
         if config.get(key, default) not in (default, None, {}, []):
             raise AdapterError(f"adapter {name!r}: {key}={config[key]!r} is not served (plain LoRA only)")
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(path / WEIGHTS)).items():
+    halves: dict[tuple[int, str], dict[str, tuple[str, tuple[int, ...]]]] = {}
+    for key, shape in _header(name, path / WEIGHTS).items():
         match = _KEY.match(key)
         if match is None:
             raise AdapterError(
                 f"adapter {name!r}: tensor {key!r} is not a LoRA A/B weight of a decoder layer's linear"
             )
         layer, module, half = int(match[1]), match[2].rsplit(".", 1)[-1], match[3]
-        halves.setdefault((layer, module), {})[half] = tensor
+        halves.setdefault((layer, module), {})[half] = (key, shape)
     if not halves:
         raise AdapterError(f"adapter {name!r}: {WEIGHTS} holds no LoRA weights")
-    alpha, rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
-    pairs, rank = {}, 0
-    for site, pair in halves.items():
-        if set(pair) != {"A", "B"} or pair["A"].shape[0] != pair["B"].shape[1]:
-            raise AdapterError(f"adapter {name!r}: layer {site[0]} {site[1]} lacks a matching lora_A/lora_B")
-        r = pair["A"].shape[0]
+    for (layer, module), pair in halves.items():
+        if set(pair) != {"A", "B"} or len(pair["A"][1]) != 2 or pair["A"][1][0] != pair["B"][1][-1]:
+            raise AdapterError(f"adapter {name!r}: layer {layer} {module} lacks a matching lora_A/lora_B")
+    return AdapterShapes(config, halves)
+
+
+def _header(name: str, path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape by name, from the safetensors header; AdapterError for a file that is not one."""
+    try:
+        with safe_open(str(path), "pt") as weights:
+            return {key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()}  # noqa: SIM118 (not a dict)
+    except SafetensorError as err:
+        raise AdapterError(f"adapter {name!r}: {path} is not a safetensors file ({err})") from err
+
+
+def read(name: str, directory: str | Path, dtype: torch.dtype) -> AdapterWeights:
+    """The adapter in `directory` (PEFT's LoRA format) as `dtype` tensors; AdapterError when it is not one
+    compute runs."""
+    shapes = inspect(name, directory)
+    tensors = load_file(str(Path(directory) / WEIGHTS))
+    alpha = float(shapes.config.get("lora_alpha", 8))
+    rslora = bool(shapes.config.get("use_rslora", False))
+    pairs = {}
+    for site, pair in shapes.halves.items():
+        a, b = tensors[pair["A"][0]], tensors[pair["B"][0]]
+        r = a.shape[0]
         scaling = alpha / (math.sqrt(r) if rslora else r)
-        pairs[site] = (pair["A"].to(dtype).contiguous(), (pair["B"].to(torch.float32) * scaling).to(dtype))
-        rank = max(rank, r)
-    return AdapterWeights(rank, alpha, rslora, pairs)
+        pairs[site] = (a.to(dtype).contiguous(), (b.to(torch.float32) * scaling).to(dtype))
+    return AdapterWeights(shapes.rank, alpha, rslora, pairs)

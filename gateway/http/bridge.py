@@ -14,6 +14,7 @@ from fastapi import Request
 from gateway.auth import Tenant
 from gateway.embedding import Embeddings
 from gateway.generation import CallEnd, Generation
+from gateway.scoring import Scores
 from protos import generation_pb2
 
 _END = object()
@@ -32,6 +33,7 @@ class Bridge:
     def __init__(self, generation: Generation) -> None:
         self.generation = generation
         self.embeddings = Embeddings(generation)
+        self.scores = Scores(self.embeddings)
         self._workers = ThreadPoolExecutor(generation.slots.limit, thread_name_prefix="http-generate")
 
     async def replies(
@@ -71,11 +73,20 @@ class Bridge:
     ) -> generation_pb2.EmbedResponse:
         """The request's embeddings (gateway.embedding), in a worker thread; raises its error. Cancelling
         the await (a client gone) ends the call: the engine aborts its inputs."""
+        return await self._unary(self.embeddings.embed, request, tenant)
+
+    async def score(
+        self, request: generation_pb2.ScoreRequest, tenant: Tenant
+    ) -> generation_pb2.ScoreResponse:
+        """The request's scores (gateway.scoring), as `embed` runs embeddings."""
+        return await self._unary(self.scores.score, request, tenant)
+
+    async def _unary(self, serve, request, tenant: Tenant):
         loop, end = asyncio.get_running_loop(), CallEnd()
 
-        def work() -> generation_pb2.EmbedResponse:
+        def work():
             try:
-                return self.embeddings.embed(request, tenant, end.add)
+                return serve(request, tenant, end.add)
             finally:
                 end.end()
 

@@ -26,7 +26,7 @@ SERVER_ERROR = (500, "server_error")
 _FIELDS = {
     *CONTROLS, "prompt", "messages", "token_ids", "cache_salt", "request_id", "token", "constraint", "tools",
     "tool_choice", "resume", "sparse_attention", "inputs", "input", "dimensions", "model", "prompts",
-    "chat_template_kwargs",
+    "chat_template_kwargs", "queries", "documents",
 }  # fmt: skip
 _FIELD = re.compile(r"(?:sampling\.)?([a-z_]+)")
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (an installer of the gateway's HTTP app): POST /v1/completions and
-/v1/chat/completions (whole, or streamed as server-sent events), POST /v1/embeddings, GET /v1/models and
-/health.
+/v1/chat/completions (whole, or streamed as server-sent events), POST /v1/embeddings, POST /v1/score and
+/v1/rerank (gateway.http.openai_scores), GET /v1/models and /health.
 
 Each request goes through the gRPC front's path: the same API keys (`Authorization: Bearer`) and prefix-
 cache namespaces, the edge's limits, the stream slots, the admission gate and the engine
@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import PagedServeError
-from gateway.http import lora_api, openai_embeddings
+from gateway.http import lora_api, openai_embeddings, openai_scores
 from gateway.http.app import Installer
 from gateway.http.body import request_json
 from gateway.http.bridge import Bridge, unless_disconnected
@@ -104,6 +104,14 @@ def _router(front: Front) -> APIRouter:
     async def embeddings(request: Request) -> Response:
         return await guarded(request, lambda rid: _embed(front, request, rid), openai_embeddings.RENAMES)
 
+    @router.post("/v1/score")
+    async def score(request: Request) -> Response:
+        return await _scored(front, request, openai_scores.score, openai_scores.SCORE_RENAMES)
+
+    @router.post("/v1/rerank")
+    async def rerank(request: Request) -> Response:
+        return await _scored(front, request, openai_scores.rerank, openai_scores.RERANK_RENAMES)
+
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
         def listed() -> dict:
@@ -159,6 +167,10 @@ async def _answer(front: Front, request: Request, chat: bool) -> Response:
     return await guarded(
         request, lambda request_id: _generate(front, request, request_id, chat, renames), renames
     )
+
+
+async def _scored(front: Front, request: Request, route, renames: dict) -> Response:
+    return await guarded(request, lambda rid: route(front, request, rid, request_json(request)), renames)
 
 
 async def _embed(front: Front, request: Request, request_id: str) -> Response:

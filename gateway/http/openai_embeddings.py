@@ -1,7 +1,8 @@
 """POST /v1/embeddings, OpenAI's body and response (vLLM's `priority` besides): the body checked and
 translated into an EmbedRequest, served by the gRPC front's path (gateway.embedding), and each embedding
 returned as a list of floats or, with `encoding_format` "base64", as the base64 of its little-endian float32
-bytes (what OpenAI's Python client asks for by default and decodes)."""
+bytes (what OpenAI's Python client asks for by default and decodes). `model` names the base model or one
+of its LoRA adapters, as for completions (gateway.http.lora_api)."""
 
 import base64
 import time
@@ -14,7 +15,8 @@ from fastapi.responses import JSONResponse, Response
 
 from common.errors import PagedServeError
 from gateway.http.bridge import unless_disconnected
-from gateway.http.openai_request import Int32, _Body, model_error, parse
+from gateway.http.lora_api import adapter_of
+from gateway.http.openai_request import Int32, _Body, parse
 from protos import generation_pb2
 
 # The gateway's field under its OpenAI name (messages too: `inputs[2] is empty` reads `input[2] is empty`).
@@ -74,11 +76,10 @@ async def embeddings(front, request: Request, request_id: str, body: object) -> 
     """One embeddings request of `front` (gateway.http.openai_api.Front); refusals are raised."""
     tenant = front.generation.edge.authenticate(request.headers.items())
     parsed = parse(EmbeddingRequest, body)
-    info = front.generation.attached_model()
-    name = front.generation.model_name(info)
-    if parsed.model not in (None, name, *front.aliases):
-        raise model_error(parsed.model, name)
-    call = front.bridge.embed(embed_request(parsed, request_id), tenant)
+    name = front.generation.model_name(front.generation.attached_model())
+    embed = embed_request(parsed, request_id)
+    embed.lora_adapter = adapter_of(front, parsed.model, name)
+    call = front.bridge.embed(embed, tenant)
     try:
         reply = await unless_disconnected(request, call)
     except PagedServeError as err:

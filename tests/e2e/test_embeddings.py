@@ -1,7 +1,8 @@
 """Embeddings through the real services (POST /v1/embeddings with the `openai` client, gRPC Embed through the
 SDK and the CLI) checked against sentence-transformers' `encode` on the same weights: a decoder of
 Qwen3-Embedding's shape pooled by its last token as its modules.json declares, and a plain Llama pooled by
-mean under --pooling mean. Steps of 64 tokens, so that long inputs run in several chunks; generation runs
+mean under --pooling mean, and the Qwen3-shaped one through a LoRA adapter against sentence-transformers with
+the adapter merged by peft. Steps of 64 tokens, so that long inputs run in several chunks; generation runs
 beside them in the same steps."""
 
 import asyncio
@@ -14,12 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import openai
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from sdk.client import AsyncClient, Client, GenerationError
 from tests.e2e.stack import start_stack
 from tests.embedding_model import MATRYOSHKA, qwen3_embedding_config, save_sentence_transformer
 from tests.helpers import PAGEDSERVE
+from tests.lora_adapters import LLAMA_ATTENTION, LLAMA_MLP, save_adapter
 from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -51,15 +54,16 @@ def models(tmp_path_factory, model_dir):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.chat_template = None
     tokenizer.save_pretrained(llama)
-    return {"qwen3": qwen3, "llama": llama}
+    adapter = save_adapter(qwen3, root / "qwen3-adapter", 4, LLAMA_ATTENTION + LLAMA_MLP, seed=1)
+    return {"qwen3": qwen3, "llama": llama, "adapter": adapter}
 
 
 @pytest.fixture(scope="module")
 def stacks(models, logs):
-    """last: the Qwen3-shaped model as declared; mean: the plain Llama under --pooling mean; none: the same
-    Llama as is (it does not pool). Started side by side."""
+    """last: the Qwen3-shaped model as declared, with a LoRA adapter of it (`tuned`); mean: the plain Llama
+    under --pooling mean; none: the same Llama as is (it does not pool). Started side by side."""
     flags = {
-        "last": ("--model", str(models["qwen3"]), *FLAGS),
+        "last": ("--model", str(models["qwen3"]), *FLAGS, "--lora-modules", f"tuned={models['adapter']}"),
         "mean": ("--model", str(models["llama"]), "--pooling", "mean", *FLAGS),
         "none": ("--model", str(models["llama"]), *FLAGS),
     }
@@ -83,6 +87,19 @@ def encoders(models):
         "last": SentenceTransformer(str(models["qwen3"]), device="cpu"),
         "mean": SentenceTransformer(modules=[transformer, pooling, modules.Normalize()], device="cpu"),
     }
+
+
+def _merged_encoder(models):
+    """sentence-transformers' Qwen3-shaped model with the adapter merged into its weights by peft."""
+    from peft import PeftModel
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModelForCausalLM
+
+    encoder = SentenceTransformer(str(models["qwen3"]), device="cpu")
+    causal = AutoModelForCausalLM.from_pretrained(models["qwen3"], dtype=torch.float32)
+    merged = PeftModel.from_pretrained(causal, models["adapter"]).merge_and_unload()
+    encoder[0].auto_model.load_state_dict(merged.model.state_dict())
+    return encoder
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +263,29 @@ def test_base64_is_little_endian_float32(stacks):
     raw = _api(stack).post("/embeddings", body=body, cast_to=object)
     decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
     assert np.abs(decoded - _embed(stack, "hi", encoding_format="float")[0]).max() == 0
+
+
+def test_an_adapter_embeds_as_sentence_transformers_with_it_merged(stacks, models, references):
+    """The adapter by `model` (OpenAI), lora_adapter (SDK, CLI); base rows beside it stay the base's."""
+    stack, expected = stacks["last"], _merged_encoder(models).encode(TEXTS)
+    reply = _api(stack).embeddings.create(model="tuned", input=TEXTS)
+    tuned = np.array([item.embedding for item in reply.data])
+    assert reply.model == "tuned" and _cosines(tuned, expected).min() >= 0.9999
+    assert _cosines(tuned, references["last"]).max() < 0.99, "the adapter changes the embeddings"
+    with Client(stack.target, timeout=300) as client, ThreadPoolExecutor(2) as pool:
+        adapted = pool.submit(client.embed, TEXTS, lora_adapter="tuned")
+        base = pool.submit(client.embed, TEXTS)
+        assert np.abs(np.array(adapted.result().vectors) - tuned).max() <= ALIKE
+        assert _cosines(np.array(base.result().vectors), references["last"]).min() >= 0.9999
+        with pytest.raises(GenerationError, match="no LoRA adapter named 'nope'"):
+            client.embed(TEXTS[0], lora_adapter="nope")
+    out = subprocess.run(
+        [*PAGEDSERVE, "embed", TEXTS[0], "--lora-adapter", "tuned", "--target", stack.target],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    printed = json.loads(out.stdout)
+    assert printed["model"] == "tuned"
+    assert np.abs(np.array(printed["embeddings"][0]) - tuned[0]).max() <= ALIKE
+    with pytest.raises(openai.NotFoundError, match="'nope' does not exist"):
+        _api(stack).embeddings.create(model="nope", input="hi")

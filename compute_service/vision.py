@@ -13,10 +13,11 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Pret
 
 from common.errors import InvalidArgument
 from compute_service import architectures
+from compute_service import vision_families as families
 from protos import compute_pb2
 
 # The vision-language model types served, each verified token for token against transformers.
-FAMILIES = ("llava",)
+FAMILIES = tuple(families.FAMILIES)
 # The attention the vision tower runs on: its tokens attend to each other, never to the paged cache.
 ENCODER_ATTENTION = "sdpa"
 HASH_BYTES = 16
@@ -54,7 +55,8 @@ class StepImage:
     """One image of a step: its embedding rows [first, last) go to packed tokens [at, at + last - first)."""
 
     content_hash: bytes
-    pixels: compute_pb2.ImageTensor
+    # its tensors by name (compute_service.vision_families checks them against the model's family)
+    tensors: dict[str, compute_pb2.ImageTensor]
     num_tokens: int
     at: int
     first: int
@@ -95,26 +97,33 @@ def step_images(
             raise InvalidArgument(
                 f"{where}: content_hash has {len(image.content_hash)} bytes, not {HASH_BYTES}"
             )
-        pixels = _pixels(image, where)
+        tensors = _tensors(image, where)
         images.append(
             StepImage(
-                image.content_hash, pixels, image.num_tokens, at, first - image.offset, last - image.offset
+                image.content_hash, tensors, image.num_tokens, at, first - image.offset, last - image.offset
             )
         )
     return images
 
 
-def _pixels(image: compute_pb2.VisionImage, where: str) -> compute_pb2.ImageTensor:
+def _tensors(image: compute_pb2.VisionImage, where: str) -> dict[str, compute_pb2.ImageTensor]:
     tensors = {tensor.name: tensor for tensor in image.tensors}
-    pixels = tensors.get("pixel_values")
-    if pixels is None or len(tensors) != 1:
-        raise InvalidArgument(f"{where}: send one tensor, pixel_values, got {sorted(tensors)}")
-    shape = list(pixels.shape)
-    if not 1 <= len(shape) <= MAX_IMAGE_DIMS or min(shape) < 1 or len(pixels.data) != 4 * int(np.prod(shape)):
+    if "pixel_values" not in tensors or len(tensors) != len(image.tensors):
         raise InvalidArgument(
-            f"{where}: pixel_values of shape {shape} does not fit its {len(pixels.data)} bytes of float32"
+            f"{where}: send pixel_values (and the family's other tensors) once each, got "
+            f"{[tensor.name for tensor in image.tensors]}"
         )
-    return pixels
+    for name, tensor in tensors.items():
+        shape = list(tensor.shape)
+        if (
+            not 1 <= len(shape) <= MAX_IMAGE_DIMS
+            or min(shape) < 1
+            or len(tensor.data) != 4 * int(np.prod(shape))
+        ):
+            raise InvalidArgument(
+                f"{where}: {name} of shape {shape} does not fit its {len(tensor.data)} bytes of float32"
+            )
+    return tensors
 
 
 class VisionEncoder:
@@ -136,16 +145,18 @@ class VisionEncoder:
         those found encoded, and the encoder's seconds. InvalidArgument, before `embed` changes, for an image
         whose embeddings are not as many as its placeholder tokens."""
         start = time.perf_counter()
+        for i, image in enumerate(images):
+            families.check(self.spec.family, image.tensors, f"images[{i}]")
         found = {}
         for image in images:
             if image.content_hash in self.cached:
                 found[image.content_hash] = self.cached[image.content_hash]
                 self.cached.move_to_end(image.content_hash)
         missing = {image.content_hash: image for image in images if image.content_hash not in found}
-        for shape in {tuple(image.pixels.shape) for image in missing.values()}:
-            batch = [image for image in missing.values() if tuple(image.pixels.shape) == shape]
-            pixels = torch.stack([_tensor(image.pixels) for image in batch]).to(self.device, self.model.dtype)
-            features = self.model.model.get_image_features(pixel_values=pixels).pooler_output
+        family = self.spec.family
+        for key in {families.batch_key(family, image.tensors) for image in missing.values()}:
+            batch = [image for image in missing.values() if families.batch_key(family, image.tensors) == key]
+            features = families.encode(family, self.model, [image.tensors for image in batch])
             for image, rows in zip(batch, features, strict=True):
                 found[image.content_hash] = rows
                 self._keep(image.content_hash, rows)
@@ -170,10 +181,6 @@ class VisionEncoder:
             self.cached.popitem(last=False)
 
 
-def _tensor(message: compute_pb2.ImageTensor) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(message.data, dtype="<f4").reshape(tuple(message.shape)).copy())
-
-
 def load(path: str, dtype: torch.dtype, attention: str, device: str) -> PreTrainedModel:
     """The text model of the vision-language checkpoint at `path` as a causal LM on `attention` (the paged
     function), its vision encoder on ENCODER_ATTENTION in its `vision` attribute; the weights are the
@@ -190,7 +197,8 @@ def load(path: str, dtype: torch.dtype, attention: str, device: str) -> PreTrain
     full = full.eval().to(device)
     with torch.device("meta"):
         text = AutoModelForCausalLM.from_config(full.config.text_config)
-    text.model, text.lm_head = full.model.language_model, full.lm_head
+    text.model = getattr(full.model, families.FAMILIES[full.config.model_type].text_model)
+    text.lm_head = full.lm_head
     text.generation_config = full.generation_config
     text.eval()
     spec = VisionSpec(full.config.model_type, int(full.config.image_token_id))

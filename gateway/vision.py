@@ -2,9 +2,10 @@
 by the model's own processor (transformers' AutoProcessor) into pixel values and the prompt's placeholder
 tokens, before the request is queued; the step loop only sends what this made.
 
-Each image is known by a digest of its processed pixels. The prefix cache sees an image's placeholder
-positions as ids drawn from that digest (`cache_token_ids`), so blocks covering different images never share
-a hash, and the same image after the same text hits the whole prefix."""
+Each image (each tile, for a family that encodes tiles: gateway.vision_families) is known by a digest of
+its processor outputs. The prefix cache sees its placeholder positions as ids drawn from that digest
+(`cache_token_ids`), so blocks covering different images never share a hash, and the same image after the
+same text hits the whole prefix."""
 
 import hashlib
 import io
@@ -16,6 +17,7 @@ import numpy as np
 
 from common.errors import InvalidArgument
 from gateway import tokenizer as tok
+from gateway import vision_families as families
 from gateway.limits import EdgeLimits, flag
 from protos import compute_pb2, generation_pb2
 
@@ -34,14 +36,15 @@ class SeqImage:
     offset: int
     num_tokens: int
     content_hash: bytes
-    pixels: compute_pb2.ImageTensor
+    # the processor's outputs for this image (its pixel_values, and what the family adds)
+    tensors: tuple[compute_pb2.ImageTensor, ...]
     cache_ids: tuple[int, ...]
 
     @classmethod
     def of(
-        cls, offset: int, num_tokens: int, content_hash: bytes, pixels: compute_pb2.ImageTensor
+        cls, offset: int, num_tokens: int, content_hash: bytes, tensors: tuple[compute_pb2.ImageTensor, ...]
     ) -> "SeqImage":
-        return cls(offset, num_tokens, content_hash, pixels, cache_ids(content_hash, num_tokens))
+        return cls(offset, num_tokens, content_hash, tensors, cache_ids(content_hash, num_tokens))
 
     @property
     def end(self) -> int:
@@ -76,6 +79,7 @@ class ImageInputs:
         from transformers import AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(path)
+        self.family = json.loads((Path(path) / "config.json").read_text())["model_type"]
         self.image_token_id = int(self.processor.image_token_id)
         self.limits = limits
 
@@ -92,33 +96,44 @@ class ImageInputs:
             text = tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, tokenize=False, **template
             )
-            out = self.processor(text=[text], images=decoded, return_tensors="np", add_special_tokens=False)
+            out = self.processor(
+                text=[text],
+                images=decoded,
+                return_tensors="np",
+                add_special_tokens=False,
+                return_text_replacement_offsets=True,
+            )
         except Exception as exc:  # noqa: BLE001 - a template or processor refusal is the caller's to fix
             raise InvalidArgument(f"cannot render the messages with their images: {exc}") from exc
         ids = [int(t) for t in out["input_ids"][0]]
-        pixels = np.ascontiguousarray(out["pixel_values"], dtype="<f4")
-        return ids, self._images(ids, pixels)
+        return ids, self._images(ids, out, self._counts(out, len(decoded)))
 
-    def _images(self, ids: list[int], pixels: np.ndarray) -> list[SeqImage]:
-        """Each image's placeholder run (the processor's expansion, equal runs per image, in order)."""
-        positions = [p for p, t in enumerate(ids) if t == self.image_token_id]
-        count = len(pixels)
-        if count == 0 or len(positions) % count:
+    def _counts(self, out, count: int) -> list[int]:
+        """The placeholder tokens the processor expanded each image to (text_replacement_offsets)."""
+        token, offsets = self.processor.image_token, out["text_replacement_offsets"][0]
+        counts = [r["replacement"].count(token) for r in offsets if r["type"] == "image"]
+        if len(counts) != count:
             raise InvalidArgument(
-                f"the prompt has {len(positions)} image tokens for {count} images: leave the image token "
+                f"the prompt places {len(counts)} images for {count} image parts: leave the image token "
                 "out of the text; images go in image parts"
             )
-        per_image = len(positions) // count
+        return counts
+
+    def _images(self, ids: list[int], out, counts: list[int]) -> list[SeqImage]:
+        """Each image's units (gateway.vision_families), at its placeholder runs in order."""
+        positions = [p for p, t in enumerate(ids) if t == self.image_token_id]
+        if len(positions) != sum(counts):
+            raise InvalidArgument(
+                f"the prompt has {len(positions)} image tokens for {len(counts)} images: leave the image "
+                "token out of the text; images go in image parts"
+            )
+        starts = np.cumsum([0, *counts])
+        image_runs = [families.runs(positions[a:b]) for a, b in zip(starts, starts[1:], strict=False)]
+        units = families.image_units(self.family, out, image_runs, self.processor)
         images = []
-        for i, image in enumerate(pixels):
-            run = positions[i * per_image : (i + 1) * per_image]
-            if run[-1] - run[0] != per_image - 1:
-                raise InvalidArgument(f"image {i}'s placeholder tokens are not consecutive in the prompt")
-            data = image.tobytes()
-            digest = hashlib.blake2b(np.asarray(image.shape, dtype="<i8").tobytes(), digest_size=HASH_BYTES)
-            digest.update(data)
-            tensor = compute_pb2.ImageTensor(name="pixel_values", shape=image.shape, data=data)
-            images.append(SeqImage.of(run[0], per_image, digest.digest(), tensor))
+        for found, tensors in zip(image_runs, units, strict=True):
+            for run, unit in zip(found, tensors, strict=True):
+                images.append(_seq_image(run[0], len(run), unit))
         return images
 
     def _decode(self, index: int, data: bytes):
@@ -147,6 +162,19 @@ class ImageInputs:
             raise InvalidArgument(
                 f"{where} cannot be decoded ({exc}): send PNG, JPEG, WebP, GIF or BMP"
             ) from None
+
+
+def _seq_image(offset: int, num_tokens: int, unit: dict) -> SeqImage:
+    """One unit of an image: its tensors as float32, known by a digest of their names, shapes and values."""
+    digest = hashlib.blake2b(digest_size=HASH_BYTES)
+    tensors = []
+    for name, array in unit.items():
+        array = np.ascontiguousarray(array, dtype="<f4")
+        data = array.tobytes()
+        digest.update(name.encode() + b"\0" + np.asarray(array.shape, dtype="<i8").tobytes())
+        digest.update(data)
+        tensors.append(compute_pb2.ImageTensor(name=name, shape=array.shape, data=data))
+    return SeqImage.of(offset, num_tokens, digest.digest(), tuple(tensors))
 
 
 def encode_prompt(
@@ -179,7 +207,7 @@ def forward_images(seqs) -> list[compute_pb2.VisionImage]:
             offset=image.offset,
             num_tokens=image.num_tokens,
             content_hash=image.content_hash,
-            tensors=[image.pixels],
+            tensors=image.tensors,
         )
         for row, seq in enumerate(seqs)
         for image in seq.images

@@ -29,7 +29,7 @@ PIXELS = compute_pb2.ImageTensor(name="pixel_values", shape=[3, 2, 2], data=byte
 
 
 def image(offset: int, num_tokens: int, digest: bytes = b"a" * 16) -> SeqImage:
-    return SeqImage.of(offset, num_tokens, digest, PIXELS)
+    return SeqImage.of(offset, num_tokens, digest, (PIXELS,))
 
 
 def seq(*images: SeqImage, chunk_start: int = 0) -> Sequence:
@@ -116,7 +116,7 @@ def test_compute_places_an_images_covered_tokens_in_the_packed_row():
         ([1, IMAGE_TOKEN], vision_image(5, 2), "none of row 0's new tokens"),
         ([1, IMAGE_TOKEN], vision_image(1, 1, row=3), "name no image"),
         ([1, IMAGE_TOKEN], vision_image(1, 1, content_hash=b"h"), "content_hash has 1 bytes"),
-        ([1, IMAGE_TOKEN], vision_image(1, 1, tensors=[]), "send one tensor, pixel_values"),
+        ([1, IMAGE_TOKEN], vision_image(1, 1, tensors=[]), "send pixel_values"),
         (
             [1, IMAGE_TOKEN],
             vision_image(
@@ -144,7 +144,7 @@ def test_a_vision_language_family_not_served_is_refused_before_its_weights_namin
         plan_for(str(tmp_path), Flags())
     message = str(caught.value)
     assert "model_type 'qwen2_vl' is a vision-language model" in message
-    assert "vision-language types llava and the text types llama" in message
+    assert "vision-language types llava, llava_next, idefics3 and the text types llama" in message
 
 
 def test_tokenize_refuses_image_parts():
@@ -195,8 +195,10 @@ def test_the_encoder_writes_each_images_covered_rows_and_keeps_the_last_ones(tmp
     ]
     # image 0's rows 5.. at packed tokens 0.., image 1's rows ..4 at packed tokens 30..
     images = [
-        compute_vision.StepImage(bytes([0]) * 16, tensors[0], IMAGE_TOKENS, 0, 5, IMAGE_TOKENS),
-        compute_vision.StepImage(bytes([1]) * 16, tensors[1], IMAGE_TOKENS, 30, 0, 4),
+        compute_vision.StepImage(
+            bytes([0]) * 16, {"pixel_values": tensors[0]}, IMAGE_TOKENS, 0, 5, IMAGE_TOKENS
+        ),
+        compute_vision.StepImage(bytes([1]) * 16, {"pixel_values": tensors[1]}, IMAGE_TOKENS, 30, 0, 4),
     ]
     embed = torch.zeros(40, model.config.text_config.hidden_size)
     with torch.inference_mode():
@@ -205,7 +207,7 @@ def test_the_encoder_writes_each_images_covered_rows_and_keeps_the_last_ones(tmp
     torch.testing.assert_close(embed[: IMAGE_TOKENS - 5], wanted[0][5:])
     torch.testing.assert_close(embed[30:34], wanted[1][:4])
     assert list(encoder.cached) == [bytes([1]) * 16], "one image kept: the last"
-    short = compute_vision.StepImage(bytes([1]) * 16, tensors[1], IMAGE_TOKENS + 1, 0, 0, 2)
+    short = compute_vision.StepImage(bytes([1]) * 16, {"pixel_values": tensors[1]}, IMAGE_TOKENS + 1, 0, 0, 2)
     before = embed.clone()
     with pytest.raises(InvalidArgument, match="placeholder tokens has 25 embeddings"), torch.inference_mode():
         encoder.embeddings([short], embed)

@@ -39,8 +39,11 @@ setup: $(STAMP) tools kernels
 up: setup
 	$(VENV)/bin/pagedserve up
 
+# Test modules run on TEST_WORKERS processes, each module whole on one (its stacks are module-scoped): an
+# end-to-end module keeps about one core busy, mostly starting processes and waiting on their replies.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -ra --durations=30
+	$(PY) -m pytest -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile
 
 test-unit: setup
 	$(PY) -m pytest -ra tests/unit

@@ -123,9 +123,10 @@ class StepRunner:
     def reserve(self, step: ScheduledStep, news: bool) -> None:
         """The reserve stage: frees the preempted, or reserves the step's blocks and sets its num_steps."""
         if step.preempted:
+            computed = [s.num_computed for s in step.preempted]  # before the free drops them
             with calling("cache"):
                 self.kv.free(step.preempted)
-            log.info("preempted", seq_ids=[s.seq_id for s in step.preempted])
+            log.info("preempted", seq_ids=[s.seq_id for s in step.preempted], computed=computed)
             return
         lookahead = self.scheduler.multi_steps(step, self.decode_steps, news) - 1
         step.num_steps = self._reserve_rows(step, lookahead) + 1

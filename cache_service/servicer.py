@@ -253,7 +253,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def GetBlockMap(self, request: cache_pb2.GetBlockMapRequest, context) -> cache_pb2.BlockMap:
         with self._lock:
             pool = self._require_pool()
-            return block_map.encode(pool.blocks, pool.handle.epoch)
+            reply = block_map.encode(pool.blocks, pool.handle.epoch)
+            if self._images is not None:
+                reply.image_store.CopyFrom(self._images.stats())
+            return reply
 
     def close(self) -> None:
         """Once the server has stopped: the tier stores what it is to keep (a planned stop, see

@@ -456,15 +456,17 @@ class GetBlockMapRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BlockMap(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "states", "refcounts", "pool_epoch")
+    __slots__ = ("num_blocks", "block_size", "states", "refcounts", "pool_epoch", "image_store")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
     REFCOUNTS_FIELD_NUMBER: _ClassVar[int]
     POOL_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_STORE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     states: bytes
     refcounts: bytes
     pool_epoch: str
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., states: _Optional[bytes] = ..., refcounts: _Optional[bytes] = ..., pool_epoch: _Optional[str] = ...) -> None: ...
+    image_store: ImageStoreStats
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., states: _Optional[bytes] = ..., refcounts: _Optional[bytes] = ..., pool_epoch: _Optional[str] = ..., image_store: _Optional[_Union[ImageStoreStats, _Mapping]] = ...) -> None: ...

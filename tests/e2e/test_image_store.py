@@ -3,7 +3,8 @@ tiny random-weight LLaVA-1.5 without prefix caching (so every request runs its i
 image is an image store hit (the cache's metrics and `pagedserve stats` say so) read by compute instead of
 encoded, with transformers' greedy tokens, and still after compute is killed and `up` restarts it (the new
 compute encodes nothing); another image never hits the first's entry; a store of room for three images
-evicts the least recently used one, and that image is then encoded again, its tokens unchanged."""
+evicts the least recently used one, and that image is then encoded again, its tokens unchanged; bad leases
+are refused, changing nothing."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import time
 
+import grpc
 import openai
 import pytest
 import torch
@@ -18,6 +20,7 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from cli.processes import services_of
 from cli.scrape import scrape
+from protos import cache_pb2
 from tests.e2e.stack import start_stack
 from tests.helpers import PAGEDSERVE
 from tests.vision_model import IMAGE_TOKENS, png, save_tiny_llava
@@ -28,7 +31,11 @@ NEW_TOKENS = 4
 MODEL = "tiny-llava"
 # One image's embeddings: its tokens x the text model's hidden size (64) x float32.
 IMAGE_BYTES = IMAGE_TOKENS * 64 * 4
-FLAGS = ("--dtype", "float32", "--no-prefix-cache", "--image-store-memory", str(3 * IMAGE_BYTES))
+# NOTE: requests wait for a restarted compute however long its start takes on a loaded host.
+FLAGS = (
+    *("--dtype", "float32", "--no-prefix-cache", "--image-store-memory", str(3 * IMAGE_BYTES)),
+    *("--peer-restart-grace", "300"),
+)
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +149,31 @@ def test_another_image_never_hits_and_the_least_recently_used_is_evicted(served)
     assert encoder(stack)[0] == encoded + 1
     assert ask(api, images[3]) == wanted[3]
     assert store(stack)["hits"] == before["hits"] + 1
+
+
+def test_bad_image_leases_are_refused_changing_nothing(served):
+    stack = served[0]
+    cache = stack.cache()
+    cache.OpenSession(cache_pb2.OpenSessionRequest(session_id="image-leases", ttl_s=30), timeout=10)
+    before = stack.stats().image_store
+    refusals = [
+        ("image-leases", [cache_pb2.ImageStoreKey(key=b"short", nbytes=64)], "has 5 bytes, not 16"),
+        ("image-leases", [cache_pb2.ImageStoreKey(key=bytes(16), nbytes=0)], "nbytes must be > 0"),
+        ("never-opened", [cache_pb2.ImageStoreKey(key=bytes(16), nbytes=64)], "unknown session"),
+    ]
+    for session_id, images, says in refusals:
+        with pytest.raises(grpc.RpcError) as caught:
+            cache.AcquireImages(
+                cache_pb2.ImageStoreAcquireRequest(session_id=session_id, images=images), timeout=10
+            )
+        assert says in caught.value.details()
+    release = cache_pb2.ImageStoreReleaseRequest(
+        session_id="image-leases", images=[cache_pb2.ImageStoreRelease(key=bytes(16), written=True)]
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        cache.ReleaseImages(release, timeout=10)
+    assert (
+        caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "holds 0 leases" in caught.value.details()
+    )
+    assert stack.stats().image_store == before
+    cache.CloseSession(cache_pb2.CloseSessionRequest(session_id="image-leases"), timeout=10)

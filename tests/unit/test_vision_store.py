@@ -1,7 +1,8 @@
 """Compute's side of the image store (compute_service/vision.py): an image encoded under a lease with a range
 is written there and kept nowhere else, a hit is read from there in place (the encoder not run) giving the
 same rows, a lease that does not fit the store or the image is refused before anything changes; and the
-gateway's keys tell models, salts and images apart (gateway/image_leases.py)."""
+gateway's keys tell models, salts and images apart (gateway/image_leases.py), and its dashboard shows the
+store's figures."""
 
 import pytest
 import torch
@@ -10,8 +11,9 @@ from transformers import LlavaForConditionalGeneration
 from common.errors import InvalidArgument
 from common.model_files import local_copy
 from compute_service import vision as compute_vision
+from gateway.http.dashboard_state import pool_json
 from gateway.image_leases import store_key
-from protos import compute_pb2
+from protos import cache_pb2, compute_pb2
 from tests.vision_model import IMAGE_SIZE, IMAGE_TOKENS, save_tiny_llava
 
 IMAGE_TOKEN = 9
@@ -93,3 +95,16 @@ def test_store_keys_differ_by_model_identity_salt_and_image():
     }
     assert len(keys) == 5 and all(len(key) == 16 for key in keys)
     assert store_key(b"x", "", digest) == store_key(b"x", "", digest)
+
+
+def test_the_dashboard_shows_the_image_store_only_where_the_pool_has_one():
+    reply = cache_pb2.BlockMap(num_blocks=1, block_size=4, states=b"\x00", refcounts=b"\x00")
+    assert pool_json(reply)["image_store"] is None
+    reply.image_store.CopyFrom(cache_pb2.ImageStoreStats(capacity_bytes=4096, hits=3, stored_images=1))
+    shown = pool_json(reply)["image_store"]
+    assert (shown["hits"], shown["stored_images"], shown["capacity_bytes"], shown["misses"]) == (
+        3,
+        1,
+        4096,
+        0,
+    )

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from common.server import request_metadata
 from gateway import prompt_scores
 from gateway.config import EngineConfig
-from gateway.image_leases import ImageLeases
+from gateway.image_leases import IN_DOUBT, ImageLeases
 from gateway.kv_view import KVView
 from gateway.lease import Lease
 from gateway.recovery import PeerFault, calling
@@ -72,17 +72,18 @@ class StepExecutor:
         request = forward_request(seqs, tables, self._epoch, self._eos, self._lease.epoch)
         tokens, metadata = len(request.token_ids), request_metadata(seq.request_id for seq in seqs)
         leased = self.images.acquire(request, [seq.cache_salt for seq in seqs]) if self.images else []
-        ran = False
         try:
             with calling("compute"):
                 start = time.monotonic()
                 reply = self._compute.Forward(
                     request, timeout=self._deadline.timeout(tokens), metadata=metadata
                 )
-            ran = True
-        finally:
+        except PeerFault as fault:
             if leased:
-                self.images.release(leased, ran)
+                self.images.release(leased, ran=False, settled=fault.err.code() not in IN_DOUBT)
+            raise
+        if leased:
+            self.images.release(leased, ran=True)
         self._deadline.observe(time.monotonic() - start, tokens)
         prompt_scores.collect(seqs, reply)
         return reply

@@ -15,6 +15,15 @@ from protos import cache_pb2, cache_pb2_grpc, common_pb2, compute_pb2
 
 log = structlog.get_logger()
 KEY_BYTES = 16
+# A Forward that failed so may still run in compute: its misses' ranges may still be written.
+IN_DOUBT = frozenset(
+    (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN,
+    )
+)
 
 
 def store_key(identity: bytes, salt: str, content_hash: bytes) -> bytes:
@@ -66,15 +75,15 @@ class ImageLeases:
             image.store_hit, image.store_offset, image.store_nbytes = lease.hit, lease.offset, lease.nbytes
         return list(leases.items())
 
-    def release(self, leased: list[tuple], ran: bool) -> None:
-        """Ends the leases of a step: every one if compute ran it (a miss given room then holds the
-        embeddings), else the hits and the misses given none; a miss's range stays leased until the session
-        ends, as compute may still write it. A failed call is logged: the step's result stands, and the
-        leases end with the session."""
+    def release(self, leased: list[tuple], ran: bool, settled: bool = True) -> None:
+        """Ends the leases of a step that compute ran (a miss given room then holds the embeddings) or that
+        failed (`ran` False); a failed step's call may still run in compute (not `settled`: IN_DOUBT), then
+        the misses' ranges stay leased until the session ends, since compute may still write them. A failed
+        ReleaseImages is logged: the step's result stands, and the leases end with the session."""
         done = [
             cache_pb2.ImageStoreRelease(key=key, written=ran and not lease.hit and lease.nbytes > 0)
             for key, lease in leased
-            if ran or lease.hit or not lease.nbytes
+            if settled or lease.hit or not lease.nbytes
         ]
         if not done:
             return

@@ -114,15 +114,20 @@ def test_a_repeated_image_is_read_from_the_store_also_by_a_restarted_compute(ser
 
     restart_compute(stack)
     assert ask(api, image) == wanted
-    assert store(stack)["hits"] == 2 and store(stack)["misses"] == 1
-    assert encoder(stack) == (0, 1), "the restarted compute read the image from the store, encoding none"
+    # NOTE: at least one more hit: a step the new compute refused before the gateway attached it again
+    # leased the image too
+    after = store(stack)
+    assert after["hits"] >= 2 and after["misses"] == 1 and after["stored_images"] == 1
+    encoded, reads = encoder(stack)
+    assert encoded == 0 and reads >= 1, "the restarted compute read the image from the store, encoding none"
     out = subprocess.run(
         [*PAGEDSERVE, "stats", "--json", "--cache-target", stack.cache_target],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)["image_store"]
-    assert (stats["hits"], stats["stored_images"], stats["capacity_bytes"]) == (2, 1, 3 * IMAGE_BYTES)
+    assert stats["hits"] == after["hits"] and stats["misses"] == 1
+    assert (stats["stored_images"], stats["capacity_bytes"]) == (1, 3 * IMAGE_BYTES)
 
 
 def test_another_image_never_hits_and_the_least_recently_used_is_evicted(served):

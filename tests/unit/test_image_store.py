@@ -1,16 +1,26 @@
 """The image store's bookkeeping (cache_service/image_store.py): leases on ranges keyed by image, a miss
 written becoming a hit, refcounts that keep an entry while a step uses it, least-recently-used eviction of
 idle entries only, images larger than the store or a store full of leased ones not stored, keys never
-confused, bad calls refused changing nothing; and its file, mapped by compute only with its handle."""
+confused, bad calls refused changing nothing; its file, mapped by compute only with its handle; and the cache
+service's part: a store made with a pool that asks for one, a lapsed session's leases ended only once
+compute's step of it is over (a child process holds the session fence), leases refused without a store."""
+
+from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from cache_service.image_store import ALIGN, ImageStore
+from cache_service.servicer import CacheServicer
+from cache_service.sessions import Sessions
 from common import image_segment, shared_pool
-from common.errors import InvalidArgument
+from common.errors import FailedPrecondition, InvalidArgument
+from common.session_fence import SessionFence
 from common.shared_pool import PoolSpec
+from common.shm_files import SHM_DIR
 from protos import cache_pb2
+from tests.fence_compute import Compute
 
 S = "session"
 
@@ -155,3 +165,67 @@ def test_stats_count_bytes_of_written_images():
     stats = store.stats()
     assert isinstance(stats, cache_pb2.ImageStoreStats)
     assert (stats.capacity_bytes, stats.stored_bytes, stats.stored_images) == (10 * ALIGN, 130, 2)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_cache_ends_a_lapsed_sessions_image_leases_only_after_computes_step():
+    clock = Clock()
+    servicer = CacheServicer(
+        "freelist", 8, 0, structlog.get_logger(), sessions=Sessions(1.0, 1.0, clock), image_store_memory=4096
+    )
+    geometry = cache_pb2.PoolGeometry(num_layers=1, num_kv_heads=1, head_dim=4)
+    request = cache_pb2.CreatePoolRequest(
+        geometry=geometry, block_size=4, kv_dtype="float32", image_store=True
+    )
+    handle = servicer.CreatePool(request, None)
+    compute = Compute(handle, SHM_DIR)
+    try:
+        assert handle.image_store.nbytes == 4096 and Path(handle.image_store.path).is_file()
+        session = servicer.OpenSession(cache_pb2.OpenSessionRequest(session_id="gw", ttl_s=1.0), None)
+        leases = servicer.AcquireImages(
+            cache_pb2.ImageStoreAcquireRequest(
+                session_id="gw", images=[cache_pb2.ImageStoreKey(key=key(1), nbytes=640)]
+            ),
+            None,
+        )
+        assert leases.leases[0].nbytes == 640 and not leases.leases[0].hit
+        slot = SessionFence.open(handle).slot_of(session.epoch)
+        assert compute.ask("hold", slot, session.epoch) == "True", "a step of the session runs"
+        clock.now += 2.0
+        servicer.sweep()
+        stats = servicer.GetStats(cache_pb2.GetStatsRequest(), None).image_store
+        assert stats.leased_images == 1, "the range the step may write stays leased"
+        compute.ask("release", slot, session.epoch)
+        servicer.sweep()
+        stats = servicer.GetStats(cache_pb2.GetStatsRequest(), None).image_store
+        assert (stats.leased_images, stats.stored_images) == (0, 0), "the unwritten image is dropped"
+    finally:
+        compute.kill()
+        servicer.close()
+    assert not Path(handle.image_store.path).exists()
+
+
+def test_image_leases_on_a_pool_without_a_store_are_refused():
+    servicer = CacheServicer("freelist", 8, 0, structlog.get_logger(), image_store_memory=4096)
+    geometry = cache_pb2.PoolGeometry(num_layers=1, num_kv_heads=1, head_dim=4)
+    handle = servicer.CreatePool(
+        cache_pb2.CreatePoolRequest(geometry=geometry, block_size=4, kv_dtype="float32"), None
+    )
+    try:
+        assert not handle.HasField("image_store")
+        servicer.OpenSession(cache_pb2.OpenSessionRequest(session_id="gw"), None)
+        request = cache_pb2.ImageStoreAcquireRequest(
+            session_id="gw", images=[cache_pb2.ImageStoreKey(key=key(1), nbytes=64)]
+        )
+        with pytest.raises(FailedPrecondition, match="the pool has no image store"):
+            servicer.AcquireImages(request, None)
+        assert not servicer.GetStats(cache_pb2.GetStatsRequest(), None).HasField("image_store")
+    finally:
+        servicer.close()

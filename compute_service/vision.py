@@ -182,10 +182,13 @@ class VisionEncoder:
                     f"an image of {image.num_tokens} placeholder tokens has {len(found[image.content_hash])} "
                     "embeddings: send the placeholders the model's processor expands it to"
                 )
+        # NOTE: every miss's range is written, also where the image was found: one image under two cache
+        # salts has two keys, two leases.
+        for image in images:
+            if image.store_nbytes and not image.store_hit:
+                self._stored(image).copy_(found[image.content_hash])
         for content_hash, image in missing.items():
-            if image.store_nbytes:
-                self._stored(image).copy_(found[content_hash])
-            else:
+            if not image.store_nbytes:
                 self._keep(content_hash, found[content_hash])
         for image in images:
             rows = found[image.content_hash][image.first : image.last]

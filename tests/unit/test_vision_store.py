@@ -108,3 +108,17 @@ def test_the_dashboard_shows_the_image_store_only_where_the_pool_has_one():
         4096,
         0,
     )
+
+
+def test_one_image_under_two_leases_is_written_to_both_ranges(encoder):
+    """One image of two rows whose cache salts differ: two keys, two ranges, both written."""
+    nbytes = IMAGE_TOKENS * ROW_BYTES
+    encoder.store.zero_()
+    images = [
+        image(5, store_offset=0, store_nbytes=nbytes),
+        image(5, store_offset=2 * nbytes, store_nbytes=nbytes),
+    ]
+    with torch.inference_mode():
+        assert encoder.embeddings(images, torch.zeros(IMAGE_TOKENS, HIDDEN))[0] == 1
+    first, second = encoder.store[:nbytes], encoder.store[2 * nbytes : 3 * nbytes]
+    assert torch.equal(first, second) and first.any()

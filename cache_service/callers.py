@@ -1,6 +1,6 @@
-"""Who may call which Cache RPC under mutual TLS (common.authz): only the gateway changes blocks, sessions or
-the pool; an operator may read statistics, blocks and the block map. Over a unix socket or --insecure every
-caller may."""
+"""Who may call which Cache RPC under mutual TLS (common.authz): only the gateway changes blocks, sessions,
+image leases or the pool; an operator may read statistics, blocks and the block map. Over a unix socket or
+--insecure every caller may."""
 
 from common.authz import GATEWAY, OPERATORS, table
 from protos import cache_pb2
@@ -18,6 +18,8 @@ CALLERS = table(
         "OpenSession": GATEWAY,
         "RenewSession": GATEWAY,
         "CloseSession": GATEWAY,
+        "AcquireImages": GATEWAY,
+        "ReleaseImages": GATEWAY,
         "GetStats": OPERATORS,
         "ReadBlock": OPERATORS,
         "GetBlockMap": OPERATORS,

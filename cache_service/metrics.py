@@ -36,6 +36,20 @@ TIER_GAUGES = {
     "queued_blocks": "Blocks waiting to be written to the KV tier.",
 }
 
+# ImageStoreStats fields (docs/vision.md#image-store), exported only when the pool has an image store.
+IMAGE_STORE_COUNTERS = {
+    "hits": "Image leases that found the image's embeddings in the store (the encoder skipped).",
+    "misses": "Image leases that did not find them (encoded by compute).",
+    "evictions": "Images dropped from the store, least recently used first, to make room.",
+    "not_stored": "Images given no room in the store: larger than it, or it is full of images in use.",
+}
+IMAGE_STORE_GAUGES = {
+    "capacity_bytes": "Bytes of the image store (--image-store-memory).",
+    "stored_bytes": "Bytes of the embeddings the image store holds.",
+    "stored_images": "Images whose embeddings the image store holds.",
+    "leased_images": "Images of the store a step reads or writes now.",
+}
+
 
 class StatsCollector(Collector):
     """Turns one CacheStats snapshot per scrape into gauges and counters."""
@@ -79,6 +93,15 @@ class StatsCollector(Collector):
             for field_name, doc in TIER_GAUGES.items():
                 yield GaugeMetricFamily(
                     f"pagedserve_kv_tier_{field_name}", doc, getattr(stats.kv_tier, field_name)
+                )
+        if stats.HasField("image_store"):
+            for field_name, doc in IMAGE_STORE_COUNTERS.items():
+                yield CounterMetricFamily(
+                    f"pagedserve_image_store_{field_name}", doc, getattr(stats.image_store, field_name)
+                )
+            for field_name, doc in IMAGE_STORE_GAUGES.items():
+                yield GaugeMetricFamily(
+                    f"pagedserve_image_store_{field_name}", doc, getattr(stats.image_store, field_name)
                 )
 
 

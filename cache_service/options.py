@@ -5,11 +5,12 @@ import argparse
 from cache_service.allocators import registry
 from cache_service.kv_events.options import add_kv_events
 from cache_service.tiers.options import add_tier_settings
-from cache_service.units import parse_size, positive_int
+from cache_service.units import parse_size, positive_int, size_or_zero
 from common.options import ServiceOptions, add_kv_device, add_logging, positive_seconds
 from common.transport import add_listen
 
 DEFAULT_KV_MEMORY = 256 * 2**20
+DEFAULT_IMAGE_STORE_MEMORY = 128 * 2**20
 # The TTL of a session opened with ttl_s 0 (capped at --max-session-ttl).
 DEFAULT_SESSION_TTL_S = 10.0
 
@@ -34,6 +35,13 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         help="longest TTL a session may ask for, seconds; a session not renewed within its TTL lapses and "
         f"its sequences are freed (default TTL: {DEFAULT_SESSION_TTL_S:g} s, or this if smaller)",
+    )
+    parser.add_argument(
+        "--image-store-memory",
+        type=size_or_zero,
+        default=DEFAULT_IMAGE_STORE_MEMORY,
+        help="bytes of a vision-language model's image store, the image embeddings kept beside the pool, "
+        "e.g. 256MiB (default: 128MiB; 0: none; docs/vision.md#image-store)",
     )
     parser.add_argument(
         "--debug-read-kv",

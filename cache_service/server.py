@@ -79,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tier,
         args.kv_device,
         events,
+        args.image_store_memory,
     )
     sweeper = threading.Thread(target=_sweep_every, args=(servicer, SWEEP_INTERVAL_S), daemon=True)
     sweeper.start()

@@ -4,12 +4,12 @@ import threading
 
 import torch
 
-from cache_service import block_map, messages
+from cache_service import block_map, image_store, messages
 from cache_service.block_manager import BlockManager
 from cache_service.hybrid_blocks import HybridBlocks
 from cache_service.kv_events import publisher as kv_events
 from cache_service.kv_pool import KVPool, pool_groups, shard_ranks, spec_from_request
-from cache_service.options import DEFAULT_SESSION_TTL_S
+from cache_service.options import DEFAULT_IMAGE_STORE_MEMORY, DEFAULT_SESSION_TTL_S
 from cache_service.sequence import check_prompt
 from cache_service.sessions import Sessions
 from cache_service.tiers import manager as tiers
@@ -35,6 +35,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         tier: tiers.TierManager | None = None,
         device: Device = CPU,
         events: kv_events.EventPublisher | None = None,
+        image_store_memory: int = DEFAULT_IMAGE_STORE_MEMORY,
     ) -> None:
         self._allocator = allocator
         self._device = device
@@ -48,6 +49,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self._pool: KVPool | None = None
         self._tier = tier or tiers.NoTier()
         self._events = events
+        self._image_store_memory = image_store_memory
+        self._images: image_store.ImageStore | None = None
+        # Ended sessions whose image leases end once no step of an ended session runs (Sessions.num_ending).
+        self._images_ending: list[str] = []
         # NOTE: `is None`, not `or`: Sessions has a length, and an empty one is falsy.
         self._sessions = (
             Sessions(DEFAULT_SESSION_TTL_S, DEFAULT_SESSION_TTL_S) if sessions is None else sessions
@@ -74,6 +79,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 groups,
                 shard_ranks(request),
             )
+            try:
+                self._images = image_store.create(request, self._pool.handle, self._image_store_memory)
+            except BaseException:
+                self._pool.release()
+                self._pool = None
+                raise
             self._log.info(
                 "pool_created",
                 shape=list(spec.shape),
@@ -84,6 +95,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 epoch=self._pool.handle.epoch,
                 device=self._pool.handle.device,
                 path=self._pool.handle.shm.path,
+                image_store_mib=round(self._images.capacity / 2**20, 1) if self._images else 0,
             )
             self._tier.attach(self._pool)
             if self._events is not None:
@@ -148,6 +160,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         with self._lock:
             self._sweep()
             held, freed = self._sessions.close(request.session_id, self._pool and self._pool.blocks)
+            self._end_image_leases([request.session_id])
             self._log.info("session_closed", session_id=request.session_id, num_sequences=held)
             return cache_pb2.CloseSessionResponse(num_sequences=held, freed_blocks=freed)
 
@@ -197,7 +210,26 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 table_slots=stats.table_slots,
                 num_sessions=len(self._sessions),
                 kv_tier=self._tier.stats(),
+                image_store=self._images.stats() if self._images else None,
             )
+
+    def AcquireImages(
+        self, request: cache_pb2.ImageStoreAcquireRequest, context
+    ) -> cache_pb2.ImageStoreLeases:
+        with self._lock:
+            self._owning(request.session_id, ())
+            store = image_store.require(self._images)
+            keys = [(image.key, image.nbytes) for image in request.images]
+            return image_store.leases(store.acquire(request.session_id, keys))
+
+    def ReleaseImages(
+        self, request: cache_pb2.ImageStoreReleaseRequest, context
+    ) -> cache_pb2.ImageStoreReleaseResponse:
+        with self._lock:
+            self._owning(request.session_id, ())
+            store = image_store.require(self._images)
+            store.release(request.session_id, [(image.key, image.written) for image in request.images])
+            return cache_pb2.ImageStoreReleaseResponse()
 
     def ReadBlock(self, request: cache_pb2.ReadBlockRequest, context) -> cache_pb2.BlockContents:
         if request.include_data and not self._debug_read_kv:
@@ -221,7 +253,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def GetBlockMap(self, request: cache_pb2.GetBlockMapRequest, context) -> cache_pb2.BlockMap:
         with self._lock:
             pool = self._require_pool()
-            return block_map.encode(pool.blocks, pool.handle.epoch)
+            reply = block_map.encode(pool.blocks, pool.handle.epoch)
+            if self._images is not None:
+                reply.image_store.CopyFrom(self._images.stats())
+            return reply
 
     def close(self) -> None:
         """Once the server has stopped: the tier stores what it is to keep (a planned stop, see
@@ -253,5 +288,18 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         return blocks
 
     def _sweep(self) -> None:
-        for session_id in self._sessions.sweep(self._pool and self._pool.blocks):
+        lapsed = self._sessions.sweep(self._pool and self._pool.blocks)
+        for session_id in lapsed:
             self._log.warning("session_lapsed", session_id=session_id)
+        self._end_image_leases(lapsed)
+
+    def _end_image_leases(self, session_ids: list[str]) -> None:
+        """Ends the image leases of ended sessions, once no step of an ended session runs: one still
+        running may be writing a pending entry's range, which must not be handed out before it is over."""
+        if self._images is None:
+            return
+        self._images_ending += session_ids
+        if not self._sessions.num_ending:
+            for session_id in self._images_ending:
+                self._images.end_session(session_id)
+            self._images_ending.clear()

@@ -48,11 +48,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(fields))
         return 0
-    # The tier's message (kv_tier) becomes one row per field: kv_tier.hit_blocks, ...; so does compute's, and
-    # its plan one row per stage: compute.plan.layers, ...
+    # The tier's message (kv_tier) becomes one row per field: kv_tier.hit_blocks, ...; so do the image store's
+    # (image_store.hits, ...) and compute's, and its plan one row per stage: compute.plan.layers, ...
     rows = {}
     for name, value in fields.items():
-        if name in ("kv_tier", "compute"):
+        if name in ("kv_tier", "image_store", "compute"):
             rows.update({f"{name}.{inner}": inner_value for inner, inner_value in value.items()})
         elif name == "kv_groups":
             rows.update({f"kv_groups.{i}": _group_row(group) for i, group in enumerate(value)})

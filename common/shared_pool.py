@@ -132,11 +132,13 @@ def _map(fd: int, spec: PoolSpec) -> torch.Tensor:
 
 
 def release(handle: common_pb2.PoolHandle) -> None:
-    """Unlinks the handle's segment (a cpu pool's) and its session fence."""
+    """Unlinks the handle's segment (a cpu pool's), its session fence and its image store."""
     if handle.WhichOneof("payload") == "shm":
         Path(handle.shm.path).unlink(missing_ok=True)
     if handle.HasField("fence"):
         Path(handle.fence.path).unlink(missing_ok=True)
+    if handle.HasField("image_store"):
+        Path(handle.image_store.path).unlink(missing_ok=True)
 
 
 def open_pool(handle: common_pb2.PoolHandle, shm_dir: Path = SHM_DIR) -> torch.Tensor:

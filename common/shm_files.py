@@ -1,5 +1,6 @@
-"""The files a cache service creates in /dev/shm, pool segments (common/shared_pool.py) and session fences
-(common/session_fence.py): their names, which carry the owner's pid, and removing those an owner left.
+"""The files a cache service creates in /dev/shm, pool segments (common/shared_pool.py), session fences
+(common/session_fence.py) and image stores (common/image_segment.py): their names, which carry the owner's
+pid, and removing those an owner left.
 
 NOTE: no torch here: `pagedserve up`'s launcher removes what a cache killed with -9 left, and imports no
 torch."""
@@ -11,7 +12,9 @@ SHM_DIR = Path(os.environ.get("PAGEDSERVE_SHM_DIR", "/dev/shm"))
 SEGMENT_PREFIX = "pagedserve-kv-"
 # The pool's session fence (common/session_fence.py), a file of its own whatever the pool's device.
 FENCE_PREFIX = "pagedserve-fence-"
-PREFIXES = (SEGMENT_PREFIX, FENCE_PREFIX)
+# The pool's image store (common/image_segment.py), a vision-language model's embeddings.
+IMAGES_PREFIX = "pagedserve-images-"
+PREFIXES = (SEGMENT_PREFIX, FENCE_PREFIX, IMAGES_PREFIX)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -29,9 +29,7 @@ def model_info(spec: ModelSpec, adapters: Adapters | None = None) -> compute_pb2
         sparse_attention=sparse_support(spec.plan.sparse_attention),
         pooling=pooling_message(spec.pooling),
         tensor_parallel_size=spec.tensor_parallel_size,
-        vision=compute_pb2.VisionInfo(family=spec.vision.family, image_token_id=spec.vision.image_token_id)
-        if spec.vision
-        else None,
+        vision=vision_info(spec) if spec.vision else None,
         lora_adapters=[adapter_message(a) for a in adapters.by_id.values()] if adapters else [],
         lora_limits=compute_pb2.LoraLimits(
             enabled=True, max_loras=adapters.max_loras, max_lora_rank=adapters.max_rank
@@ -84,4 +82,15 @@ def plan_message(plan: ExecutionPlan) -> compute_pb2.ExecutionPlan:
             compute_pb2.PlanStage(stage=stage, implementation=choice.implementation, reason=choice.reason)
             for stage, choice in plan.stages().items()
         ],
+    )
+
+
+def vision_info(spec: ModelSpec) -> compute_pb2.VisionInfo:
+    """A vision-language model's family and image token, and what sizes and keys its image store entries
+    (docs/vision.md#image-store): an image's embeddings depend on the model, its dtype and weights."""
+    return compute_pb2.VisionInfo(
+        family=spec.vision.family,
+        image_token_id=spec.vision.image_token_id,
+        embedding_token_bytes=spec.vision.token_bytes,
+        embedding_identity=f"{spec.vision.family}\0{spec.name}\0{spec.dtype_name}\0{spec.weights}",
     )

@@ -126,8 +126,9 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "--encoder-cache-images",
         type=_length,
         default=64,
-        help="vision-language models: the encoded images compute keeps (least recently used dropped first), "
-        "so that a repeated image skips the vision encoder (default 64; 0: none; docs/vision.md)",
+        help="vision-language models: the encoded images compute keeps (least recently used dropped first) "
+        "where the cache's image store does not hold them, so that a repeated image skips the vision encoder "
+        "(default 64; 0: none; docs/vision.md#image-store)",
     )
     parser.add_argument(
         "--unfused",

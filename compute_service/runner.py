@@ -35,6 +35,7 @@ class StepTimes:
     encoder: float = 0.0  # the vision encoder (inside prepare)
     images_encoded: int = 0
     image_cache_hits: int = 0
+    image_store_reads: int = 0  # of image_cache_hits, those read from the pool's image store
     # decodes that attended block-sparse (not a time: counted with them, for the step's reply)
     sparse_rows: int = 0
 
@@ -180,11 +181,12 @@ class Runner:
         if not batch.images:
             return {"input_ids": token_ids}
         embed = self.model.model.get_input_embeddings()(token_ids)
-        encoded, hits, seconds = self.vision.embeddings(batch.images, embed[0])
+        encoded, hits, reads, seconds = self.vision.embeddings(batch.images, embed[0])
         times.images_encoded, times.image_cache_hits = (
             times.images_encoded + encoded,
             times.image_cache_hits + hits,
         )
+        times.image_store_reads += reads
         times.encoder += seconds
         return {"inputs_embeds": embed}
 

@@ -21,7 +21,7 @@ from common.precision import resolve_dtype, resolve_kv_dtype
 from common.server import serve
 from common.session_fence import SessionFence
 from common.shared_pool import dtype_from_name
-from compute_service import kernels, kv_pool, scoring, shard_group, tensor_parallel
+from compute_service import kernels, kv_pool, scoring, shard_group, tensor_parallel, vision
 from compute_service.attention.registry import require_block_size
 from compute_service.callers import CALLERS
 from compute_service.forward_steps import ForwardSteps
@@ -109,7 +109,9 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         except ValueError as err:
             raise InvalidArgument(str(err)) from err
         fence = SessionFence.open(handle) if handle.HasField("fence") else None
+        store = vision.map_store(self.stepper.runner.vision, handle)
         self.steps.call(self.stepper.attach, handle, pool, layout, fence)
+        self.steps.call(vision.use_store, self.stepper.runner.vision, store)
         self.log.info(
             "pool_attached",
             epoch=handle.epoch,

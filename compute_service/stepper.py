@@ -30,9 +30,13 @@ SPARSE_ROWS = Counter(
 )
 IMAGES_ENCODED = Counter("pagedserve_vision_images_encoded", "Images the vision encoder encoded.")
 IMAGE_CACHE_HITS = Counter(
-    "pagedserve_vision_image_cache_hits", "Images of steps found encoded already (--encoder-cache-images)."
+    "pagedserve_vision_image_cache_hits",
+    "Images of steps found encoded already (image store or --encoder-cache-images).",
 )
 ENCODER_SECONDS = Counter("pagedserve_vision_encoder_seconds", "Time the vision encoder ran.")
+IMAGE_STORE_READS = Counter(
+    "pagedserve_vision_image_store_reads", "Images of steps read in place from the pool's image store."
+)
 STEP_TOKENS = Histogram("pagedserve_forward_step_tokens", "Tokens in one step.", buckets=TOKEN_BUCKETS)
 NO_POOL = "no KV pool attached: the gateway must call AttachPool first"
 SEGMENT_REMOVED = "the pool's segment was removed (cache restarted?): attach the new pool"
@@ -114,6 +118,7 @@ class Stepper:
         SPARSE_ROWS.inc(times.sparse_rows)
         IMAGES_ENCODED.inc(times.images_encoded)
         IMAGE_CACHE_HITS.inc(times.image_cache_hits)
+        IMAGE_STORE_READS.inc(times.image_store_reads)
         ENCODER_SECONDS.inc(times.encoder)
         self.log.debug(
             "forward", tokens=len(batch.token_ids), seqs=len(batch.context_lens), ms=round(elapsed_ms, 2)
@@ -132,6 +137,7 @@ class Stepper:
             sparse_rows=times.sparse_rows,
             images_encoded=times.images_encoded,
             image_cache_hits=times.image_cache_hits,
+            image_store_reads=times.image_store_reads,
             encoder_ms=times.encoder * 1e3,
             **reply_fields(sampled.prompt),
         )

@@ -12,6 +12,7 @@ from common.server import channel
 from gateway.config import HANDSHAKE_TIMEOUT_S, RETRY_TIMEOUT_S, EngineConfig
 from gateway.engine_view import EngineView
 from gateway.handshake import handshake
+from gateway.image_leases import ImageLeases
 from gateway.inbox import Inbox
 from gateway.kv_view import KVView
 from gateway.lease import Lease
@@ -75,6 +76,7 @@ class Engine:
         if not kept:
             self._attach(handle.shape[2], same_pool, tuple(g.window for g in handle.kv_groups) or (0,))
         self.runner.attach(handle.epoch, frozenset(info.eos_token_ids))
+        self.runner.executor.images.attach(info, handle)
         if not kept:
             with calling("cache"):
                 self.lease.open()
@@ -99,6 +101,7 @@ class Engine:
                 self._compute, self.scheduler, self.live, self.lease, self.view, self.tokenizer, config
             )
             self.inbox.interrupt = self.runner.executor.end_call
+            self.runner.executor.images = ImageLeases(self._cache, self.lease, config.rpc_timeout_s)
             return
         self.scheduler.requeue_running()
         held = [seq for seq in self.live.all() if self.kv.holds(seq)]

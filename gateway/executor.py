@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from common.server import request_metadata
 from gateway import prompt_scores
 from gateway.config import EngineConfig
+from gateway.image_leases import IN_DOUBT, ImageLeases
 from gateway.kv_view import KVView
 from gateway.lease import Lease
 from gateway.recovery import PeerFault, calling
@@ -36,6 +37,8 @@ class StepExecutor:
         self._epoch, self._eos = "", frozenset()
         # Set while a multi-step call runs: setting it ends the call after compute's current step.
         self._call_stop: threading.Event | None = None
+        # The image store's leases around a step with images (gateway.image_leases; None: none taken).
+        self.images: ImageLeases | None = None
 
     def attach(self, epoch: str, eos_ids: frozenset[int]) -> None:
         """The pool compute has attached, and the model's EOS ids."""
@@ -68,9 +71,19 @@ class StepExecutor:
         tables = self._kv.step_tables(seqs)
         request = forward_request(seqs, tables, self._epoch, self._eos, self._lease.epoch)
         tokens, metadata = len(request.token_ids), request_metadata(seq.request_id for seq in seqs)
-        with calling("compute"):
-            start = time.monotonic()
-            reply = self._compute.Forward(request, timeout=self._deadline.timeout(tokens), metadata=metadata)
+        leased = self.images.acquire(request, [seq.cache_salt for seq in seqs]) if self.images else []
+        try:
+            with calling("compute"):
+                start = time.monotonic()
+                reply = self._compute.Forward(
+                    request, timeout=self._deadline.timeout(tokens), metadata=metadata
+                )
+        except PeerFault as fault:
+            if leased:
+                self.images.release(leased, ran=False, settled=fault.err.code() not in IN_DOUBT)
+            raise
+        if leased:
+            self.images.release(leased, ran=True)
         self._deadline.observe(time.monotonic() - start, tokens)
         prompt_scores.collect(seqs, reply)
         return reply

@@ -36,6 +36,7 @@ def handshake(
         attention_backend=info.attention_backend,
         sliding_windows=info.sliding_windows,
         shard_ranks=info.tensor_parallel_size,
+        image_store=info.HasField("vision"),
     )
     with calling("cache"):
         handle = cache.CreatePool(request, wait_for_ready=wait, timeout=timeout)

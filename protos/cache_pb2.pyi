@@ -30,7 +30,7 @@ class PoolGeometry(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
-    __slots__ = ("geometry", "block_size", "kv_dtype", "num_blocks", "memory_bytes", "model", "kv_scales_id", "attention_backend", "sliding_windows", "shard_ranks")
+    __slots__ = ("geometry", "block_size", "kv_dtype", "num_blocks", "memory_bytes", "model", "kv_scales_id", "attention_backend", "sliding_windows", "shard_ranks", "image_store")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class CreatePoolRequest(_message.Message):
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     SHARD_RANKS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_STORE_FIELD_NUMBER: _ClassVar[int]
     geometry: PoolGeometry
     block_size: int
     kv_dtype: str
@@ -51,7 +52,8 @@ class CreatePoolRequest(_message.Message):
     attention_backend: str
     sliding_windows: _containers.RepeatedScalarFieldContainer[int]
     shard_ranks: int
-    def __init__(self, geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., attention_backend: _Optional[str] = ..., sliding_windows: _Optional[_Iterable[int]] = ..., shard_ranks: _Optional[int] = ...) -> None: ...
+    image_store: bool
+    def __init__(self, geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., attention_backend: _Optional[str] = ..., sliding_windows: _Optional[_Iterable[int]] = ..., shard_ranks: _Optional[int] = ..., image_store: _Optional[bool] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
     __slots__ = ("seq_id", "num_tokens", "token_ids", "num_computed", "cache_salt", "max_compute_tokens", "lookahead_tokens", "lora_id", "lora_name")
@@ -205,7 +207,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_sequences", "block_size", "usage", "allocator", "pool_epoch", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "copy_on_writes", "evictions", "allocator_stats", "stored_tokens", "table_slots", "num_sessions", "kv_dtype", "device", "attention_backend", "sliding_window", "kv_groups", "kv_tier")
+    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_sequences", "block_size", "usage", "allocator", "pool_epoch", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "copy_on_writes", "evictions", "allocator_stats", "stored_tokens", "table_slots", "num_sessions", "kv_dtype", "device", "attention_backend", "sliding_window", "kv_groups", "kv_tier", "image_store")
     class AllocatorStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +239,7 @@ class CacheStats(_message.Message):
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_STORE_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     used_blocks: int
     free_blocks: int
@@ -261,7 +264,80 @@ class CacheStats(_message.Message):
     sliding_window: int
     kv_groups: _containers.RepeatedCompositeFieldContainer[KVGroupStats]
     kv_tier: TierStats
-    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., usage: _Optional[float] = ..., allocator: _Optional[str] = ..., pool_epoch: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., copy_on_writes: _Optional[int] = ..., evictions: _Optional[int] = ..., allocator_stats: _Optional[_Mapping[str, float]] = ..., stored_tokens: _Optional[int] = ..., table_slots: _Optional[int] = ..., num_sessions: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., sliding_window: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroupStats, _Mapping]]] = ..., kv_tier: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+    image_store: ImageStoreStats
+    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., usage: _Optional[float] = ..., allocator: _Optional[str] = ..., pool_epoch: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., copy_on_writes: _Optional[int] = ..., evictions: _Optional[int] = ..., allocator_stats: _Optional[_Mapping[str, float]] = ..., stored_tokens: _Optional[int] = ..., table_slots: _Optional[int] = ..., num_sessions: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., sliding_window: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroupStats, _Mapping]]] = ..., kv_tier: _Optional[_Union[TierStats, _Mapping]] = ..., image_store: _Optional[_Union[ImageStoreStats, _Mapping]] = ...) -> None: ...
+
+class ImageStoreStats(_message.Message):
+    __slots__ = ("capacity_bytes", "stored_bytes", "stored_images", "leased_images", "hits", "misses", "evictions", "not_stored")
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORED_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    LEASED_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NOT_STORED_FIELD_NUMBER: _ClassVar[int]
+    capacity_bytes: int
+    stored_bytes: int
+    stored_images: int
+    leased_images: int
+    hits: int
+    misses: int
+    evictions: int
+    not_stored: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., stored_images: _Optional[int] = ..., leased_images: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., not_stored: _Optional[int] = ...) -> None: ...
+
+class ImageStoreKey(_message.Message):
+    __slots__ = ("key", "nbytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    nbytes: int
+    def __init__(self, key: _Optional[bytes] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ImageStoreAcquireRequest(_message.Message):
+    __slots__ = ("session_id", "images")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    images: _containers.RepeatedCompositeFieldContainer[ImageStoreKey]
+    def __init__(self, session_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageStoreKey, _Mapping]]] = ...) -> None: ...
+
+class ImageStoreLease(_message.Message):
+    __slots__ = ("hit", "offset", "nbytes")
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    hit: bool
+    offset: int
+    nbytes: int
+    def __init__(self, hit: _Optional[bool] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ImageStoreLeases(_message.Message):
+    __slots__ = ("leases",)
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[ImageStoreLease]
+    def __init__(self, leases: _Optional[_Iterable[_Union[ImageStoreLease, _Mapping]]] = ...) -> None: ...
+
+class ImageStoreRelease(_message.Message):
+    __slots__ = ("key", "written")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    written: bool
+    def __init__(self, key: _Optional[bytes] = ..., written: _Optional[bool] = ...) -> None: ...
+
+class ImageStoreReleaseRequest(_message.Message):
+    __slots__ = ("session_id", "images")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    images: _containers.RepeatedCompositeFieldContainer[ImageStoreRelease]
+    def __init__(self, session_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageStoreRelease, _Mapping]]] = ...) -> None: ...
+
+class ImageStoreReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class KVGroupStats(_message.Message):
     __slots__ = ("num_layers", "window", "held_blocks")
@@ -380,15 +456,17 @@ class GetBlockMapRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BlockMap(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "states", "refcounts", "pool_epoch")
+    __slots__ = ("num_blocks", "block_size", "states", "refcounts", "pool_epoch", "image_store")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
     REFCOUNTS_FIELD_NUMBER: _ClassVar[int]
     POOL_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_STORE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     states: bytes
     refcounts: bytes
     pool_epoch: str
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., states: _Optional[bytes] = ..., refcounts: _Optional[bytes] = ..., pool_epoch: _Optional[str] = ...) -> None: ...
+    image_store: ImageStoreStats
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., states: _Optional[bytes] = ..., refcounts: _Optional[bytes] = ..., pool_epoch: _Optional[str] = ..., image_store: _Optional[_Union[ImageStoreStats, _Mapping]] = ...) -> None: ...

@@ -94,6 +94,16 @@ class CacheStub:
                 request_serializer=protos_dot_cache__pb2.GetBlockMapRequest.SerializeToString,
                 response_deserializer=protos_dot_cache__pb2.BlockMap.FromString,
                 _registered_method=True)
+        self.AcquireImages = channel.unary_unary(
+                '/pagedserve.v1.Cache/AcquireImages',
+                request_serializer=protos_dot_cache__pb2.ImageStoreAcquireRequest.SerializeToString,
+                response_deserializer=protos_dot_cache__pb2.ImageStoreLeases.FromString,
+                _registered_method=True)
+        self.ReleaseImages = channel.unary_unary(
+                '/pagedserve.v1.Cache/ReleaseImages',
+                request_serializer=protos_dot_cache__pb2.ImageStoreReleaseRequest.SerializeToString,
+                response_deserializer=protos_dot_cache__pb2.ImageStoreReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -199,6 +209,25 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AcquireImages(self, request, context):
+        """The image store (docs/vision.md#image-store): for each image key, a lease on its embeddings in
+        PoolHandle.image_store: a hit (written, compute reads it in place), a miss (a range for compute to
+        write the encoder's output into) or none (nbytes 0: too large, or the store is full of images in use;
+        compute encodes and keeps nothing there). Each lease holds its entry (never evicted) until
+        ReleaseImages, or until its session ends. All or nothing: a bad key refuses the call, changing nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseImages(self, request, context):
+        """Ends leases: a miss's entry becomes a hit for later calls if `written`, else is dropped; an entry no
+        lease holds is evictable, least recently used first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -256,6 +285,16 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.GetBlockMap,
                     request_deserializer=protos_dot_cache__pb2.GetBlockMapRequest.FromString,
                     response_serializer=protos_dot_cache__pb2.BlockMap.SerializeToString,
+            ),
+            'AcquireImages': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireImages,
+                    request_deserializer=protos_dot_cache__pb2.ImageStoreAcquireRequest.FromString,
+                    response_serializer=protos_dot_cache__pb2.ImageStoreLeases.SerializeToString,
+            ),
+            'ReleaseImages': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseImages,
+                    request_deserializer=protos_dot_cache__pb2.ImageStoreReleaseRequest.FromString,
+                    response_serializer=protos_dot_cache__pb2.ImageStoreReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +598,60 @@ class Cache:
             '/pagedserve.v1.Cache/GetBlockMap',
             protos_dot_cache__pb2.GetBlockMapRequest.SerializeToString,
             protos_dot_cache__pb2.BlockMap.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquireImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Cache/AcquireImages',
+            protos_dot_cache__pb2.ImageStoreAcquireRequest.SerializeToString,
+            protos_dot_cache__pb2.ImageStoreLeases.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Cache/ReleaseImages',
+            protos_dot_cache__pb2.ImageStoreReleaseRequest.SerializeToString,
+            protos_dot_cache__pb2.ImageStoreReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\rpagedserve.v1\"\x98\x03\n\nPoolHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07strides\x18\x04 \x03(\x03\x12\r\n\x05\x65poch\x18\x05 \x01(\t\x12\x30\n\x03shm\x18\n \x01(\x0b\x32!.pagedserve.v1.SharedMemoryHandleH\x00\x12.\n\x04\x63uda\x18\x0b \x01(\x0b\x32\x1e.pagedserve.v1.DeviceIpcHandleH\x00\x12-\n\x03npu\x18\x0c \x01(\x0b\x32\x1e.pagedserve.v1.DeviceIpcHandleH\x00\x12\x14\n\x0ckv_scales_id\x18\x06 \x01(\t\x12\x30\n\x05\x66\x65nce\x18\x07 \x01(\x0b\x32!.pagedserve.v1.SharedMemoryHandle\x12/\n\tkv_groups\x18\x08 \x03(\x0b\x32\x1c.pagedserve.v1.KVGroupLayout\x12\x13\n\x0bshard_ranks\x18< \x01(\x05\x12\x12\n\nshard_rank\x18= \x01(\x05\x42\t\n\x07payload\"/\n\rKVGroupLayout\x12\x0e\n\x06layers\x18\x01 \x03(\x05\x12\x0e\n\x06window\x18\x02 \x01(\x05\"A\n\x12SharedMemoryHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\r\n\x05token\x18\x03 \x01(\x0c\"\xf7\x01\n\x0f\x44\x65viceIpcHandle\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\x12\n\nipc_handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x0e\n\x06nbytes\x18\t \x01(\x03\x12\r\n\x05token\x18\n \x01(\x0c\"[\n\x0bLoraAdapter\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x05 \x03(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\rpagedserve.v1\"\xd1\x03\n\nPoolHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07strides\x18\x04 \x03(\x03\x12\r\n\x05\x65poch\x18\x05 \x01(\t\x12\x30\n\x03shm\x18\n \x01(\x0b\x32!.pagedserve.v1.SharedMemoryHandleH\x00\x12.\n\x04\x63uda\x18\x0b \x01(\x0b\x32\x1e.pagedserve.v1.DeviceIpcHandleH\x00\x12-\n\x03npu\x18\x0c \x01(\x0b\x32\x1e.pagedserve.v1.DeviceIpcHandleH\x00\x12\x14\n\x0ckv_scales_id\x18\x06 \x01(\t\x12\x30\n\x05\x66\x65nce\x18\x07 \x01(\x0b\x32!.pagedserve.v1.SharedMemoryHandle\x12/\n\tkv_groups\x18\x08 \x03(\x0b\x32\x1c.pagedserve.v1.KVGroupLayout\x12\x13\n\x0bshard_ranks\x18< \x01(\x05\x12\x12\n\nshard_rank\x18= \x01(\x05\x12\x37\n\x0bimage_store\x18\x8c\x01 \x01(\x0b\x32!.pagedserve.v1.SharedMemoryHandleB\t\n\x07payload\"/\n\rKVGroupLayout\x12\x0e\n\x06layers\x18\x01 \x03(\x05\x12\x0e\n\x06window\x18\x02 \x01(\x05\"A\n\x12SharedMemoryHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\r\n\x05token\x18\x03 \x01(\x0c\"\xf7\x01\n\x0f\x44\x65viceIpcHandle\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\x12\n\nipc_handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x0e\n\x06nbytes\x18\t \x01(\x03\x12\r\n\x05token\x18\n \x01(\x0c\"[\n\x0bLoraAdapter\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x05 \x03(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.common_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_POOLHANDLE']._serialized_start=39
-  _globals['_POOLHANDLE']._serialized_end=447
-  _globals['_KVGROUPLAYOUT']._serialized_start=449
-  _globals['_KVGROUPLAYOUT']._serialized_end=496
-  _globals['_SHAREDMEMORYHANDLE']._serialized_start=498
-  _globals['_SHAREDMEMORYHANDLE']._serialized_end=563
-  _globals['_DEVICEIPCHANDLE']._serialized_start=566
-  _globals['_DEVICEIPCHANDLE']._serialized_end=813
-  _globals['_LORAADAPTER']._serialized_start=815
-  _globals['_LORAADAPTER']._serialized_end=906
+  _globals['_POOLHANDLE']._serialized_end=504
+  _globals['_KVGROUPLAYOUT']._serialized_start=506
+  _globals['_KVGROUPLAYOUT']._serialized_end=553
+  _globals['_SHAREDMEMORYHANDLE']._serialized_start=555
+  _globals['_SHAREDMEMORYHANDLE']._serialized_end=620
+  _globals['_DEVICEIPCHANDLE']._serialized_start=623
+  _globals['_DEVICEIPCHANDLE']._serialized_end=870
+  _globals['_LORAADAPTER']._serialized_start=872
+  _globals['_LORAADAPTER']._serialized_end=963
 # @@protoc_insertion_point(module_scope)

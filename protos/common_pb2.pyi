@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PoolHandle(_message.Message):
-    __slots__ = ("device", "shape", "dtype", "strides", "epoch", "shm", "cuda", "npu", "kv_scales_id", "fence", "kv_groups", "shard_ranks", "shard_rank")
+    __slots__ = ("device", "shape", "dtype", "strides", "epoch", "shm", "cuda", "npu", "kv_scales_id", "fence", "kv_groups", "shard_ranks", "shard_rank", "image_store")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class PoolHandle(_message.Message):
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     SHARD_RANKS_FIELD_NUMBER: _ClassVar[int]
     SHARD_RANK_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_STORE_FIELD_NUMBER: _ClassVar[int]
     device: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
@@ -34,7 +35,8 @@ class PoolHandle(_message.Message):
     kv_groups: _containers.RepeatedCompositeFieldContainer[KVGroupLayout]
     shard_ranks: int
     shard_rank: int
-    def __init__(self, device: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., epoch: _Optional[str] = ..., shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda: _Optional[_Union[DeviceIpcHandle, _Mapping]] = ..., npu: _Optional[_Union[DeviceIpcHandle, _Mapping]] = ..., kv_scales_id: _Optional[str] = ..., fence: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroupLayout, _Mapping]]] = ..., shard_ranks: _Optional[int] = ..., shard_rank: _Optional[int] = ...) -> None: ...
+    image_store: SharedMemoryHandle
+    def __init__(self, device: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., epoch: _Optional[str] = ..., shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda: _Optional[_Union[DeviceIpcHandle, _Mapping]] = ..., npu: _Optional[_Union[DeviceIpcHandle, _Mapping]] = ..., kv_scales_id: _Optional[str] = ..., fence: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroupLayout, _Mapping]]] = ..., shard_ranks: _Optional[int] = ..., shard_rank: _Optional[int] = ..., image_store: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ...) -> None: ...
 
 class KVGroupLayout(_message.Message):
     __slots__ = ("layers", "window")

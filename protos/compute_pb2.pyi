@@ -82,12 +82,16 @@ class ModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_scales_id: _Optional[str] = ..., weights: _Optional[str] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., sliding_windows: _Optional[_Iterable[int]] = ..., sparse_attention: _Optional[_Union[SparseSupport, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapter, _Mapping]]] = ..., lora_limits: _Optional[_Union[LoraLimits, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., vision: _Optional[_Union[VisionInfo, _Mapping]] = ...) -> None: ...
 
 class VisionInfo(_message.Message):
-    __slots__ = ("family", "image_token_id")
+    __slots__ = ("family", "image_token_id", "embedding_token_bytes", "embedding_identity")
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     family: str
     image_token_id: int
-    def __init__(self, family: _Optional[str] = ..., image_token_id: _Optional[int] = ...) -> None: ...
+    embedding_token_bytes: int
+    embedding_identity: str
+    def __init__(self, family: _Optional[str] = ..., image_token_id: _Optional[int] = ..., embedding_token_bytes: _Optional[int] = ..., embedding_identity: _Optional[str] = ...) -> None: ...
 
 class Pooling(_message.Message):
     __slots__ = ("type", "normalize", "dimensions", "matryoshka", "matryoshka_dimensions", "source")
@@ -212,18 +216,24 @@ class ForwardRequest(_message.Message):
     def __init__(self, pool_epoch: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., block_table_width: _Optional[int] = ..., num_kv_groups: _Optional[int] = ..., sample: _Optional[_Iterable[bool]] = ..., sampling: _Optional[_Iterable[_Union[RowSampling, _Mapping]]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., cu_history: _Optional[_Iterable[int]] = ..., history_prompt_lens: _Optional[_Iterable[int]] = ..., output_lens: _Optional[_Iterable[int]] = ..., session_epoch: _Optional[int] = ..., cached_prefix: _Optional[_Iterable[bool]] = ..., prompt_chunk: _Optional[_Iterable[bool]] = ..., sparse: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., constraint_rows: _Optional[_Iterable[int]] = ..., constraint_bitmask: _Optional[bytes] = ..., pool: _Optional[_Iterable[bool]] = ..., prompt_logprobs: _Optional[_Iterable[int]] = ..., prompt_target_ids: _Optional[_Iterable[int]] = ..., cu_prompt_targets: _Optional[_Iterable[int]] = ..., lora_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[VisionImage, _Mapping]]] = ...) -> None: ...
 
 class VisionImage(_message.Message):
-    __slots__ = ("row", "offset", "num_tokens", "content_hash", "tensors")
+    __slots__ = ("row", "offset", "num_tokens", "content_hash", "tensors", "store_hit", "store_offset", "store_nbytes")
     ROW_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    STORE_HIT_FIELD_NUMBER: _ClassVar[int]
+    STORE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STORE_NBYTES_FIELD_NUMBER: _ClassVar[int]
     row: int
     offset: int
     num_tokens: int
     content_hash: bytes
     tensors: _containers.RepeatedCompositeFieldContainer[ImageTensor]
-    def __init__(self, row: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., content_hash: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[ImageTensor, _Mapping]]] = ...) -> None: ...
+    store_hit: bool
+    store_offset: int
+    store_nbytes: int
+    def __init__(self, row: _Optional[int] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., content_hash: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[ImageTensor, _Mapping]]] = ..., store_hit: _Optional[bool] = ..., store_offset: _Optional[int] = ..., store_nbytes: _Optional[int] = ...) -> None: ...
 
 class ImageTensor(_message.Message):
     __slots__ = ("name", "shape", "data")
@@ -289,7 +299,7 @@ class StepsRequest(_message.Message):
     def __init__(self, first: _Optional[_Union[ForwardRequest, _Mapping]] = ..., max_steps: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cu_stop_token_ids: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., lookup_token_ids: _Optional[_Iterable[int]] = ..., cu_lookup_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "forward_ms", "top_logprobs_width", "top_token_ids", "top_logprobs", "prepare_ms", "model_ms", "attention_ms", "sample_ms", "rows", "sparse_rows", "same_step", "drafted_tokens", "accepted_tokens", "running", "pooled", "prompt_logprobs", "prompt_ranks", "prompt_top_width", "prompt_top_token_ids", "prompt_top_logprobs", "images_encoded", "image_cache_hits", "encoder_ms")
+    __slots__ = ("token_ids", "logprobs", "forward_ms", "top_logprobs_width", "top_token_ids", "top_logprobs", "prepare_ms", "model_ms", "attention_ms", "sample_ms", "rows", "sparse_rows", "same_step", "drafted_tokens", "accepted_tokens", "running", "pooled", "prompt_logprobs", "prompt_ranks", "prompt_top_width", "prompt_top_token_ids", "prompt_top_logprobs", "images_encoded", "image_cache_hits", "encoder_ms", "image_store_reads")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +325,7 @@ class ForwardResponse(_message.Message):
     IMAGES_ENCODED_FIELD_NUMBER: _ClassVar[int]
     IMAGE_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_MS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_STORE_READS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     forward_ms: float
@@ -340,4 +351,5 @@ class ForwardResponse(_message.Message):
     images_encoded: int
     image_cache_hits: int
     encoder_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., top_logprobs_width: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_ms: _Optional[float] = ..., model_ms: _Optional[float] = ..., attention_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., rows: _Optional[_Iterable[int]] = ..., sparse_rows: _Optional[int] = ..., same_step: _Optional[bool] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., running: _Optional[_Iterable[bool]] = ..., pooled: _Optional[bytes] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_ranks: _Optional[_Iterable[int]] = ..., prompt_top_width: _Optional[int] = ..., prompt_top_token_ids: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[float]] = ..., images_encoded: _Optional[int] = ..., image_cache_hits: _Optional[int] = ..., encoder_ms: _Optional[float] = ...) -> None: ...
+    image_store_reads: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., top_logprobs_width: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_ms: _Optional[float] = ..., model_ms: _Optional[float] = ..., attention_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., rows: _Optional[_Iterable[int]] = ..., sparse_rows: _Optional[int] = ..., same_step: _Optional[bool] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., running: _Optional[_Iterable[bool]] = ..., pooled: _Optional[bytes] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_ranks: _Optional[_Iterable[int]] = ..., prompt_top_width: _Optional[int] = ..., prompt_top_token_ids: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[float]] = ..., images_encoded: _Optional[int] = ..., image_cache_hits: _Optional[int] = ..., encoder_ms: _Optional[float] = ..., image_store_reads: _Optional[int] = ...) -> None: ...

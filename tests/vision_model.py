@@ -34,8 +34,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_tiny_llava(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """The model, tokenizer and processor at `path`."""
+def save_tiny_llava(
+    path: Path, tokenizer_dir: Path, seed: int = 0, image_size: int = IMAGE_SIZE, patch: int = PATCH, **tower
+) -> Path:
+    """The model, tokenizer and processor at `path`; `image_size`, `patch` and `tower` (CLIPVisionConfig
+    fields) make a larger vision tower than the tests' (a measurement's)."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
@@ -46,14 +49,9 @@ def save_tiny_llava(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         initializer_range=0.3,
         pad_token_id=0,
     )
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
     vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-        projection_dim=32,
+        **{**shape, **tower}, image_size=image_size, patch_size=patch, projection_dim=32
     )
     config = LlavaConfig(
         vision_config=vision,
@@ -61,19 +59,19 @@ def save_tiny_llava(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         image_token_id=image_token_id,
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
-        image_seq_length=IMAGE_TOKENS,
+        image_seq_length=(image_size // patch) ** 2,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     LlavaForConditionalGeneration(config).save_pretrained(path)
     tokenizer.chat_template = CHAT_TEMPLATE
     image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     )
     processor = LlavaProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
-        patch_size=PATCH,
+        patch_size=patch,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
         chat_template=CHAT_TEMPLATE,

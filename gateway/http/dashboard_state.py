@@ -46,7 +46,13 @@ def pool_json(reply: cache_pb2.BlockMap) -> dict:
             "cached": states.count("c"),
             "shared": sum(count > 1 for state, count in zip(states, refcounts, strict=True) if state == "u"),
         },
+        "image_store": image_store_json(reply.image_store) if reply.HasField("image_store") else None,
     }
+
+
+def image_store_json(stats: cache_pb2.ImageStoreStats) -> dict:
+    """The image store's figures (docs/vision.md#image-store), by their field names."""
+    return {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
 
 
 def seqs_json(views: Iterable[tuple[str, SeqView]], viewer: Tenant | None) -> list[dict]:

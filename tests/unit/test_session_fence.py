@@ -3,9 +3,6 @@ session's slot, so a session that ends meanwhile keeps its blocks until the step
 session is refused; a compute that dies holds nothing. Fence files live in tmp_path here."""
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -18,29 +15,9 @@ from common import shared_pool
 from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from common.session_fence import SLOTS, SessionFence
 from compute_service.fencing import StepFence
-from tests.helpers import ROOT
+from tests.fence_compute import Compute
 
 SPEC = shared_pool.PoolSpec(2, 8, 4, 2, 16, torch.float32)
-# Compute's side in a child: holds the slot of EPOCH for each line read ("hold"), lets it go ("release").
-COMPUTE = textwrap.dedent(
-    """
-    import sys
-    from pathlib import Path
-    from common.session_fence import SessionFence
-    from protos import common_pb2
-    handle = common_pb2.PoolHandle.FromString(bytes.fromhex(sys.argv[1]))
-    fence = SessionFence.open(handle, Path(sys.argv[2]))
-    for line in sys.stdin:
-        verb, slot, epoch = line.split()
-        if verb == "hold":
-            print(fence.hold(int(slot), int(epoch)), flush=True)
-        elif verb == "holds":
-            print(fence.holds(int(slot), int(epoch)), flush=True)
-        else:
-            fence.release(int(slot))
-            print("released", flush=True)
-    """
-)
 
 
 @pytest.fixture
@@ -50,25 +27,6 @@ def pool(tmp_path):
     yield handle, fence
     fence.close()
     shared_pool.release(handle)
-
-
-class Compute:
-    """The child process playing compute."""
-
-    def __init__(self, handle, shm_dir) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", COMPUTE, handle.SerializeToString().hex(), str(shm_dir)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-        )  # fmt: skip
-
-    def ask(self, verb: str, slot: int, epoch: int) -> str:
-        self.proc.stdin.write(f"{verb} {slot} {epoch}\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 def test_the_fence_file_is_private_and_checked_like_a_segment(pool, tmp_path):

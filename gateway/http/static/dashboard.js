@@ -87,6 +87,16 @@ function drawPool(pool) {
   $("n-shared").textContent = counts.shared;
   $("n-cached").textContent = counts.cached;
   $("pool-size").textContent = `${pool.num_blocks} blocks × ${pool.block_size} tokens`;
+  drawImageStore(pool.image_store);
+}
+
+function drawImageStore(store) {
+  $("t-images-tile").hidden = !store;
+  if (!store) return;
+  const mib = (bytes) => (bytes / 2 ** 20).toFixed(1);
+  $("t-images").textContent = `${store.stored_images} images`;
+  $("t-images-sub").textContent = `${mib(store.stored_bytes)} of ${mib(store.capacity_bytes)} MiB · ` +
+    `${store.hits} hits · ${store.misses} misses · ${store.evictions} evicted`;
 }
 
 function describeBlock(i) {

@@ -15,13 +15,14 @@ from transformers import AutoProcessor, GenerationConfig, LlavaForConditionalGen
 
 from cli.scrape import scrape
 from tests.e2e.stack import preemptions, start_stack
-from tests.e2e.test_vision import MODEL, QUESTION, chat, token_ids
 from tests.helpers import log_events
 from tests.vision_model import IMAGE_TOKENS, png, save_tiny_llava
+from tests.vision_requests import QUESTION, chat
 
 pytestmark = pytest.mark.e2e
 NEW_TOKENS = 24
 REQUESTS = 4
+MODEL = "tiny-llava"
 # NOTE: an image chat is 45 prompt tokens (6 blocks of 8), 9 blocks with its new tokens: 14 blocks hold
 # one whole and the start of another, so four at once outgrow them while prefilling and decoding; chunks of
 # 16 tokens end inside the image's tokens (positions 3-27).
@@ -83,7 +84,8 @@ def test_preempted_image_chats_are_recomputed_with_their_images(served):
     before, counts = preemptions(stack), vision_counts(stack)
     with ThreadPoolExecutor(REQUESTS) as pool:
         replies = list(pool.map(lambda image: ask(api, image), images))
-    assert [token_ids(reply.choices[0]) for reply in replies] == [tokens for tokens, _ in wanted]
+    served = [reply.choices[0].model_extra["token_ids"] for reply in replies]
+    assert served == [tokens for tokens, _ in wanted]
     assert preemptions(stack) > before, "the pool is meant to run out"
     computed = [
         n

@@ -36,7 +36,9 @@ def image(seed: int, **lease) -> compute_vision.StepImage:
     shape = [3, IMAGE_SIZE, IMAGE_SIZE]
     pixels = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     tensor = compute_pb2.ImageTensor(name="pixel_values", shape=shape, data=pixels.numpy().tobytes())
-    return compute_vision.StepImage(bytes([seed]) * 16, tensor, IMAGE_TOKENS, 0, 0, IMAGE_TOKENS, **lease)
+    return compute_vision.StepImage(
+        bytes([seed]) * 16, {"pixel_values": tensor}, IMAGE_TOKENS, 0, 0, IMAGE_TOKENS, **lease
+    )
 
 
 def test_an_image_is_written_to_its_range_then_read_there_without_encoding(encoder):

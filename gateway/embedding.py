@@ -40,11 +40,12 @@ class Embeddings:
         if scoring and not scores:
             raise InvalidArgument(
                 f"model {info.model} cannot score: scores come from a sequence-classification model of one "
-                "label (a cross-encoder or reranker, *ForSequenceClassification in its config.json)"
+                "label (a cross-encoder or reranker, *ForSequenceClassification in its config.json), or a "
+                "causal LM served with --classifier-from-token"
             )
         if scores and not scoring:
             raise InvalidArgument(
-                f"model {info.model} is a sequence-classification model: it serves scores (POST /v1/score, "
+                f"model {info.model} is served as a scoring model: it serves scores (POST /v1/score, "
                 "/v1/rerank, gRPC Score), not embeddings"
             )
         if not info.pooling.type:

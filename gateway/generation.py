@@ -162,7 +162,7 @@ class Generation:
         limits = self.grammars.limits
         if info.pooling.source == "score":
             raise InvalidArgument(
-                f"model {info.model} is a sequence-classification model: it serves scores (POST /v1/score, "
+                f"model {info.model} is served as a scoring model: it serves scores (POST /v1/score, "
                 "/v1/rerank, gRPC Score), not generation"
             )
         check_queue(self.engine.queued(), self.edge.limits)

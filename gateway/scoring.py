@@ -56,6 +56,7 @@ class Scores:
         return generation_pb2.ScoreResponse(
             request_id=reply.request_id,
             model=reply.model,
-            scores=[1 / (1 + math.exp(-item.values[0])) for item in reply.embeddings],
+            # the sigmoid, as tanh: no overflow for any logit
+            scores=[0.5 * (1 + math.tanh(item.values[0] / 2)) for item in reply.embeddings],
             usage=reply.usage,
         )

@@ -10,6 +10,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from compute_service import standby
+
 SOCKETS = ("cache", "compute")
 
 
@@ -70,7 +72,7 @@ def clean(runtime_dir: Path, created: bool) -> None:
     (compute_service/standby.py), and the directory if created."""
     for service in SOCKETS:
         socket_path(runtime_dir, service).unlink(missing_ok=True)
-    runtime_dir.joinpath("compute.sock.lock").unlink(missing_ok=True)
+    Path(standby.lock_path(str(socket_path(runtime_dir, "compute")))).unlink(missing_ok=True)
     if created:
         with contextlib.suppress(OSError):
             runtime_dir.rmdir()

@@ -45,14 +45,18 @@ def hold(socket: str) -> None:
         ) from None
 
 
-def wait_to_take_over(socket: str, log) -> None:
-    """Blocks until the socket's lock is free, then holds it for the life of this process. Meanwhile the
-    process stops as it would serving: SIGTERM, or the end of its lifeline (common/lifeline.py), which is sent
-    on as SIGTERM (before `Server.handle_signals` it ends the process; after, it stops the server)."""
+def stop_with_lifeline() -> None:
+    """From now on the end of this process's lifeline (common/lifeline.py) is sent on as SIGTERM: before
+    `Server.handle_signals` it ends the process (a standby still loading, or waiting), after it stops the
+    server as the lifeline would."""
     # NOTE: imported here: cli.processes reads this module's names and must stay light (no structlog).
     from common import lifeline
 
     lifeline.watch(lambda: os.kill(os.getpid(), signal.SIGTERM))
+
+
+def wait_to_take_over(socket: str, log) -> None:
+    """Blocks until the socket's lock is free, then holds it for the life of this process."""
     # NOTE: what start-up built is frozen now (common/server.py serve() does it too, then with nothing left).
     gc.collect()
     gc.freeze()

@@ -6,7 +6,7 @@ from files) of compute and the standby; and `pagedserve --help`, its wall and CP
 times and the median printed: CPU seconds hold on a busy machine, wall seconds do not. With --compute, only
 the compute service (the default model, on a unix socket) until it serves: its CPU seconds and wall.
 
-    .venv/bin/python scripts/startup_cost.py --runs 3 [--compute] [-- up flags...]
+    .venv/bin/python -m scripts.startup_cost --runs 3 [--compute] [-- up flags...]
 """
 
 import argparse

@@ -1,5 +1,6 @@
 """The services of `pagedserve up` as child processes: each stops in order when the launcher dies, one that
-exits unexpectedly is restarted with backoff, and the stack stops in a given order."""
+exits unexpectedly is restarted with backoff (or replaced by its warm standby, which takes its place by
+itself: compute_service/standby.py), and the stack stops in a given order."""
 
 import os
 import signal
@@ -67,6 +68,21 @@ class Service:
     restart_at: float | None = field(default=None)
 
 
+@dataclass
+class Standby:
+    """A second process of a service, started once armed and kept running, that takes the service's place
+    when it exits; its own exits are restarted with backoff under the same policy."""
+
+    argv: list[str]
+    restarts: Restarts
+    proc: subprocess.Popen | None = None
+    # When the next standby is due to start; None while one runs, or before `arm_standbys`.
+    start_at: float | None = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
 def describe_exit(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
@@ -76,6 +92,9 @@ class Supervisor:
     status REFUSED), stops them in reverse order (`stop`).
 
     `on_exit(name, pid)` runs once for every exited process, expected or not (e.g. to remove what it left).
+    `standbys` are the command lines of the services' standbys (see Standby), started once `arm_standbys`
+    was called: a service that exits while its standby runs is the standby from then on (counted as a
+    restart), and the next standby starts after the restart delay.
     """
 
     def __init__(
@@ -84,9 +103,13 @@ class Supervisor:
         policy: RestartPolicy,
         on_exit: Callable[[str, int], None] = lambda name, pid: None,
         clock: Callable[[], float] = time.monotonic,
+        standbys: dict[str, list[str]] | None = None,
     ) -> None:
         self.services = {
             name: Service(name, argv, Restarts(policy, clock)) for name, argv in commands.items()
+        }
+        self.standbys = {
+            name: Standby(argv, Restarts(policy, clock)) for name, argv in (standbys or {}).items()
         }
         self.on_exit = on_exit
         self.clock = clock
@@ -98,6 +121,13 @@ class Supervisor:
 
     def _spawn(self, service: Service) -> subprocess.Popen:
         return spawn(service.argv, *self._lifelines.of(service.name))
+
+    def arm_standbys(self) -> None:
+        """Standbys start from now on (`check` starts them): `up` calls it once the stack serves, so that
+        they do not slow its start."""
+        for standby in self.standbys.values():
+            if standby.proc is None and standby.start_at is None:
+                standby.start_at = self.clock()
 
     def pids(self) -> dict[str, int]:
         """The pid of each running service."""
@@ -114,6 +144,8 @@ class Supervisor:
                 service.restart_at = None
                 service.proc = self._spawn(service)
                 print(f"pagedserve: {service.name} restarted (pid {service.proc.pid})", file=sys.stderr)
+            if service.name in self.standbys:
+                self._check_standby(service, self.standbys[service.name])
         return None
 
     def _schedule_restart(self, service: Service) -> bool:
@@ -129,25 +161,51 @@ class Supervisor:
             print(f"pagedserve: {service.name} exited ({how}) more than {policy.max_restarts} times within "
                   f"{policy.window_s:g}s; stopping the stack", file=sys.stderr)  # fmt: skip
             return False
+        standby = self.standbys.get(service.name)
+        if standby is not None and standby.alive():
+            service.proc, standby.proc = standby.proc, None
+            standby.start_at = self.clock() + delay
+            print(f"pagedserve: {service.name} exited ({how}); its standby (pid {service.proc.pid}) takes "
+                  f"over, restart {service.restarts.count}; a new standby in {delay:g}s",
+                  file=sys.stderr)  # fmt: skip
+            return True
         print(f"pagedserve: {service.name} exited ({how}); restart {service.restarts.count} in {delay:g}s",
               file=sys.stderr)  # fmt: skip
         service.restart_at = self.clock() + delay
         return True
+
+    def _check_standby(self, service: Service, standby: Standby) -> None:
+        """Restarts a standby that exited (with backoff; none more past the policy's limit) and starts the
+        one due, once its service runs."""
+        if standby.proc is not None and standby.proc.poll() is not None:
+            self.on_exit(service.name, standby.proc.pid)
+            how, delay = describe_exit(standby.proc.returncode), standby.restarts.delay()
+            standby.proc = None
+            standby.start_at = None if delay is None else self.clock() + delay
+            then = "no standby from now on" if delay is None else f"a new one in {delay:g}s"
+            print(f"pagedserve: {service.name}'s standby exited ({how}); {then}", file=sys.stderr)
+        due = standby.start_at is not None and self.clock() >= standby.start_at
+        if due and service.restart_at is None:
+            standby.start_at = None
+            standby.proc = spawn(standby.argv, *self._lifelines.of(service.name))
+            print(f"pagedserve: {service.name} standby started (pid {standby.proc.pid})", file=sys.stderr)
 
     def stop(self, timeouts: dict[str, float]) -> None:
         """SIGTERM each running service in reverse start order and waits for it (its timeout, else
         STOP_TIMEOUT_S) before the next; SIGKILL when it does not exit in time. (The order the lifelines
         keep when the launcher dies instead.)"""
         for service in reversed(self.services.values()):
-            proc = service.proc
-            if proc is None or (service.restart_at is not None):
-                continue
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeouts.get(service.name, STOP_TIMEOUT_S))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            self.on_exit(service.name, proc.pid)
+            standby = self.standbys.get(service.name)
+            # NOTE: a standby first: it would take the place of the service stopped before it.
+            for proc in (standby.proc if standby else None, service.proc):
+                if proc is None or (proc is service.proc and service.restart_at is not None):
+                    continue
+                if proc.poll() is None:
+                    proc.terminate()
+                    try:
+                        proc.wait(timeouts.get(service.name, STOP_TIMEOUT_S))
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+                self.on_exit(service.name, proc.pid)
         self._lifelines.close()

@@ -20,6 +20,7 @@ from cli.supervisor import RestartPolicy, Supervisor
 from common import shm_files
 from common.healthcheck import serving
 from compute_service.options import OPTIONS as COMPUTE
+from compute_service.standby import FLAG as STANDBY_FLAG
 from gateway.options import OPTIONS as GATEWAY
 from gateway.options import UP_HTTP_PORT
 from gateway.tls import TlsError, probe_credentials
@@ -70,6 +71,13 @@ def add_parser(commands) -> None:
         default=RestartPolicy.window_s,
         help="seconds over which --max-restarts counts a service's exits",
     )
+    p.add_argument(
+        "--compute-standby",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep a second compute process loaded that takes over at once when compute exits (default: on "
+        "for a --kv-device cpu compute of one rank; it costs a second copy of the model's memory)",
+    )
     # Every service setting, each declaration once (the model and the log flags serve several services).
     for add in dict.fromkeys(add for options in OPTIONS.values() for add in options.settings):
         add(p)
@@ -112,6 +120,14 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     }
 
 
+def standby_commands(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The compute standby's command line (compute_service/standby.py), when there is one: compute's own."""
+    wanted = args.compute_standby
+    if wanted is None:
+        wanted = args.kv_device.type == "cpu" and args.tensor_parallel_size == 1
+    return {"compute": [*service_commands(args)["compute"], STANDBY_FLAG]} if wanted else {}
+
+
 def stop_timeouts(args: argparse.Namespace) -> dict[str, float]:
     """How long each service may take to stop before it is killed: the gateway its drain, the cache its
     tier's flush (see cache_service.tiers.manager.StopFlush), each plus a margin."""
@@ -129,6 +145,10 @@ def _remove_segments(name: str, pid: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compute_standby and args.tensor_parallel_size > 1:
+        print("pagedserve: --compute-standby serves one rank: leave it out with --tensor-parallel-size",
+              file=sys.stderr)  # fmt: skip
+        return 2
     path = runtime_path(args)
     try:
         created = runtime_dir.prepare(path)
@@ -156,7 +176,9 @@ def _supervise(args: argparse.Namespace) -> int:
             return 2
         probes["gateway"] = {"credentials": credentials, "options": options}
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
-    supervisor = Supervisor(service_commands(args), policy, on_exit=_remove_segments)
+    supervisor = Supervisor(
+        service_commands(args), policy, on_exit=_remove_segments, standbys=standby_commands(args)
+    )
     supervisor.start()
     deadline = time.monotonic() + START_TIMEOUT_S
     pending = set(targets)
@@ -178,6 +200,7 @@ def _supervise(args: argparse.Namespace) -> int:
                 scheme = "https" if args.tls_cert is not None else "http"
                 print(f"OpenAI-compatible API on {scheme}://{local}:{args.http_port}/v1", flush=True)
             deadline = 0.0
+            supervisor.arm_standbys()
         if deadline and time.monotonic() > deadline:
             print(
                 f"pagedserve: {', '.join(sorted(pending))} not healthy after {START_TIMEOUT_S:.0f}s",

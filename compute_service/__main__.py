@@ -1,7 +1,14 @@
 import os
+import sys
 
+from compute_service import standby
 from compute_service.lean_imports import import_modeling
 from compute_service.openmp import bound_spin
+
+# NOTE: before the imports (seconds): a standby whose lifeline ends meanwhile stops at once; it holds the
+# cache's lifeline, which would wait for it.
+if standby.FLAG in sys.argv[1:]:
+    standby.stop_with_lifeline()
 
 # NOTE: before anything imports torch, which loads the OpenMP runtime that reads it.
 bound_spin(os.environ)

@@ -186,9 +186,18 @@ def add_lora(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_standby(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="with --socket: load the model, then wait until the compute service serving on that socket "
+        "exits and take its place (pagedserve up's warm standby; docs/reliability.md)",
+    )
+
+
 OPTIONS = ServiceOptions(
     "compute_service",
     50053,
     settings=(add_model, add_dtype, add_kv_dtype, add_kv_device, add_settings, add_parallel, add_logging),
-    wiring=(add_listen, add_rank),
+    wiring=(add_listen, add_rank, add_standby),
 )

@@ -21,7 +21,7 @@ from common.precision import resolve_dtype, resolve_kv_dtype
 from common.server import serve
 from common.session_fence import SessionFence
 from common.shared_pool import dtype_from_name
-from compute_service import kernels, kv_pool, scoring, shard_group, tensor_parallel, vision
+from compute_service import kernels, kv_pool, scoring, shard_group, standby, tensor_parallel, vision
 from compute_service.attention.registry import require_block_size
 from compute_service.callers import CALLERS
 from compute_service.forward_steps import ForwardSteps
@@ -163,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = OPTIONS.parser(__doc__)
     args = parser.parse_args(argv)
     transport.check_listen(parser, args)
+    if args.standby and not (args.socket and args.tensor_parallel_size == 1):
+        parser.error("--standby takes over the unix socket of one rank: give --socket PATH, one rank")
     return args
 
 
@@ -268,6 +270,11 @@ def main(argv: list[str] | None = None) -> None:
     runner = Runner(model, spec.kv_scales, spec.plan, pooling.mode if pooling else "", adapters, group)
     runner.score = score
     servicer = ComputeServicer(runner, spec, log, args.kv_device, threads, steps)
+    try:
+        standby.take_address(args.socket, args.standby, log)
+    except ValueError as exc:
+        print(f"compute_service: {exc}", file=sys.stderr)
+        raise SystemExit(REFUSED) from exc
     serve_metrics(args.host, args.metrics_port, log)
     server = serve(
         [(compute_pb2_grpc.add_ComputeServicer_to_server, servicer, SERVICE_NAME)],

@@ -26,7 +26,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from cli.launch import Stack
-from cli.processes import services_of
+from cli.processes import services_of, standby_of
 
 ROOT = Path(__file__).resolve().parent.parent
 STREAMS = 4
@@ -67,6 +67,17 @@ def kill_compute(stack: Stack) -> float:
     killed_at = time.time()
     os.kill(pid, signal.SIGKILL)
     return killed_at
+
+
+def loaded_standby(stack: Stack, timeout: float = 900.0) -> int:
+    """The pid of the stack's compute standby once it is loaded and waiting to take over."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = standby_of(stack.proc.pid)
+        if found is not None and found[1]:
+            return found[0]
+        time.sleep(0.2)
+    raise TimeoutError(f"no compute standby loaded after {timeout:.0f}s")
 
 
 def last_attach(log: Path) -> dict:
@@ -118,6 +129,7 @@ def main() -> None:
         try:
             reference = streams(stack, prompts, args.tokens, args.after, lambda: None)[0]
             for index in range(args.runs):
+                standby = None if "--no-compute-standby" in args.flags else loaded_standby(stack)
                 outputs, arrivals, killed_at = streams(
                     stack, prompts, args.tokens, args.after, lambda: kill_compute(stack)
                 )
@@ -131,6 +143,8 @@ def main() -> None:
                         "kill_to_attached_s": round(attached["at"] - killed_at, 2),
                         "attached_to_next_token_s": round(next_token - attached["at"], 2),
                         "kept_running": attached.get("kept_running", 0),
+                        "standby_took_over": standby is not None
+                        and services_of(stack.proc.pid).get("compute") == standby,
                         "same_tokens": outputs == reference,
                         "restarted_compute": restarted_compute(stack),
                     }

@@ -1,10 +1,12 @@
 """What starting the stack costs: `pagedserve up` (with the flags given after `--`) until it prints its ready
 line, and the CPU seconds (user + system, reaped children included) that the launcher and each service spent
-by then; and `pagedserve --help`, its wall and CPU seconds. Each is run --runs times and the median printed:
-CPU seconds hold on a busy machine, wall seconds do not. With --compute, only the compute service (the default
-model, on a unix socket) until it serves: its CPU seconds and wall.
+by then; then until compute's warm standby (started once the stack is ready; not with --no-compute-standby)
+is loaded, its wall time from the ready line, its CPU seconds and the resident memory (private, and mapped
+from files) of compute and the standby; and `pagedserve --help`, its wall and CPU seconds. Each is run --runs
+times and the median printed: CPU seconds hold on a busy machine, wall seconds do not. With --compute, only
+the compute service (the default model, on a unix socket) until it serves: its CPU seconds and wall.
 
-    .venv/bin/python scripts/startup_cost.py --runs 3 [--compute] [-- up flags...]
+    .venv/bin/python -m scripts.startup_cost --runs 3 [--compute] [-- up flags...]
 """
 
 import argparse
@@ -19,10 +21,11 @@ import time
 from pathlib import Path
 
 from cli.launch import free_port, log_tail, spawn, stop
-from cli.processes import PROC, services_of
+from cli.processes import PROC, services_of, standby_of
 from common.healthcheck import serving
 
 ROOT = Path(__file__).resolve().parent.parent
+SERVICES = ("cache", "compute", "gateway")
 READY = "pagedserve ready on"
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -49,12 +52,29 @@ def up_once(flags: list[str], timeout: float) -> dict[str, float]:
         wall = time.monotonic() - began
         cost = {"launcher": cpu_seconds(proc.pid)}
         cost.update({name: cpu_seconds(pid) for name, pid in sorted(services_of(proc.pid).items())})
+        if "--no-compute-standby" not in flags:
+            cost.update(standby_loaded(proc, began + wall, timeout))
     finally:
         code = stop(proc, timeout=60)
         shutil.rmtree(sockets, ignore_errors=True)
     assert code == 0, f"pagedserve up exited with {code}:\n{log_tail(proc)}"
-    cost["total"] = sum(cost.values())
+    cost["total"] = sum(value for key, value in cost.items() if key in ("launcher", *SERVICES))
     return {**cost, "wall": wall}
+
+
+def standby_loaded(proc: subprocess.Popen, ready_at: float, timeout: float) -> dict[str, float]:
+    """Once the standby of `pagedserve up` (proc) is loaded: the wall seconds from ready_at, its CPU seconds,
+    and the resident MiB of compute and the standby (RssAnon: private; RssFile: mapped from files)."""
+    while (found := standby_of(proc.pid)) is None or not found[1]:
+        if proc.poll() is not None or time.monotonic() - ready_at > timeout:
+            raise RuntimeError(f"no compute standby loaded:\n{log_tail(proc)}")
+        time.sleep(0.05)
+    figures = {"standby_wall": time.monotonic() - ready_at, "standby": cpu_seconds(found[0])}
+    for name, pid in (("compute", services_of(proc.pid)["compute"]), ("standby", found[0])):
+        status = dict(line.split(":", 1) for line in (PROC / str(pid) / "status").read_text().splitlines())
+        for field in ("RssAnon", "RssFile"):
+            figures[f"{name}_{field}_MiB"] = int(status[field].split()[0]) / 1024
+    return figures
 
 
 def compute_once(flags: list[str], timeout: float) -> dict[str, float]:
@@ -110,7 +130,7 @@ def main() -> None:
     ups = []
     for run in range(args.runs):
         ups.append(up_once(args.flags, args.timeout))
-        print(f"up run {run + 1}: " + ", ".join(f"{key} {value:.2f}s" for key, value in ups[-1].items()))
+        print(f"up run {run + 1}: " + ", ".join(f"{key} {value:.2f}" for key, value in ups[-1].items()))
     print(f"pagedserve --help (median of {args.runs}): " + ", ".join(
         f"{key} {value:.2f}s" for key, value in medians(helps).items()))  # fmt: skip
     print(f"pagedserve up until ready (median of {args.runs}): " + ", ".join(

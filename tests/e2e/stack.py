@@ -31,8 +31,12 @@ def preemptions(stack: Stack) -> float:
 
 
 def start_stack(log_dir: Path, *args: str) -> Stack:
-    """`pagedserve up` with these flags on free ports, its log in log_dir; waits until it serves."""
-    return Stack.start(*args, log_dir=log_dir, cwd=ROOT, timeout=600)
+    """`pagedserve up` with these flags on free ports, its log in log_dir; waits until it serves. Without
+    compute's standby unless the flags ask for it: these stacks' compute is never killed, and a standby's
+    start (one compute start of CPU) would only slow the tests beside it; test_compute_standby.py and
+    test_supervisor.py run `up` with it."""
+    standby = () if any("compute-standby" in arg for arg in args) else ("--no-compute-standby",)
+    return Stack.start(*args, *standby, log_dir=log_dir, cwd=ROOT, timeout=600)
 
 
 @contextmanager

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from cli.launch import Stack
-from cli.processes import gone, services_of
+from cli.processes import gone, services_of, standby_of
 from common.healthcheck import serving
 from sdk.client import Client, GenerationError
 from tests.e2e.streaming import start_streams
@@ -225,9 +225,12 @@ def exit_times(pids: dict[str, int], timeout: float) -> dict[str, float]:
 
 def test_a_killed_launcher_drains_the_gateway_while_compute_and_cache_serve_it(tiny_model, logs):
     """Compute is stopped (SIGSTOP) from before the kill until the gateway drains, so the streams are still
-    running when the services learn that the launcher is gone."""
+    running when the services learn that the launcher is gone. Compute's standby stops on the same lifeline,
+    without taking over."""
     stack = start(tiny_model, logs, "--log-format", "json", "--drain-timeout", "120", "--step-timeout", "120")
-    pids = services_of(stack.proc.pid)
+    standby = wait_until(lambda: (standby_of(stack.proc.pid) or (0, False))[1], 300)
+    assert standby, "the standby loaded"
+    pids = {**services_of(stack.proc.pid), "standby": standby_of(stack.proc.pid)[0]}
     results, threads = [], []
     try:
         threads = start_streams(stack, STREAMS, NEW_TOKENS, results)
@@ -245,6 +248,7 @@ def test_a_killed_launcher_drains_the_gateway_while_compute_and_cache_serve_it(t
         assert results == [("length", NEW_TOKENS)] * STREAMS
         assert exited.keys() == pids.keys(), exited
         assert exited["gateway"] <= exited["compute"] <= exited["cache"], exited
+        assert exited["gateway"] <= exited["standby"] <= exited["cache"], exited
     finally:
         for thread in threads:
             thread.join(10)
@@ -253,4 +257,5 @@ def test_a_killed_launcher_drains_the_gateway_while_compute_and_cache_serve_it(t
                 os.kill(pid, signal.SIGKILL)
         stack.stop()
     assert wait_until(lambda: not left_by([pids["cache"]]), 5), "the cache unlinked its segment and fence"
-    assert len(events(stack, "lifeline_ended")) == 3, "each service stopped on its lifeline"
+    assert len(events(stack, "lifeline_ended")) == 4, "each service and the standby stopped on its lifeline"
+    assert not events(stack, "standby_taking_over")

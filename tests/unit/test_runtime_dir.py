@@ -2,12 +2,14 @@
 
 import argparse
 import os
+import pathlib
 import stat
 
 import pytest
 
 from cli import runtime_dir, up
 from cli.runtime_dir import UnsafeRuntimeDir
+from compute_service import standby
 
 
 def test_creates_a_private_directory_and_removes_it_with_the_sockets(tmp_path):
@@ -16,6 +18,8 @@ def test_creates_a_private_directory_and_removes_it_with_the_sockets(tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
     for service in runtime_dir.SOCKETS:
         runtime_dir.socket_path(path, service).touch()
+    # compute's lock beside its socket (compute_service/standby.py)
+    pathlib.Path(standby.lock_path(str(runtime_dir.socket_path(path, "compute")))).touch()
     runtime_dir.clean(path, created=True)
     assert not path.exists()
 

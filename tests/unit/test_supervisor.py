@@ -182,3 +182,52 @@ def test_a_killed_launchers_services_stop_in_order_the_last_started_first(tmp_pa
         for pid in pids:
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_standby_starts_once_armed_takes_the_place_of_its_service_and_is_replaced(capsys):
+    exits = []
+    supervisor = Supervisor(
+        {"a": SLEEPER, "b": SLEEPER},
+        RestartPolicy(first_delay_s=0.0),
+        on_exit=lambda name, pid: exits.append((name, pid)),
+        standbys={"b": SLEEPER},
+    )
+    supervisor.start()
+    try:
+        supervisor.check()
+        assert supervisor.standbys["b"].proc is None, "no standby before the stack is armed"
+        supervisor.arm_standbys()
+        supervisor.check()
+        standby = supervisor.standbys["b"].proc.pid
+        first = supervisor.pids()
+        assert standby not in first.values()
+        os.kill(first["b"], signal.SIGKILL)
+        assert wait_until(lambda: supervisor.check() is None and supervisor.pids()["b"] == standby)
+        assert wait_until(lambda: supervisor.check() is None and supervisor.standbys["b"].alive())
+        assert supervisor.standbys["b"].proc.pid not in (standby, first["b"]), "a new standby"
+        assert exits == [("b", first["b"])] and supervisor.services["b"].restarts.count == 1
+        err = capsys.readouterr().err
+        assert f"b exited (signal SIGKILL); its standby (pid {standby}) takes over, restart 1" in err
+        assert "b restarted" not in err, "no fresh process was started in its place"
+    finally:
+        supervisor.stop({})
+    assert [name for name, _ in exits] == ["b", "b", "b", "a"], "the standby stopped before its service"
+
+
+def test_a_standby_that_exits_is_started_again_and_the_service_restarts_without_one(capsys):
+    supervisor = Supervisor({"a": SLEEPER}, RestartPolicy(first_delay_s=0.0), standbys={"a": FAILING})
+    supervisor.start()
+    try:
+        supervisor.arm_standbys()
+        first = supervisor.pids()["a"]
+        assert wait_until(lambda: supervisor.check() is None and supervisor.standbys["a"].restarts.count == 2)
+        assert "a's standby exited (exit code 3); a new one in 0s" in capsys.readouterr().err
+        supervisor.standbys["a"].start_at = None  # no standby runs when the service exits
+        wait_until(lambda: supervisor.check() is None and not supervisor.standbys["a"].alive())
+        os.kill(first, signal.SIGKILL)
+        assert wait_until(
+            lambda: supervisor.check() is None and supervisor.pids().get("a") not in (None, first)
+        )
+        assert "a exited (signal SIGKILL); restart 1 in 0s" in capsys.readouterr().err
+    finally:
+        supervisor.stop({})

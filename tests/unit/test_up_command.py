@@ -18,6 +18,8 @@ PLACEMENT = {"--host", "--port", "--http-port", "--metrics-port", "--cache-targe
 PLACEMENT |= {"--socket", "--internal-certs", "--insecure"}
 # A tensor-parallel group's rendezvous and ranks: compute's rank 0 places the others (or torchrun, a pod).
 PLACEMENT |= {"--dist-init-addr", "--shard-rank"}
+# Whether a compute is the warm standby: up starts it (--compute-standby).
+PLACEMENT |= {"--standby"}
 # The placement flags up gives each service: cache and compute listen on unix sockets only.
 UP_PLACES = {
     "cache": {"--host", "--socket", "--metrics-port"},
@@ -223,6 +225,25 @@ def test_the_restart_policy_flags_stay_with_up():
         "--max-restarts" in command or "--restart-window" in command for command in commands.values()
     )
     assert service_args("gateway", commands["gateway"]).drain_timeout == 5.0
+
+
+def test_up_keeps_a_compute_standby_for_one_cpu_rank_unless_told_otherwise(capsys):
+    commands = up.service_commands(up_args())
+    assert up.standby_commands(up_args()) == {"compute": [*commands["compute"], "--standby"]}
+    assert service_args("compute", up.standby_commands(up_args())["compute"]).standby
+    assert not any("--standby" in command for command in commands.values())
+    assert up.standby_commands(up_args("--no-compute-standby")) == {}
+    assert up.standby_commands(up_args("--kv-device", "cuda")) == {}
+    assert up.standby_commands(up_args("--kv-device", "cuda", "--compute-standby")).keys() == {"compute"}
+    assert up.standby_commands(up_args("--tensor-parallel-size", "2")) == {}
+    assert up.run(up_args("--tensor-parallel-size", "2", "--compute-standby")) == 2
+    assert "--compute-standby serves one rank" in capsys.readouterr().err
+
+
+def test_compute_takes_over_only_a_unix_socket_of_one_rank(capsys):
+    with pytest.raises(SystemExit):
+        compute_args(["--insecure", "--standby"])
+    assert "--standby takes over the unix socket of one rank" in capsys.readouterr().err
 
 
 def test_up_puts_the_sockets_in_a_per_user_runtime_dir_by_default(monkeypatch):

@@ -10,7 +10,8 @@ import stat
 import tempfile
 from pathlib import Path
 
-SOCKETS = ("cache", "compute")
+# The prefill compute's only with --prefill-computes 1 (docs/scaling.md).
+SOCKETS = ("cache", "compute", "prefill")
 
 
 class UnsafeRuntimeDir(Exception):

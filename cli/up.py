@@ -16,6 +16,7 @@ from cache_service.options import OPTIONS as CACHE
 from cache_service.tiers.options import setting as tier_setting
 from cli import runtime_dir
 from cli.metrics_ports import SERVICES, metrics_port
+from cli.roles import add_roles, internal, refuse_roles, services
 from cli.supervisor import RestartPolicy, Supervisor
 from common import shm_files
 from common.healthcheck import serving
@@ -70,6 +71,7 @@ def add_parser(commands) -> None:
         default=RestartPolicy.window_s,
         help="seconds over which --max-restarts counts a service's exits",
     )
+    add_roles(p)
     # Every service setting, each declaration once (the model and the log flags serve several services).
     for add in dict.fromkeys(add for options in OPTIONS.values() for add in options.settings):
         add(p)
@@ -81,8 +83,9 @@ def runtime_path(args: argparse.Namespace) -> Path:
 
 
 def internal_targets(args: argparse.Namespace) -> dict[str, str]:
-    """The gRPC targets of cache and compute: unix sockets in the runtime directory."""
-    return {name: f"unix:{runtime_dir.socket_path(runtime_path(args), name)}" for name in runtime_dir.SOCKETS}
+    """The gRPC targets of cache and compute (and the prefill compute): unix sockets in the runtime
+    directory."""
+    return {name: f"unix:{runtime_dir.socket_path(runtime_path(args), name)}" for name in internal(args)}
 
 
 def _placement(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -91,15 +94,18 @@ def _placement(args: argparse.Namespace) -> dict[str, list[str]]:
         name: str(metrics_port(args.metrics_port, name) if args.metrics_port else 0) for name in SERVICES
     }
     targets = internal_targets(args)
+    # NOTE: the prefill compute serves no /metrics: BASE+2 is the compute's (docs/scaling.md).
     placement = {
         name: ["--host", INTERNAL_HOST, "--socket", str(runtime_dir.socket_path(runtime_path(args), name)),
-               "--metrics-port", metrics[name]]
-        for name in runtime_dir.SOCKETS
+               "--metrics-port", metrics.get(name, "0")]
+        for name in internal(args)
     }  # fmt: skip
     placement["gateway"] = ["--host", args.host, "--port", str(args.port), "--http-port", str(args.http_port),
                             "--metrics-port",
                             metrics["gateway"], "--cache-target", targets["cache"],
                             "--compute-target", targets["compute"]]  # fmt: skip
+    if "prefill" in targets:
+        placement["gateway"] += ["--prefill-compute-target", targets["prefill"]]
     return placement
 
 
@@ -108,7 +114,7 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     placement = _placement(args)
     return {
         name: [sys.executable, "-m", options.module, *placement[name], *options.command_line(args)]
-        for name, options in OPTIONS.items()
+        for name, options in services(args, OPTIONS).items()
     }
 
 
@@ -129,6 +135,10 @@ def _remove_segments(name: str, pid: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refusal = refuse_roles(args)
+    if refusal:
+        print(f"pagedserve: {refusal}", file=sys.stderr)
+        return 2
     path = runtime_path(args)
     try:
         created = runtime_dir.prepare(path)

@@ -12,7 +12,7 @@ the decodes, whose step it barely lengthens, and pays no round trip of its own.
 """
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 from typing import TYPE_CHECKING
@@ -104,8 +104,8 @@ class PrefillLane:
         multi-step call ends after its current step then); then the prefill's result is updated. The
         prefill's call is over before this returns, whatever happened: compute writes none of its blocks
         after that."""
-        send, start = self.executor.forward_call(prefill.seqs), time.monotonic()
-        future = self._thread.submit(send)
+        send, sent = self.executor.forward_call(prefill.seqs), StepTimer()
+        future = self._thread.submit(_timed, send, sent)
         future.add_done_callback(lambda _: runner.executor.end_call())
         runner.executor.ends_now, rounds = future.done, 0
         try:
@@ -115,10 +115,10 @@ class PrefillLane:
         finally:
             runner.executor.ends_now = _never
             wait([future])
-            ms = round((time.monotonic() - start) * 1e3, 2)
+            ms = round((time.perf_counter() - sent.start) * 1e3, 2)
             chunks = [[s.request_id, s.chunk_len] for s in prefill.seqs]
             log.debug("split_step", prefill=chunks, decodes=len(decode.seqs), rounds=rounds, ms=ms)
-        runner.update_all(self._results(runner, prefill, future))
+        runner.update_all(self._results(runner, prefill, future, sent))
 
     @staticmethod
     def _decode_rounds(runner: "StepRunner", rows: list[Sequence], future: Future) -> int:
@@ -142,9 +142,11 @@ class PrefillLane:
             rounds += 1
         return rounds
 
-    def _results(self, runner: "StepRunner", step: ScheduledStep, future: Future) -> Iterator[StepResult]:
-        """The prefill's result; if its call failed without losing the prefill compute, those of its rows'
-        reruns (on the decode compute) without the cause."""
+    def _results(
+        self, runner: "StepRunner", step: ScheduledStep, future: Future, timer: StepTimer
+    ) -> Iterator[StepResult]:
+        """The prefill's result (`timer` started as it was sent); if its call failed without losing the
+        prefill compute, those of its rows' reruns (on the decode compute) without the cause."""
         try:
             reply = future.result()
         except PeerFault as fault:
@@ -153,7 +155,6 @@ class PrefillLane:
             error: Exception = fault
         else:
             self.executor.took(step.seqs, reply)
-            timer = StepTimer()
             timer.compute = reply
             yield StepResult(step.seqs, reply, timer, step.kind)
             return
@@ -163,3 +164,9 @@ class PrefillLane:
 
 def _never() -> bool:
     return False
+
+
+def _timed(send: Callable[[], compute_pb2.ForwardResponse], timer: StepTimer) -> compute_pb2.ForwardResponse:
+    """The prefill's call, as its step's compute_rpc phase (the lane's thread holds the timer meanwhile)."""
+    with timer.phase("compute_rpc"):
+        return send()

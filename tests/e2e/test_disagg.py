@@ -96,7 +96,7 @@ def test_a_killed_prefill_compute_is_restarted_and_streams_go_on(served):
     def consume() -> None:
         with stack.client() as client:
             for chunk in client.stream(
-                token_ids=stream_prompt, max_tokens=300, temperature=0.0, ignore_eos=True
+                token_ids=stream_prompt, max_tokens=120, temperature=0.0, ignore_eos=True
             ):
                 tokens.extend(chunk.token_ids)
                 if len(tokens) >= 10:

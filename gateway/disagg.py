@@ -51,17 +51,23 @@ def split(seqs: list[Sequence], threshold: int) -> tuple[list[Sequence], list[Se
     return prefill, [seq for seq in seqs if id(seq) not in chosen]
 
 
+def prefill_info(compute: compute_pb2_grpc.ComputeStub, timeout: float, wait: bool) -> compute_pb2.ModelInfo:
+    """The prefill compute's model info (PeerFault naming "prefill" if the call fails): asked first, so
+    that a handshake waiting for a restarting prefill compute attaches nothing meanwhile."""
+    with calling("prefill"):
+        return compute.GetModelInfo(compute_pb2.GetModelInfoRequest(), wait_for_ready=wait, timeout=timeout)
+
+
 def attach_prefill(
     compute: compute_pb2_grpc.ComputeStub,
+    own: compute_pb2.ModelInfo,
     info: compute_pb2.ModelInfo,
     handle: common_pb2.PoolHandle,
     timeout: float,
-    wait: bool,
 ) -> None:
-    """The prefill compute attached to the decode compute's pool `handle`, after checking it serves the same
-    model as `info` in the same layout (PeerFault naming "prefill" if a call fails; ValueError if not)."""
-    with calling("prefill"):
-        own = compute.GetModelInfo(compute_pb2.GetModelInfoRequest(), wait_for_ready=wait, timeout=timeout)
+    """The prefill compute, whose model info is `own`, attached to the decode compute's pool `handle` after
+    checking it serves the same model as `info` in the same layout (PeerFault naming "prefill" if the call
+    fails; ValueError if not)."""
     differ = [name for name in _SAME if getattr(own, name) != getattr(info, name)]
     if differ or own.tensor_parallel_size > 1:
         raise ValueError(

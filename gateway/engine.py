@@ -10,7 +10,7 @@ import structlog
 from common.errors import Unavailable
 from common.server import channel
 from gateway.config import HANDSHAKE_TIMEOUT_S, RETRY_TIMEOUT_S, EngineConfig
-from gateway.disagg import attach_prefill
+from gateway.disagg import attach_prefill, prefill_info
 from gateway.engine_view import EngineView
 from gateway.handshake import handshake
 from gateway.inbox import Inbox
@@ -78,9 +78,10 @@ class Engine:
         completed steps and compute again only the step that was in flight. Otherwise the tables the cache
         held are freed (same pool) or forgotten (new epoch), the KV view starts afresh and the sequences keep
         their tokens for recompute, in a new session."""
+        prefill = prefill_info(self._prefill, timeout, wait) if self._prefill is not None else None
         info, handle = handshake(self._cache, self._compute, self.config.block_size, timeout, wait)
-        if self._prefill is not None:
-            attach_prefill(self._prefill, info, handle, timeout, wait)
+        if prefill is not None:
+            attach_prefill(self._prefill, prefill, info, handle, timeout)
         same_pool = self.handle is not None and self.handle.epoch == handle.epoch
         kept = same_pool and self._keep_tables and self.lease.held()
         self.model_info, self.handle = info, handle

@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=4, help="greedy streams decoding through the burst")
     parser.add_argument("--burst", type=int, default=4, help="prompts of the burst, sent at once")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="tokens of each burst prompt")
-    parser.add_argument("--repeats", type=int, default=3, help="bursts per layout")
+    parser.add_argument("--repeats", type=int, default=2, help="bursts per layout")
     parser.add_argument("--handoffs", type=int, default=5, help="requests alone, for the hand-over")
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--json", type=Path, help="also write the figures here")

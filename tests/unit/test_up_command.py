@@ -18,6 +18,8 @@ PLACEMENT = {"--host", "--port", "--http-port", "--metrics-port", "--cache-targe
 PLACEMENT |= {"--socket", "--internal-certs", "--insecure"}
 # A tensor-parallel group's rendezvous and ranks: compute's rank 0 places the others (or torchrun, a pod).
 PLACEMENT |= {"--dist-init-addr", "--shard-rank"}
+# A prefill compute beside the compute: up places it with --prefill-computes 1 (tests/unit/test_disagg.py).
+PLACEMENT |= {"--prefill-compute-target"}
 # The placement flags up gives each service: cache and compute listen on unix sockets only.
 UP_PLACES = {
     "cache": {"--host", "--socket", "--metrics-port"},

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from compute_service import standby
 
-SOCKETS = ("cache", "compute")
+# The prefill compute's only with --prefill-computes 1 (docs/scaling.md).
+SOCKETS = ("cache", "compute", "prefill")
 
 
 class UnsafeRuntimeDir(Exception):
@@ -68,11 +69,12 @@ def socket_path(runtime_dir: Path, service: str) -> Path:
 
 
 def clean(runtime_dir: Path, created: bool) -> None:
-    """Removes the sockets (a service killed with SIGKILL leaves its own) and compute's lock beside its socket
-    (compute_service/standby.py), and the directory if created."""
+    """Removes the sockets (a service killed with SIGKILL leaves its own) and each compute's lock beside its
+    socket (compute_service/standby.py), and the directory if created."""
     for service in SOCKETS:
         socket_path(runtime_dir, service).unlink(missing_ok=True)
-    Path(standby.lock_path(str(socket_path(runtime_dir, "compute")))).unlink(missing_ok=True)
+    for service in ("compute", "prefill"):
+        Path(standby.lock_path(str(socket_path(runtime_dir, service)))).unlink(missing_ok=True)
     if created:
         with contextlib.suppress(OSError):
             runtime_dir.rmdir()

@@ -16,6 +16,7 @@ from cache_service.options import OPTIONS as CACHE
 from cache_service.tiers.options import setting as tier_setting
 from cli import runtime_dir
 from cli.metrics_ports import SERVICES, metrics_port
+from cli.roles import add_roles, internal, refuse_roles, services
 from cli.supervisor import RestartPolicy, Supervisor
 from common import shm_files
 from common.healthcheck import serving
@@ -78,6 +79,7 @@ def add_parser(commands) -> None:
         help="keep a second compute process loaded that takes over at once when compute exits (default: on "
         "for a --kv-device cpu compute of one rank; it costs a second copy of the model's memory)",
     )
+    add_roles(p)
     # Every service setting, each declaration once (the model and the log flags serve several services).
     for add in dict.fromkeys(add for options in OPTIONS.values() for add in options.settings):
         add(p)
@@ -89,8 +91,9 @@ def runtime_path(args: argparse.Namespace) -> Path:
 
 
 def internal_targets(args: argparse.Namespace) -> dict[str, str]:
-    """The gRPC targets of cache and compute: unix sockets in the runtime directory."""
-    return {name: f"unix:{runtime_dir.socket_path(runtime_path(args), name)}" for name in runtime_dir.SOCKETS}
+    """The gRPC targets of cache and compute (and the prefill compute): unix sockets in the runtime
+    directory."""
+    return {name: f"unix:{runtime_dir.socket_path(runtime_path(args), name)}" for name in internal(args)}
 
 
 def _placement(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -99,15 +102,18 @@ def _placement(args: argparse.Namespace) -> dict[str, list[str]]:
         name: str(metrics_port(args.metrics_port, name) if args.metrics_port else 0) for name in SERVICES
     }
     targets = internal_targets(args)
+    # NOTE: the prefill compute serves no /metrics: BASE+2 is the compute's (docs/scaling.md).
     placement = {
         name: ["--host", INTERNAL_HOST, "--socket", str(runtime_dir.socket_path(runtime_path(args), name)),
-               "--metrics-port", metrics[name]]
-        for name in runtime_dir.SOCKETS
+               "--metrics-port", metrics.get(name, "0")]
+        for name in internal(args)
     }  # fmt: skip
     placement["gateway"] = ["--host", args.host, "--port", str(args.port), "--http-port", str(args.http_port),
                             "--metrics-port",
                             metrics["gateway"], "--cache-target", targets["cache"],
                             "--compute-target", targets["compute"]]  # fmt: skip
+    if "prefill" in targets:
+        placement["gateway"] += ["--prefill-compute-target", targets["prefill"]]
     return placement
 
 
@@ -116,7 +122,7 @@ def service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     placement = _placement(args)
     return {
         name: [sys.executable, "-m", options.module, *placement[name], *options.command_line(args)]
-        for name, options in OPTIONS.items()
+        for name, options in services(args, OPTIONS).items()
     }
 
 
@@ -145,9 +151,11 @@ def _remove_segments(name: str, pid: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.compute_standby and args.tensor_parallel_size > 1:
-        print("pagedserve: --compute-standby serves one rank: leave it out with --tensor-parallel-size",
-              file=sys.stderr)  # fmt: skip
+    refusal = refuse_roles(args)
+    if not refusal and args.compute_standby and args.tensor_parallel_size > 1:
+        refusal = "--compute-standby serves one rank: leave it out with --tensor-parallel-size"
+    if refusal:
+        print(f"pagedserve: {refusal}", file=sys.stderr)
         return 2
     path = runtime_path(args)
     try:

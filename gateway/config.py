@@ -15,6 +15,8 @@ DEFAULT_PACE_STREAMS = 4
 DEFAULT_DECODE_STEPS = 32
 # --encoder-budget: see docs/vision.md.
 DEFAULT_ENCODER_BUDGET = 4096
+# --prefill-threshold: see docs/scaling.md, Disaggregated prefill and decode.
+DEFAULT_PREFILL_THRESHOLD = 64
 
 
 @dataclass(frozen=True)
@@ -49,3 +51,7 @@ class EngineConfig:
     step_hook: str = ""
     # Image tokens one step may cover (gateway.vision.EncoderBudget).
     encoder_budget: int = DEFAULT_ENCODER_BUDGET
+    # A prefill compute beside the compute, attached to the same pool (gateway/disagg.py); "": none.
+    prefill_target: str = ""
+    # Tokens left to compute from which a prompt chunk runs on the prefill compute (gateway/disagg.py).
+    prefill_threshold: int = DEFAULT_PREFILL_THRESHOLD

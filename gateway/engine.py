@@ -10,6 +10,7 @@ import structlog
 from common.errors import Unavailable
 from common.server import channel
 from gateway.config import HANDSHAKE_TIMEOUT_S, RETRY_TIMEOUT_S, EngineConfig
+from gateway.disagg import attach_prefill, prefill_info
 from gateway.engine_view import EngineView
 from gateway.handshake import handshake
 from gateway.image_leases import ImageLeases
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = structlog.get_logger()
+# The peers whose loss leaves the cache's pool and tables: the compute, and a prefill compute beside it.
+COMPUTES = ("compute", "prefill")
 
 
 class Engine:
@@ -42,6 +45,11 @@ class Engine:
         self._compute = compute_pb2_grpc.ComputeStub(
             channel(config.compute_target, credentials, RECONNECT_OPTIONS)
         )
+        self._prefill = None
+        if config.prefill_target:
+            self._prefill = compute_pb2_grpc.ComputeStub(
+                channel(config.prefill_target, credentials, RECONNECT_OPTIONS)
+            )
         self.inbox = Inbox()
         self.model_info: compute_pb2.ModelInfo | None = None
         self.handle: common_pb2.PoolHandle | None = None
@@ -51,6 +59,8 @@ class Engine:
         self.live: LiveSeqs | None = None
         self.view = EngineView()  # for the dashboard
         targets = {"cache": config.cache_target, "compute": config.compute_target}
+        if config.prefill_target:
+            targets["prefill"] = config.prefill_target
         self.recovery = PeerRecovery(config.peer_restart_grace_s, targets)
         self._attached_at = 0.0
         # Set when the loop died: every request is refused with it.
@@ -69,7 +79,10 @@ class Engine:
         completed steps and compute again only the step that was in flight. Otherwise the tables the cache
         held are freed (same pool) or forgotten (new epoch), the KV view starts afresh and the sequences keep
         their tokens for recompute, in a new session."""
+        prefill = prefill_info(self._prefill, timeout, wait) if self._prefill is not None else None
         info, handle = handshake(self._cache, self._compute, self.config.block_size, timeout, wait)
+        if prefill is not None:
+            attach_prefill(self._prefill, prefill, info, handle, timeout)
         same_pool = self.handle is not None and self.handle.epoch == handle.epoch
         kept = same_pool and self._keep_tables and self.lease.held()
         self.model_info, self.handle = info, handle
@@ -98,10 +111,20 @@ class Engine:
             self.scheduler.encoder = EncoderBudget(config.encoder_budget)
             self.live = LiveSeqs(self.scheduler, self.kv)
             self.runner = StepRunner(
-                self._compute, self.scheduler, self.live, self.lease, self.view, self.tokenizer, config
+                self._compute,
+                self.scheduler,
+                self.live,
+                self.lease,
+                self.view,
+                self.tokenizer,
+                config,
+                self._prefill,
             )
             self.inbox.interrupt = self.runner.executor.end_call
-            self.runner.executor.images = ImageLeases(self._cache, self.lease, config.rpc_timeout_s)
+            images = ImageLeases(self._cache, self.lease, config.rpc_timeout_s)
+            self.runner.executor.images = images
+            if self.runner.prefill is not None:
+                self.runner.prefill.executor.images = images
             return
         self.scheduler.requeue_running()
         held = [seq for seq in self.live.all() if self.kv.holds(seq)]
@@ -213,7 +236,7 @@ class Engine:
         first = not self.recovery.active
         if first:
             log.warning("peer_lost", peer=service, running=len(self.scheduler.running))
-        self._keep_tables = service == "compute" and (first or self._keep_tables)
+        self._keep_tables = service in COMPUTES and (first or self._keep_tables)
         self.recovery.lost(service)
         if not self._keep_tables:
             self.scheduler.requeue_running()

@@ -5,7 +5,7 @@ isolates its cause (gateway/step_faults.py)."""
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from common.server import request_metadata
 from gateway import prompt_scores
@@ -27,11 +27,16 @@ class StepExecutor:
     engine thread; `end_call` may come from any thread."""
 
     def __init__(
-        self, compute: compute_pb2_grpc.ComputeStub, kv: KVView, lease: Lease, config: EngineConfig
+        self,
+        compute: compute_pb2_grpc.ComputeStub,
+        kv: KVView,
+        lease: Lease,
+        config: EngineConfig,
+        peer: str = "compute",
     ) -> None:
         # NOTE: every request names the lease's session epoch: compute runs it only while that session is
         # open at the cache (the pool's session fence), so a lapsed lease's step writes nothing.
-        self._compute, self._kv, self._lease = compute, kv, lease
+        self._compute, self._kv, self._lease, self._peer = compute, kv, lease, peer
         self._deadline = StepDeadline(config.step_timeout_s, config.rpc_timeout_s)
         self._draft_tokens = config.draft_tokens
         self._epoch, self._eos = "", frozenset()
@@ -39,6 +44,9 @@ class StepExecutor:
         self._call_stop: threading.Event | None = None
         # The image store's leases around a step with images (gateway.image_leases; None: none taken).
         self.images: ImageLeases | None = None
+        # Whether a multi-step call is to end after its first step already (a disaggregated step's decode
+        # rounds end once the prefill compute is back: gateway/disagg.py).
+        self.ends_now: Callable[[], bool] = lambda: False
 
     def attach(self, epoch: str, eos_ids: frozenset[int]) -> None:
         """The pool compute has attached, and the model's EOS ids."""
@@ -68,25 +76,39 @@ class StepExecutor:
 
     def _forward(self, seqs: list[Sequence]) -> compute_pb2.ForwardResponse:
         """One Forward of the chunks of `seqs` (PeerFault naming compute if it fails)."""
+        reply = self.forward_call(seqs)()
+        self.took(seqs, reply)
+        return reply
+
+    def forward_call(self, seqs: list[Sequence]) -> Callable[[], compute_pb2.ForwardResponse]:
+        """The Forward of the chunks of `seqs`, built now; the call that sends it (from any thread) returns
+        compute's reply, or raises PeerFault naming this executor's peer."""
         tables = self._kv.step_tables(seqs)
         request = forward_request(seqs, tables, self._epoch, self._eos, self._lease.epoch)
         tokens, metadata = len(request.token_ids), request_metadata(seq.request_id for seq in seqs)
         leased = self.images.acquire(request, [seq.cache_salt for seq in seqs]) if self.images else []
-        try:
-            with calling("compute"):
-                start = time.monotonic()
-                reply = self._compute.Forward(
-                    request, timeout=self._deadline.timeout(tokens), metadata=metadata
-                )
-        except PeerFault as fault:
+
+        def send() -> compute_pb2.ForwardResponse:
+            try:
+                with calling(self._peer):
+                    start = time.monotonic()
+                    timeout = self._deadline.timeout(tokens)
+                    reply = self._compute.Forward(request, timeout=timeout, metadata=metadata)
+            except PeerFault as fault:
+                if leased:
+                    self.images.release(leased, ran=False, settled=fault.err.code() not in IN_DOUBT)
+                raise
             if leased:
-                self.images.release(leased, ran=False, settled=fault.err.code() not in IN_DOUBT)
-            raise
-        if leased:
-            self.images.release(leased, ran=True)
-        self._deadline.observe(time.monotonic() - start, tokens)
+                self.images.release(leased, ran=True)
+            self._deadline.observe(time.monotonic() - start, tokens)
+            return reply
+
+        return send
+
+    @staticmethod
+    def took(seqs: list[Sequence], reply: compute_pb2.ForwardResponse) -> None:
+        """A Forward's reply kept by its rows (their prompt scores), on the engine thread."""
         prompt_scores.collect(seqs, reply)
-        return reply
 
     def _multi_step(self, seqs: list[Sequence], steps: int, timer: StepTimer) -> Iterator[StepResult]:
         """The decode step of `seqs` and up to steps - 1 more in one ForwardSteps call, a StepResult (and
@@ -96,9 +118,11 @@ class StepExecutor:
         request = multi_step_request(seqs, tables, self._epoch, self._eos, limits, self._lease.epoch)
         with_lookup(request, seqs, self._draft_tokens)
         stop = self._call_stop = threading.Event()
+        if self.ends_now():
+            stop.set()
         step_s, deadline = self._deadline.timeout(len(seqs)), None
         try:
-            with calling("compute"):
+            with calling(self._peer):
                 replies = self._compute.ForwardSteps(
                     _messages(request, stop),
                     timeout=step_s * steps,

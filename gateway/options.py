@@ -12,6 +12,7 @@ from gateway.config import (
     DEFAULT_DECODE_STEPS,
     DEFAULT_ENCODER_BUDGET,
     DEFAULT_PACE_STREAMS,
+    DEFAULT_PREFILL_THRESHOLD,
 )
 from gateway.limits import add_limits
 from gateway.reasoning.formats import NAMES as REASONING_PARSERS
@@ -25,6 +26,12 @@ def add_targets(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compute-target", default="127.0.0.1:50053", help="the compute service, HOST:PORT or unix:PATH"
+    )
+    parser.add_argument(
+        "--prefill-compute-target",
+        default="",
+        help="a prefill compute, HOST:PORT or unix:PATH, serving the model beside --compute-target on the "
+        "same host: long prompt chunks run there while the decodes go on (docs/scaling.md); default: none",
     )
     add_client_certs(parser, with_identity=False)
 
@@ -142,6 +149,13 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         "beyond them stops before it, unless the step has no image yet (docs/vision.md)",
     )
     parser.add_argument("--max-seqs", type=int, default=64, help="sequences running at once")
+    parser.add_argument(
+        "--prefill-threshold",
+        type=_tokens,
+        default=DEFAULT_PREFILL_THRESHOLD,
+        help="with a prefill compute: a prompt chunk runs there when its sequence has at least this many "
+        "tokens left to compute; shorter ones stay on the decode compute (docs/scaling.md)",
+    )
     parser.add_argument(
         "--tool-call-parser",
         choices=("auto", *TOOL_PARSERS),

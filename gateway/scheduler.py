@@ -107,12 +107,13 @@ class Scheduler:
                 seq.forget_prefix()
         return step if step.seqs or step.faulty else None
 
-    def multi_steps(self, step: ScheduledStep, max_steps: int, news: bool) -> int:
+    def multi_steps(self, step: ScheduledStep, max_steps: int, news: bool, waiting: bool = True) -> int:
         """How many steps an all-decode step may run as one multi-step call (1: a plain Forward): while no
-        request waits (for room the lookahead blocks would hold) or is new (`news`), `max_steps`, halved
-        until the slots its rows may still write fit above the watermark."""
+        request waits (for room the lookahead blocks would hold; `waiting` False: none is admitted before the
+        call ends anyway) or is new (`news`), `max_steps`, halved until the slots its rows may still write
+        fit above the watermark."""
         kv = self.kv
-        if max_steps <= 1 or news or self.waiting:
+        if max_steps <= 1 or news or (waiting and self.waiting):
             return 1
         if not can_multi_step(step.seqs) or not all(map(kv.holds, step.seqs)):
             return 1

@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
             internal_credentials=internal,
             step_hook=args.step_hook,
             encoder_budget=args.encoder_budget,
+            prefill_target=args.prefill_compute_target,
+            prefill_threshold=args.prefill_threshold,
         ),
         tokenizer,
     )
@@ -176,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
         daemon=True,
     ).start()
     targets = {"cache": args.cache_target, "compute": args.compute_target}
+    if args.prefill_compute_target:
+        targets["prefill"] = args.prefill_compute_target
     watcher = DownstreamWatcher(
         server, SERVICE, targets, engine.attached_epoch, engine.peer_restarted, credentials=internal
     )

@@ -20,6 +20,7 @@ import structlog
 
 from common.errors import from_rpc_error
 from gateway.config import EngineConfig
+from gateway.disagg import PrefillLane
 from gateway.engine_view import EngineView
 from gateway.executor import StepExecutor
 from gateway.lease import Lease
@@ -56,10 +57,12 @@ class StepRunner:
         view: EngineView,
         tokenizer: "PreTrainedTokenizerBase",
         config: EngineConfig,
+        prefill: compute_pb2_grpc.ComputeStub | None = None,
     ) -> None:
         self._hook = hook = load_hook(config.step_hook) if config.step_hook else None
         self.scheduler, self.kv, self.live, self.lease = scheduler, scheduler.kv, live, lease
         self.executor = StepExecutor(hook.compute(compute) if hook else compute, self.kv, lease, config)
+        self.prefill = PrefillLane(prefill, self.kv, lease, config) if prefill is not None else None
         self.view, self.tokenizer, self.decode_steps = view, tokenizer, config.decode_steps
         self.faults = StepFaults(live)
         self._eos: frozenset[int] = frozenset()
@@ -67,6 +70,8 @@ class StepRunner:
     def attach(self, epoch: str, eos_ids: frozenset[int]) -> None:
         """The pool compute has attached, and the model's EOS ids."""
         self.executor.attach(epoch, eos_ids)
+        if self.prefill is not None:
+            self.prefill.executor.attach(epoch, eos_ids)
         self._eos = eos_ids
 
     # schedule
@@ -110,7 +115,8 @@ class StepRunner:
             log.debug("step", chunks=[[s.request_id, s.index, s.chunk_len] for s in step.seqs])
             if not self.lease.held():  # the blocks may be another gateway's by now: compute must not write
                 return "cache"
-            self._run(step, timer)
+            if self.prefill is None or not self.prefill.run(self, step, timer):  # gateway/disagg.py
+                self.update_all(self.results(step, timer))
         except PeerFault as fault:
             if fault.lost:
                 return fault.service
@@ -129,9 +135,9 @@ class StepRunner:
             log.info("preempted", seq_ids=[s.seq_id for s in step.preempted], computed=computed)
             return
         lookahead = self.scheduler.multi_steps(step, self.decode_steps, news) - 1
-        step.num_steps = self._reserve_rows(step, lookahead) + 1
+        step.num_steps = self.reserve_rows(step, lookahead) + 1
 
-    def _reserve_rows(self, step: ScheduledStep, lookahead: int) -> int:
+    def reserve_rows(self, step: ScheduledStep, lookahead: int) -> int:
         """The step's Reserve, with slots for up to `lookahead` more tokens per sequence; returns the
         lookahead reserved (0 if the blocks for it were short). One refused for want of blocks (the
         admission counted on a stale Lookup) undoes the step's admissions: those sequences wait again, and
@@ -164,7 +170,7 @@ class StepRunner:
 
     def _short_of_blocks(self, step: ScheduledStep, lookahead: int, fault: PeerFault) -> int:
         if lookahead:
-            return self._reserve_rows(step, 0)
+            return self.reserve_rows(step, 0)
         new = [seq for seq in step.seqs if not self.kv.holds(seq)]
         if not new:
             raise fault
@@ -177,13 +183,13 @@ class StepRunner:
         return 0
 
     # run
-    def _run(self, step: ScheduledStep, timer: StepTimer) -> None:
+    def update_all(self, results: Iterator[StepResult]) -> None:
         """The run stage's results, each updated as it comes; the outputs held while compute ran their rows on
         are handed over once the call is over."""
         held: list[tuple[Sequence, Output]] = []
         deferred: Faulty = []
         try:
-            with closing(self._results(step, timer)) as results:
+            with closing(results) as results:
                 for result in results:
                     held += self._update(result, deferred)
         finally:
@@ -192,7 +198,7 @@ class StepRunner:
                 seq.outbox.put(output)
             self.faults.set_aside(deferred)
 
-    def _results(self, step: ScheduledStep, timer: StepTimer) -> Iterator[StepResult]:
+    def results(self, step: ScheduledStep, timer: StepTimer) -> Iterator[StepResult]:
         """The step's results; if it fails without losing a peer, those of its rows' reruns without the
         cause."""
         try:
@@ -207,9 +213,9 @@ class StepRunner:
         except Exception as exc:  # noqa: BLE001 - isolated below
             error = exc
         log.warning("step_fault", seq_ids=[s.seq_id for s in step.seqs], error=str(error))
-        yield from self.faults.isolate(step.seqs, error, partial(self._rerun, step.kind))
+        yield from self.faults.isolate(step.seqs, error, partial(self.rerun, step.kind))
 
-    def _rerun(self, kind: str, rows: list[Sequence]) -> StepResult | None:
+    def rerun(self, kind: str, rows: list[Sequence]) -> StepResult | None:
         """The rows run again as a step of their own (a Forward). A row a multi-step call had advanced (its
         chunk computed by an earlier step of the call) gets its next decode token as its chunk."""
         for seq in rows:

@@ -20,6 +20,8 @@ PLACEMENT |= {"--socket", "--internal-certs", "--insecure"}
 PLACEMENT |= {"--dist-init-addr", "--shard-rank"}
 # Whether a compute is the warm standby: up starts it (--compute-standby).
 PLACEMENT |= {"--standby"}
+# A prefill compute beside the compute: up places it with --prefill-computes 1 (tests/unit/test_disagg.py).
+PLACEMENT |= {"--prefill-compute-target"}
 # The placement flags up gives each service: cache and compute listen on unix sockets only.
 UP_PLACES = {
     "cache": {"--host", "--socket", "--metrics-port"},

@@ -46,8 +46,8 @@ class StepTimer:
         """kind: 'prefill' or 'decode'. Returns the step's wall time in seconds."""
         seconds = time.perf_counter() - self.start
         STEP_SECONDS.labels(kind).observe(seconds)
-        for name, seconds in self.phases.items():
-            PHASE_SECONDS.labels(kind, name).observe(seconds)
+        for name, phase_s in self.phases.items():
+            PHASE_SECONDS.labels(kind, name).observe(phase_s)
         if self.compute is not None:
             for name in COMPUTE_PHASES:
                 ms = getattr(self.compute, f"{name}_ms")

@@ -2,11 +2,17 @@
 for them (float32): the reference a served image chat must give."""
 
 import base64
+import contextlib
 import io
+from collections.abc import Iterator
+from pathlib import Path
 
+import openai
 import torch
 from PIL import Image
-from transformers import GenerationConfig
+from transformers import AutoProcessor, GenerationConfig, LlavaForConditionalGeneration
+
+from tests.e2e.stack import start_stack
 
 QUESTION = "What is in this picture?"
 
@@ -32,3 +38,15 @@ def greedy_reference(reference, processor, image: bytes, new_tokens: int, text: 
     with torch.inference_mode():
         out = reference.generate(**inputs, generation_config=config)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@contextlib.contextmanager
+def serving(path: Path, logs: Path, *flags: str) -> Iterator[tuple]:
+    """A stack serving the tiny LLaVA saved at `path` with `flags`: (the stack, the `openai` client on it,
+    transformers' model and processor of the same files); the stack stops cleanly at the end."""
+    stack = start_stack(logs, "--model", str(path), *flags)
+    reference = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    with openai.OpenAI(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=300) as api:
+        yield stack, api, reference, processor
+    assert stack.stop() == 0

@@ -13,18 +13,14 @@ import subprocess
 import time
 
 import grpc
-import openai
 import pytest
-import torch
-from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from cli.processes import services_of
 from cli.scrape import scrape
 from protos import cache_pb2
-from tests.e2e.stack import start_stack
 from tests.helpers import PAGEDSERVE
 from tests.vision_model import IMAGE_TOKENS, png, save_tiny_llava
-from tests.vision_requests import chat, greedy_reference
+from tests.vision_requests import chat, greedy_reference, serving
 
 pytestmark = pytest.mark.e2e
 NEW_TOKENS = 4
@@ -42,12 +38,8 @@ FLAGS = (
 def served(tmp_path_factory, model_dir, logs):
     """(its stack, the openai client, transformers' model and processor)."""
     path = save_tiny_llava(tmp_path_factory.mktemp("image-store") / MODEL, model_dir)
-    stack = start_stack(logs, "--model", str(path), *FLAGS)
-    reference = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(path)
-    with openai.OpenAI(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=300) as api:
-        yield stack, api, reference, processor
-    assert stack.stop() == 0
+    with serving(path, logs, *FLAGS) as parts:
+        yield parts
 
 
 def ask(api, image: bytes) -> list[int]:

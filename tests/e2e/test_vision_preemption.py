@@ -7,17 +7,16 @@ still gives transformers' greedy tokens (float32)."""
 import io
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoProcessor, GenerationConfig, LlavaForConditionalGeneration
+from transformers import GenerationConfig
 
 from cli.scrape import scrape
-from tests.e2e.stack import preemptions, start_stack
+from tests.e2e.stack import preemptions
 from tests.helpers import log_events
 from tests.vision_model import IMAGE_TOKENS, png, save_tiny_llava
-from tests.vision_requests import QUESTION, chat
+from tests.vision_requests import QUESTION, chat, serving
 
 pytestmark = pytest.mark.e2e
 NEW_TOKENS = 24
@@ -35,12 +34,8 @@ GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_
 def served(tmp_path_factory, model_dir, logs):
     """(its stack, the openai client, transformers' model and processor)."""
     path = save_tiny_llava(tmp_path_factory.mktemp("vision") / MODEL, model_dir)
-    stack = start_stack(logs, "--model", str(path), *FLAGS)
-    reference = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(path)
-    with openai.OpenAI(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=300) as api:
-        yield stack, api, reference, processor
-    assert stack.stop() == 0
+    with serving(path, logs, *FLAGS) as parts:
+        yield parts
 
 
 def expected(reference, processor, image: bytes) -> tuple[list[int], list[int]]:

@@ -4,6 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.model_files import local_copy
+from tests.e2e.greedy import keep_references
 from tests.e2e.stack import SMALL_FLAGS, start_stack
 from tests.tiny_model import save_tiny_llama
 
@@ -89,12 +90,15 @@ def small_stack(model_dir, logs):
 
 @pytest.fixture(scope="session")
 def hf_models(model_dir):
-    """The same weights in plain transformers, per dtype, loaded once."""
+    """The same weights in plain transformers, per dtype, loaded once (never changed: their greedy references
+    are kept)."""
     loaded = {}
 
     def get(dtype: torch.dtype):
         if dtype not in loaded:
-            loaded[dtype] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+            loaded[dtype] = keep_references(
+                AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+            )
         return loaded[dtype]
 
     return get

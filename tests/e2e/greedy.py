@@ -23,15 +23,23 @@ def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
 
 def hf_greedy_gaps(model, ids: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens, and at each of them the gap between the top two log-probabilities;
-    computed once per model, prompt and length in a test session (modules ask for the same references)."""
-    known = _REFERENCES.setdefault(model, {})
+    computed once per prompt and length for a model given to `keep_references`."""
+    known = _REFERENCES.get(model)
+    if known is None:
+        return _hf_greedy_gaps(model, ids, new_tokens)
     if (key := (tuple(ids), new_tokens)) not in known:
         known[key] = _hf_greedy_gaps(model, ids, new_tokens)
     tokens, gaps = known[key]
     return list(tokens), list(gaps)
 
 
-# The references computed so far, per model while it lives.
+def keep_references(model):
+    """`model`, its greedy references kept from now on while it lives: for a model no test changes after
+    loading (no adapter switched, no weight set), which many modules ask for the same references."""
+    _REFERENCES[model] = {}
+    return model
+
+
 _REFERENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -133,7 +133,9 @@ def test_the_cache_creates_a_device_pool_and_compute_attaches_it(fake):
             vision=None,
         )
         spec.vocab_size, spec.max_model_len, spec.attention_backend = 10, 64, "cuda"
-        runner = SimpleNamespace(attach=lambda pool, layout: setattr(runner, "pool", pool), group=None)
+        runner = SimpleNamespace(
+            attach=lambda pool, layout: setattr(runner, "pool", pool), group=None, vision=None
+        )
         servicer = ComputeServicer(runner, spec, SimpleNamespace(info=lambda *a, **k: None), CUDA0)
         reply = servicer.AttachPool(kv.handle, None)
         assert (reply.epoch, reply.num_blocks) == (kv.handle.epoch, 3)

@@ -19,12 +19,12 @@ import openai
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoProcessor, GenerationConfig, LlavaForConditionalGeneration
+from transformers import GenerationConfig
 
 from cli.scrape import scrape
-from tests.e2e.stack import start_stack
 from tests.helpers import PAGEDSERVE
 from tests.vision_model import IMAGE_TOKENS, png, save_tiny_llava
+from tests.vision_requests import serving
 
 pytestmark = pytest.mark.e2e
 NEW_TOKENS = 6
@@ -59,12 +59,8 @@ def served(tmp_path_factory, model_dir, logs, media):
     """(model directory, its stack, the openai client, transformers' model and processor)."""
     path = save_tiny_llava(tmp_path_factory.mktemp("vision") / MODEL, model_dir)
     allowed = ("--allowed-local-media-path", str(media[0]), "--allowed-media-domains", "127.0.0.1")
-    stack = start_stack(logs, "--model", str(path), *FLAGS, *allowed)
-    reference = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(path)
-    with openai.OpenAI(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=300) as api:
-        yield stack, api, reference, processor
-    assert stack.stop() == 0
+    with serving(path, logs, *FLAGS, *allowed) as parts:
+        yield parts
 
 
 def data_url(image: bytes) -> str:

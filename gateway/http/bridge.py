@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway.auth import Tenant
 from gateway.embedding import Embeddings
@@ -118,3 +120,18 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+class EventStream(StreamingResponse):
+    """A request's server-sent events, the iterator closed however the response ends. A client gone while an
+    event was being sent leaves the iterator suspended at its yield: closed here, it ends the call at once,
+    not when the garbage collector finds it."""
+
+    def __init__(self, events: AsyncIterator[str], headers: dict[str, str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import structlog
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from grpc_health.v1 import health_pb2
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -22,7 +22,7 @@ from common.errors import PagedServeError
 from gateway.http import lora_api, openai_embeddings, openai_scores
 from gateway.http.app import Installer
 from gateway.http.body import request_json
-from gateway.http.bridge import Bridge, unless_disconnected
+from gateway.http.bridge import Bridge, EventStream, unless_disconnected
 from gateway.http.errors import HttpError, from_gateway, invalid
 from gateway.http.guard import REQUEST_ID_HEADER, guarded
 from gateway.http.image_parts import DATA_ONLY, MediaSources, has_images
@@ -201,9 +201,9 @@ async def _generate(front: Front, request: Request, request_id: str, chat: bool,
     if body.stream:
         first = await unless_disconnected(request, anext(replies))
         usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _events(first, replies, rendering, usage, renames)
-        headers = {REQUEST_ID_HEADER: first.request_id}
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return EventStream(
+            _events(first, replies, rendering, usage, renames), {REQUEST_ID_HEADER: first.request_id}
+        )
     gathered = await unless_disconnected(request, gather(replies))
     whole = rendering.whole(gathered, proto.sampling.HasField("logprobs"))
     return JSONResponse(whole, headers={REQUEST_ID_HEADER: rendering.request_id})

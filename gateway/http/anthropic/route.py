@@ -8,14 +8,14 @@ from collections.abc import AsyncIterator
 
 import structlog
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from common.errors import PagedServeError
 from gateway.http.anthropic.output import MessageOutput, matched_stop
 from gateway.http.anthropic.request import CountRequest, MessagesRequest, generate_request, has_images
 from gateway.http.app import Installer
 from gateway.http.body import request_json
-from gateway.http.bridge import unless_disconnected
+from gateway.http.bridge import EventStream, unless_disconnected
 from gateway.http.errors import HttpError, from_gateway
 from gateway.http.guard import REQUEST_ID_HEADER, guarded
 from gateway.http.openai_api import Front, gather
@@ -106,10 +106,7 @@ async def _message(front: Front, request: Request, request_id: str) -> Response:
     replies = _counted(front.bridge.replies(proto, tenant), tokens)
     if body.stream:
         first = await unless_disconnected(request, anext(replies))
-        headers = {REQUEST_ID_HEADER: first.request_id}
-        return StreamingResponse(
-            _events(first, replies, output), media_type="text/event-stream", headers=headers
-        )
+        return EventStream(_events(first, replies, output), {REQUEST_ID_HEADER: first.request_id})
     gathered = await unless_disconnected(request, gather(replies))
     for reply in gathered:
         output.events(reply)

@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 
 import structlog
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from common.errors import PagedServeError
 from gateway.http.app import Installer
 from gateway.http.body import request_json
-from gateway.http.bridge import unless_disconnected
+from gateway.http.bridge import EventStream, unless_disconnected
 from gateway.http.errors import from_gateway, invalid
 from gateway.http.guard import REQUEST_ID_HEADER, guarded
 from gateway.http.openai_api import Front, gather
@@ -86,10 +86,7 @@ async def _respond(front: Front, request: Request, request_id: str) -> Response:
     replies = front.bridge.replies(proto, tenant)
     if body.stream:
         first = await unless_disconnected(request, anext(replies))
-        headers = {REQUEST_ID_HEADER: first.request_id}
-        return StreamingResponse(
-            _events(first, replies, output, keep), media_type="text/event-stream", headers=headers
-        )
+        return EventStream(_events(first, replies, output, keep), {REQUEST_ID_HEADER: first.request_id})
     gathered = await unless_disconnected(request, gather(replies))
     for reply in gathered:
         output.events(reply)

@@ -240,7 +240,8 @@ def test_a_client_that_disconnects_mid_request_frees_its_blocks(stack_fp32, stre
     finally:
         client.kill()
         client.wait()
-    assert used_blocks_after(stack_fp32, 5) == 0
+    # NOTE: what is asserted is that the blocks come back, not how soon: a loaded machine takes seconds.
+    assert used_blocks_after(stack_fp32, 30) == 0
 
 
 def post(url: str, body: dict, *args: str) -> list[str]:

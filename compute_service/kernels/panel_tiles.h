@@ -16,10 +16,12 @@ constexpr int kLanes = vec::kLanes;
 constexpr int kVectors = 2;
 constexpr int kMaxRows = 12;  // 24 accumulators of the 32 vector registers
 #else
-// NOTE: 3 x 4 rather than 2 x 6 (both 12 accumulators of the 16 vector registers): fewer broadcasts per
-// product, and faster at prompt-sized batches.
-constexpr int kVectors = 3;
-constexpr int kMaxRows = 4;
+// NOTE: 6 rows x 2 vectors, not 4 x 3: both hold 12 accumulators of the 16 vector registers, but beside 4 x 3's
+// accumulators and broadcast no register is left for the panel's 3 vectors, so GCC reads them again as an operand
+// of every FMA: 16 loads per 12 FMAs, and the loads set the pace. 6 x 2 keeps the panel's 2 vectors in registers:
+// 8 loads per 12 FMAs (figures: docs/internals/cpu-fast-path.md).
+constexpr int kVectors = 2;
+constexpr int kMaxRows = 6;
 #endif
 constexpr int64_t kPanel = kVectors * kLanes;
 // How far ahead of the k step computed the panel is prefetched: 16 float32 steps (best of 8-128 measured).

@@ -15,10 +15,14 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// NOTE: 16 independent chains of FMAs per thread: enough to keep two FMA units of 4-cycle latency busy on
-// every ISA the build targets (8 would do; more costs nothing but registers, and 16 vectors fit in both
-// AVX2's 16 and AVX-512's 32).
+// NOTE: independent chains of FMAs per thread, enough to keep two FMA units busy through their latency, and
+// with the multiplier and the addend no more than the vector registers: 16 of AVX-512's 32, 14 of AVX2's 16
+// (16 chains on AVX2 spilled one to the stack every round and measured half the peak; docs/benchmarking.md).
+#ifdef __AVX512F__
 constexpr int kChains = 16;
+#else
+constexpr int kChains = 14;
+#endif
 constexpr int64_t kRound = 1 << 16;
 // Where the loops' results go, so that the compiler keeps the work that makes them.
 volatile float sink;

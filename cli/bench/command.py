@@ -129,12 +129,14 @@ def _peers(args, workload, dtype: str) -> dict:
 
 def _start(args, *flags: str) -> Stack:
     """A stack of the bench's model, dtype, KV dtype, block size and linear path, with these extra `up`
-    flags."""
+    flags.
+    NOTE: without compute's standby: it would load (seconds of CPU, at a lower priority) while the first runs
+    are measured; once loaded it waits without using any, so the stack serves alike with or without it."""
     linear = ["--plain-linear"] if args.plain_linear else []
     return Stack.start(
         "--model", args.model, "--dtype", args.dtype, "--kv-dtype", args.kv_dtype,
         "--block-size", str(args.block_size), "--weights", args.weights, *linear, *TIER.command_line(args),
-        *STEP_SIZING.command_line(args), *flags,
+        *STEP_SIZING.command_line(args), "--no-compute-standby", *flags,
     )  # fmt: skip
 
 

@@ -3,6 +3,7 @@ compute loads the model and waits on compute's socket lock; a compute killed wit
 (no fresh process started), the gateway goes on from the KV the cache kept, the streams end with the
 fault-free run's greedy tokens, and `up` starts the next standby. The tiny model starts fast."""
 
+import contextlib
 import os
 import signal
 import time
@@ -13,6 +14,7 @@ import pytest
 
 from cli.launch import Stack
 from cli.processes import services_of, standby_of
+from compute_service.standby import STANDBY_NICE
 from tests.helpers import ROOT, log_events
 
 pytestmark = pytest.mark.e2e
@@ -35,6 +37,15 @@ def loaded_standby(stack: Stack, other_than: int = 0) -> int | None:
     """The pid of the stack's standby (not `other_than`) once it is loaded and waits to take over."""
     found = standby_of(stack.proc.pid)
     return found[0] if found is not None and found[1] and found[0] != other_than else None
+
+
+def priorities(pid: int) -> set[int]:
+    """The nice values of process pid's threads."""
+    found = set()
+    for thread in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            found.add(os.getpriority(os.PRIO_PROCESS, int(thread.name)))
+    return found
 
 
 def listening_on(socket: Path, pid: int) -> bool:
@@ -70,6 +81,10 @@ def test_a_killed_compute_is_replaced_by_its_standby_and_the_streams_go_on(tiny_
             expected = [client.generate(**request).token_ids for request in requests]
         compute = services_of(stack.proc.pid)["compute"]
         assert compute != standby
+        serving = os.getpriority(os.PRIO_PROCESS, compute)
+        assert priorities(standby) == {min(serving + STANDBY_NICE, 19)}, (
+            "the standby yields the CPU, every thread"
+        )
         with ThreadPoolExecutor(STREAMS) as pool:
             running = [pool.submit(run, i) for i in range(STREAMS)]
             assert wait_until(lambda: min(received) >= KILL_AFTER, 60), received
@@ -81,6 +96,7 @@ def test_a_killed_compute_is_replaced_by_its_standby_and_the_streams_go_on(tiny_
         assert services_of(stack.proc.pid)["compute"] == standby
         socket = Path(stack.compute_target.removeprefix("unix:"))
         assert listening_on(socket, standby), "the standby serves compute's socket"
+        assert priorities(standby) == {serving}, "taking over, every thread got compute's priority back"
         log = stack.proc.log_path.read_text()
         assert f"compute exited (signal SIGKILL); its standby (pid {standby}) takes over, restart 1" in log
         assert "compute restarted" not in log, "no fresh compute was started in its place"

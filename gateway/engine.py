@@ -166,8 +166,7 @@ class Engine:
         (time.monotonic()); the engine attaches again unless it did since."""
         with self.inbox.lock:
             if self._attached_at < seen_at:
-                self.inbox.lost.add(service)
-                self.inbox.posted()
+                self.inbox.lose(service, seen_at)
 
     def session_lost(self) -> None:
         """From the lease: recovered like a lost cache."""
@@ -206,12 +205,13 @@ class Engine:
             self.view.publish(self.scheduler, self.kv)
             # NOTE: work that cannot be scheduled (none should exist) waits for news instead of spinning.
             runnable = self.scheduler.has_work() and not blocked and not self.recovery.active
-            news = self.inbox.take(runnable, self.recovery.retry_in() if self.recovery.active else None)
+            retry_in = self.recovery.retry_in() if self.recovery.active else None
+            news = self.inbox.take(runnable, retry_in, self._attached_at)
             if news is None:
                 return
             intake, aborts, lost = news
             for service in lost:
-                self._lose(service)
+                self._lose(service, "its health check saw it restart")
             timer = StepTimer()
             with timer.phase("schedule"):
                 self.live.add(intake)
@@ -226,16 +226,16 @@ class Engine:
             if step is not None:
                 lost = self.runner.run(step, timer, bool(self.inbox.intake))
                 if lost:
-                    self._lose(lost)
+                    self._lose(*lost)
 
     # recovery
-    def _lose(self, service: str) -> None:
+    def _lose(self, service: str, why: str) -> None:
         """Stops stepping until the next handshake. A lost cache took the tables: the running sequences wait
         again, to be recomputed. A lost compute (and nothing else since the last attach) leaves them
         running: the handshake keeps their tables if the cache kept its pool (see handshake)."""
         first = not self.recovery.active
         if first:
-            log.warning("peer_lost", peer=service, running=len(self.scheduler.running))
+            log.warning("peer_lost", peer=service, running=len(self.scheduler.running), error=why)
         self._keep_tables = service in COMPUTES and (first or self._keep_tables)
         self.recovery.lost(service)
         if not self._keep_tables:

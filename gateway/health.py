@@ -64,10 +64,11 @@ class DownstreamWatcher:
         """Why the engine's pool is not the one the cache serves now, or None when it is."""
         if self._attached_epoch is None:
             return None
+        # NOTE: taken before the attached epoch is read: an attach after it may be to the pool asked about.
+        asked_at = time.monotonic()
         attached = self._attached_epoch()
         if attached is None:
             return "no pool attached"
-        asked_at = time.monotonic()
         try:
             with channel(self._targets["cache"], self._credentials) as ch:
                 stats = cache_pb2_grpc.CacheStub(ch).GetStats(

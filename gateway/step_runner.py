@@ -99,11 +99,11 @@ class StepRunner:
         return step
 
     # one step
-    def run(self, step: ScheduledStep, timer: StepTimer, news: bool) -> str | None:
+    def run(self, step: ScheduledStep, timer: StepTimer, news: bool) -> tuple[str, str] | None:
         """The step's blocks reserved (or the preempted freed), then run and updated; `news`: requests wait to
-        be admitted (no multi-step call then). Returns the peer lost, which stops the engine's stepping
-        until it is back; another failed call ends the step's sequences with its error, and any other
-        exception with INTERNAL."""
+        be admitted (no multi-step call then). Returns the peer lost and why, which stops the engine's
+        stepping until it is back; another failed call ends the step's sequences with its error, and any
+        other exception with INTERNAL."""
         seqs = step.seqs or step.preempted
         if not seqs:
             return None
@@ -114,12 +114,12 @@ class StepRunner:
                 return None
             log.debug("step", chunks=[[s.request_id, s.index, s.chunk_len] for s in step.seqs])
             if not self.lease.held():  # the blocks may be another gateway's by now: compute must not write
-                return "cache"
+                return "cache", "the session's lease lapsed"
             if self.prefill is None or not self.prefill.run(self, step, timer):  # gateway/disagg.py
                 self.update_all(self.results(step, timer))
         except PeerFault as fault:
             if fault.lost:
-                return fault.service
+                return fault.service, str(fault)
             self.live.fail(seqs, from_rpc_error(fault.err))
         except Exception as exc:  # noqa: BLE001 - one step's fault must not end the loop
             self.live.fail_internal(seqs, exc)

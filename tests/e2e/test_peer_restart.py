@@ -129,6 +129,11 @@ def recoveries(services: Services) -> list[str]:
     return [line["peer"] for line in lines if line["event"] == "peer_recovered"]
 
 
+def lost(services: Services) -> list[str]:
+    """The gateway's peer_lost events, each as `peer: why`."""
+    return [f"{line['peer']}: {line['error']}" for line in gateway_events(services, "peer_lost")]
+
+
 def four_streams(services: Services, fault) -> tuple[list[list[int]], list[list[tuple[float, int]]], object]:
     """The FOUR prompts streamed at once; once each has FAULT_AFTER tokens, `fault()` runs; then each is read
     to its end. Returns each stream's tokens, its chunks' (arrival, tokens so far), and what fault gave."""
@@ -198,7 +203,9 @@ def test_a_compute_killed_mid_decode_goes_on_from_the_kv_already_written(service
 
     outputs, arrivals, (killed_at, before) = four_streams(services, kill_and_restart)
     assert outputs == four_reference
-    assert recoveries(services) == ["compute"], "the streams were running when compute died"
+    assert recoveries(services) == ["compute"], (
+        f"the streams were running when compute died: {lost(services)}"
+    )
     assert gateway_events(services, "attached")[-1]["kept_running"] == len(FOUR), "the tables were kept"
     # The streams went on in the blocks they held: none was freed and admitted again (its prefix looked up,
     # its last block copied), as a recompute does.
@@ -225,7 +232,9 @@ def test_a_cache_killed_and_restarted_mid_stream_changes_no_token(services, refe
 
     tokens = stream_through(services, restart_cache)
     assert tokens == reference
-    assert recoveries(services) == ["compute", "cache"], "the stream was still running when the cache died"
+    assert recoveries(services) == ["compute", "cache"], (
+        f"the stream was still running when the cache died: {lost(services)}"
+    )
     deadline = time.monotonic() + 10
     while status(services.gateway, GATEWAY_SERVICE) != "SERVING" and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -245,7 +254,9 @@ def test_a_hung_compute_is_lost_at_the_step_deadline_and_attached_again_once_it_
     started = time.monotonic()
     tokens = stream_through(services, hang_compute)
     assert tokens == reference
-    assert recoveries(services) == ["compute", "cache", "compute"], "the step deadline passed"
+    assert recoveries(services) == ["compute", "cache", "compute"], (
+        f"the step deadline passed: {lost(services)}"
+    )
     assert time.monotonic() - started < 60, "not the 120 s RPC timeout"
 
 

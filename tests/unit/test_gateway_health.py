@@ -1,5 +1,7 @@
 """The gateway is SERVING only while both downstream services answer SERVING."""
 
+import time
+
 import structlog
 from grpc_health.v1 import health_pb2
 
@@ -86,6 +88,32 @@ def test_serving_needs_the_attached_pool_to_be_the_caches_and_a_restart_is_repor
             assert sorted(restarts) == ["cache", "cache", "compute"], "both names answered again"
         finally:
             restarted.stop(0)
+    finally:
+        gateway.stop(0)
+        cache.stop(0)
+
+
+def test_a_stale_pool_is_reported_as_seen_before_the_attached_epoch_was_read():
+    log = structlog.get_logger()
+    stats = EpochCache("e2")
+    cache = serve(
+        [(cache_pb2_grpc.add_CacheServicer_to_server, stats, "pagedserve.v1.Cache")], "127.0.0.1", 0, log
+    )
+    gateway = serve([], "127.0.0.1", 0, log)
+    target = f"127.0.0.1:{cache.port}"
+    read_at, restarts = [], []
+
+    def attached_epoch() -> str:
+        read_at.append(time.monotonic())
+        return "e1"  # read just before the engine attached e2: the engine must not attach again for it
+
+    watcher = DownstreamWatcher(
+        gateway, SERVICE, {"cache": target}, attached_epoch, lambda name, at: restarts.append((name, at))
+    )
+    try:
+        assert watcher.stale_pool() is not None
+        ((name, seen_at),) = restarts
+        assert name == "cache" and seen_at <= read_at[0], "an attach after the read may be to e2"
     finally:
         gateway.stop(0)
         cache.stop(0)

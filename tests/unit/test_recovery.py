@@ -3,6 +3,7 @@ isolation of one step (and of the rows compute refuses by name), a dead loop, sh
 machine, step deadline, stream cap."""
 
 import threading
+import time
 from dataclasses import replace
 
 import grpc
@@ -90,6 +91,30 @@ def test_a_compute_step_past_its_deadline_counts_as_compute_lost(start, referenc
     compute.before[3] = too_slow
     assert run_all(engine) == reference
     assert not compute.before, "the fault happened"
+    assert_nothing_held(engine, cache)
+
+
+def test_a_restart_the_health_check_reports_during_the_handshake_that_attached_it_is_not_lost_again(
+    start, reference
+):
+    engine, cache, compute = start()
+    attach, attaches, down_at = compute.AttachPool, [], []
+
+    def die():
+        down_at.append(time.monotonic())
+        raise unreachable("compute")
+
+    def attach_pool(handle, **kwargs):
+        reply = attach(handle, **kwargs)
+        attaches.append(handle.epoch)
+        # The health watcher saw compute down before it restarted, and tells the engine while it attaches.
+        engine.peer_restarted("compute", down_at[0])
+        return reply
+
+    compute.before[3] = die
+    compute.AttachPool = attach_pool
+    assert run_all(engine) == reference
+    assert attaches == [cache.epoch], "attached once after the loss, not again for the notice"
     assert_nothing_held(engine, cache)
 
 

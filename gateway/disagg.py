@@ -9,6 +9,12 @@ state between steps).
 Routing: a row goes to the prefill compute when it computes more than one token and at least `threshold` of
 its tokens are still to compute (a prompt, or a preempted sequence computed again); a shorter one stays with
 the decodes, whose step it barely lengthens, and pays no round trip of its own.
+
+A prefill compute that is gone (nothing answers, or a restarted process without the pool) detaches the lane:
+the rows of its call run again on the decode compute, which runs whole steps, prompts and decodes, until the
+lane attaches the prefill compute again (retried with the recovery's delays). One that does not answer within
+the step deadline may only be stalled, and write later into its call's blocks: it stops the engine as a lost
+compute does (gateway/engine.py).
 """
 
 import time
@@ -19,11 +25,11 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gateway.config import EngineConfig
+from gateway.config import RETRY_TIMEOUT_S, EngineConfig
 from gateway.executor import StepExecutor
 from gateway.kv_view import KVView
 from gateway.lease import Lease
-from gateway.recovery import PeerFault, calling
+from gateway.recovery import PeerFault, PeerRecovery, calling
 from gateway.sequence import Sequence
 from gateway.step import ScheduledStep, StepResult
 from gateway.step_timer import StepTimer
@@ -91,11 +97,51 @@ class PrefillLane:
     ) -> None:
         self.threshold = config.prefill_threshold
         self.executor = StepExecutor(compute, kv, lease, config, peer="prefill")
+        self._compute = compute
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="prefill")
+        # Whether the prefill compute is attached to the pool; while not, attached again when `_retry` says.
+        self.attached = False
+        self._retry = PeerRecovery(0.0, {"prefill": config.prefill_target})
+
+    def attached_to(self, attached: bool, handle: common_pb2.PoolHandle) -> None:
+        """After the engine's handshake: the prefill compute attached to the pool `handle`, or gone."""
+        if not attached:
+            self.detach("gone at the handshake")
+            return
+        if self._retry.active:
+            log.info("prefill_attached", epoch=handle.epoch)
+        self.attached = True
+        self._retry.recovered()
+
+    def detach(self, why: str) -> None:
+        """The prefill compute is gone: the decode compute runs whole steps until it is attached again."""
+        if self.attached or not self._retry.active:
+            log.warning("prefill_detached", error=why)
+        self.attached = False
+        self._retry.lost("prefill")
+
+    def retry_in(self) -> float | None:
+        """Seconds until the detached lane's next attempt to attach (0: now); None while attached."""
+        return None if self.attached else self._retry.retry_in()
+
+    def reattach(self, info: compute_pb2.ModelInfo, handle: common_pb2.PoolHandle) -> None:
+        """One attempt to attach the prefill compute again, at most RETRY_TIMEOUT_S; a failed one is retried
+        after the recovery's next delay."""
+        try:
+            own = prefill_info(self._compute, RETRY_TIMEOUT_S, wait=False)
+            attach_prefill(self._compute, own, info, handle, RETRY_TIMEOUT_S)
+        except (PeerFault, ValueError) as error:
+            log.debug("prefill_attach_failed", error=str(error))
+            self._retry.failed("prefill")
+        else:
+            self.attached_to(True, handle)
 
     def run(self, runner: "StepRunner", step: ScheduledStep, timer: StepTimer) -> bool:
-        """Runs the step's run and update stages split between the computes, if a row routes to the prefill
-        compute; returns whether it did (if not, the decode compute runs the whole step)."""
+        """Runs the step's run and update stages split between the computes, if the prefill compute is
+        attached and a row routes to it; returns whether it did (if not, the decode compute runs the whole
+        step)."""
+        if not self.attached:
+            return False
         prefill, decode = split(step.seqs, self.threshold)
         if not prefill:
             return False
@@ -151,11 +197,19 @@ class PrefillLane:
     def _results(
         self, runner: "StepRunner", step: ScheduledStep, future: Future, timer: StepTimer
     ) -> Iterator[StepResult]:
-        """The prefill's result (`timer` started as it was sent); if its call failed without losing the
-        prefill compute, those of its rows' reruns (on the decode compute) without the cause."""
+        """The prefill's result (`timer` started as it was sent); if the prefill compute is gone, its rows'
+        rerun on the decode compute; if its call failed without losing the prefill compute, those of its rows'
+        reruns (on the decode compute) without the cause."""
         try:
             reply = future.result()
         except PeerFault as fault:
+            if fault.lost and fault.gone:
+                self.detach(str(fault))
+                rows = runner.faults.pending(step.seqs)
+                rerun = runner.rerun(step.kind, rows) if rows else None
+                if rerun is not None:
+                    yield rerun
+                return
             if fault.lost:
                 raise
             error: Exception = fault

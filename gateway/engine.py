@@ -79,7 +79,7 @@ class Engine:
         completed steps and compute again only the step that was in flight. Otherwise the tables the cache
         held are freed (same pool) or forgotten (new epoch), the KV view starts afresh and the sequences keep
         their tokens for recompute, in a new session."""
-        prefill = prefill_info(self._prefill, timeout, wait) if self._prefill is not None else None
+        prefill = self._prefill_info(timeout, wait)
         info, handle = handshake(self._cache, self._compute, self.config.block_size, timeout, wait)
         if prefill is not None:
             attach_prefill(self._prefill, prefill, info, handle, timeout)
@@ -89,6 +89,8 @@ class Engine:
         if not kept:
             self._attach(handle.shape[2], same_pool, tuple(g.window for g in handle.kv_groups) or (0,))
         self.runner.attach(handle.epoch, frozenset(info.eos_token_ids))
+        if self.runner.prefill is not None:
+            self.runner.prefill.attached_to(prefill is not None, handle)
         self.runner.executor.images.attach(info, handle)
         if not kept:
             with calling("cache"):
@@ -98,6 +100,18 @@ class Engine:
         kept_running = len(self.scheduler.running) if kept else 0
         log.info("attached", model=info.model, num_blocks=handle.shape[2], epoch=handle.epoch,
                  again=same_pool, kept_running=kept_running)  # fmt: skip
+
+    def _prefill_info(self, timeout: float, wait: bool) -> compute_pb2.ModelInfo | None:
+        """The prefill compute's model info, asked first (see prefill_info); None when, in a recovery, it is
+        gone: the engine attaches the others and steps without it (gateway/disagg.py)."""
+        if self._prefill is None:
+            return None
+        try:
+            return prefill_info(self._prefill, timeout, wait)
+        except PeerFault as fault:
+            if wait or not fault.gone:
+                raise
+            return None
 
     def _attach(self, num_blocks: int, same_pool: bool, windows: tuple[int, ...]) -> None:
         if self.kv is None:  # the first handshake
@@ -205,13 +219,19 @@ class Engine:
             self.view.publish(self.scheduler, self.kv)
             # NOTE: work that cannot be scheduled (none should exist) waits for news instead of spinning.
             runnable = self.scheduler.has_work() and not blocked and not self.recovery.active
-            retry_in = self.recovery.retry_in() if self.recovery.active else None
-            news = self.inbox.take(runnable, retry_in, self._attached_at)
+            lane = self.runner.prefill
+            waits = [self.recovery.retry_in()] if self.recovery.active else []
+            if lane is not None and not lane.attached:
+                waits.append(lane.retry_in())
+            news = self.inbox.take(runnable, min(waits, default=None), self._attached_at)
             if news is None:
                 return
             intake, aborts, lost = news
             for service in lost:
-                self._lose(service, "its health check saw it restart")
+                if service == "prefill" and lane is not None:
+                    lane.detach("its health check saw it restart")
+                else:
+                    self._lose(service, "its health check saw it restart")
             timer = StepTimer()
             with timer.phase("schedule"):
                 self.live.add(intake)
@@ -221,6 +241,8 @@ class Engine:
                 if self.recovery.active:
                     self._recover()
                     continue
+                if lane is not None and lane.retry_in() == 0:
+                    lane.reattach(self.model_info, self.handle)
                 step = self.runner.schedule()
             blocked = step is None
             if step is not None:

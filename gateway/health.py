@@ -20,6 +20,9 @@ class DownstreamWatcher:
     """Polls grpc.health.v1 on each downstream target (and the cache's pool epoch, when `attached_epoch`
     is given) and flips `service` on `server` when the answer changes.
 
+    A target named in `optional` (a prefill compute: the engine steps without it) is watched for restarts
+    but not needed for SERVING.
+
     `on_restart(name, seen_at)` is called when a peer that could not be reached answers again, or when the
     cache serves another pool than the attached one: either restarted after `seen_at` (time.monotonic() of
     the check that saw it down or different), so the gateway must attach again unless it did since.
@@ -33,8 +36,10 @@ class DownstreamWatcher:
         attached_epoch: Callable[[], str | None] | None = None,
         on_restart: Callable[[str, float], None] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        optional: frozenset[str] = frozenset(),
     ) -> None:
         self._server = server
+        self._optional = optional
         self._service = service
         self._targets = targets
         self._attached_epoch = attached_epoch
@@ -46,8 +51,8 @@ class DownstreamWatcher:
         self.serving: bool | None = None
 
     def down(self) -> list[str]:
-        """Names of the downstream services that do not answer SERVING within one interval (and notes which
-        of them could not be reached: a peer that answers again after that has restarted)."""
+        """Names of the needed downstream services that do not answer SERVING within one interval (and notes
+        which of them could not be reached: a peer that answers again after that has restarted)."""
         now = time.monotonic()
         answers = {
             name: status(target, timeout=CHECK_INTERVAL_S, credentials=self._credentials)
@@ -58,7 +63,7 @@ class DownstreamWatcher:
                 self._unreachable[name] = now
             elif answer == SERVING and name in self._unreachable:
                 self._on_restart(name, self._unreachable.pop(name))
-        return [name for name, answer in answers.items() if answer != SERVING]
+        return [name for name, answer in answers.items() if answer != SERVING and name not in self._optional]
 
     def stale_pool(self) -> str | None:
         """Why the engine's pool is not the one the cache serves now, or None when it is."""

@@ -46,6 +46,17 @@ class PeerFault(Exception):
         gone = code == grpc.StatusCode.FAILED_PRECONDITION and any(w in details for w in _POOL_WORDS)
         return code in _LOST_CODES or gone
 
+    @property
+    def gone(self) -> bool:
+        """Whether no step the peer was given runs any more: nothing answers at its address (UNAVAILABLE), or
+        what answers runs no step on this pool (a restarted process, without one or attached to another). A
+        peer past its deadline may only be stalled, and write later into the blocks of the call it was
+        given."""
+        code, details = self.err.code(), self.err.details() or ""
+        return code == grpc.StatusCode.UNAVAILABLE or (
+            code == grpc.StatusCode.FAILED_PRECONDITION and "pool" in details
+        )
+
 
 @contextlib.contextmanager
 def calling(service: str) -> Iterator[None]:

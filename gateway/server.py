@@ -181,7 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.prefill_compute_target:
         targets["prefill"] = args.prefill_compute_target
     watcher = DownstreamWatcher(
-        server, SERVICE, targets, engine.attached_epoch, engine.peer_restarted, credentials=internal
+        server,
+        SERVICE,
+        targets,
+        engine.attached_epoch,
+        engine.peer_restarted,
+        credentials=internal,
+        optional=frozenset({"prefill"}),
     )
     if http is not None:
         _serve_http(http, generation, server, args, internal, logger)

@@ -13,7 +13,7 @@ from gateway.lease import Lease
 from gateway.sequence import Sampling, Sequence
 from tests.fake_peers import FakeCompute, FakePoolCache
 
-CACHE, COMPUTE = "127.0.0.1:1", "127.0.0.1:2"
+CACHE, COMPUTE, PREFILL = "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"
 BLOCKS = 64
 GREEDY = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 19)), list(range(20, 33))]
@@ -28,13 +28,20 @@ def tokenizer():
 def start(tokenizer):
     engines = []
 
-    def start(grace: float = 30.0, **settings) -> tuple[Engine, FakePoolCache, FakeCompute]:
+    def start(
+        grace: float = 30.0, prefill: FakeCompute | None = None, **settings
+    ) -> tuple[Engine, FakePoolCache, FakeCompute]:
+        """An engine on fake peers; with `prefill`, a prefill compute beside the compute (sharing its K/V)."""
         # NOTE: 8 decode steps a call unless a test says otherwise: the fault tests count compute calls.
         settings = {"decode_steps": 8, **settings}
+        if prefill is not None:
+            settings["prefill_target"] = PREFILL
         config = EngineConfig(CACHE, COMPUTE, block_size=4, max_batched_tokens=16, max_seqs=8,
                               peer_restart_grace_s=grace, **settings)  # fmt: skip
         engine = Engine(config, tokenizer)
         engine._cache, engine._compute = cache, compute = FakePoolCache(BLOCKS, 4), FakeCompute()
+        if prefill is not None:
+            engine._prefill, prefill.kv = prefill, compute.kv
         engine.lease = Lease(cache, config.session_ttl_s, engine.session_lost)
         engine.handshake(timeout=1.0, wait=False)
         thread = threading.Thread(target=engine.run, daemon=True)

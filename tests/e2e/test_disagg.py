@@ -1,16 +1,19 @@
 """Disaggregated prefill and decode behind `pagedserve up --prefill-computes 1`: a prefill compute and the
 decode compute attached to the cache's one pool. Concurrent greedy requests (long prompts prefilled in chunks
 on the prefill compute while the others decode, a short prompt that stays on the decode compute, a prefix
-hit, two samples of one prompt) give transformers' greedy tokens; the prefill compute killed while a stream
-decodes is restarted by `up`, and the stream and a new long prompt go on with transformers' tokens. Roles
-`up` cannot serve are refused at start-up in one line."""
+hit, two samples of one prompt) give transformers' greedy tokens; while the prefill compute, killed under a
+decoding stream, is restarted by `up`, the compute serves alone (the stream decodes on, a new long prompt is
+prefilled there), both with transformers' tokens, and prompts route to the new process once it is attached.
+Roles `up` cannot serve are refused at start-up in one line."""
 
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -88,10 +91,10 @@ def prefill_compute(stack) -> int:
     return pid
 
 
-def test_a_killed_prefill_compute_is_restarted_and_streams_go_on(served):
+def test_the_compute_serves_alone_while_a_killed_prefill_compute_restarts(served):
     stack, reference = served
     stream_prompt, long_prompt = PROMPTS[2], PROMPTS[0][::-1]
-    tokens, started = [], threading.Event()
+    tokens, arrivals, started = [], [], threading.Event()
 
     def consume() -> None:
         with stack.client() as client:
@@ -99,6 +102,7 @@ def test_a_killed_prefill_compute_is_restarted_and_streams_go_on(served):
                 token_ids=stream_prompt, max_tokens=120, temperature=0.0, ignore_eos=True
             ):
                 tokens.extend(chunk.token_ids)
+                arrivals.append(time.time())
                 if len(tokens) >= 10:
                     started.set()
 
@@ -107,21 +111,45 @@ def test_a_killed_prefill_compute_is_restarted_and_streams_go_on(served):
         done = pool.submit(consume)
         assert started.wait(120)
         os.kill(killed, signal.SIGKILL)
-        running = not done.done()
+        killed_at = time.time()
         with stack.client() as client:
             late = client.generate(
                 token_ids=long_prompt, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True
             )
         done.result(timeout=300)
-    assert running, "the stream ran when the prefill compute died"
     check(reference, stream_prompt, tokens)
     check(reference, long_prompt, late.token_ids)
+    attached = wait_for_event(stack, "prefill_attached", 300)
     assert "prefill exited (signal SIGKILL)" in stack.proc.log_path.read_text()
     assert prefill_compute(stack) != killed
     events = list(log_events(stack.proc.log_path))
-    assert any(event["event"] == "peer_lost" and event["peer"] == "prefill" for event in events)
-    again = [event for event in events if event["event"] == "attached" and event["again"]]
-    assert again and again[-1]["kept_running"] >= 1, "the stream went on from the KV the cache kept"
+    assert [event for event in events if event["event"] == "prefill_detached"], "the engine saw it gone"
+    assert not [event for event in events if event["event"] == "peer_lost"], "the engine never stopped"
+    meanwhile = [at for at in arrivals if killed_at < at < wall_time(attached)]
+    assert meanwhile, "the stream decoded while the prefill compute was down"
+    with stack.client() as client:
+        again = client.generate(
+            token_ids=long_prompt[1:], max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+            request_id="after-the-restart",
+        )  # fmt: skip
+    check(reference, long_prompt[1:], again.token_ids)
+    routed = {request for step in split_steps(stack) for request, _ in step["prefill"]}
+    assert "after-the-restart" in routed, "prompts route to the restarted prefill compute"
+
+
+def wait_for_event(stack, name: str, timeout: float) -> dict:
+    """The stack's first log event of that name, waited for."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [event for event in log_events(stack.proc.log_path) if event["event"] == name]
+        if found:
+            return found[0]
+        time.sleep(0.5)
+    raise AssertionError(f"no {name} event in {timeout:.0f} s")
+
+
+def wall_time(event: dict) -> float:
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from tests.fake_engine import (
     submit,
     tokenizer,
 )
-from tests.fake_peers import RpcError, unreachable
+from tests.fake_peers import FakeCompute, RpcError, unreachable
 
 __all__ = ["start", "tokenizer"]  # fixtures
 
@@ -116,6 +116,58 @@ def test_a_restart_the_health_check_reports_during_the_handshake_that_attached_i
     assert run_all(engine) == reference
     assert attaches == [cache.epoch], "attached once after the loss, not again for the notice"
     assert_nothing_held(engine, cache)
+
+
+def test_a_gone_prefill_compute_leaves_the_compute_serving_alone_until_it_is_attached_again(start, reference):
+    prefill = FakeCompute()
+    engine, cache, compute = start(prefill=prefill, prefill_threshold=4)
+    lane = engine.runner.prefill
+
+    def die():
+        prefill.down = True
+        raise unreachable("prefill")
+
+    prefill.before[1] = die
+    attaches = count_attaches(compute)
+    assert run_all(engine) == reference, "the prompts the prefill compute had ran on the compute"
+    assert not lane.attached and not prefill.before and attaches == [], "no handshake: the engine stepped on"
+    assert_nothing_held(engine, cache)
+    prefill.down = False
+    for _ in range(100):
+        if lane.attached:
+            break
+        threading.Event().wait(0.05)
+    assert lane.attached and prefill.epoch == cache.epoch
+    forwards = prefill.forwards
+    assert run_all(engine) == reference
+    assert prefill.forwards > forwards, "the prompts route to the prefill compute again"
+
+
+def test_a_prefill_compute_past_its_deadline_stops_the_engine_until_it_answers(start, reference):
+    prefill = FakeCompute()
+    engine, cache, compute = start(prefill=prefill, prefill_threshold=4)
+
+    def stalled():
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    prefill.before[1] = stalled
+    attaches = count_attaches(compute)
+    assert run_all(engine) == reference
+    assert attaches == [cache.epoch], "a stalled prefill compute may still write: the engine waited for it"
+    assert engine.runner.prefill.attached
+    assert_nothing_held(engine, cache)
+
+
+def count_attaches(compute: FakeCompute) -> list[str]:
+    """The epochs of the compute's AttachPool calls from now on."""
+    attach, epochs = compute.AttachPool, []
+
+    def counted(handle, **kwargs):
+        epochs.append(handle.epoch)
+        return attach(handle, **kwargs)
+
+    compute.AttachPool = counted
+    return epochs
 
 
 def test_past_the_grace_requests_fail_naming_the_lost_service_and_new_ones_are_refused(start, reference):

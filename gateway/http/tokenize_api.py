@@ -10,11 +10,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from common.errors import PagedServeError
+from gateway.http import lora_api
 from gateway.http.app import Installer
 from gateway.http.body import request_json
 from gateway.http.errors import HttpError, from_gateway
 from gateway.http.openai_api import Front
-from gateway.http.openai_request import Int32, Message, chat_messages, model_error, parse
+from gateway.http.openai_request import Int32, Message, chat_messages, parse
 from gateway.http.openai_structured import ToolDef, function_tools
 from protos import generation_pb2
 
@@ -105,12 +106,11 @@ def _object(request: Request) -> dict:
 
 
 def _body(front: Front, request: Request, kind: type[_Body]) -> _Body:
-    """The request's body as `kind`, after its API key; 404 for another model."""
+    """The request's body as `kind`, after its API key; 404 for a model that is neither the base model nor
+    one of its LoRA adapters (which tokenize as the base model does)."""
     front.generation.edge.authenticate(request.headers.items())
     body = parse(kind, _object(request))
-    served = front.generation.model_name(front.generation.attached_model())
-    if body.model not in (None, served, *front.aliases):
-        raise model_error(body.model, served)
+    lora_api.adapter_of(front, body.model, front.generation.model_name(front.generation.attached_model()))
     return body
 
 

@@ -2,9 +2,11 @@
 named at start (--lora-modules), requested beside the base model in one concurrent batch, prompts prefilled
 in chunks, give peft's PeftModel greedy tokens, on Llama (fused layers, native decode stack for base steps)
 and Phi-3 (transformers' layers, fused QKV and gate/up targets); prefix hits stay within one adapter; the
-OpenAI API names adapters by `model` and lists them with their parent; adapters load and unload at run time;
-bad adapters and unknown names are refused, nothing else changed."""
+OpenAI API names adapters by `model` and lists them with their parent; prompt log-probabilities (echo,
+prompt_logprobs, gRPC) are the adapter's, as peft's; adapters load and unload at run time; bad adapters and
+unknown names are refused, nothing else changed."""
 
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -25,10 +27,13 @@ from tests.lora_adapters import LLAMA_ATTENTION, LLAMA_MLP, peft_model, save_ada
 pytestmark = pytest.mark.e2e
 
 NEW_TOKENS = 6
+TOL = 1e-4  # float32 log-probabilities against peft's, per token
 # A step's budget below every prompt: each is prefilled in chunks (beside the others' decodes).
 FLAGS = (
     *("--dtype", "float32", "--kv-blocks", "128", "--block-size", "8", "--max-batched-tokens", "24"),
     *("--max-loras", "4", "--max-lora-rank", "8"),
+    # a chat of digits and punctuation renders inside the tiny models' 256 token ids
+    *("--chat-template", "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>\n{% endfor %}"),
 )
 # per architecture: name -> (rank, targets, rsLoRA); the fourth is loaded at run time
 ADAPTERS = {
@@ -181,3 +186,73 @@ def _post(stack, route: str, **body) -> int:
             return reply.status
     except urllib.error.HTTPError as err:
         return err.code
+
+
+@LLAMA_ONLY
+def test_prompt_logprobs_are_the_adapters_on_every_path(served):
+    """echo with logprobs and vLLM's prompt_logprobs (completions and chat) over HTTP and prompt_logprobs over
+    gRPC score the prompt through the adapter `model` names: peft's float32 log-softmax within 1e-4 per
+    token, not the base model's."""
+    stack, _, reference = served
+    prompt, messages = PROMPTS[1], [{"role": "user", "content": "1,2,3,4,5,6,7,8,9;0.1:2"}]
+    chat_prompt = _post_json(stack, "/tokenize", {"model": "chat", "messages": messages})["tokens"]
+    with openai.OpenAI(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=300) as client:
+        echoed = client.completions.create(
+            model="chat", prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0.0
+        )
+    vllm = _post_json(stack, "/v1/completions", {"model": "chat", "prompt": prompt, "max_tokens": 0,
+                                                 "prompt_logprobs": 0})  # fmt: skip
+    chat = _post_json(stack, "/v1/chat/completions", {"model": "chat", "messages": messages, "max_tokens": 1,
+                                                      "prompt_logprobs": 0})  # fmt: skip
+    with stack.client() as client:
+        scored = {
+            adapter: client.generate(token_ids=prompt, max_tokens=0, prompt_logprobs=0, lora_adapter=adapter)
+            for adapter in ("chat", "")
+        }
+    expected = _prompt_logprobs(reference, "chat", prompt)
+    got = {
+        "echo": echoed.choices[0].logprobs.token_logprobs[1:],
+        "prompt_logprobs": _own(vllm["choices"][0]["prompt_logprobs"], prompt),
+        "grpc": [lp.logprob for lp in scored["chat"].prompt_logprobs],
+    }
+    for path, logprobs in got.items():
+        torch.testing.assert_close(
+            torch.tensor(logprobs), expected, atol=TOL, rtol=0, msg=lambda m, path=path: f"{path}: {m}"
+        )
+    chat_logprobs = torch.tensor(_own(chat["prompt_logprobs"], chat_prompt))
+    expected_chat = _prompt_logprobs(reference, "chat", chat_prompt)
+    torch.testing.assert_close(chat_logprobs, expected_chat, atol=TOL, rtol=0)
+    base = _prompt_logprobs(reference, "", prompt)
+    torch.testing.assert_close(
+        torch.tensor([lp.logprob for lp in scored[""].prompt_logprobs]), base, atol=TOL, rtol=0
+    )
+    assert (expected - base).abs().max() > 100 * TOL, "the adapter changes the prompt's log-probabilities"
+    assert echoed.model == vllm["model"] == chat["model"] == "chat"
+
+
+def _prompt_logprobs(model, adapter: str, prompt: list[int]) -> torch.Tensor:
+    """peft's float32 log-probability of each prompt token after the first, given those before it."""
+    if adapter:
+        model.set_adapter(adapter)
+    with torch.inference_mode(), contextlib.nullcontext() if adapter else model.disable_adapter():
+        logits = model(torch.tensor([prompt])).logits[0, :-1]
+    return logits.float().log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+def _own(entries: list[dict | None], prompt: list[int]) -> list[float]:
+    """Each prompt token's own log-probability in vLLM's prompt_logprobs (none for the first)."""
+    assert entries[0] is None and len(entries) == len(prompt)
+    return [entry[str(token)]["logprob"] for entry, token in zip(entries[1:], prompt[1:], strict=True)]
+
+
+def _post_json(stack, path: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        stack.http_url.removesuffix("/v1") + path,
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return json.load(reply)
+    except urllib.error.HTTPError as err:
+        pytest.fail(f"{path}: {err.code} {err.read().decode()}")

@@ -7,6 +7,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from tests.architectures import save_tiny
+
 LLAMA_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 LLAMA_MLP = ["gate_proj", "up_proj", "down_proj"]
 
@@ -23,6 +25,20 @@ def save_adapter(
     model = get_peft_model(base, config)
     model.save_pretrained(path)
     return path
+
+
+def save_tiny_with_adapters(
+    root: Path, architecture: str, tokenizer, adapters: dict[str, tuple[int, list[str], bool]]
+) -> tuple[Path, dict[str, Path]]:
+    """The random-weight model of `architecture` with `tokenizer` at root/model, and per name -> (rank,
+    targets, rsLoRA) an adapter of it at root/name, seeded by its place in `adapters`."""
+    model_dir = save_tiny(architecture, root / "model")
+    tokenizer.save_pretrained(model_dir)
+    paths = {
+        name: save_adapter(model_dir, root / name, rank, targets, seed=i, rslora=rslora)
+        for i, (name, (rank, targets, rslora)) in enumerate(adapters.items())
+    }
+    return model_dir, paths
 
 
 def peft_model(model_dir: Path, adapters: dict[str, Path]) -> PeftModel:

@@ -19,10 +19,9 @@ import torch
 
 from protos import compute_pb2
 from sdk.client import GenerationError
-from tests.architectures import save_tiny
 from tests.e2e.greedy import hf_greedy
 from tests.e2e.stack import start_stack
-from tests.lora_adapters import LLAMA_ATTENTION, LLAMA_MLP, peft_model, save_adapter
+from tests.lora_adapters import LLAMA_ATTENTION, LLAMA_MLP, peft_model, save_tiny_with_adapters
 
 pytestmark = pytest.mark.e2e
 
@@ -60,12 +59,7 @@ PROMPTS = [torch.randint(3, 256, (n,), generator=_generator).tolist() for n in (
 def served(request, tmp_path_factory, tokenizer, logs):
     """(stack, adapter directories, peft's model with every adapter)."""
     root = tmp_path_factory.mktemp("lora")
-    model_dir = save_tiny(request.param, root / "model")
-    tokenizer.save_pretrained(model_dir)
-    paths = {
-        name: save_adapter(model_dir, root / name, rank, targets, seed=i, rslora=rslora)
-        for i, (name, (rank, targets, rslora)) in enumerate(ADAPTERS[request.param].items())
-    }
+    model_dir, paths = save_tiny_with_adapters(root, request.param, tokenizer, ADAPTERS[request.param])
     modules = [f"{name}={paths[name]}" for name in ("sql", "chat", "code")]
     stack = start_stack(logs, "--model", str(model_dir), *FLAGS, "--lora-modules", *modules)
     yield stack, paths, peft_model(model_dir, paths)

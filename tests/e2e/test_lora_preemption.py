@@ -9,10 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.architectures import save_tiny
 from tests.e2e.greedy import hf_greedy
 from tests.e2e.stack import preemptions, start_stack
-from tests.lora_adapters import LLAMA_ATTENTION, LLAMA_MLP, peft_model, save_adapter
+from tests.lora_adapters import LLAMA_ATTENTION, LLAMA_MLP, peft_model, save_tiny_with_adapters
 
 pytestmark = pytest.mark.e2e
 
@@ -38,12 +37,7 @@ ROWS = [(SHARED, ""), (SHARED, "sql"), (SHARED, "chat"), (SHARED, "code"), (OTHE
 def served(tmp_path_factory, tokenizer, logs):
     """(stack, peft's model with every adapter)."""
     root = tmp_path_factory.mktemp("lora-preemption")
-    model_dir = save_tiny("llama3-rope", root / "model")
-    tokenizer.save_pretrained(model_dir)
-    paths = {
-        name: save_adapter(model_dir, root / name, rank, targets, seed=i, rslora=rslora)
-        for i, (name, (rank, targets, rslora)) in enumerate(ADAPTERS.items())
-    }
+    model_dir, paths = save_tiny_with_adapters(root, "llama3-rope", tokenizer, ADAPTERS)
     modules = [f"{name}={path}" for name, path in paths.items()]
     stack = start_stack(logs, "--model", str(model_dir), *FLAGS, "--lora-modules", *modules)
     yield stack, peft_model(model_dir, paths)

@@ -2,9 +2,9 @@
 named at start (--lora-modules), requested beside the base model in one concurrent batch, prompts prefilled
 in chunks, give peft's PeftModel greedy tokens, on Llama (fused layers, native decode stack for base steps)
 and Phi-3 (transformers' layers, fused QKV and gate/up targets); prefix hits stay within one adapter; the
-OpenAI API names adapters by `model` and lists them with their parent; prompt log-probabilities (echo,
-prompt_logprobs, gRPC) are the adapter's, as peft's; adapters load and unload at run time; bad adapters and
-unknown names are refused, nothing else changed."""
+OpenAI API names adapters by `model` (responses too) and lists them with their parent; prompt
+log-probabilities (echo, prompt_logprobs, gRPC) are the adapter's, as peft's; adapters load and unload at
+run time; bad adapters and unknown names are refused, nothing else changed."""
 
 import contextlib
 import json
@@ -52,6 +52,8 @@ ADAPTERS = {
 _generator = torch.Generator().manual_seed(17)
 # The API's tests run on one architecture: what they check is the gateway's.
 LLAMA_ONLY = pytest.mark.parametrize("served", ["llama3-rope"], indirect=True)
+# a chat message of the tiny models' token ids (digits and punctuation)
+CHAT = "1,2,3,4,5,6,7,8,9;0.1:2"
 PROMPTS = [torch.randint(3, 256, (n,), generator=_generator).tolist() for n in (41, 33, 57, 29)]
 
 
@@ -137,6 +139,24 @@ def test_openai_names_adapters_by_model_and_lists_them(served):
 
 
 @LLAMA_ONLY
+def test_responses_name_adapters_by_model(served):
+    """/v1/responses runs the adapter `model` names, as chat completions do, and names it in the response."""
+    stack, _, _ = served
+    with openai.OpenAI(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=300) as client:
+        base = client.models.list().data[0].id
+        texts = {}
+        for model in ("chat", base):
+            response = client.responses.create(model=model, input=CHAT, max_output_tokens=16, temperature=0.0)
+            chat = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": CHAT}], max_tokens=16, temperature=0.0
+            )
+            assert response.output_text == chat.choices[0].message.content, model
+            assert response.model == chat.model == model
+            texts[model] = response.output_text
+    assert texts["chat"] != texts[base], "the adapter changes the reply"
+
+
+@LLAMA_ONLY
 def test_an_unknown_adapter_is_refused_by_name(served):
     stack, _, _ = served
     with (
@@ -188,7 +208,7 @@ def test_prompt_logprobs_are_the_adapters_on_every_path(served):
     gRPC score the prompt through the adapter `model` names: peft's float32 log-softmax within 1e-4 per
     token, not the base model's."""
     stack, _, reference = served
-    prompt, messages = PROMPTS[1], [{"role": "user", "content": "1,2,3,4,5,6,7,8,9;0.1:2"}]
+    prompt, messages = PROMPTS[1], [{"role": "user", "content": CHAT}]
     chat_prompt = _post_json(stack, "/tokenize", {"model": "chat", "messages": messages})["tokens"]
     with openai.OpenAI(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=300) as client:
         echoed = client.completions.create(

@@ -11,13 +11,14 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.errors import PagedServeError
+from gateway.http import lora_api
 from gateway.http.app import Installer
 from gateway.http.body import request_json
 from gateway.http.bridge import EventStream, unless_disconnected
 from gateway.http.errors import from_gateway, invalid
 from gateway.http.guard import REQUEST_ID_HEADER, guarded
 from gateway.http.openai_api import Front, gather
-from gateway.http.openai_request import model_error, parse
+from gateway.http.openai_request import parse
 from gateway.http.responses.output import ResponseOutput
 from gateway.http.responses.request import (
     ResponsesRequest,
@@ -66,8 +67,7 @@ async def _respond(front: Front, request: Request, request_id: str) -> Response:
     body = parse(ResponsesRequest, request_json(request))
     info = front.generation.attached_model()
     name = front.generation.model_name(info)
-    if body.model not in (None, name, *front.aliases):
-        raise model_error(body.model, name)
+    adapter = lora_api.adapter_of(front, body.model, name)
     history: tuple[generation_pb2.ChatMessage, ...] = ()
     if body.previous_response_id is not None:
         previous = front.responses.get(tenant.name, body.previous_response_id)
@@ -75,7 +75,8 @@ async def _respond(front: Front, request: Request, request_id: str) -> Response:
             raise not_found(body.previous_response_id)
         history = previous.conversation
     proto = generate_request(body, request_id, info.max_model_len, history)
-    output = ResponseOutput(body, name, body.previous_response_id)
+    proto.lora_adapter = adapter
+    output = ResponseOutput(body, adapter or name, body.previous_response_id)
     conversation = [*history, *input_messages(body)]
     items = input_items(body)
 

@@ -36,9 +36,6 @@ class ChatFormats:
 
     def keep(self, tools: bool, reasoning: bool) -> frozenset[int]:
         """The special tokens a request's text keeps for its parsers (its tools', its reasoning's tags)."""
-        texts = (*(self.tools.markers if tools else ()), *(self._reasoning_tags() if reasoning else ()))
+        texts = (*(self.tools.markers if tools else ()), *(self.reasoning.markers if reasoning else ()))
         ids = {self.tags.token(text) for text in texts}
         return frozenset(ids & self.tags.special)
-
-    def _reasoning_tags(self) -> tuple[str, ...]:
-        return (self.reasoning.start, self.reasoning.end) if self.reasoning else ()

@@ -189,7 +189,8 @@ class Generation:
             prompt_ids, images = tok.encode(self.tokenizer, request, info.vocab_size, tools), ()
         reasoning = self._opened(request, prompt_ids)
         if spec is not None and reasoning is not None:
-            spec = after_reasoning(spec, self.formats.reasoning, reasoning, self.formats.tags)
+            headed = tools is not None and self.formats.tools.channels
+            spec = after_reasoning(spec, self.formats.reasoning, reasoning, self.formats.tags, headed)
         max_len = self.engine.max_len
         if len(prompt_ids) >= info.max_model_len:
             raise InvalidArgument(

@@ -162,15 +162,16 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="how tool calls are read from the model's text (and forced calls written); auto: from the chat "
         "template (hermes: <tool_call> JSON, also the format of the tool prompt for templates that render no "
-        "tools; llama3_json, mistral, qwen3_coder, pythonic: docs/tool-calling.md)",
+        "tools; llama3_json, mistral, qwen3_coder, pythonic, openai (alias harmony: gpt-oss): "
+        "docs/tool-calling.md)",
     )
     parser.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         default="auto",
         help="how a reasoning model's reasoning is split from its chat answers (reasoning_content); auto: "
-        "from the reasoning tags the chat template writes (qwen3, deepseek_r1: <think>; mistral: [THINK]); "
-        "none: never split (docs/reasoning.md)",
+        "from the reasoning tags the chat template writes (qwen3, deepseek_r1: <think>; mistral: [THINK]; "
+        "openai_gptoss, alias harmony: gpt-oss's analysis channel); none: never split (docs/reasoning.md)",
     )
     parser.add_argument(
         "--chat-template",

@@ -18,7 +18,8 @@ ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<｜User｜>", "
          "<｜end▁of▁sentence｜>")  # fmt: skip
 SPECIAL = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>",
            "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[TOOL_RESULTS]",
-           "[/TOOL_RESULTS]")  # fmt: skip
+           "[/TOOL_RESULTS]", "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>",
+           "<|return|>", "<|call|>")  # fmt: skip
 HIDDEN = 128
 # The logit of a scripted next token (the others' are 0).
 LOGIT = 30.0

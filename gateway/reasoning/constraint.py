@@ -4,6 +4,7 @@ from the end tag on."""
 
 import json
 
+from gateway import harmony
 from gateway.reasoning.formats import ReasoningFormat
 from gateway.structured.lark import Tags
 from gateway.structured.spec import Spec
@@ -12,18 +13,25 @@ from gateway.structured.spec import Spec
 BLANK = r"BLANK: /[ \t\r\n]{0,4}/"
 
 
-def after_reasoning(spec: Spec, fmt: ReasoningFormat, opened: bool, tags: Tags) -> Spec:
+def after_reasoning(spec: Spec, fmt: ReasoningFormat, opened: bool, tags: Tags, headed: bool = False) -> Spec:
     """The grammar of an optional reasoning block (a required rest of one, its start tag optional, when the
     prompt `opened` it), then `spec`'s. The block's text is any text without the end tag: with the end tag an
     added token, any text (the grammar engine reads no added token as text) then that token; else text up to
-    the tag's string."""
+    the tag's string. Harmony (`fmt.channels`): the block is an analysis message, and `spec` the body of the
+    next assistant message, a final one unless `headed` (a harmony call, which writes its own header)."""
     if tags.token(fmt.end) is not None:
         reasoning = f"reasoning: TEXT {tags.literal(fmt.end)}\nTEXT: /(?s:.*)/"
     else:
         reasoning = f"reasoning: text\ntext[stop={json.dumps(fmt.end)}]: /(?s:.*)/"
     start = tags.literal(fmt.start)
-    head = f"{start}? reasoning" if opened else f"({start} reasoning)?"
-    lark = f"start: {head} BLANK @answer\n{reasoning}\n{BLANK}\n"
+    if fmt.channels:
+        then = tags.literal(harmony.START + "assistant")
+        head = f"reasoning {then}" if opened else f"({start} reasoning {then})?"
+        final = "" if headed else tags.literal(harmony.CHANNEL + "final" + harmony.MESSAGE)
+        lark = f"start: {head} {final} @answer\n{reasoning}\n"
+    else:
+        head = f"{start}? reasoning" if opened else f"({start} reasoning)?"
+        lark = f"start: {head} BLANK @answer\n{reasoning}\n{BLANK}\n"
     answer = {**_grammar(spec.grammar()), "name": "answer"}
     return Spec("top", json.dumps({"grammars": [{"name": "reasoned", "lark_grammar": lark}, answer]}))
 

@@ -4,6 +4,7 @@ answer (`text`), before tool calls are read from the answer."""
 from collections.abc import Mapping
 
 from gateway.reasoning.formats import ReasoningFormat
+from gateway.reasoning.harmony import HarmonySplit
 from gateway.reasoning.split import ReasoningSplit
 from protos import generation_pb2
 
@@ -14,7 +15,7 @@ class ReasoningStreams:
 
     def __init__(self, fmt: ReasoningFormat, opened: bool, received: Mapping[int, str] | None = None) -> None:
         self._fmt, self._opened = fmt, opened
-        self._splits: dict[int, ReasoningSplit] = {}
+        self._splits: dict[int, ReasoningSplit | HarmonySplit] = {}
         self.answers = {index: self._split(index).feed(text)[1] for index, text in (received or {}).items()}
 
     def apply(self, reply: generation_pb2.GenerateResponse) -> None:
@@ -26,7 +27,8 @@ class ReasoningStreams:
             reasoning, answer = reasoning + more, answer + rest
         reply.reasoning_text, reply.text = reasoning, answer
 
-    def _split(self, index: int) -> ReasoningSplit:
+    def _split(self, index: int) -> ReasoningSplit | HarmonySplit:
         if index not in self._splits:
-            self._splits[index] = ReasoningSplit(self._fmt, self._opened)
+            fmt, opened = self._fmt, self._opened
+            self._splits[index] = HarmonySplit(opened) if fmt.channels else ReasoningSplit(fmt, opened)
         return self._splits[index]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.structured.lark import Tags
-from gateway.tools import hermes, llama3_json, mistral, pythonic, qwen3_coder
+from gateway.tools import hermes, llama3_json, mistral, openai, pythonic, qwen3_coder
 from gateway.tools.calls import Call
 
 
@@ -20,12 +20,14 @@ class CallParser(Protocol):
 class ToolFormat:
     """How a model family writes calls: the grammar of forced calls (functions as (name, parameters schema),
     several or one), a parser per sample (given the functions' parameter schemas by name), and the tags it
-    writes that a tokenizer may hold as special tokens (kept in the text for the parser)."""
+    writes that a tokenizer may hold as special tokens (kept in the text for the parser). `channels`: its
+    calls are harmony messages, whose grammar writes the message's header itself."""
 
     name: str
     grammar: Callable[[list[tuple[str, dict]], bool, Tags], str]
     parser: Callable[[Mapping[str, dict]], CallParser]
     markers: tuple[str, ...]
+    channels: bool = False
 
 
 FORMATS = {
@@ -36,10 +38,13 @@ FORMATS = {
         ToolFormat("mistral", mistral.grammar, mistral.Parser, mistral.MARKERS),
         ToolFormat("qwen3_coder", qwen3_coder.grammar, qwen3_coder.Parser, qwen3_coder.MARKERS),
         ToolFormat("pythonic", pythonic.grammar, pythonic.Parser, pythonic.MARKERS),
+        ToolFormat("openai", openai.grammar, openai.Parser, openai.MARKERS, channels=True),
     )
 }
+FORMATS["harmony"] = FORMATS["openai"]
 # What a chat template writes, in the order asked, and the format it implies.
 SIGNS = (
+    ("<|channel|>", "openai"),
     ("<function=", "qwen3_coder"),
     ("[TOOL_CALLS]", "mistral"),
     ("<tool_call>", "hermes"),

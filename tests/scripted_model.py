@@ -14,8 +14,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 # Every family's added tokens, in one order, so that one model (one vocabulary) serves every template.
+# HARMONY_FINAL spells a whole harmony header as one token (never one the tokenizer encodes text into): a
+# script continues `<|channel|>` one way only (into the analysis), so it writes the final message's header
+# with this token.
+HARMONY_FINAL = "assistant<|channel|>final<|message|>"
 ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<｜User｜>", "<｜Assistant｜>",
-         "<｜end▁of▁sentence｜>")  # fmt: skip
+         "<｜end▁of▁sentence｜>", HARMONY_FINAL)  # fmt: skip
 SPECIAL = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>",
            "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[TOOL_RESULTS]",
            "[/TOOL_RESULTS]", "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>",
@@ -46,8 +50,8 @@ def save_scripted_model(
     path: Path, tokenizer: PreTrainedTokenizerBase, chains: Sequence[str | Sequence[str]]
 ) -> Path:
     """The model (with the `qwen3` family's tokenizer) following each chain, a text whose tokens (as that
-    tokenizer encodes it) each lead to the next, or a list of texts of one token each; a token that two
-    chains continue differently is refused."""
+    tokenizer encodes it) each lead to the next, or a list of texts of one token each (an added token's text
+    names that token); a token that two chains continue differently is refused."""
     tokenizer = family_tokenizer(tokenizer, "qwen3")
     successor: dict[int, int] = {}
     for chain in chains:
@@ -80,6 +84,10 @@ def save_scripted_model(
 def _ids(tokenizer: PreTrainedTokenizerBase, chain: str | Sequence[str]) -> list[int]:
     if isinstance(chain, str):
         return tokenizer.encode(chain, add_special_tokens=False)
-    ids = [tokenizer.encode(piece, add_special_tokens=False) for piece in chain]
+    added = tokenizer.get_added_vocab()
+    ids = [
+        [added[piece]] if piece in added else tokenizer.encode(piece, add_special_tokens=False)
+        for piece in chain
+    ]
     assert all(len(one) == 1 for one in ids), chain
     return [one[0] for one in ids]

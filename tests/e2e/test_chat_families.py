@@ -1,7 +1,8 @@
-"""Reasoning and tool-call formats end to end, in the real formats of six model families: one cache and
+"""Reasoning and tool-call formats end to end, in the real formats of seven model families: one cache and
 compute serving a scripted tiny model (tests/scripted_model.py: greedy, it writes `<think>Let me
-think.</think>{"answer": 42}` after a generation prompt), and one gateway per family's chat template
-(tests/chat_templates), each choosing its parsers from its template (pythonic by flag, as vLLM's). Forced
+think.</think>{"answer": 42}` after a generation prompt, an analysis then a final harmony message after
+gpt-oss's), and one gateway per family's chat template (tests/chat_templates), each choosing its parsers from
+its template (pythonic by flag, as vLLM's). Forced
 calls are written by constrained decoding in each family's format, parsed back by the gateway while they
 stream, and fed back through the family's template."""
 
@@ -15,16 +16,21 @@ import pytest
 
 from sdk.client import Client
 from tests.helpers import PAGEDSERVE, ROOT, free_port, start, stop, wait_healthy
-from tests.scripted_model import save_family, save_scripted_model
+from tests.scripted_model import HARMONY_FINAL, save_family, save_scripted_model
 
 pytestmark = pytest.mark.e2e
 GATEWAY_SERVICE = "pagedserve.v1.Generation"
 REASONING, ANSWER = "Let me think.", '{"answer": 42}'
-SCRIPT = ['\n<think>Let me think.</think>{"answer": 42}<|im_end|>', ["\n\n", '{"']]
+# gpt-oss's harmony output after its generation prompt (`<|start|>assistant`, whose last token is `istant`),
+# token by token, into the answer the first chain writes.
+HARMONY_REASONING = "Which city?"
+HARMONY = ["istant", "<|channel|>", "analysis", "<|message|>", "Which", " city", "?", "<|end|>", "<|start|>",
+           HARMONY_FINAL, '{"']  # fmt: skip
+SCRIPT = ['\n<think>Let me think.</think>{"answer": 42}<|im_end|>', ["\n\n", '{"'], HARMONY]
 # family -> the gateway's extra flags
 FAMILIES = {
     "qwen3": (), "deepseek_r1": (), "llama3_json": (), "mistral": (), "qwen3_coder": (),
-    "llama3_pythonic": ("--tool-call-parser", "pythonic"),
+    "llama3_pythonic": ("--tool-call-parser", "pythonic"), "harmony": (),
 }  # fmt: skip
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {
@@ -135,14 +141,15 @@ def test_a_schema_applies_to_the_answer_after_the_reasoning(gateways, family):
     assert json.loads(message.content) == {"city": "Paris"}
 
 
-def test_a_forced_call_follows_the_reasoning(gateways):
-    done = chat(gateways, "qwen3").chat.completions.create(
+@pytest.mark.parametrize(("family", "reasoning"), [("qwen3", REASONING), ("harmony", HARMONY_REASONING)])
+def test_a_forced_call_follows_the_reasoning(gateways, family, reasoning):
+    done = chat(gateways, family).chat.completions.create(
         model="scripted", messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
         **GREEDY,
     )  # fmt: skip
     choice = done.choices[0]
     (call,) = choice.message.tool_calls
-    assert choice.message.reasoning_content == REASONING and choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == reasoning and choice.finish_reason == "tool_calls"
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["unit"] in (
         "celsius",
         "fahrenheit",
@@ -167,7 +174,9 @@ def test_reasoning_on_the_other_fronts(gateways):
 
 
 # tool-call formats
-@pytest.mark.parametrize("family", ["llama3_json", "mistral", "qwen3_coder", "llama3_pythonic", "qwen3"])
+@pytest.mark.parametrize(
+    "family", ["llama3_json", "mistral", "qwen3_coder", "llama3_pythonic", "qwen3", "harmony"]
+)
 def test_calls_in_the_familys_format_stream_as_calls_and_go_back_through_its_template(gateways, family):
     client = chat(gateways, family)
     chunks = list(client.chat.completions.create(
@@ -208,3 +217,31 @@ def test_the_cli_writes_the_reasoning_to_stderr_and_passes_template_variables(ga
     off = [*ask, "--chat-template-kwargs", '{"enable_thinking": false}']
     direct = subprocess.run(off, capture_output=True, text=True, timeout=120, cwd=ROOT, check=True)
     assert direct.stdout.strip() == ANSWER and REASONING not in direct.stderr
+
+
+# gpt-oss's harmony messages
+def test_the_harmony_analysis_comes_apart_whole_and_streamed(gateways):
+    client = chat(gateways, "harmony")
+    whole = client.chat.completions.create(model="scripted", messages=ASK, **GREEDY).choices[0]
+    assert (whole.message.reasoning_content, whole.message.content) == (HARMONY_REASONING, ANSWER)
+    chunks = list(client.chat.completions.create(model="scripted", messages=ASK, stream=True, **GREEDY))
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == HARMONY_REASONING
+    assert "".join(d.content or "" for d in deltas) == ANSWER
+    assert not any(getattr(d, "reasoning_content", None) and d.content for d in deltas), "deltas of their own"
+    response = client.responses.create(model="scripted", input="What?", max_output_tokens=40)
+    reasoning, _ = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == HARMONY_REASONING
+    assert response.output_text == ANSWER
+
+
+def test_a_schema_applies_to_the_final_message_after_the_analysis(gateways):
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"],
+              "additionalProperties": False}  # fmt: skip
+    done = chat(gateways, "harmony").chat.completions.create(
+        model="scripted", messages=ASK,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}, **GREEDY,
+    )  # fmt: skip
+    message = done.choices[0].message
+    assert message.reasoning_content == HARMONY_REASONING, "the analysis is the model's own, unconstrained"
+    assert json.loads(message.content) == {"city": "Paris"}

@@ -1,7 +1,11 @@
 """Megatron-style tensor parallelism of an unmodified Hugging Face decoder (--tensor-parallel-size N): each
 rank keeps 1/N of every layer's attention heads and KV heads (q/k/v projections split by output rows, the
 output projection by input columns) and 1/N of its MLP columns (gate/up by rows, down by columns); the two
-row-split products end in one all-reduce each, so a layer costs two all-reduces of [tokens, hidden]. The
+row-split products end in one all-reduce each, so a layer costs two all-reduces of [tokens, hidden]. A
+mixture-of-experts layer splits every expert's MLP columns the same way (and its shared expert's), the router
+whole on every rank: each rank's experts sum to its part of the layer's output, the layer still one
+all-reduce. A norm over a whole projection (OLMoE's q and k norms, not a head's) adds an all-reduce of each
+token's sum of squares. The
 embedding and the norms stay whole on every rank (the hidden states after each all-reduce are the same
 everywhere); the LM head is split by vocabulary, each rank's part of the logits put together by one
 all-gather (measured faster than a head replicated on rank 0: docs/scaling.md). Only rank 0 samples.
@@ -20,9 +24,14 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from compute_service.planning import Flags
 
-# The model types whose layers are sharded here: q/k/v/o projections and a gate/up/down MLP, the only
-# products that carry heads or MLP columns.
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+# The model types whose layers are sharded here: q/k/v/o projections and a gate/up/down MLP, or experts of
+# one (transformers' 3-D gate_up_proj and down_proj), the only products that carry heads or MLP columns.
+ARCHITECTURES = (
+    *("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"),
+    *("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"),
+)
+# The config's sizes of MLP columns, where present: the dense MLP's, each expert's, the shared expert's.
+MLP_SIZES = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 COLUMN_ATTENTION = ("q_proj", "k_proj", "v_proj")
 COLUMN_MLP = ("gate_proj", "up_proj")
 SERVED = f"--tensor-parallel-size serves {', '.join(ARCHITECTURES)} models"
@@ -76,14 +85,13 @@ def check(config: PretrainedConfig, size: int) -> None:
         return
     if config.model_type not in ARCHITECTURES:
         raise ValueError(
-            f"--tensor-parallel-size {size}: a {config.model_type} model is not sharded (its experts or "
-            f"fused projections are not split); {SERVED}, or run it with --tensor-parallel-size 1"
+            f"--tensor-parallel-size {size}: a {config.model_type} model is not sharded (its fused "
+            f"projections are not split); {SERVED}, or run it with --tensor-parallel-size 1"
         )
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    counts = {
-        "attention heads": config.num_attention_heads,
-        "KV heads": kv_heads,
-        "MLP columns": config.intermediate_size,
+    counts = {"attention heads": config.num_attention_heads, "KV heads": kv_heads}
+    counts |= {
+        f"MLP columns ({name})": getattr(config, name) for name in MLP_SIZES if getattr(config, name, 0)
     }
     for name, count in counts.items():
         if count % size:
@@ -99,9 +107,7 @@ class RowParallel(nn.Module):
 
     def __init__(self, linear: nn.Linear, rank: int, size: int) -> None:
         super().__init__()
-        width = linear.in_features // size
-        weight = linear.weight.detach()[:, rank * width : (rank + 1) * width].contiguous()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight = nn.Parameter(_input_columns(linear, rank, size), requires_grad=False)
         self.bias = linear.bias
         self.reduce_s = 0.0  # time spent in the all-reduce, summed (tools/ and docs/scaling.md read it)
 
@@ -146,20 +152,96 @@ def _split_rows(linear: nn.Linear, rank: int, size: int) -> None:
     linear.out_features = rows
 
 
+def _split_experts(experts: nn.Module, rank: int, size: int) -> None:
+    """Keeps this rank's MLP columns of every expert: its rows of the gate and the up halves of
+    gate_up_proj [experts, 2 × columns, hidden], its columns of down_proj [experts, hidden, columns]."""
+    columns = experts.intermediate_dim
+    part = columns // size
+    mine = slice(rank * part, (rank + 1) * part)
+    gate, up = experts.gate_up_proj.detach().split(columns, dim=1)
+    experts.gate_up_proj = nn.Parameter(
+        torch.cat([gate[:, mine], up[:, mine]], 1).contiguous(), requires_grad=False
+    )
+    experts.down_proj = nn.Parameter(experts.down_proj.detach()[..., mine].contiguous(), requires_grad=False)
+    experts.intermediate_dim = part
+
+
+class ReducedExperts(nn.Module):
+    """A mixture-of-experts layer whose experts (and shared expert) hold this rank's MLP columns: its output,
+    this rank's part of the layer's, summed over the group by one all-reduce."""
+
+    def __init__(self, block: nn.Module, rank: int, size: int) -> None:
+        super().__init__()
+        _split_experts(block.experts, rank, size)
+        shared = getattr(block, "shared_expert", None)
+        if shared is not None:
+            for name in COLUMN_MLP:
+                _split_rows(getattr(shared, name), rank, size)
+            # NOTE: no all-reduce of its own (nor a bias): its part joins the experts' before the layer's.
+            down = shared.down_proj
+            down.weight = nn.Parameter(_input_columns(down, rank, size), requires_grad=False)
+            down.in_features = down.weight.shape[1]
+        self.block = block
+        self.reduce_s = 0.0  # time spent in the all-reduce, summed
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = self.block(hidden_states)
+        start = time.perf_counter()
+        dist.all_reduce(out)
+        self.reduce_s += time.perf_counter() - start
+        return out
+
+
+class SplitNorm(nn.Module):
+    """An RMSNorm over a whole projection split by rows (OLMoE's q and k norms span every head): this rank's
+    part of its weight, the sum of squares over all the rows by one all-reduce of [tokens, 1]."""
+
+    def __init__(self, norm: nn.Module, rank: int, size: int) -> None:
+        super().__init__()
+        self.width = norm.weight.numel()
+        part = self.width // size
+        self.weight = nn.Parameter(
+            norm.weight.detach()[rank * part : (rank + 1) * part].contiguous(), requires_grad=False
+        )
+        self.eps = norm.variance_epsilon
+        self.reduce_s = 0.0  # time spent in the all-reduce, summed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.to(torch.float32)
+        squares = wide.pow(2).sum(-1, keepdim=True)
+        start = time.perf_counter()
+        dist.all_reduce(squares)
+        self.reduce_s += time.perf_counter() - start
+        return self.weight * (wide * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
+
+
+def _input_columns(linear: nn.Linear, rank: int, size: int) -> torch.Tensor:
+    """This rank's input columns of `linear`'s weight (its heads or MLP columns)."""
+    width = linear.in_features // size
+    return linear.weight.detach()[:, rank * width : (rank + 1) * width].contiguous()
+
+
 def shard(model: PreTrainedModel, rank: int, size: int) -> None:
     """Splits every decoder layer of `model` in place to rank `rank` of `size` (check() passed)."""
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         for name in COLUMN_ATTENTION:
             _split_rows(getattr(attention, name), rank, size)
+        for name, projection in (("q_norm", attention.q_proj), ("k_norm", attention.k_proj)):
+            norm = getattr(attention, name, None)
+            if norm is not None and norm.weight.numel() == projection.out_features * size:
+                setattr(attention, name, SplitNorm(norm, rank, size))
+        attention.o_proj = RowParallel(attention.o_proj, rank, size)
+        if hasattr(mlp, "experts"):
+            layer.mlp = ReducedExperts(mlp, rank, size)
+            continue
         for name in COLUMN_MLP:
             _split_rows(getattr(mlp, name), rank, size)
-        attention.o_proj = RowParallel(attention.o_proj, rank, size)
         mlp.down_proj = RowParallel(mlp.down_proj, rank, size)
     model.lm_head = VocabParallel(model.lm_head, rank, size)
 
 
 def reduce_seconds(model: PreTrainedModel) -> float:
     """The time this rank's all-reduces and the head's all-gathers took so far, summed."""
-    parts = (RowParallel, VocabParallel)
+    parts = (RowParallel, ReducedExperts, SplitNorm, VocabParallel)
     return sum(module.reduce_s for module in model.modules() if isinstance(module, parts))

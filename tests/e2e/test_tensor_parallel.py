@@ -1,10 +1,10 @@
 """Tensor-parallel compute behind `pagedserve up`: --tensor-parallel-size 2 runs two compute rank processes
 on gloo, each with half the heads and MLP columns and its own pool of half the KV heads in the cache's
 segment, and concurrent greedy requests (prompts prefilled in chunks beside the others' decodes, a prefix
-hit) give transformers' eager greedy tokens, for Llama and for Gemma 2 (alternating sliding windows,
-attention and final soft-caps). A rank killed mid-stream takes its group down, `up` restarts it, and the
-stream goes on from the KV the cache kept, with transformers' tokens. A model the ranks cannot split is
-refused at start-up in one line."""
+hit) give transformers' eager greedy tokens, for Llama, for Gemma 2 (alternating sliding windows, attention
+and final soft-caps) and for OLMoE (every expert split by MLP columns, q and k norms across the heads). A
+rank killed mid-stream takes its group down, `up` restarts it, and the stream goes on from the KV the cache
+kept, with transformers' tokens. A model the ranks cannot split is refused at start-up in one line."""
 
 import os
 import signal
@@ -40,7 +40,7 @@ _generator = torch.Generator().manual_seed(5)
 PROMPTS = [torch.randint(3, 256, (n,), generator=_generator).tolist() for n in (41, 30, 19)]
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma2"])
+@pytest.fixture(scope="module", params=["llama", "gemma2", "olmoe"])
 def served(request, tmp_path_factory, tiny_model, tokenizer, logs):
     """(its stack, transformers' eager model), one architecture at a time."""
     path = tiny_model

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from cache_service.kv_pool import KVPool, pool_groups, shard_ranks, spec_from_request
 from common.devices import CPU
@@ -20,12 +21,24 @@ from compute_service.server import ComputeServicer
 from protos import cache_pb2, common_pb2
 from tests.architectures import save_tiny, tiny_config
 from tests.helpers import ROOT
+from tests.sharded_forward import PROMPT
 from tests.tiny_model import tiny_llama_config
 
-SERVED = "--tensor-parallel-size serves llama, mistral, qwen2, qwen3, gemma2, gemma3_text models"
+SERVED = (
+    "--tensor-parallel-size serves llama, mistral, qwen2, qwen3, gemma2, gemma3_text, mixtral, qwen2_moe, "
+    "qwen3_moe, olmoe models"
+)
+MIXTURES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 
 
-@pytest.mark.parametrize("name", ["gemma2", "qwen3", "mistral"])
+def _config(name: str, **changes):
+    config = tiny_config(name)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+@pytest.mark.parametrize("name", ["gemma2", "qwen3", "mistral", *MIXTURES])
 def test_split_architectures_pass_and_plan(name):
     config = tiny_config(name)
     tensor_parallel.check(config, 2)
@@ -42,10 +55,17 @@ def test_a_rank_loads_transformers_layers_on_plain_linears():
 @pytest.mark.parametrize(
     ("config", "refusal"),
     [
-        (tiny_config("mixtral"), "a mixtral model is not sharded"),
         (tiny_config("phi3"), "a phi3 model is not sharded"),
         (tiny_llama_config(num_key_value_heads=1), "the model's KV heads (1) do not split over 2 ranks"),
-        (tiny_llama_config(intermediate_size=129), "the model's MLP columns (129) do not split"),
+        (tiny_llama_config(intermediate_size=129), "MLP columns (intermediate_size) (129) do not split"),
+        (
+            _config("qwen2_moe", moe_intermediate_size=33),
+            "MLP columns (moe_intermediate_size) (33) do not split",
+        ),
+        (
+            _config("qwen2_moe", shared_expert_intermediate_size=65),
+            "MLP columns (shared_expert_intermediate_size) (65) do not split",
+        ),
     ],
 )
 def test_a_model_the_ranks_cannot_split_is_refused_in_one_line(config, refusal):
@@ -71,8 +91,35 @@ def test_flags_the_ranks_cannot_split_under_are_refused_in_one_line(flags, refus
     assert refusal in message and SERVED in message and "\n" not in message
 
 
+def test_two_ranks_of_split_experts_give_the_whole_models_logits(tmp_path):
+    """Each mixture's experts (and Qwen2-MoE's shared expert) split over two gloo ranks: every layer's parts
+    summed by its all-reduce give the unsplit model's logits on both ranks."""
+    paths = [str(save_tiny(name, tmp_path / name)) for name in MIXTURES]
+    out, init = tmp_path / "logits", tmp_path / "rendezvous"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.sharded_forward", str(rank), "2", str(init), str(out), *paths],
+            cwd=ROOT,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    assert [rank.wait(timeout=300) for rank in ranks] == [0, 0]
+    results = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    for name, path in zip(MIXTURES, paths, strict=True):
+        whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+        with torch.no_grad():
+            expected = whole.eval()(torch.tensor([PROMPT])).logits[0]
+        for rank, result in enumerate(results):
+            logits, split = result[path]
+            assert split == whole.config.num_hidden_layers, f"{name}: every layer's experts were split"
+            where = f"{name}, rank {rank}"
+            torch.testing.assert_close(
+                logits, expected, rtol=1e-5, atol=1e-4, msg=lambda error, where=where: f"{where}: {error}"
+            )
+
+
 def test_one_rank_serves_anything_served():
-    tensor_parallel.check(tiny_config("mixtral"), 1)
+    tensor_parallel.check(tiny_config("phi3"), 1)
     tensor_parallel.check_flags(Flags(weights="int8"), 1)
 
 

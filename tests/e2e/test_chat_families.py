@@ -91,14 +91,17 @@ def chat(gateways, family: str) -> openai.OpenAI:
 
 
 # reasoning
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_r1"])
-def test_the_reasoning_comes_apart_whole_and_streamed(gateways, family):
+@pytest.mark.parametrize(
+    ("family", "reasoning"),
+    [("qwen3", REASONING), ("deepseek_r1", REASONING), ("harmony", HARMONY_REASONING)],
+)
+def test_the_reasoning_comes_apart_whole_and_streamed(gateways, family, reasoning):
     client = chat(gateways, family)
     whole = client.chat.completions.create(model="scripted", messages=ASK, **GREEDY).choices[0]
-    assert (whole.message.reasoning_content, whole.message.content) == (REASONING, ANSWER)
+    assert (whole.message.reasoning_content, whole.message.content) == (reasoning, ANSWER)
     chunks = list(client.chat.completions.create(model="scripted", messages=ASK, stream=True, **GREEDY))
     deltas = [c.choices[0].delta for c in chunks]
-    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == REASONING
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
     assert "".join(d.content or "" for d in deltas) == ANSWER
     assert not any(getattr(d, "reasoning_content", None) and d.content for d in deltas), "deltas of their own"
 
@@ -128,8 +131,11 @@ def test_enable_thinking_false_reaches_the_template(gateways):
         )
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_r1"])
-def test_a_schema_applies_to_the_answer_after_the_reasoning(gateways, family):
+@pytest.mark.parametrize(
+    ("family", "reasoning"),
+    [("qwen3", REASONING), ("deepseek_r1", REASONING), ("harmony", HARMONY_REASONING)],
+)
+def test_a_schema_applies_to_the_answer_after_the_reasoning(gateways, family, reasoning):
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"],
               "additionalProperties": False}  # fmt: skip
     done = chat(gateways, family).chat.completions.create(
@@ -137,7 +143,7 @@ def test_a_schema_applies_to_the_answer_after_the_reasoning(gateways, family):
         response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}, **GREEDY,
     )  # fmt: skip
     message = done.choices[0].message
-    assert message.reasoning_content == REASONING, "the reasoning is the model's own, unconstrained"
+    assert message.reasoning_content == reasoning, "the reasoning is the model's own, unconstrained"
     assert json.loads(message.content) == {"city": "Paris"}
 
 
@@ -220,28 +226,9 @@ def test_the_cli_writes_the_reasoning_to_stderr_and_passes_template_variables(ga
 
 
 # gpt-oss's harmony messages
-def test_the_harmony_analysis_comes_apart_whole_and_streamed(gateways):
+def test_the_harmony_analysis_is_a_reasoning_item_of_a_response(gateways):
     client = chat(gateways, "harmony")
-    whole = client.chat.completions.create(model="scripted", messages=ASK, **GREEDY).choices[0]
-    assert (whole.message.reasoning_content, whole.message.content) == (HARMONY_REASONING, ANSWER)
-    chunks = list(client.chat.completions.create(model="scripted", messages=ASK, stream=True, **GREEDY))
-    deltas = [c.choices[0].delta for c in chunks]
-    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == HARMONY_REASONING
-    assert "".join(d.content or "" for d in deltas) == ANSWER
-    assert not any(getattr(d, "reasoning_content", None) and d.content for d in deltas), "deltas of their own"
     response = client.responses.create(model="scripted", input="What?", max_output_tokens=40)
     reasoning, _ = response.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == HARMONY_REASONING
     assert response.output_text == ANSWER
-
-
-def test_a_schema_applies_to_the_final_message_after_the_analysis(gateways):
-    schema = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"],
-              "additionalProperties": False}  # fmt: skip
-    done = chat(gateways, "harmony").chat.completions.create(
-        model="scripted", messages=ASK,
-        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}, **GREEDY,
-    )  # fmt: skip
-    message = done.choices[0].message
-    assert message.reasoning_content == HARMONY_REASONING, "the analysis is the model's own, unconstrained"
-    assert json.loads(message.content) == {"city": "Paris"}

@@ -23,7 +23,7 @@ ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<｜User｜>", "
 SPECIAL = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>",
            "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[TOOL_RESULTS]",
            "[/TOOL_RESULTS]", "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>",
-           "<|return|>", "<|call|>")  # fmt: skip
+           "<|return|>", "<|call|>", "[THINK]", "[/THINK]")  # fmt: skip
 HIDDEN = 128
 # The logit of a scripted next token (the others' are 0).
 LOGIT = 30.0

@@ -1,10 +1,10 @@
-"""Reasoning and tool-call formats end to end, in the real formats of seven model families: one cache and
+"""Reasoning and tool-call formats end to end, in the real formats of eight model families: one cache and
 compute serving a scripted tiny model (tests/scripted_model.py: greedy, it writes `<think>Let me
 think.</think>{"answer": 42}` after a generation prompt, an analysis then a final harmony message after
-gpt-oss's), and one gateway per family's chat template (tests/chat_templates), each choosing its parsers from
-its template (pythonic by flag, as vLLM's). Forced
-calls are written by constrained decoding in each family's format, parsed back by the gateway while they
-stream, and fed back through the family's template."""
+gpt-oss's, `[THINK]...[/THINK]` then the answer after Magistral's), and one gateway per family's chat
+template (tests/chat_templates), each choosing its parsers from its template (pythonic by flag, as vLLM's).
+Forced calls are written by constrained decoding in each family's format, parsed back by the gateway while
+they stream, and fed back through the family's template."""
 
 import json
 import subprocess
@@ -26,11 +26,14 @@ REASONING, ANSWER = "Let me think.", '{"answer": 42}'
 HARMONY_REASONING = "Which city?"
 HARMONY = ["istant", "<|channel|>", "analysis", "<|message|>", "Which", " city", "?", "<|end|>", "<|start|>",
            HARMONY_FINAL, '{"']  # fmt: skip
-SCRIPT = ['\n<think>Let me think.</think>{"answer": 42}<|im_end|>', ["\n\n", '{"'], HARMONY]
+# Magistral's output after its prompt's last token, `[/INST]`.
+MAGISTRAL_REASONING = "Weather lookup"
+MAGISTRAL = ["[/INST]", "[THINK]", "Weather", " lookup", "[/THINK]", '{"']
+SCRIPT = ['\n<think>Let me think.</think>{"answer": 42}<|im_end|>', ["\n\n", '{"'], HARMONY, MAGISTRAL]
 # family -> the gateway's extra flags
 FAMILIES = {
     "qwen3": (), "deepseek_r1": (), "llama3_json": (), "mistral": (), "qwen3_coder": (),
-    "llama3_pythonic": ("--tool-call-parser", "pythonic"), "harmony": (),
+    "llama3_pythonic": ("--tool-call-parser", "pythonic"), "harmony": (), "magistral": (),
 }  # fmt: skip
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {
@@ -93,7 +96,12 @@ def chat(gateways, family: str) -> openai.OpenAI:
 # reasoning
 @pytest.mark.parametrize(
     ("family", "reasoning"),
-    [("qwen3", REASONING), ("deepseek_r1", REASONING), ("harmony", HARMONY_REASONING)],
+    [
+        ("qwen3", REASONING),
+        ("deepseek_r1", REASONING),
+        ("harmony", HARMONY_REASONING),
+        ("magistral", MAGISTRAL_REASONING),
+    ],
 )
 def test_the_reasoning_comes_apart_whole_and_streamed(gateways, family, reasoning):
     client = chat(gateways, family)
@@ -133,7 +141,12 @@ def test_enable_thinking_false_reaches_the_template(gateways):
 
 @pytest.mark.parametrize(
     ("family", "reasoning"),
-    [("qwen3", REASONING), ("deepseek_r1", REASONING), ("harmony", HARMONY_REASONING)],
+    [
+        ("qwen3", REASONING),
+        ("deepseek_r1", REASONING),
+        ("harmony", HARMONY_REASONING),
+        ("magistral", MAGISTRAL_REASONING),
+    ],
 )
 def test_a_schema_applies_to_the_answer_after_the_reasoning(gateways, family, reasoning):
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"],

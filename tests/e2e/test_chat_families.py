@@ -53,6 +53,13 @@ WEATHER = {
     },
 }
 GREEDY = {"temperature": 0, "max_tokens": 80}
+# The families with a reasoning format, and the reasoning the script writes in theirs.
+REASONING_FAMILIES = [
+    ("qwen3", REASONING),
+    ("deepseek_r1", REASONING),
+    ("harmony", HARMONY_REASONING),
+    ("magistral", MAGISTRAL_REASONING),
+]
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +101,7 @@ def chat(gateways, family: str) -> openai.OpenAI:
 
 
 # reasoning
-@pytest.mark.parametrize(
-    ("family", "reasoning"),
-    [
-        ("qwen3", REASONING),
-        ("deepseek_r1", REASONING),
-        ("harmony", HARMONY_REASONING),
-        ("magistral", MAGISTRAL_REASONING),
-    ],
-)
+@pytest.mark.parametrize(("family", "reasoning"), REASONING_FAMILIES)
 def test_the_reasoning_comes_apart_whole_and_streamed(gateways, family, reasoning):
     client = chat(gateways, family)
     whole = client.chat.completions.create(model="scripted", messages=ASK, **GREEDY).choices[0]
@@ -139,15 +138,7 @@ def test_enable_thinking_false_reaches_the_template(gateways):
         )
 
 
-@pytest.mark.parametrize(
-    ("family", "reasoning"),
-    [
-        ("qwen3", REASONING),
-        ("deepseek_r1", REASONING),
-        ("harmony", HARMONY_REASONING),
-        ("magistral", MAGISTRAL_REASONING),
-    ],
-)
+@pytest.mark.parametrize(("family", "reasoning"), REASONING_FAMILIES)
 def test_a_schema_applies_to_the_answer_after_the_reasoning(gateways, family, reasoning):
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"],
               "additionalProperties": False}  # fmt: skip

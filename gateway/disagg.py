@@ -203,7 +203,7 @@ class PrefillLane:
         try:
             reply = future.result()
         except PeerFault as fault:
-            if fault.lost and fault.gone:
+            if fault.gone:  # (a gone peer is a lost one)
                 self.detach(str(fault))
                 rows = runner.faults.pending(step.seqs)
                 rerun = runner.rerun(step.kind, rows) if rows else None

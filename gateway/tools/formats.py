@@ -5,6 +5,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from gateway import harmony
 from gateway.structured.lark import Tags
 from gateway.tools import hermes, llama3_json, mistral, openai, pythonic, qwen3_coder
 from gateway.tools.calls import Call
@@ -44,7 +45,7 @@ FORMATS = {
 FORMATS["harmony"] = FORMATS["openai"]
 # What a chat template writes, in the order asked, and the format it implies.
 SIGNS = (
-    ("<|channel|>", "openai"),
+    (harmony.CHANNEL, "openai"),
     ("<function=", "qwen3_coder"),
     ("[TOOL_CALLS]", "mistral"),
     ("<tool_call>", "hermes"),
